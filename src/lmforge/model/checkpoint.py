@@ -1,0 +1,160 @@
+"""Hugging Face checkpoints in and out: `config.json` plus one or sharded `*.safetensors`.
+
+Our parameter names are Hugging Face's, so loading is reading tensors and checking that every
+expected name is present and nothing unknown is left over. Saving writes what
+`transformers.AutoModelForCausalLM.from_pretrained` reads. This module knows nothing about
+training or the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..track.io import atomic_write_json
+from .config import ModelConfig
+from .transformer import Transformer
+
+DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+          "float64": torch.float64, "double": torch.float64, "fp64": torch.float64}
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """`auto` = CUDA when present, else CPU."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, config_dtype: str | None = None) -> torch.dtype:
+    """`auto` = the dtype the checkpoint was saved in (float32 when it says nothing)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        dtype = config_dtype or "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of auto, float32, bfloat16, float16, float64")
+    return DTYPES[dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def read_hf_config(path: str | Path) -> dict:
+    path = Path(path)
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path}: no config.json; is {path} a Hugging Face model directory?")
+    try:
+        return json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shards that are missing: {', '.join(missing)}")
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        hint = " (found pytorch_model.bin: convert it to safetensors first)" \
+            if (path / "pytorch_model.bin").exists() else ""
+        raise FileNotFoundError(f"{path}: no *.safetensors weights{hint}")
+    return files
+
+
+def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto",
+                    device: str | torch.device = "auto") -> Transformer:
+    """Read a LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM directory."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    hf = read_hf_config(path)
+    config = ModelConfig.from_hf(hf)
+    torch_dtype = resolve_dtype(dtype, hf.get("torch_dtype") or hf.get("dtype"))
+    device = resolve_device(device)
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = set(model.state_dict())
+    state: dict[str, torch.Tensor] = {}
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue  # some old exports saved the RoPE table; we compute it
+                if name not in expected:
+                    raise ValueError(f"{file.name}: unexpected tensor {name!r}; "
+                                     f"the checkpoint does not match its config.json")
+                state[name] = f.get_tensor(name).to(device=device, dtype=torch_dtype)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # some exporters save the tied copy as well
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - set(state))
+    if missing:
+        raise ValueError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    for name, t in state.items():
+        want = model.get_parameter(name).shape
+        if t.shape != want:
+            raise ValueError(f"{path}: tensor {name} has shape {tuple(t.shape)}, config implies {tuple(want)}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def save_pretrained(model: Transformer, path: str | Path, max_shard_bytes: int = 5 * 1024**3) -> Path:
+    """Write config.json, generation_config.json and safetensors weights (sharded above `max_shard_bytes`)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    dtype = dtype_name(next(iter(state.values())).dtype)
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.clone()  # no storage shared between tensors (safetensors refuses it)
+        size += nbytes
+    for old in list(path.glob("model*.safetensors")) + list(path.glob("model.safetensors.index.json")):
+        old.unlink()
+    if len(shards) == 1:
+        _save_atomic(save_file, shards[0], path / "model.safetensors")
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            _save_atomic(save_file, shard, path / name)
+            weight_map.update(dict.fromkeys(shard, name))
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        atomic_write_json(path / "model.safetensors.index.json",
+                          {"metadata": {"total_size": total}, "weight_map": weight_map})
+    atomic_write_json(path / "config.json", config.to_hf(dtype=dtype))
+    gen = {k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+           if getattr(config, k) is not None}
+    atomic_write_json(path / "generation_config.json", gen)
+    return path
+
+
+def _save_atomic(save_file, tensors: dict, target: Path) -> None:
+    tmp = target.with_name(f".{target.name}.tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(target)
