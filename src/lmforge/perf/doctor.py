@@ -1,0 +1,277 @@
+"""`lmforge doctor`: is this machine ready to train and serve, and how fast can it multiply?
+
+It checks the Python stack (torch, transformers, tokenizers, safetensors, numpy), the
+accelerator (CUDA; MPS when present) and bf16 support, then *measures* the dense matmul peak
+per dtype (square matmuls, FLOPs = 2·n³, warm-up, best of several timed runs, CUDA
+synchronized) and saves it as the hardware profile that `perf.hardware.peak_flops` and every
+MFU figure read on CPU. It knows nothing about models, data or runs.
+
+    python -m lmforge.perf.doctor [--quick] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Callable
+
+import typer
+
+from lmforge.perf.hardware import default_profile_path
+from lmforge.track.io import atomic_write_json
+
+# Matrix sides per device kind; --quick takes the first entry only (and shorter timing).
+SIZES = {"cpu": (1024, 2048), "cuda": (4096, 8192), "mps": (2048, 4096)}
+QUICK_SIZES = {"cpu": (256,), "cuda": (2048,), "mps": (1024,)}
+DTYPES = {"cpu": ("float32", "bfloat16"), "cuda": ("float32", "tf32", "bfloat16", "float16"),
+          "mps": ("float32", "float16")}
+STACK = ("torch", "transformers", "tokenizers", "safetensors", "numpy")
+REQUIRED = {"torch", "transformers"}  # the rest degrade single features, not the whole tool
+
+
+@dataclass
+class Check:
+    name: str
+    value: str
+    status: str = "ok"  # "ok" | "warn" (works, but slower or partial) | "fail" (fix before use)
+    fix: str = ""
+
+
+@dataclass
+class DoctorResult:
+    checks: list[Check] = field(default_factory=list)
+    profile: dict = field(default_factory=dict)
+
+    @property
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if c.status == "fail"]
+
+    def add(self, name: str, value: Any, status: str = "ok", fix: str = "") -> None:
+        self.checks.append(Check(name, str(value), status, fix))
+
+
+def cpu_bf16_flags() -> list[str]:
+    """bf16 instruction-set flags from /proc/cpuinfo (x86: avx512_bf16, amx_bf16; Arm: bf16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return sorted(set(line.split(":", 1)[1].split()) & {"avx512_bf16", "amx_bf16", "bf16"})
+    except OSError:
+        pass
+    return []
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure_matmul_flops(device: str, dtype: str, sizes: tuple[int, ...],
+                         run_s: float = 0.1, repeats: int = 5, budget_s: float = 3.0) -> dict:
+    """Best FLOP/s of `torch.matmul` on n×n operands over `sizes`.
+
+    Each timed run repeats the matmul until it lasts ≥ `run_s` (timer resolution and launch
+    overhead become noise); the best of `repeats` runs counts, since slower runs measure
+    interference, not the hardware. Sizes whose projected cost (n³ scaling from the last size)
+    would exceed `budget_s` are skipped, so an emulated dtype cannot stall the doctor for minutes.
+    """
+    import torch
+
+    kind = device.split(":")[0]
+    sync: Callable[[], None] = {"cuda": torch.cuda.synchronize,
+                                "mps": getattr(torch, "mps", None) and torch.mps.synchronize}.get(kind) or (lambda: None)
+    torch_dtype = torch.float32 if dtype == "tf32" else getattr(torch, dtype)
+    tf32_before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+    best, best_n, spent, last = 0.0, 0, 0.0, None
+    try:
+        for n in sizes:
+            if last is not None and last[1] * (n / last[0]) ** 3 * (repeats + 2) > budget_s - spent:
+                break
+            t_start = time.perf_counter()
+            a = torch.randn(n, n, device=device, dtype=torch_dtype)
+            b = torch.randn(n, n, device=device, dtype=torch_dtype)
+            c = torch.empty(n, n, device=device, dtype=torch_dtype)
+            torch.matmul(a, b, out=c)  # warm-up: kernel selection, allocator, thread pool
+            sync()
+            t0 = time.perf_counter()
+            torch.matmul(a, b, out=c)
+            sync()
+            one = time.perf_counter() - t0
+            iters = max(1, int(run_s / max(one, 1e-9)))
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    torch.matmul(a, b, out=c)
+                sync()
+                flops = 2 * n**3 * iters / (time.perf_counter() - t0)
+                if flops > best:
+                    best, best_n = flops, n
+            last = (n, one)
+            spent += time.perf_counter() - t_start
+            del a, b, c
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32_before
+    return {"flops": best, "n": best_n}
+
+
+def _check_stack(r: DoctorResult) -> dict[str, str | None]:
+    from importlib import metadata
+
+    r.add("python", platform.python_version(), "ok" if sys.version_info >= (3, 11) else "fail",
+          "lmforge needs Python >= 3.11")
+    versions: dict[str, str | None] = {}
+    for name in STACK:
+        try:
+            importlib.import_module(name)
+            versions[name] = metadata.version(name)
+            r.add(name, versions[name])
+        except Exception as e:  # noqa: BLE001 - a broken install raises anything; report it, don't crash
+            versions[name] = None
+            r.add(name, f"missing ({type(e).__name__}: {e})"[:80], "fail" if name in REQUIRED else "warn",
+                  f"pip install {name}  (or `make install` from the repo)")
+    return versions
+
+
+def _check_cuda(r: DoctorResult, torch: Any) -> dict | None:
+    has_driver_node = Path("/dev/nvidia0").exists()
+    if not torch.cuda.is_available():
+        if has_driver_node:
+            why = ("this torch is a CPU build" if torch.version.cuda is None
+                   else "torch cannot initialise CUDA (driver too old, or CUDA_VISIBLE_DEVICES hides it)")
+            r.add("cuda", f"NVIDIA device present but unusable: {why}", "fail",
+                  "install a CUDA build of torch matching the driver (nvidia-smi shows its CUDA version)")
+        else:
+            r.add("cuda", "not available (CPU only)", "ok")
+        return None
+    count = torch.cuda.device_count()
+    props = torch.cuda.get_device_properties(0)
+    name = torch.cuda.get_device_name(0)
+    r.add("cuda", f"{count}× {name}, CUDA {torch.version.cuda}")
+    r.add("gpu memory", f"{props.total_memory / 2**30:.1f} GiB")
+    r.add("compute capability", f"{props.major}.{props.minor}")
+    bf16 = torch.cuda.is_bf16_supported()
+    r.add("bf16 (cuda)", "supported" if bf16 else "not supported (pre-Ampere): use float16",
+          "ok" if bf16 else "warn")
+    return {"kind": "cuda", "name": name, "count": count, "memory_bytes": props.total_memory,
+            "compute_capability": f"{props.major}.{props.minor}", "bf16": bf16}
+
+
+def _check_cpu_bf16(r: DoctorResult, torch: Any) -> bool:
+    flags = cpu_bf16_flags()
+    try:
+        x = torch.randn(64, 64, dtype=torch.bfloat16)
+        ran = bool(torch.isfinite((x @ x).float()).all())
+    except Exception as e:  # noqa: BLE001
+        r.add("bf16 (cpu)", f"matmul failed: {e}"[:80], "warn", "train on CPU in float32")
+        return False
+    native = f"native ({', '.join(flags)})" if flags else "emulated (no bf16 CPU instructions): slow"
+    r.add("bf16 (cpu)", f"matmul runs, {native}", "ok" if flags else "warn")
+    return ran
+
+
+def _measure(r: DoctorResult, kind: str, quick: bool) -> dict[str, float]:
+    sizes = QUICK_SIZES[kind] if quick else SIZES[kind]
+    peaks: dict[str, float] = {}
+    for dtype in DTYPES[kind]:
+        try:
+            m = measure_matmul_flops(kind, dtype, sizes, run_s=0.02 if quick else 0.1,
+                                     repeats=3 if quick else 5, budget_s=1.0 if quick else 4.0)
+        except Exception as e:  # noqa: BLE001
+            fatal = dtype == "float32"  # float32 must work; the others are optional speed-ups
+            r.add(f"matmul {kind} {dtype}", f"failed: {e}"[:80], "fail" if fatal else "warn",
+                  "reinstall torch for this machine" if fatal else f"avoid {dtype} on {kind}")
+            continue
+        peaks[dtype] = m["flops"]
+        r.add(f"matmul {kind} {dtype}", f"{m['flops'] / 1e9:,.1f} GFLOP/s (n={m['n']})")
+    return peaks
+
+
+def run_checks(quick: bool = False) -> DoctorResult:
+    """Every check, plus the profile to save; prints nothing."""
+    r = DoctorResult()
+    versions = _check_stack(r)
+    if versions.get("torch") is None:
+        return r
+    import torch
+
+    devices: dict[str, dict] = {"cpu": {"kind": "cpu", "name": cpu_name(), "bf16_flags": cpu_bf16_flags()}}
+    cuda = _check_cuda(r, torch)
+    if cuda:
+        devices["cuda"] = cuda
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        r.add("mps", "available")
+        devices["mps"] = {"kind": "mps", "name": platform.machine()}
+    devices["cpu"]["bf16_ran"] = _check_cpu_bf16(r, torch)
+    r.add("cpu", f"{cpu_name()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}")
+    for kind, info in devices.items():
+        info["peak_flops"] = _measure(r, kind, quick)
+        info["sizes"] = list(QUICK_SIZES[kind] if quick else SIZES[kind])
+    primary = "cuda" if cuda else "mps" if "mps" in devices else "cpu"
+    r.profile = {
+        "schema": 1,
+        "device": primary,
+        "device_name": devices[primary]["name"],
+        "peak_flops": devices[primary]["peak_flops"],  # FLOP/s per dtype, for the primary device
+        "devices": devices,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "versions": versions,
+        "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "quick": quick,
+        "how": "best of several timed runs of torch.matmul(n×n, n×n) after a warm-up, FLOPs = 2·n³, "
+               "CUDA synchronized; float32 on CUDA with TF32 off, tf32 with it on",
+    }
+    return r
+
+
+def doctor(out: Path | None = None, quick: bool = False) -> int:
+    """The verb: print the table, save the profile, return 0 when nothing is broken."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    result = run_checks(quick)
+    table = Table(title="lmforge doctor")
+    for col in ("check", "value", "status"):
+        table.add_column(col)
+    marks = {"ok": "[green]✓[/]", "warn": "[yellow]![/]", "fail": "[red]✗[/]"}
+    for c in result.checks:
+        table.add_row(c.name, c.value, marks[c.status])
+    console.print(table)
+    for c in result.checks:
+        if c.status != "ok" and c.fix:
+            console.print(f"{'✗' if c.status == 'fail' else '!'} {c.name}: {c.fix}")
+    if result.profile and not result.failures:
+        path = atomic_write_json(out or default_profile_path(), result.profile)
+        console.print(f"hardware profile written to {path}")
+    if result.failures:
+        console.print(f"[red]doctor: {len(result.failures)} check(s) failed: "
+                      f"{', '.join(c.name for c in result.failures)}[/]")
+        return 1
+    return 0
+
+
+def _cli(out: Annotated[Path | None, typer.Option(
+            "--out", help="where to write the hardware profile JSON [default: $LMFORGE_HOME/hardware.json]")] = None,
+         quick: Annotated[bool, typer.Option(
+             "--quick", help="small matrices and short timing (tests); still measured")] = False) -> None:
+    raise typer.Exit(doctor(out, quick))
+
+
+if __name__ == "__main__":
+    typer.run(_cli)
