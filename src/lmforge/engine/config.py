@@ -1,0 +1,40 @@
+"""`EngineConfig`: everything the inference engine is told, validated once.
+
+Field names follow vLLM's engine arguments. This module knows nothing about tensors; the KV pool
+size is resolved later by the model runner, which knows the model's shape and the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str  # a Hugging Face layout directory (config.json + *.safetensors [+ tokenizer files])
+    dtype: str = "auto"  # auto (the checkpoint's) | float32 | bfloat16 | float16 | float64 (exactness mode)
+    device: str = "auto"  # auto = cuda when present, else cpu
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # None = sized from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int | None = None  # None = 90% of free GPU memory, or a CPU default
+    max_num_seqs: int = 128  # most sequences in one step
+    max_num_batched_tokens: int = 2048  # the per-step token budget (prefill chunks + decode tokens)
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    seed: int = 0  # seeds torch for requests that set no seed of their own
+    attention: str = "fast"  # fast (batched gather + SDPA) | reference (per-sequence loop, plain math)
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("block_size", self.block_size >= 1, "must be >= 1"),
+            ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1, "must be >= 1"),
+            ("kv_cache_memory_bytes", self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+             "must be > 0"),
+            ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, "must be >= 1"),
+            ("max_model_len", self.max_model_len is None or self.max_model_len >= 1, "must be >= 1"),
+            ("attention", self.attention in ("fast", "reference"), "must be 'fast' or 'reference'"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r}: {why}")

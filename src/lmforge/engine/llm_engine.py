@@ -1,0 +1,272 @@
+"""`LLMEngine`: requests in, `RequestOutput`s out, one scheduler step at a time.
+
+`step()` is schedule -> run -> sample -> postprocess -> outputs. The engine owns what ends a
+request other than stop strings (the detokenizer's): EOS (unless `ignore_eos`), `stop_token_ids`,
+`max_tokens`, `min_tokens` and `max_model_len`; and it refuses, upfront, requests that could never
+fit. It knows nothing about HTTP or threads (see `async_engine.py`) or about progress bars (`llm.py`).
+
+    engine = LLMEngine(EngineConfig(model="path/to/hf-dir"))
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step(): ...
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lmforge.model import Transformer
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .model_runner import ModelRunner, kv_bytes_per_block
+from .sampler import Sampler, SampleResult, make_generator
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+CPU_KV_CACHE_BYTES = 2 * 1024**3  # default pool cap on CPU, where memory is shared with everything
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None  # per token: the sampled id and the top ids -> logprob
+    finish_reason: str | None = None  # stop | length | abort; None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float | None
+    finished_time: float | None
+
+
+@dataclass
+class RequestOutput:
+    """Cumulative: `outputs[i].token_ids` and `.text` hold everything generated so far."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int  # prompt tokens served by the prefix cache (sample 0's first admission)
+    metrics: RequestMetrics
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+
+
+def _eos_token_ids(model_dir: Path, model: Transformer, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    sources = [model.config.eos_token_id, getattr(tokenizer, "eos_token_id", None)]
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for s in sources:
+        ids.update([s] if isinstance(s, int) else (s or []))
+    return ids
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model_dir = Path(config.model)
+        if not (model_dir / "config.json").exists():
+            raise FileNotFoundError(f"{model_dir}: no config.json; pass a Hugging Face layout model directory")
+        torch.manual_seed(config.seed)
+        self.model = Transformer.from_pretrained(model_dir, dtype=config.dtype, device=config.device)
+        self.tokenizer = None
+        if any((model_dir / f).exists() for f in TOKENIZER_FILES):
+            import transformers
+
+            self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+        mc = self.model.config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.eos_token_ids = _eos_token_ids(model_dir, self.model, self.tokenizer)
+        num_blocks = config.num_kv_blocks or self._num_blocks_from_budget()
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.model_runner = ModelRunner(self.model, num_blocks, config.block_size, config.attention == "reference")
+        self.sampler = Sampler(sorted(self.eos_token_ids))
+        self.requests: dict[str, Request] = {}
+        self.counters = dict(steps=0, tokens_processed=0, kv_util_sum=0.0)
+
+    def _num_blocks_from_budget(self) -> int:
+        per_block = kv_bytes_per_block(self.model, self.config.block_size)
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None and self.model_runner_device().type == "cuda":
+            budget = int(torch.cuda.mem_get_info()[0] * 0.9)
+        if budget is None:  # CPU: enough for max_num_seqs full-length sequences, capped
+            budget = min(CPU_KV_CACHE_BYTES, self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size) * per_block)
+        if budget < per_block:
+            raise ValueError(f"KV cache budget {budget} bytes is below one block ({per_block} bytes); "
+                             "raise kv_cache_memory_bytes or lower block_size")
+        return budget // per_block
+
+    def model_runner_device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # ---- requests ----------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request; raises ValueError (naming the numbers) for one that could never be served."""
+        params = sampling_params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        max_tokens = params.max_tokens or self.max_model_len - len(ids)
+        if len(ids) + max_tokens > self.max_model_len:
+            raise ValueError(f"request {request_id!r}: prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = "
+                             f"{len(ids) + max_tokens} > max_model_len ({self.max_model_len})")
+        bs, pool = self.config.block_size, self.block_manager.num_blocks
+        if -(-(len(ids) + max_tokens) // bs) > pool:
+            raise ValueError(f"request {request_id!r}: prompt ({len(ids)}) + max_tokens ({max_tokens}) tokens need "
+                             f"{-(-(len(ids) + max_tokens) // bs)} KV blocks of {bs}, the pool has {pool}")
+        device, now = self.model_runner_device(), arrival_time or time.time()
+        seqs = [Sequence(request_id, i, ids, params, max_tokens, make_generator(params.seed, i, device), now)
+                for i in range(params.n)]
+        for seq in seqs:
+            seq.wait_for = seqs[0] if seq.index else None  # n > 1: share sample 0's prompt blocks
+            if self.tokenizer is not None:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params, ids)
+            self.scheduler.add(seq)
+        self.requests[request_id] = Request(request_id, text, ids, seqs)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.config.model} has no tokenizer files; pass prompts as lists of token ids")
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            ids, text = [int(t) for t in prompt], None
+            V = self.model.config.vocab_size
+            if any(not 0 <= t < V for t in ids):
+                raise ValueError(f"prompt token ids must be in [0, {V}): got {[t for t in ids if not 0 <= t < V][:5]}")
+        if not ids:
+            raise ValueError("empty prompt: at least one token is needed")
+        return text, ids
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request now and free its blocks; returns its final output (None if unknown)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            self.scheduler.finish(seq, "abort")
+        return self._output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step ----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        logits_SV = self.model_runner.run(scheduled)
+        sampling = [s.seq for s in scheduled if s.samples]
+        results = self.sampler(logits_SV, sampling) if sampling else []
+        self.scheduler.update(scheduled)
+        self._count(scheduled)
+        return self._postprocess(sampling, results)
+
+    def _postprocess(self, seqs: list[Sequence], results: list[SampleResult]) -> list[RequestOutput]:
+        now, touched = time.time(), {}
+        for seq, r in zip(seqs, results):
+            seq.append_token(r.token_id, now)
+            if r.logprob is not None:
+                seq.cumulative_logprob += r.logprob
+                seq.logprobs.append({r.token_id: r.logprob, **(r.top_logprobs or {})})
+            delta, hit_stop = seq.detokenizer.step([r.token_id]) if seq.detokenizer else ("", False)
+            seq.output_text += delta
+            reason = self._finish_reason(seq, r.token_id, hit_stop)
+            if reason is not None:
+                if seq.detokenizer and not hit_stop:
+                    seq.output_text += seq.detokenizer.flush()
+                self.scheduler.finish(seq, reason)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        outputs = [self._output(req) for req in touched.values()]
+        for out in outputs:
+            if out.finished:
+                del self.requests[out.request_id]
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token_id: int, hit_stop: bool) -> str | None:
+        p = seq.sampling_params
+        if hit_stop:
+            seq.stop_reason = seq.detokenizer.stop_str
+            return "stop"
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token_id in self.eos_token_ids:
+                return "stop"
+            if token_id in p.stop_token_ids:
+                seq.stop_reason = token_id
+                return "stop"
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, req: Request) -> RequestOutput:
+        outs = [CompletionOutput(s.index, s.output_text, list(s.output_token_ids),
+                                 s.cumulative_logprob if s.sampling_params.logprobs is not None else None,
+                                 list(s.logprobs) if s.sampling_params.logprobs is not None else None,
+                                 s.finish_reason, s.stop_reason) for s in req.seqs]
+        s0, seqs = req.seqs[0], req.seqs
+        last = [s.token_times[-1] for s in seqs if s.token_times]
+        firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
+        done = all(s.is_finished for s in seqs)
+        metrics = RequestMetrics(s0.arrival_time, s0.first_scheduled_time, min(firsts, default=None),
+                                 max(last, default=None), max(s.finished_time for s in seqs) if done else None)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, done, s0.num_cached_tokens,
+                             metrics)
+
+    # ---- statistics --------------------------------------------------------------------------------
+
+    def _count(self, scheduled) -> None:
+        c = self.counters
+        c["steps"] += 1
+        c["tokens_processed"] += sum(s.num_new_tokens for s in scheduled)
+        c["kv_util_sum"] += self._kv_utilization()
+
+    def _kv_utilization(self) -> float:
+        """Tokens held in KV / token slots of allocated blocks; shared full blocks counted once."""
+        bs, full, partial = self.config.block_size, set(), 0
+        for seq in self.scheduler.running:
+            n_full = seq.num_computed_tokens // bs
+            full.update(seq.block_table[:n_full])
+            partial += seq.num_computed_tokens - n_full * bs
+        used = self.block_manager.num_used_blocks
+        return (len(full) * bs + partial) / (used * bs) if used else 0.0
+
+    def stats(self) -> dict:
+        c, bm = self.counters, self.block_manager
+        return dict(steps=c["steps"], preemptions=self.scheduler.num_preemptions,
+                    prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
+                    kv_blocks_total=bm.num_blocks, kv_blocks_in_use=bm.num_used_blocks,
+                    kv_blocks_cached_free=sum(1 for b in bm.free if bm.blocks[b].hash is not None),
+                    kv_utilization_avg=c["kv_util_sum"] / c["steps"] if c["steps"] else 0.0,
+                    tokens_processed=c["tokens_processed"], running=len(self.scheduler.running),
+                    waiting=len(self.scheduler.waiting))

@@ -1,0 +1,60 @@
+"""`ModelRunner`: one scheduled step -> one forward pass -> logits of the sequences that sample.
+
+All scheduled tokens (prefill chunks and decode tokens together) form one flat row (1, T) with
+their positions; `build_metadata` turns block tables into `slot_mapping` and gather indices once
+per step, and `PagedAttention` does the rest inside each layer. `lm_head` runs only on the last
+token of each sequence whose chunk reaches its end. This module knows nothing about scheduling
+policy, sampling or text.
+
+Shape legend: T flat tokens this step, S sequences that sample, D hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lmforge.model import Transformer
+
+from .attention import PagedAttention, build_metadata
+from .scheduler import ScheduledSeq
+
+
+def kv_bytes_per_block(model: Transformer, block_size: int) -> int:
+    """2 (k and v) x layers x kv heads x head dim x block size x dtype size."""
+    c = model.config
+    itemsize = next(model.parameters()).element_size()
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * block_size * itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int, reference: bool = False):
+        c = model.config
+        self.model, self.block_size, self.reference = model.eval(), block_size, reference
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.attn = PagedAttention(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
+                                   c.head_dim, p.dtype, p.device)
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """float32 (float64 in exactness mode) logits (S, V), one row per sampling sequence, in `scheduled` order."""
+        input_ids, positions, last_rows, start = [], [], [], 0
+        for s in scheduled:
+            c, n = s.seq.num_computed_tokens, s.num_new_tokens
+            input_ids += s.seq.token_ids[c:c + n]
+            positions += range(c, c + n)
+            start += n
+            if s.samples:
+                last_rows.append(start - 1)
+        self.attn.meta = build_metadata([s.seq.block_table for s in scheduled],
+                                        [s.seq.num_computed_tokens for s in scheduled],
+                                        [s.num_new_tokens for s in scheduled], self.block_size, self.device,
+                                        self.reference)
+        to_dev = dict(dtype=torch.long, device=self.device)
+        h_1TD = self.model.hidden_states(torch.tensor([input_ids], **to_dev), torch.tensor([positions], **to_dev),
+                                         attn=self.attn)
+        self.attn.meta = None
+        if not last_rows:
+            return torch.empty(0, self.model.config.vocab_size, device=self.device)
+        h_SD = h_1TD[0, torch.tensor(last_rows, **to_dev)]
+        return self.model.lm_head(h_SD).to(torch.promote_types(self.dtype, torch.float32))  # float64 stays exact
