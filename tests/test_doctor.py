@@ -15,8 +15,8 @@ from lmforge.perf.mfu import flops_per_token, mfu, model_flops_per_token, non_em
 
 
 def doctor_cmd(*args: str) -> list[str]:
-    """The doctor command line; becomes `lmforge doctor` once the verb is mounted in cli.py."""
-    return [sys.executable, "-m", "lmforge.perf.doctor", *args]
+    """The CLI as users run it: the `lmforge` console script of this environment."""
+    return [str(Path(sys.executable).with_name("lmforge")), "doctor", *args]
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,8 @@ from lmforge.tokenizer import (CHAT_TEMPLATE, SPECIAL_TOKENS, load_tokenizer, re
 
 
 def lmforge_cmd(*args: str) -> list[str]:
-    """The CLI as users run it (switch to ["lmforge", "tokenizer", *args] once cli.py mounts it)."""
-    return [sys.executable, "-c", "from lmforge.tokenizer.commands import app; app()", *args]
+    """The CLI as users run it: the `lmforge` console script of this environment."""
+    return [str(Path(sys.executable).with_name("lmforge")), "tokenizer", *args]
 
 
 MULTILINGUAL = ("Grüße aus Köln! Ça va? Ñandú. 你好，世界。こんにちは。안녕하세요. Привет, мир. "
