@@ -1,1 +1,16 @@
-"""lmforge.engine"""
+"""lmforge.engine: paged-KV continuous-batching inference, in vLLM's shape.
+
+    from lmforge.engine import LLM, SamplingParams
+    outs = LLM("model-dir").generate(["Hello"], SamplingParams(max_tokens=16))
+
+See docs/engine.md for the design and the async API the server uses.
+"""
+
+from .async_engine import AsyncLLMEngine
+from .config import EngineConfig
+from .llm import LLM
+from .llm_engine import CompletionOutput, LLMEngine, RequestMetrics, RequestOutput
+from .sampling_params import SamplingParams
+
+__all__ = ["LLM", "AsyncLLMEngine", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestMetrics",
+           "RequestOutput", "SamplingParams"]

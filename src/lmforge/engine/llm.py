@@ -1,0 +1,78 @@
+"""`LLM`: vLLM's offline API over `LLMEngine`.
+
+    from lmforge.engine import LLM, SamplingParams
+    llm = LLM("path/to/hf-dir", dtype="bfloat16")
+    outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
+    print(outs[0].outputs[0].text, llm.stats())
+
+Submits every prompt at once and steps the engine until all finish, so the scheduler batches
+them; outputs come back in input order. Knows nothing about scheduling or tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .config import EngineConfig
+from .llm_engine import LLMEngine, RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, dtype: str = "auto", device: str = "auto", block_size: int = 16,
+                 num_kv_blocks: int | None = None, max_num_seqs: int = 128, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True, seed: int = 0,
+                 kv_cache_memory_bytes: int | None = None, attention: str = "fast"):
+        self.llm_engine = LLMEngine(EngineConfig(
+            model=str(model), dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching, seed=seed, attention=attention))
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def stats(self) -> dict:
+        return self.llm_engine.stats()
+
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt, as text or as token ids
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params; pass one or one per prompt")
+        engine, ids = self.llm_engine, []
+        try:
+            for prompt, p in zip(prompts, params):  # all validated before any runs
+                ids.append(str(self._counter))
+                self._counter += 1
+                engine.add_request(ids[-1], prompt, p)
+        except Exception:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
+        try:
+            while self.llm_engine.has_unfinished_requests():
+                for out in self.llm_engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[rid] for rid in ids]
