@@ -1,0 +1,219 @@
+"""Sampler: turns one step's model logits into one token (and its logprobs) per sequence.
+
+Order of operations, the same as `transformers` `generate()` and vLLM (see docs/sampling.md):
+
+    raw logits ─┬─> log_softmax ─────────────────────────────> logprobs ("raw" logprobs)
+                └─> min_tokens mask -> repetition penalty -> presence/frequency penalties
+                    -> greedy? argmax : temperature -> top-k -> top-p -> min-p -> sample
+
+Every step is vectorized over the batch; per-row parameters become (S, 1) tensors. Rows
+that carry a `torch.Generator` draw their sampling noise from it alone, so a seeded request
+gives the same tokens whatever else shares its batch.
+
+It knows nothing about scheduling, KV caches, tokenization or stop strings: a sequence is
+anything with `sampling_params`, `prompt_token_ids`, `output_token_ids` and `generator`, and
+the engine decides whether a sampled token finishes the request.
+
+    python -m pytest -q tests/test_engine_sampler.py
+
+Shape legend: S = sequences sampling this step (rows of logits), V = vocabulary size,
+L = longest token list in the batch, K = most top logprobs asked by any row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lmforge.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None  # raw-logit log-probability of token_id; None if not requested
+    top_logprobs: dict[int, float] | None  # the `logprobs` most likely tokens, best first
+
+
+def make_generator(seed: int | None, index: int, device: torch.device | str) -> torch.Generator | None:
+    """The generator for sample `index` (0..n-1) of a request; None when the request is unseeded.
+
+    Sample i of a seeded request uses `seed + i`, so `n > 1` gives n different completions that
+    are each reproducible. The generator must live on the device the logits live on.
+    """
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed + index)
+
+
+def _token_ids_SL(lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Ragged token lists -> (S, L) int64, padded with `vocab_size`, a column the caller drops.
+
+    Ids >= vocab_size (an embedding table larger than the lm_head) are mapped to the same
+    dropped column, as `transformers` does: the model cannot produce them, so nothing to penalize.
+    """
+    width = max((len(t) for t in lists), default=0)
+    ids_SL = torch.full((len(lists), max(width, 1)), vocab_size, dtype=torch.int64)
+    for i, tokens in enumerate(lists):
+        if tokens:
+            ids_SL[i, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.int64)
+    return ids_SL.clamp_(max=vocab_size).to(device, non_blocking=True)
+
+
+def _counts_SV(lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """How often each token occurs in each row's list: (S, V) float32 via one scatter_add."""
+    ids_SL = _token_ids_SL(lists, vocab_size, device)
+    counts_SV = torch.zeros(len(lists), vocab_size + 1, dtype=torch.float32, device=device)
+    counts_SV.scatter_add_(1, ids_SL, torch.ones_like(ids_SL, dtype=torch.float32))
+    return counts_SV[:, :vocab_size]
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)  # (S, 1)
+
+
+class Sampler:
+    """Callable `(logits_SV, seqs) -> list[SampleResult]`; stateless apart from the EOS ids.
+
+    `eos_token_ids` are suppressed (with each request's `stop_token_ids`) while a request
+    has fewer than `min_tokens` outputs, unless it sets `ignore_eos`.
+    """
+
+    def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+
+    def __call__(self, logits_SV: torch.Tensor, seqs: Sequence[Any]) -> list[SampleResult]:
+        if logits_SV.dim() != 2 or logits_SV.shape[0] != len(seqs):
+            raise ValueError(f"Sampler: logits of shape {tuple(logits_SV.shape)} for {len(seqs)} "
+                             "sequences; pass one (S, V) row per sampling sequence")
+        logits_SV = logits_SV.float()
+        params = [s.sampling_params for s in seqs]
+        if all(p.greedy and p.logprobs is None and not _needs_processing(p, s) for p, s in zip(params, seqs)):
+            # Fast path: plain greedy decoding is one argmax and one device->host copy.
+            return [SampleResult(t, None, None) for t in logits_SV.argmax(dim=-1).tolist()]
+
+        processed_SV = self.process_logits(logits_SV, seqs)
+        tokens_S = self._sample(processed_SV, seqs)
+        return self._results(logits_SV, tokens_S, params)
+
+    def process_logits(self, logits_SV: torch.Tensor, seqs: Sequence[Any]) -> torch.Tensor:
+        """Penalties, temperature, top-k, top-p, min-p; returns new (S, V) float32 logits.
+
+        Filtered tokens are -inf. A greedy row comes back as its penalized logits (no
+        temperature, no filters): its token is their argmax.
+        """
+        logits_SV = logits_SV.float().clone()
+        params: list[SamplingParams] = [s.sampling_params for s in seqs]
+        S, V = logits_SV.shape
+        device = logits_SV.device
+
+        suppressed = [self._suppressed_ids(p, s) for p, s in zip(params, seqs)]
+        if any(suppressed):
+            # min_tokens: EOS and stop tokens may not end the request early.
+            banned_SV = _counts_SV(suppressed, V, device) > 0
+            logits_SV.masked_fill_(banned_SV, float("-inf"))
+
+        if any(p.repetition_penalty != 1.0 for p in params):
+            # CTRL / HF: a seen logit x becomes x / r if x > 0 else x * r (prompt and output).
+            seen_SV = _counts_SV([list(s.prompt_token_ids) + list(s.output_token_ids) for s in seqs],
+                                 V, device) > 0
+            r_S1 = _column([p.repetition_penalty for p in params], device)
+            penalized_SV = torch.where(logits_SV < 0, logits_SV * r_S1, logits_SV / r_S1)
+            logits_SV = torch.where(seen_SV, penalized_SV, logits_SV)
+
+        if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+            # OpenAI: logit -= presence * [count > 0] + frequency * count, over output tokens only.
+            counts_SV = _counts_SV([list(s.output_token_ids) for s in seqs], V, device)
+            presence_S1 = _column([p.presence_penalty for p in params], device)
+            frequency_S1 = _column([p.frequency_penalty for p in params], device)
+            logits_SV = logits_SV - presence_S1 * (counts_SV > 0) - frequency_S1 * counts_SV
+
+        # Greedy rows stop here: they get temperature 1 and no filters (which would not move the argmax).
+        sampled = [not p.greedy for p in params]
+        temperature = [p.temperature if s else 1.0 for p, s in zip(params, sampled)]
+        top_k = [p.top_k if s else 0 for p, s in zip(params, sampled)]
+        top_p = [p.top_p if s else 1.0 for p, s in zip(params, sampled)]
+        min_p = [p.min_p if s else 0.0 for p, s in zip(params, sampled)]
+        if any(t != 1.0 for t in temperature):
+            logits_SV = logits_SV / _column(temperature, device)
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            logits_SV = _top_k_top_p(logits_SV, top_k, top_p)
+        if any(m > 0.0 for m in min_p):
+            # min-p (Nguyen et al. 2024): drop tokens whose probability is below min_p * p_max.
+            probs_SV = logits_SV.softmax(dim=-1)
+            threshold_S1 = _column(min_p, device) * probs_SV.amax(dim=-1, keepdim=True)
+            logits_SV = logits_SV.masked_fill(probs_SV < threshold_S1, float("-inf"))
+        return logits_SV
+
+    def _suppressed_ids(self, p: SamplingParams, seq: Any) -> list[int]:
+        if len(seq.output_token_ids) >= p.min_tokens:
+            return []
+        return list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+
+    def _sample(self, processed_SV: torch.Tensor, seqs: Sequence[Any]) -> torch.Tensor:
+        """(S,) token ids: argmax for greedy rows, an exponential race for the others.
+
+        argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability p_i (the
+        Gumbel-max trick in exponential form), and needs no cumsum or sync, unlike multinomial.
+        """
+        greedy_S = torch.tensor([s.sampling_params.greedy for s in seqs], device=processed_SV.device)
+        if bool(greedy_S.all()):
+            return processed_SV.argmax(dim=-1)
+        probs_SV = processed_SV.softmax(dim=-1)
+        noise_SV = torch.empty_like(probs_SV).exponential_()  # unseeded rows: the global RNG
+        for i, seq in enumerate(seqs):
+            # A seeded row redraws its noise from its own generator, so it never depends on the batch.
+            if seq.generator is not None and not seq.sampling_params.greedy:
+                noise_SV[i].exponential_(generator=seq.generator)
+        sampled_S = (probs_SV / noise_SV.clamp_(min=1e-10)).argmax(dim=-1)
+        return torch.where(greedy_S, processed_SV.argmax(dim=-1), sampled_S)
+
+    @staticmethod
+    def _results(raw_SV: torch.Tensor, tokens_S: torch.Tensor,
+                 params: list[SamplingParams]) -> list[SampleResult]:
+        """Attach raw logprobs (log_softmax of the unprocessed logits) where they were asked for."""
+        tokens = tokens_S.tolist()
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not rows:
+            return [SampleResult(t, None, None) for t in tokens]
+        rows_R = torch.tensor(rows, device=raw_SV.device)
+        logprobs_RV = torch.log_softmax(raw_SV[rows_R], dim=-1)
+        chosen_R = logprobs_RV.gather(1, tokens_S[rows_R].unsqueeze(1)).squeeze(1).tolist()
+        K = min(max(params[i].logprobs or 0 for i in rows), raw_SV.shape[1])
+        top_values_RK, top_ids_RK = logprobs_RV.topk(K, dim=-1) if K else (None, None)
+        top_values = top_values_RK.tolist() if K else [[] for _ in rows]
+        top_ids = top_ids_RK.tolist() if K else [[] for _ in rows]
+        results = [SampleResult(t, None, None) for t in tokens]
+        for r, i in enumerate(rows):
+            k = params[i].logprobs or 0
+            results[i] = SampleResult(tokens[i], chosen_R[r], dict(zip(top_ids[r][:k], top_values[r][:k])))
+        return results
+
+
+def _needs_processing(p: SamplingParams, seq: Any) -> bool:
+    """Whether anything besides temperature could change a greedy row's argmax."""
+    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            or len(seq.output_token_ids) < p.min_tokens)
+
+
+def _top_k_top_p(logits_SV: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Top-k then top-p with one ascending sort, as HF's warpers and vLLM do.
+
+    Top-k keeps every token >= the k-th largest logit (ties kept, like HF). Top-p removes the
+    tokens whose ascending cumulative probability is <= 1 - p, which always keeps the best one.
+    """
+    S, V = logits_SV.shape
+    device = logits_SV.device
+    sorted_SV, order_SV = logits_SV.sort(dim=-1, descending=False)
+    k_S = torch.tensor([k if 0 < k < V else V for k in top_k], device=device)
+    kth_S1 = sorted_SV.gather(1, (V - k_S).unsqueeze(1))  # k-th largest logit per row
+    sorted_SV = sorted_SV.masked_fill(sorted_SV < kth_S1, float("-inf"))
+    p_S1 = _column(top_p, device)
+    cumulative_SV = sorted_SV.softmax(dim=-1).cumsum(dim=-1)
+    remove_SV = (cumulative_SV <= 1 - p_S1) & (p_S1 < 1.0)  # rows with top_p = 1 are left alone
+    remove_SV[:, -1] = False
+    sorted_SV = sorted_SV.masked_fill(remove_SV, float("-inf"))
+    return torch.empty_like(logits_SV).scatter_(1, order_SV, sorted_SV)
