@@ -1,0 +1,98 @@
+"""Reading run directories back: list them, summarize one, compare two.
+
+A run directory is what `RunDir` writes: `config.yaml`, `record.json`, `metrics.jsonl`.
+`list_runs` finds every run below a folder, `summarize` pulls the headline numbers out of a
+record, `config_diff` flattens two resolved configs to dotted keys and returns those that
+differ, and `metrics_side_by_side` aligns two runs' metrics by step. Knows nothing about any
+stage's internals, only the files.
+
+    from lmforge.track.runs import list_runs, config_diff
+    for run in list_runs("runs"): print(run)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+RECORD, CONFIG, METRICS = "record.json", "config.yaml", "metrics.jsonl"
+HEADLINE = ("final_train_loss", "final_val_loss", "tokens_per_s", "mfu", "peak_mem", "steps")
+
+
+def read_record(run: str | os.PathLike) -> dict[str, Any]:
+    path = Path(run) / RECORD
+    if not path.is_file():
+        raise FileNotFoundError(f"{run}: no {RECORD}; is it a run directory (written with --out)?")
+    return json.loads(path.read_text())
+
+
+def read_config(run: str | os.PathLike) -> dict[str, Any]:
+    path = Path(run) / CONFIG
+    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+
+
+def read_metrics(run: str | os.PathLike) -> list[dict[str, Any]]:
+    path = Path(run) / METRICS
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash: the previous lines stand
+    return out
+
+
+def list_runs(root: str | os.PathLike = "runs") -> list[Path]:
+    """Every folder below `root` (and `root` itself) holding a record.json, sorted by path."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: no such folder")
+    return sorted(p.parent for p in root.rglob(RECORD) if "checkpoints" not in p.parts)
+
+
+def summarize(run: str | os.PathLike) -> dict[str, Any]:
+    """Headline fields of a run: what `runs list` prints per row."""
+    rec = read_record(run)
+    res = rec.get("results", {})
+    row = {"run": str(run), "status": rec.get("status"), "stage": rec.get("stage"), "method": rec.get("method"),
+           "started_at": rec.get("started_at"), "wall_time_s": rec.get("wall_time_s")}
+    row.update({k: res.get(k, rec.get(k)) for k in HEADLINE})
+    return row
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix.rstrip("."): d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def config_diff(a: str | os.PathLike, b: str | os.PathLike) -> list[tuple[str, Any, Any]]:
+    """(dotted key, value in a, value in b) for every config key whose values differ."""
+    fa, fb = flatten(read_config(a)), flatten(read_config(b))
+    missing = object()
+    rows = []
+    for key in sorted(set(fa) | set(fb)):
+        va, vb = fa.get(key, missing), fb.get(key, missing)
+        if va != vb:
+            rows.append((key, None if va is missing else va, None if vb is missing else vb))
+    return rows
+
+
+def metrics_side_by_side(a: str | os.PathLike, b: str | os.PathLike, key: str = "loss",
+                         every: int = 1) -> list[tuple[int, Any, Any]]:
+    """(step, a's value, b's value) for every step either run logged `key` at (thinned by `every`)."""
+    ma = {m["step"]: m.get(key) for m in read_metrics(a) if "step" in m and key in m}
+    mb = {m["step"]: m.get(key) for m in read_metrics(b) if "step" in m and key in m}
+    steps = sorted(set(ma) | set(mb))
+    last = steps[-1] if steps else None
+    return [(s, ma.get(s), mb.get(s)) for s in steps if s % max(every, 1) == 0 or s == last]

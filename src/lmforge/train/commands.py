@@ -1,0 +1,71 @@
+"""`lmforge train` and `lmforge export`: the command-line face of `lmforge.train`.
+
+Parses arguments and calls `loop.main` / `export.export_run`; no logic of its own. Heavy
+imports (torch) happen only when a verb runs, so `lmforge --help` stays fast.
+
+    lmforge train configs/tiny.yaml data.path=runs/packed train.max_steps=50 --out runs/tiny
+    lmforge train configs/tiny.yaml --out runs/tiny --resume
+    lmforge export runs/tiny --out models/tiny
+    torchrun --nproc-per-node 2 -m lmforge.train configs/tiny.yaml --out runs/ddp
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(help="Train models (pretrain / SFT, full / LoRA) and export them.", no_args_is_help=True)
+
+_TRAIN_HELP = (
+    "Train from CONFIG (YAML with sections run, data, model, train, lora, sft), with dotted KEY=VALUE "
+    "overrides such as train.max_steps=100 data.path=runs/packed. Writes config.yaml, metrics.jsonl, "
+    "record.json, loss.png and checkpoints/ into --out. Under torchrun it trains with DDP.")
+
+
+@app.command("train", help=_TRAIN_HELP)
+def train(
+    config: Path = typer.Argument(..., help="YAML config, e.g. configs/tiny.yaml."),
+    overrides: list[str] = typer.Argument(None, metavar="[KEY=VALUE]...", help="Dotted overrides."),
+    out: str = typer.Option(None, "--out", "-o", help="Run directory (default: run.out or runs/<config name>)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the newest valid checkpoint in --out."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the run in --out, checkpoints included."),
+) -> None:
+    from lmforge.config import ConfigError
+
+    from .checkpoint import CheckpointError
+    from .loop import TrainingDiverged, main
+
+    try:
+        record = main(str(config), list(overrides or []), out, resume=resume, overwrite=overwrite)
+    except (ConfigError, CheckpointError, FileNotFoundError, FileExistsError, TrainingDiverged) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(code=2) from None
+    if record:
+        res = record.get("results", {})
+        typer.echo(f"done: {res.get('steps')} steps, train loss {res.get('final_train_loss')}, "
+                   f"val loss {res.get('final_val_loss')}, {res.get('tokens_per_s')} tok/s, "
+                   f"mfu {res.get('mfu')} -> {record.get('experiment_id')}")
+
+
+@app.command("export", help="Export a run's checkpoint as a Hugging Face model folder (LoRA merged) with its tokenizer.")
+def export(
+    run: Path = typer.Argument(..., help="Run directory written by `lmforge train`."),
+    out: Path = typer.Option(..., "--out", "-o", help="Folder to write the model into."),
+    checkpoint: str = typer.Option("last", "--checkpoint", help="last, best, or a folder name like step-00000100."),
+    dtype: str = typer.Option("float32", "--dtype", help="Weights dtype: float32, bfloat16 or float16."),
+) -> None:
+    from .checkpoint import CheckpointError
+    from .export import export_run
+
+    try:
+        path = export_run(run, out, checkpoint=checkpoint, dtype=dtype)
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(code=2) from None
+    typer.echo(f"exported {run} -> {path}")
+
+
+# `python -m lmforge.train CONFIG ...` (and torchrun): the train verb alone, no sub-command name.
+train_app = typer.Typer(add_completion=False)
+train_app.command(help=_TRAIN_HELP)(train)

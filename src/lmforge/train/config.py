@@ -1,0 +1,122 @@
+"""The training stage's typed config: sections `run`, `data`, `model`, `train`, `lora`, `sft`.
+
+Loaded with `lmforge.config.load_config(TrainConfig, path, ["train.lr=3e-4", ...])`, validated
+once in `TrainConfig.validate()`, and saved resolved as the run's `config.yaml`. The `model`
+section either describes a fresh model (Hugging Face field names; `vocab_size: null` takes the
+packed data's vocabulary, `max_position_embeddings: null` the sequence length) or names a
+Hugging Face directory to start from (`model.init`). It knows nothing about tensors.
+
+    from lmforge.config import load_config
+    cfg = load_config(TrainConfig, "configs/tiny.yaml", ["train.max_steps=10"])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from lmforge.config import ConfigError
+
+
+@dataclass
+class RunSection:
+    name: str | None = None  # experiment id in record.json; None = the --out folder's name
+    out: str | None = None  # run directory when --out is not given; None = runs/<config name>
+
+
+@dataclass
+class DataSection:
+    path: str | None = None  # pretrain: packed dir (`lmforge data pack`); sft: chat JSONL
+    val_path: str | None = None  # sft only: chat JSONL to evaluate on (pretrain uses the packed val split)
+    tokenizer: str | None = None  # tokenizer dir; None = the one the packed data was made with
+
+
+@dataclass
+class ModelSection:
+    init: str | None = None  # HF-layout directory to start from; the fields below are then ignored
+    model_type: str = "llama"
+    vocab_size: int | None = None  # None = the packed data's vocabulary
+    hidden_size: int = 256
+    intermediate_size: int = 704
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int | None = None  # None = the training sequence length
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    initializer_range: float = 0.02
+
+
+@dataclass
+class TrainSection:
+    stage: Literal["pretrain", "sft"] = "pretrain"
+    method: Literal["full", "lora"] = "full"
+    max_steps: int = 100
+    batch_size: int = 8  # sequences per micro-batch per process
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
+    warmup_steps: int = 10
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 = no clipping (the norm is still measured and logged)
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    device: str = "auto"
+    seed: int = 0
+    ckpt_every: int = 100  # 0 = only at the end
+    keep_last: int = 2  # checkpoints kept besides the best one
+    eval_every: int = 50  # 0 = only at the end
+    eval_batches: int = 8
+    log_every: int = 1  # console lines; metrics.jsonl gets every step
+    gradient_checkpointing: bool = False
+    compile: bool = False
+    seq_len: int = 256  # sft only: rendered chats are packed/padded to this (pretrain: the data's)
+
+
+@dataclass
+class LoraSection:
+    rank: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
+class SFTSection:
+    packed: bool = True  # pack several chats per row (masked per document) or pad one per row
+
+
+@dataclass
+class TrainConfig:
+    run: RunSection = field(default_factory=RunSection)
+    data: DataSection = field(default_factory=DataSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    lora: LoraSection = field(default_factory=LoraSection)
+    sft: SFTSection = field(default_factory=SFTSection)
+
+    def validate(self) -> TrainConfig:
+        t = self.train
+        if not self.data.path:
+            hint = "a packed dir from `lmforge data pack`" if t.stage == "pretrain" else "a chat JSONL file"
+            raise ConfigError(f"data.path is required: {hint} (e.g. data.path=runs/packed)")
+        if t.stage == "sft" and not (self.data.tokenizer or self.model.init):
+            raise ConfigError("sft needs a tokenizer: set data.tokenizer=DIR (or model.init to a dir holding one)")
+        for key in ("max_steps", "batch_size", "grad_accum", "seq_len"):
+            if getattr(t, key) < 1:
+                raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
+        for key in ("ckpt_every", "eval_every", "eval_batches", "warmup_steps", "keep_last", "log_every"):
+            if getattr(t, key) < 0:
+                raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
+        if t.lr <= 0:
+            raise ConfigError(f"train.lr must be > 0, got {t.lr}")
+        if not 0 <= t.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+        if t.method == "lora" and (self.lora.rank < 1 or not self.lora.target_modules):
+            raise ConfigError("lora.rank must be >= 1 and lora.target_modules non-empty")
+        return self

@@ -1,0 +1,73 @@
+"""Export a training run as a Hugging Face model folder: weights (LoRA merged) + tokenizer.
+
+Reads a verified checkpoint (`last`, `best` or `step-N`), rebuilds the model from the
+checkpoint's own model config, merges LoRA adapters into the base weights, and writes
+`config.json`, `model.safetensors`, `generation_config.json` (stopping on `<|end_of_text|>`
+and `<|im_end|>`: `eos_token_id: [1, 4]`) and the tokenizer files, so the folder loads in
+`transformers.AutoModelForCausalLM` / `AutoTokenizer` and in the lmforge engine. It knows
+nothing about the training loop.
+
+    lmforge export runs/tiny --out models/tiny
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from lmforge.model import ModelConfig, Transformer, resolve_dtype
+from lmforge.track.io import atomic_write_json, sha256_dir
+
+from . import checkpoint as ckpt
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+STOP_IDS = [1, 4]  # <|end_of_text|>, <|im_end|>
+
+
+def load_run_model(run: str | os.PathLike, checkpoint: str = "last") -> tuple[Transformer, dict]:
+    """The run's model at `checkpoint` as a plain `Transformer` (LoRA merged), and the checkpoint meta."""
+    path, meta = ckpt.resolve_checkpoint(run, checkpoint)
+    config = ModelConfig.from_hf(meta["model_config"])
+    model = Transformer(config)  # every weight is overwritten by the checkpoint below
+    state = ckpt.load_state(path)["model"]
+    if meta.get("method") == "lora":
+        from .lora import LoraConfig, apply_lora, merge_lora
+
+        lc = meta["config"]["lora"]
+        peft_model = apply_lora(model, LoraConfig(rank=lc["rank"], alpha=lc["alpha"], dropout=lc["dropout"],
+                                                  target_modules=list(lc["target_modules"])))
+        peft_model.load_state_dict(state)
+        model = merge_lora(peft_model)
+    else:
+        model.load_state_dict(state)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval(), meta
+
+
+def export_run(run: str | os.PathLike, out: str | os.PathLike, checkpoint: str = "last",
+               dtype: str = "float32") -> Path:
+    run, out = Path(run), Path(out)
+    model, meta = load_run_model(run, checkpoint)
+    model = model.to(resolve_dtype(dtype))
+    model.config.eos_token_id = STOP_IDS[0]
+    model.save_pretrained(out)
+    gen_path = out / "generation_config.json"
+    gen = json.loads(gen_path.read_text())
+    gen["eos_token_id"] = STOP_IDS  # a base model ends on EOS, a chat reply on <|im_end|>
+    atomic_write_json(gen_path, gen)
+    tok_dir = meta.get("tokenizer_dir")
+    if tok_dir and (Path(tok_dir) / "tokenizer.json").is_file():
+        for name in TOKENIZER_FILES:
+            if (Path(tok_dir) / name).is_file():
+                shutil.copyfile(Path(tok_dir) / name, out / name)
+    else:
+        print(f"warning: {run}: no tokenizer folder recorded; exported weights only", flush=True)
+    atomic_write_json(out / "export.json", {
+        "run": str(run), "checkpoint": f"step-{meta['step']:08d}", "step": meta["step"], "method": meta.get("method"),
+        "git": meta.get("git"), "val_loss": meta.get("val_loss"), "weights_sha256": sha256_dir(out, "*.safetensors")})
+    return out

@@ -1,0 +1,534 @@
+"""The trainer: one function, `train(cfg, out)`, for pretraining and SFT, full or LoRA, 1 or N processes.
+
+Each optimizer step takes `grad_accum` micro-batches, runs them under autocast (bfloat16;
+float16 with a GradScaler; float32 plain), clips the gradient norm and steps AdamW on a
+warmup + cosine/linear schedule. The loss is the mean over *all* target tokens of the step,
+across micro-batches and ranks (each micro-batch's summed loss is divided by the step's global
+token count), so 2 processes × batch b, 1 process × batch 2b and 1 process × accumulation 2
+compute the same number. Evaluation every `eval_every` steps gives val loss, perplexity and
+bits per byte. Checkpoints (see `checkpoint.py`) make `resume=True` continue bit for bit:
+same losses and same final weights as a run that was never interrupted (CPU, float32).
+A NaN/Inf loss stops the run naming the step and the last good checkpoint.
+
+Under `torchrun` it trains with DDP (gloo on CPU, NCCL on CUDA); every rank reads its own
+rows and only rank 0 writes. It knows nothing about how batches are made (the data loaders
+and `sft_data.py` do) or about the command line (`commands.py`).
+
+    python -m lmforge.train configs/tiny.yaml data.path=runs/packed --out runs/tiny
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lmforge.config import ConfigError, load_config, to_dict
+from lmforge.model import ModelConfig, Transformer, resolve_device
+from lmforge.model.checkpoint import DTYPES
+from lmforge.track.run import RunDir, peak_memory
+
+from . import checkpoint as ckpt
+from .config import TrainConfig
+from .optim import build_optimizer, build_scheduler
+
+IGNORE = -100
+# Fields every training record.json carries (tests check them; docs/training.md lists them).
+RECORD_FIELDS = ("experiment_id", "git", "data_hash", "tokenizer_hash", "config", "stage", "method", "lr",
+                 "batch_size", "grad_accum", "world_size", "effective_batch", "effective_batch_tokens",
+                 "device", "hardware", "packages", "seed", "final_train_loss", "final_val_loss", "eval",
+                 "peak_mem", "wall_time_s", "tokens_per_s", "mfu", "flops_per_token", "peak_flops")
+# Fault injection for the resume test: SIGKILL this process right after the given step is logged.
+KILL_ENV = "LMFORGE_TEST_SIGKILL_AT_STEP"
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or Inf; the message names the step and the last good checkpoint."""
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def all_sum(self, *values: float) -> list[float]:
+        if self.world_size == 1:
+            return [float(v) for v in values]
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        if dist.get_backend() == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t)
+        return t.tolist()
+
+
+def init_distributed(device_name: str) -> tuple[Dist, torch.device]:
+    """Join the process group torchrun describes (RANK/WORLD_SIZE/LOCAL_RANK), or run alone."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist(), resolve_device(device_name)
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(device_name)
+    if device.type == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Dist(rank, world, local), device
+
+
+@dataclass
+class Data:
+    """What the trainer needs to know about its inputs."""
+    train: Any
+    make_val: Any  # () -> fresh val loader (same rows every eval), or None
+    seq_len: int
+    vocab_size: int
+    data_hash: str | None
+    tokenizer_hash: str | None
+    tokenizer_dir: str | None
+    token_bytes: torch.Tensor | None  # (V,) UTF-8 bytes per token, 0 for specials: bits per byte
+    notes: list[str] = field(default_factory=list)
+
+
+def token_byte_lengths(tokenizer_dir: str) -> torch.Tensor:
+    """Bytes each token stands for. Byte-level BPE maps every byte to one character, so the
+    length of a token's string is its byte count; added (special/reserved) tokens count 0."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    added = set(tok.get_added_tokens_decoder())
+    n = tok.get_vocab_size(with_added_tokens=True)
+    return torch.tensor([0 if i in added else len(tok.id_to_token(i) or "") for i in range(n)])
+
+
+def _find_tokenizer(cfg: TrainConfig, packed: Path | None) -> str | None:
+    candidates = [cfg.data.tokenizer]
+    if packed is not None and (packed / "config.yaml").is_file():
+        import yaml
+
+        candidates.append((yaml.safe_load((packed / "config.yaml").read_text()) or {}).get("tokenizer_dir"))
+    candidates.append(cfg.model.init)
+    for c in candidates:
+        if c and (Path(c) / "tokenizer.json").is_file():
+            return str(c)
+    return None
+
+
+def build_data(cfg: TrainConfig, d: Dist, device: torch.device) -> Data:
+    from lmforge.tokenizer.load import tokenizer_hash
+
+    t = cfg.train
+    if t.stage == "pretrain":
+        from lmforge.data.loader import PackedLoader
+
+        path = Path(cfg.data.path)
+        manifest_path = path / "manifest.json"
+        if not manifest_path.is_file():
+            raise ConfigError(f"data.path={path}: no manifest.json; make packed shards with `lmforge data pack`")
+        manifest = json.loads(manifest_path.read_text())
+        train = PackedLoader(str(path), split="train", batch_size=t.batch_size, seed=t.seed, shuffle=True,
+                             rank=d.rank, world_size=d.world_size, device=str(device))
+        has_val = manifest.get("splits", {}).get("val", {}).get("rows", 0) >= d.world_size
+        make_val = (lambda: PackedLoader(str(path), split="val", batch_size=t.batch_size, seed=0, shuffle=False,
+                                         rank=d.rank, world_size=d.world_size, device=str(device))) if has_val else None
+        tok_dir = _find_tokenizer(cfg, path)
+        notes = [] if has_val else [f"{path} has no val split: no evaluation"]
+        if tok_dir and tokenizer_hash(tok_dir) != manifest.get("tokenizer_hash"):
+            raise ConfigError(f"tokenizer {tok_dir} is not the one {path} was packed with "
+                              f"(tokenizer_hash differs); set data.tokenizer to the right folder")
+        return Data(train, make_val, int(manifest["seq_len"]), int(manifest["vocab_size"]), manifest.get("data_hash"),
+                    manifest.get("tokenizer_hash"), tok_dir,
+                    token_byte_lengths(tok_dir) if tok_dir else None, notes)
+    from lmforge.tokenizer.load import load_tokenizer
+
+    from .sft_data import SFTLoader
+
+    tok_dir = _find_tokenizer(cfg, None)
+    if tok_dir is None:
+        raise ConfigError("sft: no tokenizer.json in data.tokenizer or model.init; set data.tokenizer=DIR")
+    tok = load_tokenizer(tok_dir)
+
+    def loader(path: str, seed: int) -> Any:
+        return SFTLoader(path, tok, seq_len=t.seq_len, batch_size=t.batch_size, seed=seed, packed=cfg.sft.packed,
+                         rank=d.rank, world_size=d.world_size, device=str(device))
+
+    train = loader(cfg.data.path, t.seed)
+    make_val = (lambda: loader(cfg.data.val_path, 0)) if cfg.data.val_path else None
+    return Data(train, make_val, t.seq_len, len(tok), getattr(train, "data_hash", None), tokenizer_hash(tok_dir),
+                tok_dir, token_byte_lengths(tok_dir), [] if make_val else ["no data.val_path: no evaluation"])
+
+
+def build_model(cfg: TrainConfig, data: Data) -> Transformer:
+    m = cfg.model
+    if m.init:
+        return Transformer.from_pretrained(m.init, dtype="float32", device="cpu").train()
+    vocab = m.vocab_size or data.vocab_size
+    if vocab < data.vocab_size:
+        raise ConfigError(f"model.vocab_size={vocab} is smaller than the data's vocabulary ({data.vocab_size})")
+    config = ModelConfig(vocab_size=vocab, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                         num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
+                         num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim,
+                         max_position_embeddings=m.max_position_embeddings or data.seq_len,
+                         rope_theta=m.rope_theta, rms_norm_eps=m.rms_norm_eps,
+                         tie_word_embeddings=m.tie_word_embeddings, model_type=m.model_type,
+                         initializer_range=m.initializer_range, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    return Transformer(config).init_weights(cfg.train.seed).train()
+
+
+def apply_method(cfg: TrainConfig, model: Transformer) -> torch.nn.Module:
+    if cfg.train.method == "full":
+        return model
+    from .lora import LoraConfig, apply_lora
+
+    lc = cfg.lora
+    return apply_lora(model, LoraConfig(rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout,
+                                        target_modules=list(lc.target_modules)))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, out: Path, resume: bool = False, overwrite: bool = False):
+        self.cfg, self.out = cfg.validate(), Path(out)
+        t = cfg.train
+        self.d, self.device = init_distributed(t.device)
+        self.warnings: list[str] = []
+        if self.device.type == "cuda" and t.dtype == "float32":
+            torch.backends.cuda.matmul.allow_tf32 = True  # tensor cores for fp32 matmuls; MFU uses the tf32 peak
+            torch.backends.cudnn.allow_tf32 = True
+        seed_everything(t.seed)
+        self.run = self._open_run(resume, overwrite) if self.d.main else None
+        self.data = build_data(cfg, self.d, self.device)
+        for note in self.data.notes:
+            self.warn(note)
+        self.raw_model = build_model(cfg, self.data)
+        self.model_config = self.raw_model.config
+        self.model = apply_method(cfg, self.raw_model).to(self.device)
+        if t.gradient_checkpointing:
+            self.raw_model.model.gradient_checkpointing = True
+        self.opt = build_optimizer(self.model, t, self.device)
+        self.sched = build_scheduler(self.opt, t)
+        self.amp_dtype = DTYPES[t.dtype]
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.dtype == "float16")
+        self.step, self.tokens_seen, self.train_time = 0, 0, 0.0
+        self.last_ckpt: Path | None = None
+        self.best_val: float | None = None
+        if resume:
+            self._restore()
+        self.fwd = self.model
+        if self.d.world_size > 1:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.fwd = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+        if t.compile:
+            self.fwd = torch.compile(self.fwd)
+        self.train_iter = iter(self.data.train)
+        self.flops_per_token, self.peak = self._flops()
+
+    # ---- setup helpers ----------------------------------------------------------------------
+
+    def warn(self, msg: str) -> None:
+        if self.d.main:
+            print(f"warning: {msg}", file=sys.stderr, flush=True)
+            self.warnings.append(msg)
+
+    def _open_run(self, resume: bool, overwrite: bool) -> RunDir:
+        if not resume and not overwrite and ckpt.list_checkpoints(self.out):
+            raise ConfigError(f"{self.out} already holds checkpoints; pass --resume to continue that run "
+                              f"or --overwrite to start again")
+        if overwrite:
+            import shutil
+
+            shutil.rmtree(self.out / ckpt.CKPT_DIR, ignore_errors=True)
+        run = RunDir(self.out, overwrite=overwrite, resume=resume)
+        run.write_config(self.cfg)
+        return run
+
+    def _flops(self) -> tuple[float, float | None]:
+        from lmforge.perf.hardware import NoPeakError, peak_flops
+        from lmforge.perf.mfu import model_flops_per_token
+
+        fpt = model_flops_per_token(self.model_config, self.data.seq_len)
+        dtype = "tf32" if self.device.type == "cuda" and self.cfg.train.dtype == "float32" else self.cfg.train.dtype
+        try:
+            return fpt, peak_flops(str(self.device), dtype)
+        except NoPeakError as e:
+            self.warn(f"mfu is null: {e} (run `lmforge doctor` to measure this machine's peak)")
+            return fpt, None
+
+    def _restore(self) -> None:
+        found = ckpt.latest_valid(self.out)
+        if found is None:
+            self.warn(f"--resume: no valid checkpoint in {self.out / ckpt.CKPT_DIR}; starting from step 0")
+            return
+        path, meta = found
+        state = ckpt.load_state(path, map_location=self.device)
+        if len(state["loader"]) != self.d.world_size:
+            raise ConfigError(f"{path} was written by {len(state['loader'])} processes; resume with the same "
+                              f"--nproc-per-node (now {self.d.world_size})")
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.data.train.load_state_dict(state["loader"][self.d.rank])
+        ckpt.set_rng_state(state["rng"][self.d.rank])
+        self.step, self.tokens_seen, self.train_time = state["step"], state["tokens_seen"], state["train_time"]
+        self.last_ckpt, self.best_val = path, meta.get("best_val_loss")
+        if self.d.main:
+            _truncate_metrics(self.out / "metrics.jsonl", self.step)
+            print(f"resumed from {path} (step {self.step})", file=sys.stderr, flush=True)
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype != torch.float32)
+
+    def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Summed next-token cross-entropy over the batch's target tokens (labels != -100)."""
+        with self.autocast():
+            logits_BTV = model(batch["input_ids"], position_ids=batch["position_ids"], doc_ids=batch["doc_ids"])
+        return F.cross_entropy(logits_BTV.float().flatten(0, 1), batch["labels"].flatten(),
+                               ignore_index=IGNORE, reduction="sum")
+
+    def train_step(self) -> dict[str, float]:
+        t = self.cfg.train
+        t0 = time.perf_counter()
+        batches = [next(self.train_iter) for _ in range(t.grad_accum)]
+        local_tokens = sum(int((b["labels"] != IGNORE).sum()) for b in batches)
+        (n_tokens,) = self.d.all_sum(local_tokens)
+        n_tokens = max(n_tokens, 1.0)
+        total = torch.zeros((), device=self.device)
+        for i, batch in enumerate(batches):
+            sync = i == len(batches) - 1 or not isinstance(self.fwd, torch.nn.parallel.DistributedDataParallel)
+            with contextlib.nullcontext() if sync else self.fwd.no_sync():
+                loss_sum = self.loss_sum(self.fwd, batch)
+                # DDP averages gradients over ranks; scaling by world_size makes that a global token mean.
+                self.scaler.scale(loss_sum * (self.d.world_size / n_tokens)).backward()
+            total += loss_sum.detach()
+        (loss_total,) = self.d.all_sum(total.item())
+        loss = loss_total / n_tokens
+        if not math.isfinite(loss):
+            where = f"the last good checkpoint is {self.last_ckpt}" if self.last_ckpt else "no checkpoint was written yet"
+            raise TrainingDiverged(f"loss is {loss} at step {self.step + 1}; {where}. "
+                                   f"Lower train.lr, raise train.warmup_steps or use train.dtype=bfloat16/float32")
+        self.scaler.unscale_(self.opt)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+        lr = self.opt.param_groups[0]["lr"]
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        self.opt.zero_grad(set_to_none=True)
+        self.sched.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        step_tokens = sum(b["input_ids"].numel() for b in batches) * self.d.world_size
+        self.step += 1
+        self.tokens_seen += step_tokens
+        self.train_time += dt
+        tps = step_tokens / dt
+        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
+                "tokens": self.tokens_seen, "dt_s": round(dt, 6), "tokens_per_s": round(tps, 2),
+                "mfu": self.mfu(tps), "mem_bytes": _mem_bytes(self.device)}
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        from lmforge.perf.mfu import mfu
+
+        if self.peak is None:
+            return None
+        return round(mfu(self.flops_per_token, tokens_per_s, self.peak * self.d.world_size), 6)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float] | None:
+        if self.data.make_val is None:
+            return None
+        self.model.eval()
+        loader = iter(self.data.make_val())
+        loss_sum = n_tokens = byte_loss = n_bytes = 0.0
+        tb = self.data.token_bytes.to(self.device) if self.data.token_bytes is not None else None
+        for _ in range(max(1, self.cfg.train.eval_batches)):
+            batch = next(loader)
+            with self.autocast():
+                logits_BTV = self.model(batch["input_ids"], position_ids=batch["position_ids"],
+                                        doc_ids=batch["doc_ids"])
+            labels = batch["labels"].flatten()
+            valid = labels != IGNORE
+            loss_N = F.cross_entropy(logits_BTV.float().flatten(0, 1), labels, ignore_index=IGNORE, reduction="none")
+            loss_sum += float(loss_N.sum())
+            n_tokens += float(valid.sum())
+            if tb is not None:  # bits per byte (nanochat's definition): specials count neither loss nor bytes
+                nb = tb[labels.clamp(min=0)] * valid
+                byte_loss += float((loss_N * (nb > 0)).sum())
+                n_bytes += float(nb.sum())
+        self.model.train()
+        loss_sum, n_tokens, byte_loss, n_bytes = self.d.all_sum(loss_sum, n_tokens, byte_loss, n_bytes)
+        val_loss = loss_sum / max(n_tokens, 1.0)
+        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0)),
+                "val_bpb": byte_loss / (math.log(2) * n_bytes) if n_bytes else None}
+
+    def save(self, val_loss: float | None) -> None:
+        t = self.cfg.train
+        loaders = [None] * self.d.world_size
+        rngs = [None] * self.d.world_size
+        if self.d.world_size > 1:
+            dist.all_gather_object(loaders, self.data.train.state_dict())
+            dist.all_gather_object(rngs, ckpt.rng_state())
+        else:
+            loaders, rngs = [self.data.train.state_dict()], [ckpt.rng_state()]
+        if not self.d.main:
+            return
+        if val_loss is not None and (self.best_val is None or val_loss < self.best_val):
+            self.best_val = val_loss
+        state = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                 "scheduler": self.sched.state_dict(), "scaler": self.scaler.state_dict(), "step": self.step,
+                 "tokens_seen": self.tokens_seen, "train_time": self.train_time, "loader": loaders, "rng": rngs}
+        from lmforge.track.provenance import git_info
+
+        meta = {"val_loss": val_loss, "best_val_loss": self.best_val, "tokens_seen": self.tokens_seen,
+                "method": t.method, "stage": t.stage, "config": to_dict(self.cfg),
+                "model_config": self.model_config.to_hf(dtype="float32"), "git": git_info(),
+                "tokenizer_dir": self.data.tokenizer_dir}
+        self.last_ckpt = ckpt.save_checkpoint(self.out, self.step, state, meta, keep_last=t.keep_last)
+
+    def fit(self) -> dict[str, Any]:
+        t, d = self.cfg.train, self.d
+        if d.main:
+            self.run.write_record(self._static_record())
+        kill_at = int(os.environ.get(KILL_ENV, "0") or 0)
+        last_train_loss, last_eval = None, None
+        while self.step < t.max_steps:
+            row = self.train_step()
+            last_train_loss = row["loss"]
+            done = self.step == t.max_steps
+            val_loss = None
+            if done or (t.eval_every and self.step % t.eval_every == 0):
+                ev = self.evaluate()
+                if ev is not None:
+                    row.update(ev)
+                    last_eval, val_loss = ev, ev["val_loss"]
+            if done or (t.ckpt_every and self.step % t.ckpt_every == 0):
+                self.save(val_loss)
+            if d.main:
+                self.run.log_metrics(row)
+                if t.log_every and (self.step % t.log_every == 0 or done or "val_loss" in row):
+                    print(_format_row(row, t.max_steps), flush=True)
+                if kill_at and self.step == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        return self._finish(last_train_loss, last_eval)
+
+    # ---- the record -------------------------------------------------------------------------
+
+    def _static_record(self) -> dict[str, Any]:
+        t = self.cfg.train
+        eff = t.batch_size * t.grad_accum * self.d.world_size
+        return {"experiment_id": self.cfg.run.name or self.out.name, "stage": t.stage, "method": t.method,
+                "config": to_dict(self.cfg), "data_hash": self.data.data_hash,
+                "tokenizer_hash": self.data.tokenizer_hash, "tokenizer_dir": self.data.tokenizer_dir,
+                "lr": t.lr, "batch_size": t.batch_size, "grad_accum": t.grad_accum, "world_size": self.d.world_size,
+                "effective_batch": eff, "effective_batch_tokens": eff * self.data.seq_len, "seq_len": self.data.seq_len,
+                "dtype": t.dtype, "device": str(self.device), "seed": t.seed,
+                "model_config": self.model_config.to_hf(dtype="float32"),
+                "num_parameters": self.raw_model.num_parameters(),
+                "trainable_parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
+                "flops_per_token": self.flops_per_token, "peak_flops": self.peak}
+
+    def _finish(self, train_loss: float | None, last_eval: dict | None) -> dict[str, Any]:
+        if not self.d.main:
+            return {}
+        metrics = _read_metrics(self.out / "metrics.jsonl")
+        timed = [m for m in metrics if "dt_s" in m][1:] or [m for m in metrics if "dt_s" in m]  # step 1 warms up
+        seconds = sum(m["dt_s"] for m in timed)
+        tps = sum(m["tokens_per_s"] * m["dt_s"] for m in timed) / seconds if seconds else None
+        if train_loss is None and metrics:
+            train_loss = metrics[-1].get("loss")
+        evals = [m for m in metrics if "val_loss" in m]
+        last_eval = last_eval or ({k: evals[-1][k] for k in ("val_loss", "val_ppl", "val_bpb")} if evals else None)
+        mem = peak_memory()
+        results = {"final_train_loss": train_loss, "final_val_loss": (last_eval or {}).get("val_loss"),
+                   "eval": last_eval or {}, "steps": self.step, "tokens_seen": self.tokens_seen,
+                   "train_time_s": round(self.train_time, 3), "tokens_per_s": round(tps, 2) if tps else None,
+                   "mfu": self.mfu(tps) if tps else None, "peak_mem": mem.get("cuda_max_allocated_bytes",
+                                                                           mem["cpu_max_rss_bytes"]),
+                   "best_val_loss": self.best_val, "last_checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
+                   "warnings": self.warnings}
+        self.run.write_record(results)
+        try:
+            from lmforge.track.plots import plot_loss_curve
+
+            results["loss_curve"] = str(plot_loss_curve(self.out))
+        except Exception as e:  # a missing plot must not fail a finished training run
+            self.warn(f"loss curve not drawn: {e}")
+        self.run.finish(**results)
+        return self.run.read_record()
+
+
+def _mem_bytes(device: torch.device) -> int:
+    mem = peak_memory()
+    return mem.get("cuda_max_allocated_bytes", mem["cpu_max_rss_bytes"]) if device.type == "cuda" \
+        else mem["cpu_max_rss_bytes"]
+
+
+def _format_row(row: dict, max_steps: int) -> str:
+    parts = [f"step {row['step']}/{max_steps}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.2e}",
+             f"gnorm {row['grad_norm']:.3f}", f"{row['tokens_per_s']:,.0f} tok/s"]
+    if row.get("mfu") is not None:
+        parts.append(f"mfu {row['mfu']:.1%}")
+    if "val_loss" in row:
+        parts.append(f"val {row['val_loss']:.4f}" + (f" bpb {row['val_bpb']:.3f}" if row.get("val_bpb") else ""))
+    return " | ".join(parts)
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop lines logged after the checkpoint we resume from: those steps run again."""
+    from lmforge.track.io import atomic_write_text
+
+    lines = [json.dumps(m) for m in _read_metrics(path) if m.get("step", 0) <= step]
+    atomic_write_text(path, "".join(line + "\n" for line in lines))
+
+
+def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Train `cfg` into run directory `out`; returns the final record (rank 0) or {} (other ranks)."""
+    trainer = Trainer(cfg, Path(out), resume=resume, overwrite=overwrite)
+    try:
+        return trainer.fit()
+    except BaseException as e:
+        if trainer.run is not None:
+            trainer.run.write_record({"status": "failed", "error": f"{type(e).__name__}: {e}",
+                                      "last_checkpoint": str(trainer.last_ckpt) if trainer.last_ckpt else None})
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(config: str, overrides: list[str], out: str | None, resume: bool = False, overwrite: bool = False) -> dict:
+    cfg = load_config(TrainConfig, config, overrides)
+    out = out or cfg.run.out or str(Path("runs") / Path(config).stem)
+    return train(cfg, out, resume=resume, overwrite=overwrite)
