@@ -1,0 +1,116 @@
+"""Scores and their standard errors. Pure functions of numbers and strings; no models here.
+
+Standard error of a mean (`mean_stderr`) is the sample standard deviation (ddof=1) over
+sqrt(n), as lm-evaluation-harness computes it (`sample_stddev(arr) / sqrt(len(arr))`). For
+0/1 scores with mean p this is exactly sqrt(p (1 - p) / (n - 1)). With n < 2 it is undefined
+and reported as None.
+
+Perplexity-kind metrics are ratios of corpus totals, not means over documents:
+
+    bits_per_byte    = sum NLL (nats) / (ln 2 * sum UTF-8 bytes)
+    token_perplexity = exp(sum NLL / sum predicted tokens)
+
+Their standard errors use the delta method for a ratio estimator R = sum x / sum y over
+documents: se(R) = sqrt(sum (x_i - R y_i)^2 / (n - 1)) / (sqrt(n) * mean y); for the
+perplexity, se = ppl * se(NLL per token). (lm-eval bootstraps these instead; the delta method
+gives the same first-order answer without randomness.)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Sequence
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def mean_stderr(values: Sequence[float]) -> float | None:
+    """Sample stderr of the mean: stdev(ddof=1) / sqrt(n) (== sqrt(p(1-p)/(n-1)) for 0/1 values)."""
+    n = len(values)
+    if n < 2:
+        return None
+    m = mean(values)
+    var = sum((v - m) ** 2 for v in values) / (n - 1)
+    return math.sqrt(var / n)
+
+
+def ratio_stderr(x: Sequence[float], y: Sequence[float]) -> float | None:
+    """Delta-method stderr of R = sum(x) / sum(y) over paired per-document totals."""
+    n = len(x)
+    if n < 2 or sum(y) == 0:
+        return None
+    r, y_bar = sum(x) / sum(y), sum(y) / n
+    resid = sum((xi - r * yi) ** 2 for xi, yi in zip(x, y)) / (n - 1)
+    return math.sqrt(resid / n) / y_bar
+
+
+def bits_per_byte(nll_nats: float, n_bytes: int) -> float:
+    return nll_nats / (math.log(2) * n_bytes)
+
+
+def perplexity_metrics(nlls: Sequence[float], n_tokens: Sequence[int], n_bytes: Sequence[int]) -> dict[str, dict]:
+    """Corpus metrics from per-document totals: NLL in nats, predicted tokens, UTF-8 bytes."""
+    total_nll, total_tok, total_bytes = sum(nlls), sum(n_tokens), sum(n_bytes)
+    bpb = bits_per_byte(total_nll, total_bytes)
+    bpb_se = ratio_stderr(nlls, [b * math.log(2) for b in n_bytes])
+    nll_tok = total_nll / total_tok
+    nll_tok_se = ratio_stderr(nlls, n_tokens)
+    ppl = math.exp(nll_tok)
+    return {"bits_per_byte": {"value": bpb, "stderr": bpb_se},
+            "token_perplexity": {"value": ppl, "stderr": None if nll_tok_se is None else ppl * nll_tok_se},
+            "nll_per_token": {"value": nll_tok, "stderr": nll_tok_se},
+            "tokens": {"value": total_tok, "stderr": None}, "bytes": {"value": total_bytes, "stderr": None}}
+
+
+def normalize_answer(text: str) -> str:
+    """Trim, drop thousands separators and one trailing period: '1,024.' == '1024'."""
+    text = text.strip().replace(",", "")
+    return text[:-1].strip() if text.endswith(".") else text
+
+
+def extract_answer(output: str, pattern: str) -> str | None:
+    """The last match of `pattern` in the output (group 1 when the pattern has a group), or None.
+
+    The last, not the first: a model that reasons before answering ("3 + 5 = 8, so 8") ends with it."""
+    matches = list(re.finditer(pattern, output.replace(",", "")))
+    if not matches:
+        return None
+    m = matches[-1]
+    return normalize_answer(m.group(1) if m.groups() else m.group(0))
+
+
+def score_output(output: str, answer: str, metric: str, pattern: str) -> tuple[float, str | None]:
+    """(1.0 or 0.0, the answer the output gives) under `exact_match` or `regex`."""
+    given = normalize_answer(output) if metric == "exact_match" else extract_answer(output, pattern)
+    return float(given is not None and given == normalize_answer(answer)), given
+
+
+def choice_predictions(loglikelihoods: Sequence[float], choices: Sequence[str]) -> tuple[int, int]:
+    """(argmax log-likelihood, argmax log-likelihood per character of the choice), lm-eval's acc and
+    acc_norm: the normalizer is len(choice) in characters, not tokens, so it does not depend on the
+    tokenizer. Ties go to the first choice."""
+    norm = [ll / len(c) for ll, c in zip(loglikelihoods, choices)]
+    return _argmax(loglikelihoods), _argmax(norm)
+
+
+def _argmax(values: Sequence[float]) -> int:
+    return max(range(len(values)), key=lambda i: (values[i], -i))
+
+
+def agreement(answers: Sequence[str | None]) -> tuple[float, str | None]:
+    """(share of samples that give the most common answer, that answer); no answer counts as its own."""
+    counts = Counter(answers)
+    top, c = max(counts.items(), key=lambda kv: (kv[1], kv[0] is not None))
+    return c / len(answers), top
+
+
+def sample_std(values: Sequence[float]) -> float | None:
+    n = len(values)
+    if n < 2:
+        return None
+    m = mean(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1))
