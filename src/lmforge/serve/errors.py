@@ -1,0 +1,99 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right status.
+
+Every failure the server answers with goes through `OpenAIError` or one of the handlers that
+`install_error_handlers` adds, so the official `openai` client raises its typed exceptions
+(`BadRequestError`, `AuthenticationError`, `NotFoundError`, `RateLimitError`, ...) with `.code`
+and `.param` set. The status is also counted (`lmforge:http_errors_total{status}`) by the app.
+This module knows nothing about the engine or sampling.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+# status -> OpenAI's error `type` for that status
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               500: "internal_error", 503: "service_unavailable"}
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ERROR_TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> OpenAIError:
+    return OpenAIError(400, message, param, code)
+
+
+_FIELD = re.compile(r"^(?:SamplingParams|EngineConfig)\.(\w+)=")
+
+
+def from_value_error(e: ValueError) -> OpenAIError:
+    """The engine's ValueErrors name the field (`SamplingParams.top_p=2.0: must be in (0, 1]`) or the
+    numbers (`prompt (12 tokens) + max_tokens (600) = 612 > max_model_len (512)`)."""
+    msg = str(e)
+    m = _FIELD.match(msg)
+    if m:
+        return bad_request(msg, m.group(1))
+    if "max_model_len" in msg or "KV blocks" in msg:
+        return bad_request(msg, "max_tokens", "context_length_exceeded")
+    return bad_request(msg, "prompt" if "prompt" in msg else None)
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return bad_request(f"the request body is not valid JSON: {first.get('msg', '')}", None, "invalid_json")
+    param = loc[0] if loc else None
+    same = [e for e in errors if [str(p) for p in e.get("loc", ()) if p != "body"][:1] == loc[:1]]
+    if len(same) > 1:  # a union field (`prompt`, `stop`, `content`): one error per accepted type
+        kinds = sorted({str(p) for e in same for p in e.get("loc", ())[2:3]})
+        detail = f"{param}: does not match any accepted form ({', '.join(kinds)})"
+    else:
+        where = ".".join(loc) or "body"
+        detail = f"{where}: {first.get('msg')}"
+    return bad_request(detail, param, "missing_required_parameter" if first.get("type") == "missing" else "invalid_value")
+
+
+def install_error_handlers(app: FastAPI, on_error=None) -> None:
+    """Turn every exception into OpenAI's error JSON; `on_error(status)` counts it."""
+
+    def answer(err: OpenAIError) -> JSONResponse:
+        if on_error is not None:
+            on_error(err.status)
+        return err.response()
+
+    @app.exception_handler(OpenAIError)
+    async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
+        return answer(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return answer(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return answer(OpenAIError(exc.status_code, str(exc.detail), None, code))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return answer(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error"))

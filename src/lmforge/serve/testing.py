@@ -1,0 +1,103 @@
+"""Helpers for tests and benchmarks of the server: a tiny random model with a trained tokenizer,
+and a uvicorn server on a free loopback port in a background thread.
+
+    model_dir = make_model_with_tokenizer(tmp / "model", tmp / "tok")   # seconds on a CPU
+    with ServerThread(build_app(AsyncLLMEngine(EngineConfig(model=str(model_dir))), "tiny")) as srv:
+        openai.OpenAI(base_url=srv.url + "/v1", api_key="x").completions.create(...)
+
+The corpus is generated from a seed, so the tokenizer (and the model on top of it) are the same
+on every run. Knows nothing about the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+WORDS = ("the of and to in is was for on that with as by at from it his an were are which this be or has "
+         "had not but first one their its new after who they have her she two been other when there all "
+         "during into school time may years more most only over city some world would where later up such "
+         "used many can state about national out known university united then made river python code data "
+         "model token server request stream cache block engine value error return function class import").split()
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def corpus(num_docs: int = 400, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(num_docs):
+        sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))).capitalize() + "."
+                     for _ in range(rng.randint(2, 6))]
+        docs.append(" ".join(sentences) + f" {rng.randint(0, 9999)} ünïcödé 🙂")
+    return docs
+
+
+def train_test_tokenizer(out_dir: Path, vocab_size: int = 512) -> Path:
+    from lmforge.tokenizer import train_tokenizer
+
+    out_dir = Path(out_dir)
+    src = out_dir.parent / f"{out_dir.name}-corpus.jsonl"
+    src.parent.mkdir(parents=True, exist_ok=True)
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus()))
+    train_tokenizer([str(src)], out_dir, vocab_size=vocab_size, show_progress=False, overwrite=True)
+    return out_dir
+
+
+def make_model_with_tokenizer(model_dir: Path, tokenizer_dir: Path, vocab_size: int = 512, hidden_size: int = 64,
+                              layers: int = 2, **over) -> Path:
+    """A random Llama whose vocabulary matches a freshly trained tokenizer; stops on
+    <|end_of_text|> (1) and <|im_end|> (4), like a chat model of ours."""
+    from lmforge.model.reference import save_hf_model
+    from lmforge.tokenizer import load_tokenizer
+
+    tok_dir = train_test_tokenizer(Path(tokenizer_dir), vocab_size)
+    V = len(load_tokenizer(tok_dir))
+    save_hf_model("llama", model_dir, vocab_size=V, hidden_size=hidden_size, layers=layers,
+                  bos_token_id=0, eos_token_id=[1, 4], pad_token_id=2, **over)
+    for f in TOKENIZER_FILES:
+        shutil.copy(tok_dir / f, Path(model_dir) / f)
+    gen = Path(model_dir) / "generation_config.json"
+    cfg = json.loads(gen.read_text()) if gen.exists() else {}
+    gen.write_text(json.dumps({**cfg, "bos_token_id": 0, "eos_token_id": [1, 4], "pad_token_id": 2}, indent=2))
+    return Path(model_dir)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """uvicorn serving `app` on 127.0.0.1:<free port> from a daemon thread (no signal handlers)."""
+
+    def __init__(self, app, timeout_graceful_shutdown: float | None = 5.0):
+        import uvicorn
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=timeout_graceful_shutdown)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
