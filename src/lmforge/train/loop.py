@@ -296,6 +296,11 @@ class Trainer:
         self.step, self.tokens_seen, self.train_time = state["step"], state["tokens_seen"], state["train_time"]
         self.last_ckpt, self.best_val = path, meta.get("best_val_loss")
         if self.d.main:
+            for newer in ckpt.list_checkpoints(self.out):  # partial/corrupt ones latest_valid skipped
+                if newer.name > path.name:
+                    import shutil
+
+                    shutil.rmtree(newer, ignore_errors=True)
             _truncate_metrics(self.out / "metrics.jsonl", self.step)
             print(f"resumed from {path} (step {self.step})", file=sys.stderr, flush=True)
 
@@ -307,9 +312,7 @@ class Trainer:
     def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed next-token cross-entropy over the batch's target tokens (labels != -100)."""
         with self.autocast():
-            logits_BTV = model(batch["input_ids"], position_ids=batch["position_ids"], doc_ids=batch["doc_ids"])
-        return F.cross_entropy(logits_BTV.float().flatten(0, 1), batch["labels"].flatten(),
-                               ignore_index=IGNORE, reduction="sum")
+            return token_losses(model, batch).sum()
 
     def train_step(self) -> dict[str, float]:
         t = self.cfg.train
@@ -370,11 +373,9 @@ class Trainer:
         for _ in range(max(1, self.cfg.train.eval_batches)):
             batch = next(loader)
             with self.autocast():
-                logits_BTV = self.model(batch["input_ids"], position_ids=batch["position_ids"],
-                                        doc_ids=batch["doc_ids"])
+                loss_N = token_losses(self.model, batch).flatten()
             labels = batch["labels"].flatten()
             valid = labels != IGNORE
-            loss_N = F.cross_entropy(logits_BTV.float().flatten(0, 1), labels, ignore_index=IGNORE, reduction="none")
             loss_sum += float(loss_N.sum())
             n_tokens += float(valid.sum())
             if tb is not None:  # bits per byte (nanochat's definition): specials count neither loss nor bytes
@@ -481,6 +482,16 @@ class Trainer:
             self.warn(f"loss curve not drawn: {e}")
         self.run.finish(**results)
         return self.run.read_record()
+
+
+def token_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-token next-token cross-entropy (B, T) in float32; 0 where labels == -100. Packed rows are
+    masked per document and positions restart per document (`doc_ids`, `position_ids`)."""
+    logits_BTV = model(batch["input_ids"], position_ids=batch.get("position_ids"), doc_ids=batch.get("doc_ids"))
+    labels_BT = batch["labels"]
+    loss_N = F.cross_entropy(logits_BTV.float().flatten(0, 1), labels_BT.flatten(), ignore_index=IGNORE,
+                             reduction="none")
+    return loss_N.view_as(labels_BT)
 
 
 def _mem_bytes(device: torch.device) -> int:
