@@ -64,7 +64,8 @@ class TransformerBackend:
                  engine: str = "auto"):
         import torch
 
-        from lmforge.model import Transformer, resolve_device
+        from lmforge.model import resolve_device
+        from lmforge.model.checkpoint import dtype_name, read_hf_config, resolve_dtype
         from lmforge.tokenizer import STOP_TOKENS, load_tokenizer
 
         if engine not in ("auto", "llm", "simple"):
@@ -73,19 +74,29 @@ class TransformerBackend:
             engine = "llm" if importlib.util.find_spec("lmforge.engine.llm") else "simple"
         self.model_dir, self.dtype, self.batch_size, self.engine = Path(model_dir), dtype, batch_size, engine
         self.device = resolve_device(device)
-        self.model = Transformer.from_pretrained(model_dir, dtype=dtype, device=self.device).eval()
+        self._model = None  # loaded on first log-likelihood: generation through the engine loads its own
         self.tok = load_tokenizer(model_dir)
         self.bos = self.tok.bos_token_id
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         self.stop_ids = {i for t in STOP_TOKENS if (i := self.tok.convert_tokens_to_ids(t)) is not None}
-        self.max_len = self.model.config.max_position_embeddings
+        cfg = read_hf_config(model_dir)
+        self.max_len = int(cfg.get("max_position_embeddings", 2048))
+        self.resolved_dtype = dtype_name(resolve_dtype(dtype, cfg.get("torch_dtype") or cfg.get("dtype")))
         self._llm = None
         self._torch = torch
+
+    @property
+    def model(self) -> Any:
+        if self._model is None:
+            from lmforge.model import Transformer
+
+            self._model = Transformer.from_pretrained(self.model_dir, dtype=self.dtype, device=self.device).eval()
+        return self._model
 
     def info(self) -> dict[str, Any]:
         gen = ("lmforge.engine.LLM" if self.engine == "llm"
                else "reference loop (full forward per token, no KV cache)")
-        return {"backend": "transformer", "generation": gen, "dtype": str(next(self.model.parameters()).dtype),
+        return {"backend": "transformer", "generation": gen, "dtype": self.resolved_dtype,
                 "device": str(self.device), "batch_size": self.batch_size, "max_len": self.max_len,
                 "bos": self.bos is not None}
 

@@ -69,7 +69,7 @@ def run(
     from rich.table import Table
 
     from lmforge.eval.backends import TransformerBackend
-    from lmforge.eval.evaluate import evaluate
+    from lmforge.eval.evaluate import evaluate, refuse_finished_run
     from lmforge.eval.suites import SuiteError, builtin_names, load_suite
     from lmforge.track.run import RunExistsError
 
@@ -78,6 +78,7 @@ def run(
     console = Console(stderr=True)
     try:
         suites = [load_suite(r) for r in refs]
+        refuse_finished_run(out, overwrite)
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{model_dir}: no config.json; MODEL_DIR must be a model folder in HF layout "
                                     f"(e.g. the output of `lmforge export`)")
@@ -98,9 +99,10 @@ def run(
             if metric in ("tokens", "bytes", "run_acc_min", "run_acc_max"):
                 continue
             table.add_row(name, t["kind"], metric, _fmt(v["value"]), _fmt(v["stderr"]), str(t["n"]),
-                          f"v{t['version']} {t['suite_sha256'][:12]}")
-    Console().print(table)
-    if results["engine"].get("generation", "").startswith("reference"):
+                          f"v{t['version']} {t['suite_sha256'][:8]}")
+    Console(width=120).print(table)
+    generated = any(t["kind"] in ("generate", "stability") for t in results["tasks"].values())
+    if generated and results["engine"].get("generation", "").startswith("reference"):
         console.print("[yellow]note:[/yellow] generation used the reference loop (no KV cache; slow for large models)")
 
 

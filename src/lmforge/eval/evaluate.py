@@ -25,13 +25,24 @@ from lmforge.eval.backends import Backend, model_hash
 from lmforge.eval.suites import Suite, SuiteError
 from lmforge.eval.tasks import run_task
 from lmforge.track.io import atomic_write_json, atomic_write_text, sha256_file
-from lmforge.track.run import RunDir
+from lmforge.track.run import RunDir, RunExistsError
 
 RESULTS, SAMPLES, BAD_CASES = "results.json", "samples.jsonl", "bad_cases.jsonl"
 
 
 def _jsonl(rows: list[dict[str, Any]]) -> str:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+
+
+def refuse_finished_run(out: str | os.PathLike, overwrite: bool) -> None:
+    """Stop before loading a model when --out already holds a finished run (RunDir would, later)."""
+    try:
+        finished = json.loads((Path(out) / "record.json").read_text()).get("status") == "finished"
+    except (OSError, ValueError):
+        return
+    if finished and not overwrite:
+        raise RunExistsError(f"{out} holds a finished eval run (record.json status 'finished'); choose a new "
+                             f"--out, or pass --overwrite to replace it")
 
 
 def evaluate(backend: Backend, suites: list[Suite], out: str | os.PathLike, *, model_dir: str | os.PathLike | None = None,
