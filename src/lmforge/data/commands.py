@@ -50,7 +50,7 @@ def prepare(
     from lmforge.data.prepare import prepare_dataset
     from lmforge.data.readers import ReaderError
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     overrides = [i for i in inputs if "=" in i and not Path(i).exists()]
     paths = [i for i in inputs if i not in overrides]
     try:
@@ -104,7 +104,7 @@ def pack(
 
     from lmforge.data.pack import pack_dataset
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     try:
         manifest = pack_dataset(prepared_dir, tokenizer, seq_len, out, workers=workers,
                                 overwrite=overwrite, show_progress=progress)

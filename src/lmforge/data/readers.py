@@ -1,14 +1,18 @@
 """Read documents from the inputs a user names on the command line.
 
-An input is a file (`.txt`/`.md`: the whole file is one document; `.jsonl`/`.jsonl.gz`: one
-JSON object per line with a text field), a directory (searched recursively for those
+An input is a file (`.txt`/`.md`: the whole file is one document, or one per blank-line-separated
+block with `txt_mode="blocks"`; `.jsonl`/`.jsonl.gz`: one JSON object per line with a text field;
+`.parquet`: one row per document, when `pyarrow` is installed), a directory (searched recursively for those
 extensions, in sorted order), a glob (`data/**/*.jsonl`), or a built-in source name
 (`python-docs`). Every input is resolved before the first document is read, so a typo stops
 the run at once with the path in the message instead of after an hour of work.
 
 This module knows nothing about cleaning, deduplication or tokenizers; it only turns inputs
 into `{id, text, meta}` documents in a deterministic order. A malformed JSONL line stops the
-run with the file and line number (a later data stage may quarantine such lines instead).
+run with the file and line number, unless the caller passes `quarantine=` to `iter_records`,
+which then receives `{path, line, error}` for the line and reading goes on (`data prepare`).
+A document's id is its `id` field when present, else `path:line` (`path:row` for parquet,
+`path#block` for text blocks): stable for the same inputs.
 
     from lmforge.data.readers import iter_documents, iter_texts
     for text in iter_texts(["python-docs", "notes/", "extra.jsonl.gz"]):
@@ -21,7 +25,9 @@ import glob
 import gzip
 import json
 import os
-from collections.abc import Iterator
+import re
+import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +35,8 @@ from lmforge.data.sources import BUILTIN_SOURCES, PYTHON_DOCS, iter_python_docs
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
-SUPPORTED_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES
+PARQUET_SUFFIXES = (".parquet",)
+SUPPORTED_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
 
 
 class ReaderError(ValueError):
@@ -40,7 +47,7 @@ class ReaderError(ValueError):
 class Source:
     """One resolved input: a built-in source name or a single file."""
 
-    kind: str  # "builtin" | "text" | "jsonl"
+    kind: str  # "builtin" | "text" | "jsonl" | "parquet"
     location: str  # the source name or the file path
 
 
@@ -48,6 +55,8 @@ def _kind_of(path: str) -> str | None:
     name = path.lower()
     if name.endswith(JSONL_SUFFIXES):
         return "jsonl"
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
     if name.endswith(TEXT_SUFFIXES):
         return "text"
     return None
@@ -90,44 +99,127 @@ def _resolve_one(item: str) -> list[Source]:
                             f"{', '.join(BUILTIN_SOURCES)})")
 
 
+def _check_readable(source: Source) -> None:
+    if source.kind == "builtin":
+        return
+    if not os.access(source.location, os.R_OK):
+        raise ReaderError(f"{source.location}: file exists but is not readable (permissions); "
+                          "fix its permissions or leave it out")
+    if source.kind == "parquet":
+        try:
+            import pyarrow.parquet  # noqa: F401
+        except ImportError:
+            raise ReaderError(f"{source.location}: reading .parquet needs pyarrow, which is not "
+                              "installed; run `pip install pyarrow` (or convert the file to .jsonl)") from None
+
+
 def resolve_inputs(inputs: list[str] | tuple[str, ...] | str) -> list[Source]:
-    """Expand every input to the files it names; raise on the first one that is missing."""
+    """Expand every input to the files it names; raise on the first one that is missing or unreadable."""
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
     if not inputs:
         raise ValueError("no inputs given: name at least one file, directory, glob or "
                          f"built-in source ({', '.join(BUILTIN_SOURCES)})")
-    return [source for item in inputs for source in _resolve_one(os.fspath(item))]
+    sources = [source for item in inputs for source in _resolve_one(os.fspath(item))]
+    for source in sources:
+        _check_readable(source)
+    return sources
 
 
-def _read_jsonl(path: str, text_field: str) -> Iterator[dict]:
+Quarantine = Callable[[dict], None]
+
+
+def _bad_line(path: str, lineno: int, error: str, quarantine: Quarantine | None) -> None:
+    if quarantine is None:
+        raise ReaderError(f"{path}:{lineno}: {error}")
+    quarantine({"path": path, "line": lineno, "error": error})
+
+
+def _jsonl_record(path: str, lineno: int, raw: bytes, text_field: str) -> dict | str:
+    """The document of one line, or the error message that explains why there is none."""
+    try:
+        record = json.loads(raw)
+    except UnicodeDecodeError as e:
+        return f"invalid UTF-8 at byte {e.start}; re-encode the file as UTF-8"
+    except json.JSONDecodeError as e:
+        return f"malformed JSON ({e.msg} at column {e.colno}); fix or remove this line"
+    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+        return (f"expected an object with a string field '{text_field}' "
+                "(choose another field with text_field)")
+    meta = dict(record.get("meta") or {}) if isinstance(record.get("meta"), dict) else {}
+    meta.setdefault("path", path)
+    return {"id": str(record.get("id", f"{path}:{lineno}")), "text": record[text_field], "meta": meta}
+
+
+def _read_jsonl(path: str, text_field: str, quarantine: Quarantine | None = None) -> Iterator[dict]:
     opener = gzip.open if path.lower().endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    lineno = 0
+    with opener(path, "rb") as f:
+        try:
+            for lineno, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                doc = _jsonl_record(path, lineno, raw, text_field)
+                if isinstance(doc, str):
+                    _bad_line(path, lineno, doc, quarantine)
+                else:
+                    yield doc
+        except (EOFError, OSError, zlib.error) as e:  # truncated or corrupt gzip stream
+            _bad_line(path, lineno + 1, f"file unreadable from here on ({type(e).__name__}: {e}); "
+                      "the rest of the file is skipped; re-create it", quarantine)
+
+
+def _read_parquet(path: str, text_field: str, quarantine: Quarantine | None = None) -> Iterator[dict]:
+    import pyarrow.parquet as pq
+
+    table = pq.ParquetFile(path)
+    if text_field not in table.schema_arrow.names:
+        raise ReaderError(f"{path}: no column '{text_field}' (columns: {', '.join(table.schema_arrow.names)}); "
+                          "choose one with read.text_field")
+    columns = [c for c in (text_field, "id") if c in table.schema_arrow.names]
+    row = 0
+    for batch in table.iter_batches(columns=columns):
+        data = batch.to_pydict()
+        for i, text in enumerate(data[text_field]):
+            row += 1
+            if not isinstance(text, str):
+                _bad_line(path, row, f"column '{text_field}' is {type(text).__name__}, not a string", quarantine)
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ReaderError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); "
-                                  "fix or remove this line") from None
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise ReaderError(f"{path}:{lineno}: expected an object with a string field "
-                                  f"'{text_field}' (choose another field with text_field)")
-            meta = dict(record.get("meta") or {})
-            meta.setdefault("path", path)
-            yield {"id": str(record.get("id", f"{path}:{lineno}")), "text": record[text_field],
-                   "meta": meta}
+            ident = data["id"][i] if "id" in data and data["id"][i] is not None else f"{path}:{row}"
+            yield {"id": str(ident), "text": text, "meta": {"path": path}}
 
 
-def _read_source(source: Source, text_field: str) -> Iterator[dict]:
+def _read_text(path: str, txt_mode: str, quarantine: Quarantine | None) -> Iterator[dict]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        _bad_line(path, 1, f"invalid UTF-8 at byte {e.start}; re-encode the file as UTF-8", quarantine)
+        return
+    if txt_mode == "file":
+        yield {"id": path, "text": text, "meta": {"path": path}}
+        return
+    blocks = [b for b in re.split(r"\n[ \t]*\n", text.replace("\r\n", "\n")) if b.strip()]
+    for k, block in enumerate(blocks):
+        yield {"id": f"{path}#{k}", "text": block, "meta": {"path": path, "block": k}}
+
+
+def _read_source(source: Source, text_field: str, txt_mode: str = "file",
+                 quarantine: Quarantine | None = None) -> Iterator[dict]:
     if source.kind == "builtin":
         yield from iter_python_docs()  # the only built-in source today
     elif source.kind == "jsonl":
-        yield from _read_jsonl(source.location, text_field)
+        yield from _read_jsonl(source.location, text_field, quarantine)
+    elif source.kind == "parquet":
+        yield from _read_parquet(source.location, text_field, quarantine)
     else:
-        text = Path(source.location).read_text(encoding="utf-8")
-        yield {"id": source.location, "text": text, "meta": {"path": source.location}}
+        yield from _read_text(source.location, txt_mode, quarantine)
+
+
+def iter_records(sources: list[Source], text_field: str = "text", txt_mode: str = "file",
+                 quarantine: Quarantine | None = None) -> Iterator[dict]:
+    """Documents of already-resolved sources; bad lines go to `quarantine` (or raise when None)."""
+    for source in sources:
+        yield from _read_source(source, text_field, txt_mode, quarantine)
 
 
 def iter_documents(inputs: list[str] | tuple[str, ...] | str, text_field: str = "text") -> Iterator[dict]:

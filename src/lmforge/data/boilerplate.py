@@ -1,0 +1,46 @@
+"""Remove boilerplate: lines repeated across many documents (headers, footers, license banners).
+
+Two passes. `line_keys(text)` gives the distinct candidate lines of one document (stripped,
+at least `min_line_chars` long) as 8-byte hashes; the pipeline counts in how many documents
+each hash occurs. `boilerplate_keys(counts, n_docs, cfg)` picks those in at least
+`max(min_docs, min_doc_fraction * n_docs)` documents; `strip_boilerplate` drops those lines.
+The count table grows with the number of distinct long lines (8 bytes + a counter each).
+It knows nothing about readers or other steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+
+from lmforge.data.config import BoilerplateConfig
+
+
+def _key(line: str) -> int:
+    return int.from_bytes(hashlib.blake2b(line.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def line_keys(text: str, min_line_chars: int) -> list[int]:
+    lines = {line.strip() for line in text.split("\n")}
+    return [_key(line) for line in lines if len(line) >= min_line_chars]
+
+
+def boilerplate_keys(counts: Counter, n_docs: int, cfg: BoilerplateConfig) -> frozenset[int]:
+    need = max(cfg.min_docs, cfg.min_doc_fraction * n_docs)
+    return frozenset(k for k, c in counts.items() if c >= need)
+
+
+def strip_boilerplate(text: str, keys: frozenset[int], min_line_chars: int) -> tuple[str, int]:
+    """The text without boilerplate lines, and how many lines went."""
+    if not keys:
+        return text, 0
+    kept, removed = [], 0
+    for line in text.split("\n"):
+        s = line.strip()
+        if len(s) >= min_line_chars and _key(s) in keys:
+            removed += 1
+        else:
+            kept.append(line)
+    if not removed:
+        return text, 0
+    return "\n".join(kept).strip(), removed

@@ -1,0 +1,454 @@
+"""`prepare_dataset`: raw inputs -> clean, deduplicated, split, decontaminated JSONL.
+
+Documents `{id, text, meta}` flow through steps in the datatrove style, each counting in, out
+and drops per reason (every drop lands in `rejected.jsonl`, every unreadable line in
+`quarantine.jsonl`):
+
+    pass 1 (workers)  read -> normalize -> count candidate boilerplate lines
+    pass 2 (workers)  boilerplate -> quality (length, split/drop long, Gopher) -> PII -> sha256, MinHash
+           (main)     exact dedup -> near dedup (LSH) -> split by cluster hash
+    pass 3 (main)     contamination: train 13-grams against val/test/--eval-set
+
+Per-document work runs in worker processes over fixed chunks whose results come back in order;
+everything stateful (dedup, LSH, split, writing) runs in the main process in input order, so the
+outputs are byte-identical for any number of workers. Between passes documents stream through
+`OUT/.work/*.jsonl`; memory holds the boilerplate line counts, the exact-hash set, the LSH index
+and the val/test 13-gram set, never the corpus. Counts reconcile (read + parts added by splitting
+= kept + rejected + quarantined), checked before manifest.json is written.
+This module wires the steps together; each rule lives in its own module.
+
+    from lmforge.data.prepare import prepare_dataset
+    stats = prepare_dataset(["python-docs"], "runs/data", overrides=["split.val=0.02"])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from lmforge.data.boilerplate import boilerplate_keys, line_keys, strip_boilerplate
+from lmforge.data.config import PrepareConfig
+from lmforge.data.dedup import NearDedup, exact_key, signature
+from lmforge.data.normalize import normalize_text
+from lmforge.data.pii import mask_pii
+from lmforge.data.quality import quality_reason, split_long
+from lmforge.data.split import SPLITS, assign_split
+
+CHUNK_DOCS = 64
+STEPS = ("read", "normalize", "boilerplate", "quality", "pii", "exact_dedup", "near_dedup", "split",
+         "contamination")
+
+_cfg: PrepareConfig | None = None
+_bp_keys: frozenset[int] = frozenset()
+
+
+# ---- worker side: pure functions of one chunk of documents -------------------------------------
+
+def _init_worker(cfg: PrepareConfig, bp_keys: frozenset[int]) -> None:
+    global _cfg, _bp_keys
+    _cfg, _bp_keys = cfg, bp_keys
+
+
+def _pass1(docs: list[dict]) -> list[tuple[dict, int]]:
+    """Normalize each document; also the hashes of its candidate boilerplate lines."""
+    out = []
+    for doc in docs:
+        nbytes = len(doc["text"].encode("utf-8"))
+        if _cfg.normalize:
+            doc["text"] = normalize_text(doc["text"])
+        keys = line_keys(doc["text"], _cfg.boilerplate.min_line_chars) if _cfg.boilerplate.enabled else []
+        out.append((doc, nbytes, keys))
+    return out
+
+
+def _process_part(doc: dict) -> dict:
+    """Quality, PII, hashes of one document (or one part of a split document)."""
+    reason = quality_reason(doc["text"], _cfg.quality)
+    if reason:
+        return {"doc": doc, "reason": reason, "step": "quality"}
+    pii: dict[str, int] = {}
+    if _cfg.pii.enabled:
+        doc["text"], pii = mask_pii(doc["text"], _cfg.pii)
+    sig = signature(doc["text"], _cfg.near_dedup) if _cfg.near_dedup.enabled else None
+    return {"doc": doc, "reason": None, "pii": pii, "exact": exact_key(doc["text"]), "sig": sig}
+
+
+def _pass2(docs: list[dict]) -> list[dict]:
+    """Boilerplate, length / long-document policy, quality, PII, sha256 and MinHash per document."""
+    out = []
+    for doc in docs:
+        text, removed = strip_boilerplate(doc["text"], _bp_keys, _cfg.boilerplate.min_line_chars)
+        item: dict[str, Any] = {"id": doc["id"], "boilerplate_lines": removed, "parts": []}
+        out.append(item)
+        if not text:
+            item["parts"] = [{"doc": doc, "reason": "boilerplate_only", "step": "boilerplate"}]
+            continue
+        doc["text"] = text
+        if len(text) > _cfg.quality.max_chars and _cfg.quality.long_docs == "drop":
+            item["parts"] = [{"doc": doc, "reason": "too_long", "step": "quality"}]
+            continue
+        pieces = split_long(text, _cfg.quality.max_chars) if len(text) > _cfg.quality.max_chars else [text]
+        for k, piece in enumerate(pieces):
+            part = doc if len(pieces) == 1 else {"id": f"{doc['id']}#part{k}", "text": piece,
+                                                 "meta": {**doc["meta"], "part": k, "parent": doc["id"]}}
+            item["parts"].append(_process_part(part))
+    return out
+
+
+# ---- main side ---------------------------------------------------------------------------------
+
+def _chunks(items: Iterable[dict], size: int = CHUNK_DOCS) -> Iterator[list[dict]]:
+    chunk: list[dict] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _read_jsonl(path: Path) -> Iterator[dict]:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            yield json.loads(line)
+
+
+class _Writer:
+    """Append-only JSONL with one fixed key order, so the bytes are reproducible."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.count = path, 0
+        self._f = open(path, "w", encoding="utf-8")
+
+    def write(self, obj: dict) -> None:
+        self._f.write(json.dumps(obj, ensure_ascii=False) + "\n")
+        self.count += 1
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class _Stats:
+    def __init__(self) -> None:
+        self.steps = {name: {"in": 0, "out": 0, "dropped": Counter()} for name in STEPS}
+        self.extra: dict[str, Any] = {}
+
+    def as_dict(self) -> dict:
+        return {name: {"in": s["in"], "out": s["out"], "dropped": dict(sorted(s["dropped"].items())),
+                       **{k: v for k, v in s.items() if k not in ("in", "out", "dropped")}}
+                for name, s in self.steps.items()}
+
+
+class _Pipeline:
+    def __init__(self, cfg: PrepareConfig, out: Path, pool_factory: Any, progress: Any):
+        self.cfg, self.out, self.work = cfg, out, out / ".work"
+        self.pool_factory, self.progress = pool_factory, progress
+        self.stats = _Stats()
+        self.rejected = _Writer(out / "rejected.jsonl")
+        self.quarantine = _Writer(out / "quarantine.jsonl")
+        self.bytes_read = 0
+        self.parts_added = 0
+        self.pii_counts: Counter = Counter()
+        self.docs_with_pii = 0
+
+    def _map(self, fn: Any, chunks: Iterable[list[dict]], bp_keys: frozenset[int]) -> Iterator[Any]:
+        pool = self.pool_factory(self.cfg, bp_keys)
+        if pool is None:
+            _init_worker(self.cfg, bp_keys)
+            yield from map(fn, chunks)
+            return
+        with pool:
+            yield from pool.imap(fn, chunks)
+
+    def reject(self, doc: dict, step: str, reason: str, **details: Any) -> None:
+        self.stats.steps[step]["dropped"][reason] += 1
+        self.rejected.write({"id": doc["id"], "step": step, "reason": reason, **details,
+                             "text": doc["text"], "meta": doc.get("meta", {})})
+
+    def _tick(self, name: str, n: int) -> None:
+        if self.progress is not None:
+            self.progress[0].update(self.progress[1][name], advance=n)
+
+    def pass1(self, records: Iterator[dict]) -> Counter:
+        """Read + normalize; write normalized docs to .work and count boilerplate candidates."""
+        read, norm = self.stats.steps["read"], self.stats.steps["normalize"]
+        counts: Counter = Counter()
+        seen_ids: set[bytes] = set()
+        normalized = _Writer(self.work / "normalized.jsonl")
+        for results in self._map(_pass1, _chunks(records), frozenset()):
+            for doc, nbytes, keys in results:
+                self.bytes_read += nbytes
+                read["out"] += 1
+                key = hashlib.blake2b(doc["id"].encode("utf-8"), digest_size=12).digest()
+                if key in seen_ids:  # ids must be unique for the split guarantees; rename, visibly
+                    doc["meta"]["original_id"] = doc["id"]
+                    doc["id"] = f"{doc['id']}~{read['out']}"
+                    read.setdefault("renamed_duplicate_ids", 0)
+                    read["renamed_duplicate_ids"] += 1
+                seen_ids.add(key)
+                norm["in"] += 1
+                if not doc["text"]:
+                    self.reject(doc, "normalize", "empty")
+                    continue
+                norm["out"] += 1
+                counts.update(keys)
+                normalized.write(doc)
+            self._tick("read", len(results))
+        normalized.close()
+        read["in"] = read["out"] + self.quarantine.count
+        read["dropped"]["quarantined"] = self.quarantine.count
+        return counts
+
+    def pass2(self, bp_keys: frozenset[int]) -> None:
+        """Boilerplate, quality, PII (workers); exact + near dedup and split (here, in order)."""
+        st = self.stats.steps
+        st["boilerplate"]["distinct_lines"] = len(bp_keys)
+        st["boilerplate"]["lines_removed"] = 0
+        exact_seen: dict[bytes, str] = {}
+        near = NearDedup(self.cfg.near_dedup) if self.cfg.near_dedup.enabled else None
+        cluster_sizes: Counter = Counter()
+        writers = {s: _Writer((self.work if s == "train" else self.out / "splits") / f"{s}.jsonl") for s in SPLITS}
+        for items in self._map(_pass2, _chunks(_read_jsonl(self.work / "normalized.jsonl")), bp_keys):
+            for item in items:
+                st["boilerplate"]["in"] += 1
+                st["boilerplate"]["lines_removed"] += item["boilerplate_lines"]
+                parts = item["parts"]
+                if parts[0].get("step") == "boilerplate":
+                    self.reject(parts[0]["doc"], "boilerplate", parts[0]["reason"])
+                    continue
+                st["boilerplate"]["out"] += 1
+                st["quality"]["in"] += 1
+                if len(parts) > 1:
+                    self.parts_added += len(parts) - 1
+                    st["quality"]["in"] += len(parts) - 1
+                for part in parts:
+                    self._dedup_and_split(part, exact_seen, near, cluster_sizes, writers)
+            self._tick("clean", len(items))
+        for w in writers.values():
+            w.close()
+        st["quality"]["parts_added_by_split"] = self.parts_added
+        st["pii"]["counts"] = dict(sorted(self.pii_counts.items()))
+        st["pii"]["documents_with_pii"] = self.docs_with_pii
+        nd = st["near_dedup"]
+        nd["duplicate_rate"] = round(nd["dropped"]["near_duplicate"] / nd["in"], 6) if nd["in"] else 0.0
+        nd["clusters_with_duplicates"] = sum(1 for c in cluster_sizes.values() if c > 1)
+        ex = st["exact_dedup"]
+        ex["duplicate_rate"] = round(ex["dropped"]["exact_duplicate"] / ex["in"], 6) if ex["in"] else 0.0
+        st["split"]["out"] = sum(w.count for w in writers.values())
+        st["split"]["sizes"] = {s: w.count for s, w in writers.items()}
+
+    def _dedup_and_split(self, part: dict, exact_seen: dict, near: NearDedup | None,
+                         cluster_sizes: Counter, writers: dict) -> None:
+        st = self.stats.steps
+        doc = part["doc"]
+        if part["reason"]:
+            self.reject(doc, part["step"], part["reason"])
+            return
+        st["quality"]["out"] += 1
+        st["pii"]["in"] += 1
+        st["pii"]["out"] += 1
+        if part["pii"]:
+            self.pii_counts.update(part["pii"])
+            self.docs_with_pii += 1
+            doc["meta"]["pii"] = part["pii"]
+        st["exact_dedup"]["in"] += 1
+        if self.cfg.exact_dedup:
+            first = exact_seen.setdefault(part["exact"], doc["id"])
+            if first != doc["id"]:
+                self.reject(doc, "exact_dedup", "exact_duplicate", duplicate_of=first, cluster_id=first)
+                cluster_sizes[first] += 1
+                return
+        st["exact_dedup"]["out"] += 1
+        st["near_dedup"]["in"] += 1
+        cluster = doc["id"]
+        if near is not None:
+            dup, sim = near.add(doc["id"], part["sig"])
+            if dup is not None:
+                self.reject(doc, "near_dedup", "near_duplicate", duplicate_of=dup, cluster_id=dup,
+                            similarity=round(sim, 4))
+                cluster_sizes[dup] += 1
+                return
+        st["near_dedup"]["out"] += 1
+        cluster_sizes[cluster] += 1
+        doc["meta"]["cluster_id"] = cluster
+        st["split"]["in"] += 1
+        writers[assign_split(cluster, self.cfg.split)].write({"id": doc["id"], "text": doc["text"],
+                                                             "meta": doc["meta"]})
+
+    def pass3(self, eval_sets: list[str]) -> None:
+        """Drop train documents sharing a 13-gram with val, test or an eval set."""
+        from lmforge.data.contamination import ContaminationIndex, eval_strings
+
+        st = self.stats.steps["contamination"]
+        train = _Writer(self.out / "splits" / "train.jsonl")
+        index = ContaminationIndex(self.cfg.contamination.ngram)
+        eval_info = {}
+        if self.cfg.contamination.enabled:
+            for split in ("val", "test"):
+                for doc in _read_jsonl(self.out / "splits" / f"{split}.jsonl"):
+                    index.add(doc["text"])
+            short_before = index.too_short
+            for path in eval_sets:
+                n = 0
+                for text in eval_strings(path, self.cfg.contamination.eval_fields):
+                    index.add(text)
+                    n += 1
+                eval_info[path] = {"strings": n}
+            st["eval_strings_too_short"] = index.too_short - short_before
+        st["eval_sets"] = eval_info
+        st["index_ngrams"] = len(index.ngrams)
+        for doc in _read_jsonl(self.work / "train.jsonl"):
+            st["in"] += 1
+            hits = index.hits(doc["text"]) if self.cfg.contamination.enabled else 0
+            if hits:
+                self.reject(doc, "contamination", "contamination", ngram_hits=hits)
+                continue
+            st["out"] += 1
+            train.write(doc)
+        train.close()
+        st["hits"] = st["dropped"].get("contamination", 0)
+
+
+def _input_entries(sources: list) -> list[dict]:
+    from lmforge.data.sources import iter_python_docs
+    from lmforge.track.io import sha256_file
+
+    entries = []
+    for s in sources:
+        if s.kind == "builtin":
+            h, size = hashlib.sha256(), 0
+            for doc in iter_python_docs():
+                data = json.dumps(doc, ensure_ascii=False, sort_keys=True).encode("utf-8")
+                h.update(data)
+                size += len(data)
+            entries.append({"source": s.location, "kind": "builtin", "bytes": size, "sha256": h.hexdigest()})
+        else:
+            entries.append({"path": s.location, "kind": s.kind, "bytes": os.path.getsize(s.location),
+                            "sha256": sha256_file(s.location)})
+    return entries
+
+
+def _report(stats: dict) -> str:
+    lines = ["# data prepare report", "", "| step | in | out | dropped |", "| --- | ---: | ---: | --- |"]
+    for name, s in stats["steps"].items():
+        dropped = ", ".join(f"{k} {v}" for k, v in s["dropped"].items()) or "-"
+        lines.append(f"| {name} | {s['in']} | {s['out']} | {dropped} |")
+    t = stats["totals"]
+    st = stats["steps"]
+    lines += ["", f"- documents read {t['read']}, kept {t['kept']} "
+                  f"({', '.join(f'{k} {v}' for k, v in st['split']['sizes'].items())}), rejected "
+                  f"{t['rejected']}, quarantined {t['quarantined']}, parts added by splitting {t['parts_added']}",
+              f"- exact duplicate rate {st['exact_dedup']['duplicate_rate']:.4f}, near-duplicate rate "
+              f"{st['near_dedup']['duplicate_rate']:.4f}",
+              f"- PII masked: {st['pii']['counts'] or 'none'}",
+              f"- contamination: {st['contamination']['hits']} train documents dropped",
+              f"- {stats['bytes_read'] / 1e6:.2f} MB in {stats['seconds']:.2f} s = {stats['mb_per_s']:.2f} MB/s "
+              f"with {stats['workers']} worker(s)", ""]
+    return "\n".join(lines)
+
+
+def _make_pool_factory(workers: int):
+    def factory(cfg: PrepareConfig, bp_keys: frozenset[int]):
+        if workers <= 1:
+            return None
+        import multiprocessing as mp
+
+        return mp.get_context("spawn").Pool(workers, _init_worker, (cfg, bp_keys))
+    return factory
+
+
+def prepare_dataset(inputs: list[str] | tuple[str, ...] | str, out_dir: str | os.PathLike,
+                    config: str | os.PathLike | PrepareConfig | None = None, eval_sets: Iterable[str] = (),
+                    overrides: Iterable[str] = (), workers: int | None = None, *, overwrite: bool = False,
+                    show_progress: bool = False) -> dict[str, Any]:
+    """Run the whole prepare pipeline into `out_dir`; returns the stats (also in stats.json).
+
+    Every input and eval set is checked before any work (FileNotFoundError / ReaderError naming
+    it); config errors raise ConfigError naming the key.
+    """
+    from lmforge.config import load_config, to_dict
+    from lmforge.data.readers import iter_records, resolve_inputs
+    from lmforge.track.io import atomic_write_json, atomic_write_text, sha256_file
+    from lmforge.track.run import RunDir
+
+    t0 = time.monotonic()
+    inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else [os.fspath(i) for i in inputs]
+    if isinstance(config, PrepareConfig):
+        cfg = config
+        if overrides:
+            raise ValueError("pass overrides with a config path, not with a PrepareConfig object")
+    else:
+        cfg = load_config(PrepareConfig, config, list(overrides))
+    cfg.validate()
+    sources = resolve_inputs(inputs)
+    eval_sets = [os.fspath(e) for e in eval_sets]
+    for path in eval_sets:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--eval-set {path}: no such file")
+    workers = max(1, workers or os.cpu_count() or 1)
+    out = Path(out_dir)
+    run = RunDir(out, overwrite=overwrite)
+    run.write_config(cfg)
+    for stale in ("splits", ".work"):
+        shutil.rmtree(out / stale, ignore_errors=True)
+
+    progress = None
+    if show_progress:
+        from rich.progress import Progress
+
+        bar = Progress(transient=True)
+        bar.start()
+        progress = (bar, {"read": bar.add_task("read + normalize", total=None),
+                          "clean": bar.add_task("clean + dedup", total=None)})
+    try:
+        pipe = _Pipeline(cfg, out, _make_pool_factory(workers), progress)
+        records = iter_records(sources, cfg.read.text_field, cfg.read.txt_mode, quarantine=pipe.quarantine.write)
+        counts = pipe.pass1(records)
+        n_docs = pipe.stats.steps["normalize"]["out"]
+        bp_keys = boilerplate_keys(counts, n_docs, cfg.boilerplate) if cfg.boilerplate.enabled else frozenset()
+        del counts
+        pipe.pass2(bp_keys)
+        pipe.pass3(eval_sets)
+    finally:
+        if progress is not None:
+            progress[0].stop()
+    pipe.rejected.close()
+    pipe.quarantine.close()
+    shutil.rmtree(out / ".work", ignore_errors=True)
+    seconds = time.monotonic() - t0
+
+    steps = pipe.stats.as_dict()
+    kept = steps["contamination"]["out"] + steps["split"]["sizes"]["val"] + steps["split"]["sizes"]["test"]
+    totals = {"read": steps["read"]["in"], "kept": kept, "rejected": pipe.rejected.count,
+              "quarantined": pipe.quarantine.count, "parts_added": pipe.parts_added}
+    stats = {"steps": steps, "totals": totals, "bytes_read": pipe.bytes_read, "seconds": round(seconds, 3),
+             "mb_per_s": round(pipe.bytes_read / 1e6 / max(seconds, 1e-9), 3), "workers": workers}
+    atomic_write_json(out / "stats.json", stats)
+    if totals["read"] + totals["parts_added"] != kept + totals["rejected"] + totals["quarantined"]:
+        raise RuntimeError(f"counts do not reconcile: read {totals['read']} + parts {totals['parts_added']} != "
+                           f"kept {kept} + rejected {totals['rejected']} + quarantined {totals['quarantined']}; "
+                           f"see {out / 'stats.json'} (a bug: please report it)")
+
+    outputs = {name: sha256_file(out / name) for name in
+               [f"splits/{s}.jsonl" for s in SPLITS] + ["rejected.jsonl", "quarantine.jsonl"]}
+    data_hash = hashlib.sha256("".join(f"{s}\0{outputs[f'splits/{s}.jsonl']}\n" for s in SPLITS).encode()).hexdigest()
+    manifest = {"format": "lmforge-prepared-v1", "inputs": _input_entries(sources),
+                "eval_sets": [{"path": p, "sha256": sha256_file(p)} for p in eval_sets],
+                "config": to_dict(cfg), "outputs": outputs, "counts": totals,
+                "splits": steps["split"]["sizes"], "data_hash": data_hash}
+    atomic_write_json(out / "manifest.json", manifest)
+    atomic_write_text(out / "report.md", _report(stats))
+    run.write_record({"inputs": {"files": manifest["inputs"], "eval_sets": manifest["eval_sets"]},
+                      "outputs": {**outputs, "data_hash": data_hash}})
+    run.finish(**totals, data_hash=data_hash, seconds=stats["seconds"], mb_per_s=stats["mb_per_s"],
+               workers=workers)
+    return stats
