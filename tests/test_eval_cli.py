@@ -27,7 +27,7 @@ from lmforge.eval.suites import load_suite
 
 def lmforge_eval(*args: str) -> list[str]:
     """The CLI as users run it (becomes ["lmforge", "eval", *args] once cli.py mounts it)."""
-    return [sys.executable, "-c", "from lmforge.eval.commands import app; app()", *args]
+    return [str(Path(sys.executable).with_name("lmforge")), "eval", *args]
 
 
 def run_cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess:

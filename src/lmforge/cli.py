@@ -15,7 +15,12 @@ from typing import Annotated, Optional
 
 import typer
 
+from lmforge.data.commands import app as data_app
+from lmforge.eval.commands import app as eval_app
+from lmforge.serve import commands as serve_commands
 from lmforge.tokenizer.commands import app as tokenizer_app
+from lmforge.track.commands import app as runs_app
+from lmforge.train import commands as train_commands
 
 app = typer.Typer(
     name="lmforge",
@@ -24,8 +29,21 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+app.add_typer(data_app, name="data",
+              help="Prepare (clean, filter, scrub PII, dedup, split) and pack text into token shards.")
 app.add_typer(tokenizer_app, name="tokenizer",
               help="Train a byte-level BPE tokenizer (reads text/JSONL/python-docs; writes a HF tokenizer dir).")
+app.command("train", help=train_commands._TRAIN_HELP)(train_commands.train)
+app.command("export", help="Export a run's checkpoint as a Hugging Face model folder (LoRA merged) "
+                           "with its tokenizer.")(train_commands.export)
+app.add_typer(runs_app, name="runs", help="List, show and compare run directories (record.json, metrics.jsonl).")
+app.add_typer(eval_app, name="eval", help="Evaluate a model on frozen suites; compare two eval runs.")
+app.command("serve", help="Serve MODEL_DIR over an OpenAI-compatible HTTP API with Prometheus /metrics.")(
+    serve_commands.serve)
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that write bench.json and a Markdown table.")
+bench_app.command("serve", help="Load-test an OpenAI-compatible server: TTFT, TPOT, ITL, E2E, throughput, "
+                                "goodput; writes bench.json and bench.md.")(serve_commands.bench_serve)
+app.add_typer(bench_app, name="bench")
 
 
 @app.command("doctor")
