@@ -55,11 +55,11 @@ def serve(
     with /health, /metrics (Prometheus, vLLM's names) and /version."""
     import logging
 
-    from lmforge.engine import EngineConfig
-
-    if not (model_dir / "config.json").exists():
+    if not (model_dir / "config.json").exists():  # before importing torch: a typo should fail fast
         typer.echo(f"error: {model_dir}: no config.json; pass a Hugging Face layout model directory", err=True)
         raise typer.Exit(2)
+    from lmforge.engine import EngineConfig
+
     try:
         config = EngineConfig(model=str(model_dir), dtype=dtype, device=device, block_size=block_size,
                               num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,

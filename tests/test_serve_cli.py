@@ -1,0 +1,77 @@
+"""`lmforge serve` as a process: it answers 503 then 200 on /health, serves a request, and on
+SIGTERM stops accepting, lets the in-flight stream end, and exits 0.
+
+    python -m pytest -q tests/test_serve_cli.py
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lmforge.serve.testing import free_port, make_model_with_tokenizer
+
+
+def serve_cmd(*args: str) -> list[str]:
+    """The serve verbs as the `lmforge` CLI mounts them."""
+    return [sys.executable, "-c", "from lmforge.serve.commands import app; app()", *args]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("serve-cli")
+    return make_model_with_tokenizer(d / "model", d / "tok")
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[1]
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("server never became healthy")
+
+
+def test_sigterm_finishes_in_flight_and_exits_zero(model_dir):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(serve_cmd("serve", str(model_dir), "--port", str(port), "--served-model-name", "tiny",
+                                      "--dtype", "float32", "--max-model-len", "256", "--shutdown-timeout", "20"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_healthy(url, proc)
+        body = {"model": "tiny", "prompt": "The city of", "max_tokens": 60, "stream": True, "ignore_eos": True}
+        chunks: list[str] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                chunks.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+        t = threading.Thread(target=stream)
+        t.start()
+        while not chunks and t.is_alive():
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        assert proc.wait(60) == 0, proc.communicate()[1]
+        assert chunks[-1] == "data: [DONE]" and len(chunks) == 60 + 1  # the stream ran to its end
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_bad_model_dir_exits_with_a_reason(tmp_path):
+    proc = subprocess.run(serve_cmd("serve", str(tmp_path / "missing")), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "config.json" in proc.stderr
