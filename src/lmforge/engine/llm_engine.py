@@ -186,12 +186,20 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return self._idle()
         logits_SV = self.model_runner.run(scheduled)
         sampling = [s.seq for s in scheduled if s.samples]
         results = self.sampler(logits_SV, sampling) if sampling else []
         self.scheduler.update(scheduled)
         self._count(scheduled)
         return self._postprocess(sampling, results)
+
+    def _idle(self) -> list[RequestOutput]:
+        if self.requests:  # requests that can never fit are refused upfront, so this is a bug
+            raise RuntimeError(f"scheduler made no progress with {len(self.requests)} requests: "
+                               f"{list(self.scheduler.waiting)[:3]}")
+        return []
 
     def _postprocess(self, seqs: list[Sequence], results: list[SampleResult]) -> list[RequestOutput]:
         now, touched = time.time(), {}
