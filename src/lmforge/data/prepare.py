@@ -318,19 +318,29 @@ class _Pipeline:
         st["hits"] = st["dropped"].get("contamination", 0)
 
 
-def _input_entries(sources: list) -> list[dict]:
-    from lmforge.data.sources import iter_python_docs
+def _hashing_records(sources: list, cfg: PrepareConfig, quarantine: Any, builtin: dict) -> Iterator[dict]:
+    """Documents of every source; a built-in source is hashed as it streams (it has no file)."""
+    from lmforge.data.readers import iter_records
+
+    for s in sources:
+        h, size = hashlib.sha256(), 0
+        for doc in iter_records([s], cfg.read.text_field, cfg.read.txt_mode, quarantine=quarantine):
+            if s.kind == "builtin":
+                data = json.dumps(doc, ensure_ascii=False, sort_keys=True).encode("utf-8")
+                h.update(data)
+                size += len(data)
+            yield doc
+        if s.kind == "builtin":
+            builtin[s.location] = {"bytes": size, "sha256": h.hexdigest()}
+
+
+def _input_entries(sources: list, builtin: dict) -> list[dict]:
     from lmforge.track.io import sha256_file
 
     entries = []
     for s in sources:
         if s.kind == "builtin":
-            h, size = hashlib.sha256(), 0
-            for doc in iter_python_docs():
-                data = json.dumps(doc, ensure_ascii=False, sort_keys=True).encode("utf-8")
-                h.update(data)
-                size += len(data)
-            entries.append({"source": s.location, "kind": "builtin", "bytes": size, "sha256": h.hexdigest()})
+            entries.append({"source": s.location, "kind": "builtin", **builtin[s.location]})
         else:
             entries.append({"path": s.location, "kind": s.kind, "bytes": os.path.getsize(s.location),
                             "sha256": sha256_file(s.location)})
@@ -376,7 +386,7 @@ def prepare_dataset(inputs: list[str] | tuple[str, ...] | str, out_dir: str | os
     it); config errors raise ConfigError naming the key.
     """
     from lmforge.config import load_config, to_dict
-    from lmforge.data.readers import iter_records, resolve_inputs
+    from lmforge.data.readers import resolve_inputs
     from lmforge.track.io import atomic_write_json, atomic_write_text, sha256_file
     from lmforge.track.run import RunDir
 
@@ -411,7 +421,8 @@ def prepare_dataset(inputs: list[str] | tuple[str, ...] | str, out_dir: str | os
                           "clean": bar.add_task("clean + dedup", total=None)})
     try:
         pipe = _Pipeline(cfg, out, _make_pool_factory(workers), progress)
-        records = iter_records(sources, cfg.read.text_field, cfg.read.txt_mode, quarantine=pipe.quarantine.write)
+        builtin: dict[str, dict] = {}
+        records = _hashing_records(sources, cfg, pipe.quarantine.write, builtin)
         counts = pipe.pass1(records)
         n_docs = pipe.stats.steps["normalize"]["out"]
         bp_keys = boilerplate_keys(counts, n_docs, cfg.boilerplate) if cfg.boilerplate.enabled else frozenset()
@@ -441,7 +452,7 @@ def prepare_dataset(inputs: list[str] | tuple[str, ...] | str, out_dir: str | os
     outputs = {name: sha256_file(out / name) for name in
                [f"splits/{s}.jsonl" for s in SPLITS] + ["rejected.jsonl", "quarantine.jsonl"]}
     data_hash = hashlib.sha256("".join(f"{s}\0{outputs[f'splits/{s}.jsonl']}\n" for s in SPLITS).encode()).hexdigest()
-    manifest = {"format": "lmforge-prepared-v1", "inputs": _input_entries(sources),
+    manifest = {"format": "lmforge-prepared-v1", "inputs": _input_entries(sources, builtin),
                 "eval_sets": [{"path": p, "sha256": sha256_file(p)} for p in eval_sets],
                 "config": to_dict(cfg), "outputs": outputs, "counts": totals,
                 "splits": steps["split"]["sizes"], "data_hash": data_hash}
