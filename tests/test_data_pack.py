@@ -25,7 +25,7 @@ from lmforge.tokenizer import load_tokenizer, train_tokenizer
 
 def lmforge_data(*args: str) -> list[str]:
     """The CLI as users run it (switch to ["lmforge", "data", *args] once cli.py mounts it)."""
-    return [sys.executable, "-c", "from lmforge.data.commands import app; app()", *args]
+    return [str(Path(sys.executable).with_name("lmforge")), "data", *args]
 
 
 WORDS = ("alpha beta gamma delta epsilon zeta theta lambda sigma omega tensor matrix vector "

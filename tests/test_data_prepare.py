@@ -26,7 +26,7 @@ from lmforge.data.quality import split_long
 
 def lmforge_data(*args: str) -> list[str]:
     """The CLI as users run it (switch to ["lmforge", "data", *args] once cli.py mounts it)."""
-    return [sys.executable, "-c", "from lmforge.data.commands import app; app()", *args]
+    return [str(Path(sys.executable).with_name("lmforge")), "data", *args]
 
 
 STOP = ["the", "and", "of", "to", "with", "that"]
