@@ -1,0 +1,91 @@
+"""AsyncLLMEngine: concurrent streams, an abort mid-stream frees blocks, errors reach requests.
+
+    python -m pytest -q tests/test_engine_async.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from hf_models import save_hf_model
+from lmforge.engine import AsyncLLMEngine, EngineConfig, LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_hf_model("qwen2", tmp_path_factory.mktemp("qwen2"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny model on a shared 2-core machine
+    yield
+    torch.set_num_threads(n)
+
+
+def test_two_streams_and_an_abort(model_dir):
+    engine = AsyncLLMEngine(EngineConfig(model=str(model_dir), device="cpu", enable_prefix_caching=False))
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    async def collect(rid, prompt, abort_after=None):
+        outs = []
+        async for out in engine.generate(prompt, greedy, rid):
+            outs.append(out)
+            if abort_after is not None and len(out.outputs[0].token_ids) >= abort_after:
+                await engine.abort(rid)
+        return outs
+
+    async def main():
+        return await asyncio.gather(collect("a", [5, 6, 7]), collect("b", list(range(3, 40)), abort_after=5))
+
+    try:
+        a, b = asyncio.run(main())
+        assert a[-1].finished and len(a[-1].outputs[0].token_ids) == 40 and len(a) > 1  # streamed
+        assert b[-1].finished and b[-1].outputs[0].finish_reason == "abort"
+        assert len(b[-1].outputs[0].token_ids) < 40
+        assert engine.stats()["kv_blocks_in_use"] == 0
+        expected = LLM(str(model_dir), device="cpu").generate([[5, 6, 7]], greedy, use_tqdm=False)
+        assert a[-1].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    finally:
+        engine.shutdown()
+
+
+def test_step_error_reaches_the_request_and_loop_survives(model_dir):
+    engine = AsyncLLMEngine(EngineConfig(model=str(model_dir), device="cpu"))
+    run = engine.engine.model_runner.run
+    calls = {"n": 0}
+
+    def flaky(scheduled):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return run(scheduled)
+    engine.engine.model_runner.run = flaky
+
+    async def consume(rid):
+        return [o async for o in engine.generate([5, 6], SamplingParams(max_tokens=4, ignore_eos=True), rid)]
+
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            asyncio.run(consume("x"))
+        assert engine.stats()["kv_blocks_in_use"] == 0
+        outs = asyncio.run(consume("y"))
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+    finally:
+        engine.shutdown()
+
+
+def test_invalid_request_raises_before_streaming(model_dir):
+    engine = AsyncLLMEngine(EngineConfig(model=str(model_dir), device="cpu", max_model_len=32))
+
+    async def consume():
+        return [o async for o in engine.generate([5] * 30, SamplingParams(max_tokens=8), "z")]
+    try:
+        with pytest.raises(ValueError, match="max_model_len"):
+            asyncio.run(consume())
+    finally:
+        engine.shutdown()

@@ -1,0 +1,70 @@
+"""The offline `LLM` API as users call it: n > 1, seeds, end conditions, outputs and stats.
+
+    python -m pytest -q tests/test_engine_llm.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_models import save_hf_model
+from lmforge.engine import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield LLM(str(save_hf_model("llama", tmp_path_factory.mktemp("llama"))), device="cpu", block_size=4)
+    torch.set_num_threads(n)
+
+
+def test_n_samples_share_the_prompt_and_seeds_reproduce(llm):
+    prompt = list(range(3, 40))
+    p = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    before = llm.stats()["prefix_cache_hits"]
+    a = llm.generate([prompt], p, use_tqdm=False)[0]
+    b = llm.generate([prompt], p, use_tqdm=False)[0]
+    assert [o.index for o in a.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1  # seed + i differ
+    assert llm.stats()["prefix_cache_hits"] - before >= 2 * 36  # samples 1, 2 reuse sample 0's blocks
+    assert llm.stats()["kv_blocks_in_use"] == 0
+
+
+def test_end_conditions_and_outputs(llm):
+    prompt = [5, 6, 7, 8]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+    ids = free.outputs[0].token_ids
+    stop_at = ids[3]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                               stop_token_ids=[stop_at]), use_tqdm=False)[0]
+    first = ids.index(stop_at)
+    assert out.outputs[0].token_ids == ids[:first + 1] and out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].stop_reason == stop_at
+    late = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, min_tokens=first + 2,
+                                                stop_token_ids=[stop_at]), use_tqdm=False)[0]
+    assert len(late.outputs[0].token_ids) > first + 1  # min_tokens: no stop before
+    lp = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, logprobs=2), use_tqdm=False)[0]
+    o = lp.outputs[0]
+    assert len(o.logprobs) == len(o.token_ids) and all(t in d for t, d in zip(o.token_ids, o.logprobs))
+    assert o.cumulative_logprob == pytest.approx(sum(d[t] for t, d in zip(o.token_ids, o.logprobs)))
+    m = lp.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+
+
+def test_mixed_prompts_in_input_order_and_errors(llm):
+    outs = llm.generate([[9, 9, 9], [4]], [SamplingParams(max_tokens=3, ignore_eos=True),
+                                           SamplingParams(max_tokens=1)], use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [[9, 9, 9], [4]]
+    assert [o.outputs[0].text for o in outs] == ["", ""]  # no tokenizer files: ids only
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate(["hello"], use_tqdm=False)
+    with pytest.raises(ValueError, match="2 prompts but 3"):
+        llm.generate([[1], [2]], [SamplingParams()] * 3, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    s = llm.stats()
+    assert {"steps", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "kv_blocks_total",
+            "kv_blocks_in_use", "kv_utilization_avg", "tokens_processed"} <= set(s)
+    assert 0 < s["kv_utilization_avg"] <= 1
