@@ -249,3 +249,24 @@ def test_cli_txt_blocks_and_exit_zero(tmp_path):
     assert res.returncode == 0, res.stderr
     stats = json.loads((tmp_path / "o" / "stats.json").read_text())
     assert stats["totals"]["read"] == 5
+
+
+def test_minhash_and_lsh_match_datasketch():
+    """dedup.py re-implements datasketch's affine32 MinHash and LSH band choice in numpy (no scipy
+    import per process); both must agree with datasketch itself, the slow reference."""
+    import numpy as np
+    from datasketch import MinHash
+    from datasketch.lsh import _optimal_param
+
+    from lmforge.data import dedup
+
+    rng = np.random.default_rng(0)
+    for n in (1, 7, 5000):
+        hashes = np.unique(rng.integers(0, 2**32, n, dtype=np.uint64))
+        for num_perm, seed in ((128, 1), (64, 7)):
+            ref = MinHash(num_perm=num_perm, seed=seed, scheme="affine32", hashfunc=lambda x: x)
+            ref.update_batch(hashes)
+            assert np.array_equal(dedup.minhash(hashes, num_perm, seed), ref.hashvalues)
+    for threshold in (0.05, 0.5, 0.7, 0.75, 0.9):
+        for num_perm in (64, 128):
+            assert dedup.lsh_params(threshold, num_perm) == _optimal_param(threshold, num_perm, 0.5, 0.5)

@@ -2,40 +2,60 @@
 
 Exact: sha256 of the document text as it stands after normalization, boilerplate removal and
 PII masking; the first document with a given hash survives.
-Near: MinHash (datasketch, scheme affine32, `num_perm` permutations, seed fixed) over word
-`ngram`-shingles (lowercased whitespace-separated words, each shingle hashed to 32 bits by
-`hashing.py`; a document shorter than `ngram` words is one shingle),
-indexed in a `MinHashLSH` at the Jaccard `threshold`. The LSH index uses `threshold - recall_margin`
+Near: MinHash over word `ngram`-shingles (lowercased whitespace-separated words, each shingle
+hashed to 32 bits by `hashing.py`; a document shorter than `ngram` words is one shingle),
+indexed by LSH banding at the Jaccard `threshold`. The LSH index uses `threshold - recall_margin`
 and candidates are confirmed by the estimated Jaccard of the two signatures at
 `threshold - recall_margin / 2`, so pairs at the threshold merge with high recall while band
 collisions far below it do not.
+
+The MinHash and the LSH are datasketch's (2.x, scheme `affine32`), re-implemented in numpy so a
+run never imports datasketch (whose `lsh` module pulls in scipy: ~1 s per process) nor runs its
+band search through `scipy.integrate.quad` (~1 s per index): same permutations from the same
+seed, same MurmurHash3 pre-mix, same (bands, rows) choice, so the same signatures and candidates.
+`tests/test_data_prepare.py` checks both against datasketch itself.
+
 Documents arrive in input order; the first of a cluster is its survivor and its id is the
-cluster id, so the survivor is deterministic for a given input order. Memory: the LSH index plus
-one `num_perm` x uint32 signature per surviving document. Signatures are computed by
+cluster id, so the survivor is deterministic for a given input order. Memory: the band tables
+plus one `num_perm` x uint32 signature per surviving document. Signatures are computed by
 `signature()` in worker processes; `NearDedup` runs in the main one.
 It knows nothing about readers, splits or files.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import numpy as np
 
+from lmforge.data.config import NearDedupConfig
 from lmforge.data.hashing import ngram_hashes, word_hashes
 
-from lmforge.data.config import NearDedupConfig
-
-SCHEME = "affine32"  # datasketch 2.x: uint32 values, unbiased permutations
-_PERMUTATIONS: dict[tuple[int, int], object] = {}
+SCHEME = "affine32"  # datasketch 2.x: uint32 values, a_k * fmix32(h) + b_k mod 2^32, a_k odd
+_ROWS_PER_BLOCK = 4096  # shingles per (rows, num_perm) block: bounds memory for huge documents
 
 
 def exact_key(text: str) -> bytes:
     return hashlib.sha256(text.encode("utf-8")).digest()
 
 
-def _identity(x: int) -> int:
-    return x
+@functools.lru_cache(maxsize=8)
+def permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(a, b), each (num_perm,) uint32: datasketch `MinHash(num_perm, seed, scheme="affine32").permutations`."""
+    gen = np.random.RandomState(seed)
+    a = gen.randint(0, 1 << 31, num_perm, dtype=np.uint32) * np.uint32(2) + np.uint32(1)
+    b = gen.randint(0, 1 << 32, num_perm, dtype=np.uint32)
+    return a, b
+
+
+def _fmix32(h: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 32-bit finalizer, datasketch's pre-mix of every input hash (wrapping uint32)."""
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
 
 
 def shingle_hashes(text: str, n: int) -> np.ndarray:
@@ -45,48 +65,69 @@ def shingle_hashes(text: str, n: int) -> np.ndarray:
     return np.unique((grams ^ (grams >> np.uint64(32))) & np.uint64(0xFFFFFFFF))
 
 
+def minhash(hashes: np.ndarray, num_perm: int, seed: int) -> np.ndarray:
+    """MinHash signature (num_perm,) uint32 of a non-empty set of 32-bit hashes."""
+    a_P, b_P = permutations(num_perm, seed)
+    h_S1 = _fmix32(hashes.astype(np.uint32)).reshape(-1, 1)
+    sig_P = np.full(num_perm, 0xFFFFFFFF, dtype=np.uint32)
+    for start in range(0, len(h_S1), _ROWS_PER_BLOCK):
+        np.minimum(sig_P, (h_S1[start:start + _ROWS_PER_BLOCK] * a_P + b_P).min(axis=0), out=sig_P)  # (S, P)
+    return sig_P
+
+
 def signature(text: str, cfg: NearDedupConfig) -> np.ndarray:
     """MinHash signature (num_perm uint32) of the document's word shingles."""
-    from datasketch import MinHash
+    return minhash(shingle_hashes(text, cfg.ngram), cfg.num_perm, cfg.seed)
 
-    key = (cfg.num_perm, cfg.seed)
-    if key not in _PERMUTATIONS:  # building the permutations is the slow part of MinHash()
-        _PERMUTATIONS[key] = MinHash(num_perm=cfg.num_perm, seed=cfg.seed, scheme=SCHEME).permutations
-    m = MinHash(num_perm=cfg.num_perm, seed=cfg.seed, permutations=_PERMUTATIONS[key], scheme=SCHEME,
-                hashfunc=_identity)  # shingles arrive already hashed (vectorized, see hashing.py)
-    m.update_batch(shingle_hashes(text, cfg.ngram))
-    return m.hashvalues.astype(np.uint32)
+
+@functools.lru_cache(maxsize=64)
+def lsh_params(threshold: float, num_perm: int, fp_weight: float = 0.5, fn_weight: float = 0.5) -> tuple[int, int]:
+    """(bands, rows) minimizing the weighted false positive + false negative areas (datasketch's
+    `_optimal_param`). The integrands are polynomials of degree <= num_perm, so a Gauss-Legendre
+    rule with num_perm + 1 nodes integrates them exactly (scipy's adaptive `quad` to ~1e-14)."""
+    x, w = np.polynomial.legendre.leggauss(num_perm + 1)
+    best, opt = float("inf"), (0, 0)
+    for b in range(1, num_perm + 1):
+        for r in range(1, num_perm // b + 1):
+            s_fp = threshold / 2 * (x + 1)  # nodes mapped onto [0, threshold]
+            s_fn = threshold + (1 - threshold) / 2 * (x + 1)  # ... and onto [threshold, 1]
+            fp = threshold / 2 * np.dot(w, 1 - (1 - s_fp ** r) ** b)
+            fn = (1 - threshold) / 2 * np.dot(w, (1 - s_fn ** r) ** b)
+            error = fp * fp_weight + fn * fn_weight
+            if error < best:
+                best, opt = error, (b, r)
+    return opt
 
 
 class NearDedup:
     """Sequential MinHash LSH: `add(key, sig)` returns the survivor key it duplicates, or None."""
 
     def __init__(self, cfg: NearDedupConfig):
-        from datasketch import MinHashLSH
-
         self.cfg = cfg
         # MinHash estimates a Jaccard of 0.8 with a std of ~0.035 at 128 permutations, and LSH
         # banding at the threshold itself finds only about half of the pairs sitting right on it.
         # Index at threshold - margin and confirm at threshold - margin / 2, so pairs at or above
         # the threshold are merged with high recall (measured in tests/test_data_prepare.py).
         self.confirm = cfg.threshold - cfg.recall_margin / 2
-        self.lsh = MinHashLSH(threshold=max(0.05, cfg.threshold - cfg.recall_margin), num_perm=cfg.num_perm)
+        self.bands, self.rows = lsh_params(max(0.05, cfg.threshold - cfg.recall_margin), cfg.num_perm)
+        self.tables: list[dict[bytes, list[str]]] = [{} for _ in range(self.bands)]
         self.signatures: dict[str, np.ndarray] = {}
 
-    def _minhash(self, sig: np.ndarray):
-        from datasketch import MinHash
-
-        return MinHash(num_perm=self.cfg.num_perm, seed=self.cfg.seed, hashvalues=sig, scheme=SCHEME)
+    def _band_keys(self, sig: np.ndarray) -> list[bytes]:
+        r = self.rows
+        return [sig[i * r:(i + 1) * r].tobytes() for i in range(self.bands)]
 
     def add(self, key: str, sig: np.ndarray) -> tuple[str | None, float]:
-        m = self._minhash(sig)
+        bands = self._band_keys(sig)
+        candidates = {other for table, band in zip(self.tables, bands) for other in table.get(band, ())}
         best, best_sim = None, 0.0
-        for other in sorted(self.lsh.query(m)):  # sorted: the same survivor whatever set order
+        for other in sorted(candidates):  # sorted: the same survivor whatever set order
             sim = float(np.mean(self.signatures[other] == sig))
             if sim >= self.confirm and (sim > best_sim or best is None):
                 best, best_sim = other, sim
         if best is not None:
             return best, best_sim
-        self.lsh.insert(key, m)
+        for table, band in zip(self.tables, bands):
+            table.setdefault(band, []).append(key)
         self.signatures[key] = sig
         return None, 0.0
