@@ -270,3 +270,33 @@ def test_minhash_and_lsh_match_datasketch():
     for threshold in (0.05, 0.5, 0.7, 0.75, 0.9):
         for num_perm in (64, 128):
             assert dedup.lsh_params(threshold, num_perm) == _optimal_param(threshold, num_perm, 0.5, 0.5)
+
+
+def test_python_docs_cache(tmp_path, monkeypatch):
+    """python-docs is extracted once per stdlib and read back from $LMFORGE_HOME; a partial read
+    leaves no cache, and a changed file is a new key."""
+    import itertools
+    import sysconfig
+
+    from lmforge.data import sources
+
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "a.py").write_text('"""Module a: the first documented module."""\n')
+    (lib / "b.py").write_text('def f():\n    """Function f of module b."""\n')
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(lib)})
+    monkeypatch.setenv("LMFORGE_HOME", str(tmp_path / "home"))
+    list(itertools.islice(sources.iter_python_docs(), 1))
+    cache_dir = tmp_path / "home" / "sources"
+    assert not list(cache_dir.glob("*.jsonl"))
+    cold = list(sources.iter_python_docs())
+    assert [d["id"] for d in cold[:2]] == ["python-docs/a.py", "python-docs/b.py"]
+    assert len(list(cache_dir.glob("*.jsonl"))) == 1
+    monkeypatch.setattr(sources, "_module_docs", lambda *a: pytest.fail("cache not used"))
+    assert list(sources.iter_python_docs()) == cold
+    monkeypatch.undo()
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(lib)})
+    monkeypatch.setenv("LMFORGE_HOME", str(tmp_path / "home"))
+    (lib / "a.py").write_text('"""Module a, edited: a new cache key."""\n')
+    assert list(sources.iter_python_docs())[0]["text"] == "Module a, edited: a new cache key."
+    assert len(list(cache_dir.glob("*.jsonl"))) == 2
