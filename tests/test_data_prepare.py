@@ -300,3 +300,51 @@ def test_python_docs_cache(tmp_path, monkeypatch):
     (lib / "a.py").write_text('"""Module a, edited: a new cache key."""\n')
     assert list(sources.iter_python_docs())[0]["text"] == "Module a, edited: a new cache key."
     assert len(list(cache_dir.glob("*.jsonl"))) == 2
+
+
+def _repetition_reference(text: str, cfg) -> str | None:
+    """Gopher n-gram repetition rules on word tuples, no hashing (datatrove's loops): the slow
+    reference for the vectorized rules in quality.py."""
+    from collections import Counter
+
+    words, size = text.split(), max(len(text), 1)
+    for n, frac in zip((2, 3, 4), cfg.top_ngram_char_fracs):
+        grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+        if grams:
+            gram, count = Counter(grams).most_common(1)[0]
+            if count > 1 and len(" ".join(gram)) * count > frac * size:
+                return f"gopher_top_{n}gram"
+    for n, frac in zip(range(5, 11), cfg.dup_ngram_char_fracs):
+        grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+        seen, chars, i = set(), 0, 0
+        while i < len(grams):
+            if grams[i] in seen:
+                chars, i = chars + sum(map(len, grams[i])), i + n
+            else:
+                seen.add(grams[i])
+                i += 1
+        if chars > frac * size:
+            return f"gopher_dup_{n}gram"
+    return None
+
+
+def test_repetition_rules_match_reference():
+    from lmforge.data.config import GopherRepetitionConfig
+    from lmforge.data.quality import gopher_repetition_reason
+
+    rng = random.Random(5)
+    reasons = set()
+    for _ in range(1500):
+        cfg = GopherRepetitionConfig(dup_line_frac=1, dup_para_frac=1, dup_line_char_frac=1, dup_para_char_frac=1,
+                                     top_ngram_char_fracs=sorted((rng.random() * 0.4 for _ in range(3)), reverse=True),
+                                     dup_ngram_char_fracs=sorted((rng.random() * 0.6 for _ in range(6)), reverse=True))
+        vocab = [f"w{i}" * rng.randint(1, 3) for i in range(rng.randint(2, 80))]
+        words = [rng.choice(vocab) for _ in range(rng.randint(0, 300))]
+        if len(words) > 20 and rng.random() < 0.5:  # a repeated span
+            i = rng.randrange(len(words) - 12)
+            words[rng.randrange(len(words)):0] = words[i:i + rng.randint(5, 12)]
+        text = " ".join(words)
+        expected = _repetition_reference(text, cfg)
+        assert gopher_repetition_reason(text, cfg) == expected, text
+        reasons.add(expected)
+    assert len(reasons) >= 6  # the fuzz reaches most rules

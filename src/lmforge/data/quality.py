@@ -11,12 +11,13 @@ nothing about documents, readers or the pipeline.
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import numpy as np
 
 from lmforge.data.config import GopherQualityConfig, GopherRepetitionConfig, QualityConfig
-from lmforge.data.hashing import ngram_hashes, word_hashes
+from lmforge.data.hashing import add_word, mix, word_hashes
 
 STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})
 _PUNCT = frozenset("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~…“”‘’«»–—·•")
@@ -72,7 +73,7 @@ def gopher_quality_reason(text: str, cfg: GopherQualityConfig, words: list[str] 
         return "gopher_ellipsis_lines"
     if len(_ALPHA_WORD.findall(text)) < cfg.min_alpha_words_ratio * n_words:
         return "gopher_alpha_words"
-    if len(_STOP.findall(text)) < cfg.min_stop_words:
+    if sum(1 for _ in itertools.islice(_STOP.finditer(text), cfg.min_stop_words)) < cfg.min_stop_words:
         return "gopher_stop_words"
     return None
 
@@ -89,46 +90,83 @@ def _duplicates(elements: list[str]) -> tuple[int, int]:
     return n, chars
 
 
-def _top_ngram_chars(wh: np.ndarray, csum: np.ndarray, n: int) -> int:
-    """Characters covered by the most frequent n-gram (" "-joined length x count), 0 if none repeats."""
-    h = ngram_hashes(wh, n)
-    if len(h) == 0:
+def _top_ngram_chars(h: np.ndarray, csum: np.ndarray, n: int, limit: float) -> int:
+    """Characters covered by the most frequent n-gram (" "-joined length x count), 0 if none repeats.
+
+    `h`: the hashes of every n-gram, in position order. Only its comparison with `limit`
+    matters, so when even the longest n-gram times the top count stays within it, that bound is
+    returned instead of finding which n-gram is the most frequent."""
+    if len(h) < 2:
         return 0
-    _, first, counts = np.unique(h, return_index=True, return_counts=True)
-    top = counts.max()
+    s = np.sort(h)
+    starts = np.flatnonzero(np.concatenate(([True], s[1:] != s[:-1])))
+    counts = np.diff(np.append(starts, len(s)))
+    top = int(counts.max())
     if top < 2:
         return 0
-    i = int(first[counts == top].min())  # ties: the earliest n-gram, as Counter.most_common would
-    return int(csum[i + n] - csum[i] + n - 1) * int(top)
+    gram_chars = csum[n:n + len(h)] - csum[:len(h)] + n - 1
+    bound = int(gram_chars.max()) * top
+    if bound <= limit:
+        return bound
+    i = int(np.argmax(np.isin(h, s[starts[counts == top]])))  # ties: the earliest, as Counter.most_common
+    return int(gram_chars[i]) * top
 
 
-def _dup_ngram_chars(wh: np.ndarray, csum: np.ndarray, n: int, limit: float) -> int:
-    """Characters inside n-grams repeating an earlier one (non-overlapping scan, as in Gopher).
+def _repeats(h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Masks over `h`: values seen at an earlier position; values occurring more than once."""
+    order = np.argsort(h, kind="stable")  # stable: the first of equal values is the earliest
+    s = h[order]
+    same_prev = np.concatenate(([False], s[1:] == s[:-1]))
+    same_next = np.concatenate((same_prev[1:], [False]))
+    repeat, shared = np.empty(len(h), bool), np.empty(len(h), bool)
+    repeat[order], shared[order] = same_prev, same_prev | same_next
+    return repeat, shared
 
-    The exact scan is sequential; it runs only when a vectorized upper bound (all repeated
-    occurrences, overlaps included) exceeds `limit`, which is rare.
-    """
-    h = ngram_hashes(wh, n)
-    if len(h) == 0:
-        return 0
-    _, first = np.unique(h, return_index=True)
-    if len(first) == len(h):
-        return 0
-    repeat = np.ones(len(h), dtype=bool)
-    repeat[first] = False
-    gram_chars = csum[n:n + len(h)] - csum[:len(h)]
-    if int(gram_chars[repeat].sum()) <= limit:
-        return int(gram_chars[repeat].sum())
+
+def _dup_scan(pos: np.ndarray, h: np.ndarray, gram_chars: np.ndarray, n: int) -> int:
+    """The exact Gopher count: scan left to right, skip past each n-gram that repeats an earlier one.
+
+    Only the positions `pos` whose n-gram occurs more than once (hashes `h`, characters
+    `gram_chars`) are visited: a unique n-gram never matches, so it only moves the scan on."""
     seen: set[int] = set()
-    chars, i, grams = 0, 0, h.tolist()
-    while i < len(grams):
-        if grams[i] in seen:
-            chars += int(gram_chars[i])
-            i += n
+    chars = nxt = 0
+    for p, g, c in zip(pos.tolist(), h.tolist(), gram_chars.tolist()):
+        if p < nxt:  # inside the skipped span of the last repeat: not added to `seen`
+            continue
+        if g in seen:
+            chars += c
+            nxt = p + n
         else:
-            seen.add(grams[i])
-            i += 1
+            seen.add(g)
+            nxt = p + 1
     return chars
+
+
+def _dup_ngram_reason(wh: np.ndarray, csum: np.ndarray, acc: np.ndarray, size: int,
+                      fracs: list[float]) -> str | None:
+    """Characters inside n-grams repeating an earlier one (non-overlapping scan, as in Gopher), n = 5..10.
+
+    `acc`: unmixed sums of every 5-gram. An n-gram can repeat only where its (n-1)-gram occurs
+    twice, so for n > 5 only those positions (`pos`, usually few) are hashed and sorted. The
+    exact sequential scan runs only when the vectorized upper bound (all repeated occurrences,
+    overlaps included) exceeds the limit, which is rare.
+    """
+    pos = np.arange(len(acc))
+    for n, frac in zip(range(5, 11), fracs):
+        if n > 5:
+            keep = pos < len(wh) - n + 1
+            pos = pos[keep]
+            acc = add_word(acc[keep], wh, pos, n - 1)
+        if len(pos) == 0:
+            return None
+        h = mix(acc)
+        repeat, shared = _repeats(h)
+        gram_chars = csum[pos + n] - csum[pos]
+        if int(gram_chars[repeat].sum()) > frac * size and \
+                _dup_scan(pos[shared], h[shared], gram_chars[shared], n) > frac * size:
+            return f"gopher_dup_{n}gram"
+        pos, acc = pos[shared], acc[shared]
+    return None
 
 
 def gopher_repetition_reason(text: str, cfg: GopherRepetitionConfig, words: list[str] | None = None) -> str | None:
@@ -148,13 +186,14 @@ def gopher_repetition_reason(text: str, cfg: GopherRepetitionConfig, words: list
     words = text.split() if words is None else words
     wh = word_hashes(words)
     csum = np.concatenate([[0], np.cumsum(np.fromiter(map(len, words), dtype=np.int64, count=len(words)))])
-    for n, frac in zip((2, 3, 4), cfg.top_ngram_char_fracs):
-        if _top_ngram_chars(wh, csum, n) > frac * size:
+    acc = np.zeros(len(wh), dtype=np.uint64)  # unmixed n-gram sums, extended one word per n
+    for n, frac in zip((1, 2, 3, 4), [None, *cfg.top_ngram_char_fracs]):
+        pos = np.arange(max(len(wh) - n + 1, 0))
+        acc = add_word(acc[:len(pos)], wh, pos, n - 1)
+        if frac is not None and _top_ngram_chars(mix(acc), csum, n, frac * size) > frac * size:
             return f"gopher_top_{n}gram"
-    for n, frac in zip(range(5, 11), cfg.dup_ngram_char_fracs):
-        if _dup_ngram_chars(wh, csum, n, frac * size) > frac * size:
-            return f"gopher_dup_{n}gram"
-    return None
+    acc = add_word(acc[:max(len(wh) - 4, 0)], wh, np.arange(max(len(wh) - 4, 0)), 4)
+    return _dup_ngram_reason(wh, csum, acc, size, cfg.dup_ngram_char_fracs)
 
 
 def quality_reason(text: str, cfg: QualityConfig) -> str | None:
