@@ -26,7 +26,7 @@ def lmforge_train(*args: str, nproc: int = 1) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "lmforge.train"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, env=env, timeout=1200)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc
 

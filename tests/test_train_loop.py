@@ -22,7 +22,7 @@ TINY = ROOT / "configs" / "tiny.yaml"
 def lmforge_train(*args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """`lmforge train ...` as a user runs it (module form, so no entry point is needed)."""
     proc = subprocess.run([sys.executable, "-m", "lmforge.train", *map(str, args)], capture_output=True,
-                          text=True, env={**os.environ, **(env or {})}, timeout=300)
+                          text=True, env={**os.environ, **(env or {})}, timeout=1200)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc

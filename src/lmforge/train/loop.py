@@ -215,6 +215,7 @@ class Trainer:
         t = cfg.train
         self.d, self.device = init_distributed(t.device)
         self.warnings: list[str] = []
+        self.mfu_error: str | None = None
         if self.device.type == "cuda" and t.dtype == "float32":
             torch.backends.cuda.matmul.allow_tf32 = True  # tensor cores for fp32 matmuls; MFU uses the tf32 peak
             torch.backends.cudnn.allow_tf32 = True
@@ -360,7 +361,13 @@ class Trainer:
 
         if self.peak is None:
             return None
-        return round(mfu(self.flops_per_token, tokens_per_s, self.peak * self.d.world_size), 6)
+        try:
+            return round(mfu(self.flops_per_token, tokens_per_s, self.peak * self.d.world_size), 6)
+        except ValueError as e:  # > 100%: the peak is wrong (e.g. measured on a busy machine); never a figure
+            if not self.mfu_error:
+                self.mfu_error = str(e)
+                self.warn(f"mfu is null: {e}. Rerun `lmforge doctor` on an idle machine")
+            return None
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float] | None:
@@ -471,7 +478,7 @@ class Trainer:
                    "train_time_s": round(self.train_time, 3), "tokens_per_s": round(tps, 2) if tps else None,
                    "mfu": self.mfu(tps) if tps else None, "peak_mem": mem.get("cuda_max_allocated_bytes",
                                                                            mem["cpu_max_rss_bytes"]),
-                   "best_val_loss": self.best_val, "last_checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
+                   "mfu_error": self.mfu_error, "best_val_loss": self.best_val, "last_checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
                    "warnings": self.warnings}
         self.run.write_record(results)
         try:
