@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -140,4 +139,3 @@ def test_rejects_requests_that_can_never_fit(tmp_path):
     with pytest.raises(ValueError, match="no tokenizer"):
         engine.add_request("c", "hello", SamplingParams())
     assert not engine.has_unfinished_requests()
-    torch.manual_seed(0)
