@@ -46,14 +46,13 @@ STEPS = ("read", "normalize", "boilerplate", "quality", "pii", "exact_dedup", "n
          "contamination")
 
 _cfg: PrepareConfig | None = None
-_bp_keys: frozenset[int] = frozenset()
 
 
 # ---- worker side: pure functions of one chunk of documents -------------------------------------
 
-def _init_worker(cfg: PrepareConfig, bp_keys: frozenset[int]) -> None:
-    global _cfg, _bp_keys
-    _cfg, _bp_keys = cfg, bp_keys
+def _init_worker(cfg: PrepareConfig) -> None:
+    global _cfg
+    _cfg = cfg
 
 
 def _pass1(docs: list[dict]) -> list[tuple[dict, int]]:
@@ -80,11 +79,14 @@ def _process_part(doc: dict) -> dict:
     return {"doc": doc, "reason": None, "pii": pii, "exact": exact_key(doc["text"]), "sig": sig}
 
 
-def _pass2(docs: list[dict]) -> list[dict]:
-    """Boilerplate, length / long-document policy, quality, PII, sha256 and MinHash per document."""
+def _pass2(task: tuple[frozenset[int], list[dict]]) -> list[dict]:
+    """Boilerplate, length / long-document policy, quality, PII, sha256 and MinHash per document.
+
+    The boilerplate keys travel with each chunk (a few hundred ints), so one pool serves both passes."""
+    bp_keys, docs = task
     out = []
     for doc in docs:
-        text, removed = strip_boilerplate(doc["text"], _bp_keys, _cfg.boilerplate.min_line_chars)
+        text, removed = strip_boilerplate(doc["text"], bp_keys, _cfg.boilerplate.min_line_chars)
         item: dict[str, Any] = {"id": doc["id"], "boilerplate_lines": removed, "parts": []}
         out.append(item)
         if not text:
@@ -149,9 +151,9 @@ class _Stats:
 
 
 class _Pipeline:
-    def __init__(self, cfg: PrepareConfig, out: Path, pool_factory: Any, progress: Any):
+    def __init__(self, cfg: PrepareConfig, out: Path, pool: Any, progress: Any):
         self.cfg, self.out, self.work = cfg, out, out / ".work"
-        self.pool_factory, self.progress = pool_factory, progress
+        self.pool, self.progress = pool, progress
         self.stats = _Stats()
         self.rejected = _Writer(out / "rejected.jsonl")
         self.quarantine = _Writer(out / "quarantine.jsonl")
@@ -160,14 +162,11 @@ class _Pipeline:
         self.pii_counts: Counter = Counter()
         self.docs_with_pii = 0
 
-    def _map(self, fn: Any, chunks: Iterable[list[dict]], bp_keys: frozenset[int]) -> Iterator[Any]:
-        pool = self.pool_factory(self.cfg, bp_keys)
-        if pool is None:
-            _init_worker(self.cfg, bp_keys)
-            yield from map(fn, chunks)
-            return
-        with pool:
-            yield from pool.imap(fn, chunks)
+    def _map(self, fn: Any, tasks: Iterable[Any]) -> Iterator[Any]:
+        if self.pool is None:
+            _init_worker(self.cfg)
+            return map(fn, tasks)
+        return self.pool.imap(fn, tasks)
 
     def reject(self, doc: dict, step: str, reason: str, **details: Any) -> None:
         self.stats.steps[step]["dropped"][reason] += 1
@@ -184,7 +183,7 @@ class _Pipeline:
         counts: Counter = Counter()
         seen_ids: set[bytes] = set()
         normalized = _Writer(self.work / "normalized.jsonl")
-        for results in self._map(_pass1, _chunks(records), frozenset()):
+        for results in self._map(_pass1, _chunks(records)):
             for doc, nbytes, keys in results:
                 self.bytes_read += nbytes
                 read["out"] += 1
@@ -217,7 +216,8 @@ class _Pipeline:
         near = NearDedup(self.cfg.near_dedup) if self.cfg.near_dedup.enabled else None
         cluster_sizes: Counter = Counter()
         writers = {s: _Writer((self.work if s == "train" else self.out / "splits") / f"{s}.jsonl") for s in SPLITS}
-        for items in self._map(_pass2, _chunks(_read_jsonl(self.work / "normalized.jsonl")), bp_keys):
+        chunks = _chunks(_read_jsonl(self.work / "normalized.jsonl"))
+        for items in self._map(_pass2, ((bp_keys, chunk) for chunk in chunks)):
             for item in items:
                 st["boilerplate"]["in"] += 1
                 st["boilerplate"]["lines_removed"] += item["boilerplate_lines"]
@@ -366,14 +366,13 @@ def _report(stats: dict) -> str:
     return "\n".join(lines)
 
 
-def _make_pool_factory(workers: int):
-    def factory(cfg: PrepareConfig, bp_keys: frozenset[int]):
-        if workers <= 1:
-            return None
-        import multiprocessing as mp
+def _make_pool(workers: int, cfg: PrepareConfig) -> Any:
+    """One spawn pool for both passes (each start re-imports this module: ~0.2 s of CPU), or None."""
+    if workers <= 1:
+        return None
+    import multiprocessing as mp
 
-        return mp.get_context("spawn").Pool(workers, _init_worker, (cfg, bp_keys))
-    return factory
+    return mp.get_context("spawn").Pool(workers, _init_worker, (cfg,))
 
 
 def prepare_dataset(inputs: list[str] | tuple[str, ...] | str, out_dir: str | os.PathLike,
@@ -419,8 +418,9 @@ def prepare_dataset(inputs: list[str] | tuple[str, ...] | str, out_dir: str | os
         bar.start()
         progress = (bar, {"read": bar.add_task("read + normalize", total=None),
                           "clean": bar.add_task("clean + dedup", total=None)})
+    pool = _make_pool(workers, cfg)
     try:
-        pipe = _Pipeline(cfg, out, _make_pool_factory(workers), progress)
+        pipe = _Pipeline(cfg, out, pool, progress)
         builtin: dict[str, dict] = {}
         records = _hashing_records(sources, cfg, pipe.quarantine.write, builtin)
         counts = pipe.pass1(records)
@@ -430,6 +430,8 @@ def prepare_dataset(inputs: list[str] | tuple[str, ...] | str, out_dir: str | os
         pipe.pass2(bp_keys)
         pipe.pass3(eval_sets)
     finally:
+        if pool is not None:
+            pool.terminate()
         if progress is not None:
             progress[0].stop()
     pipe.rejected.close()
