@@ -381,3 +381,22 @@ def test_pii_gates_change_nothing():
         assert mask_pii(text, cfg) == expected, text
         masked += bool(expected[1])
     assert masked > 500
+
+
+def test_normalize_matches_reference():
+    """normalize.py's gated, prefix-spelled regexes against the plain rules."""
+    import re
+    import unicodedata
+
+    from lmforge.data.normalize import _TABLE, normalize_text
+
+    def reference(text: str) -> str:
+        text = unicodedata.normalize("NFC", text.replace("\r\n", "\n").replace("\r", "\n")).translate(_TABLE)
+        text = re.sub(r"(?<=\S) {2,}(?=\S)", " ", re.sub(r"[ \t]+\n", "\n", text))
+        return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+    rng = random.Random(0)
+    pieces = ["a", "b", " ", "  ", "\t", "\n", "\r", "\r\n", "\x00", "\x1f", "\x85", "\u00a0", "\u3000", "e\u0301", "\u2028"]
+    for _ in range(20000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
+        assert normalize_text(text) == reference(text), repr(text)
