@@ -33,7 +33,7 @@ from lmforge.data.config import NearDedupConfig
 from lmforge.data.hashing import ngram_hashes, word_hashes
 
 SCHEME = "affine32"  # datasketch 2.x: uint32 values, a_k * fmix32(h) + b_k mod 2^32, a_k odd
-_ROWS_PER_BLOCK = 4096  # shingles per (rows, num_perm) block: bounds memory for huge documents
+_SHINGLES_PER_BLOCK = 8192  # columns of a (num_perm, shingles) block: 4 MiB at 128 permutations
 
 
 def exact_key(text: str) -> bytes:
@@ -68,10 +68,12 @@ def shingle_hashes(text: str, n: int) -> np.ndarray:
 def minhash(hashes: np.ndarray, num_perm: int, seed: int) -> np.ndarray:
     """MinHash signature (num_perm,) uint32 of a non-empty set of 32-bit hashes."""
     a_P, b_P = permutations(num_perm, seed)
-    h_S1 = _fmix32(hashes.astype(np.uint32)).reshape(-1, 1)
+    h_S = _fmix32(hashes.astype(np.uint32))
     sig_P = np.full(num_perm, 0xFFFFFFFF, dtype=np.uint32)
-    for start in range(0, len(h_S1), _ROWS_PER_BLOCK):
-        np.minimum(sig_P, (h_S1[start:start + _ROWS_PER_BLOCK] * a_P + b_P).min(axis=0), out=sig_P)  # (S, P)
+    for start in range(0, len(h_S), _SHINGLES_PER_BLOCK):
+        phv_PS = np.multiply.outer(a_P, h_S[start:start + _SHINGLES_PER_BLOCK])  # wraps mod 2^32
+        phv_PS += b_P[:, None]
+        np.minimum(sig_P, phv_PS.min(axis=1), out=sig_P)  # (P, S): the reduction runs along memory
     return sig_P
 
 
