@@ -400,3 +400,16 @@ def test_normalize_matches_reference():
     for _ in range(20000):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
         assert normalize_text(text) == reference(text), repr(text)
+
+
+def test_punctuation_words_match_reference():
+    import re
+
+    from lmforge.data.quality import _PUNCT, _PUNCT_ONLY
+
+    reference = re.compile("(?<!\\S)[" + re.escape("".join(sorted(_PUNCT))) + "]+(?!\\S)")
+    rng = random.Random(0)
+    pieces = ["a", "b1", " ", "\n", "\t", "-", "*", "...", "…", "#", "(", ")", "•", "»", "\u00a0"]
+    for _ in range(20000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
+        assert _PUNCT_ONLY.findall(text) == reference.findall(text), repr(text)

@@ -43,7 +43,9 @@ def length_reason(text: str, cfg: QualityConfig) -> str | None:
     return None
 
 
-_PUNCT_ONLY = re.compile("(?<!\\S)[" + re.escape("".join(sorted(_PUNCT))) + "]+(?!\\S)")
+_P = "[" + re.escape("".join(sorted(_PUNCT))) + "]"
+# (?<!\S)P+(?!\S), spelled P(?<!\S P)P*(?!\S) so sre skips to punctuation in C instead of trying every position
+_PUNCT_ONLY = re.compile(_P + r"(?<!\S" + _P + ")" + _P + r"*(?!\S)")
 _ALPHA_WORD = re.compile(r"\S*[^\W\d_]\S*")
 _STOP = re.compile(r"\b(?:" + "|".join(sorted(STOP_WORDS)) + r")\b", re.IGNORECASE)
 _BULLET_LINE = re.compile(r"^[ \t]*[•*-]", re.MULTILINE)
@@ -64,12 +66,13 @@ def gopher_quality_reason(text: str, cfg: GopherQualityConfig, words: list[str] 
         return "gopher_mean_word_length"
     if text.count("#") / n_words > cfg.max_symbol_word_ratio:
         return "gopher_hash_ratio"
-    if (text.count("...") + text.count("…")) / n_words > cfg.max_symbol_word_ratio:
+    n_ellipses = text.count("...") + text.count("…")
+    if n_ellipses / n_words > cfg.max_symbol_word_ratio:
         return "gopher_ellipsis_ratio"
     n_lines = text.count("\n") + 1
     if len(_BULLET_LINE.findall(text)) > cfg.max_bullet_lines_ratio * n_lines:
         return "gopher_bullet_lines"
-    if len(_ELLIPSIS_LINE.findall(text)) > cfg.max_ellipsis_lines_ratio * n_lines:
+    if n_ellipses and len(_ELLIPSIS_LINE.findall(text)) > cfg.max_ellipsis_lines_ratio * n_lines:
         return "gopher_ellipsis_lines"
     if len(_ALPHA_WORD.findall(text)) < cfg.min_alpha_words_ratio * n_words:
         return "gopher_alpha_words"
