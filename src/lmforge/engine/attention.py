@@ -3,16 +3,20 @@ token over its sequence's cached + new keys, causally.
 
 Two implementations of one contract, selected by `EngineConfig.attention`:
   * reference — a per-sequence Python loop with plain matmul/softmax math. Slow, obviously right.
-  * fast — no per-sequence loops inside layers. Rows that compute one token (decode, or a
-    one-token chunk) form one group, longer prefill chunks another; each group gathers its
-    sequences' blocks into a padded (S, C, K, H) tensor and runs one SDPA with a mask. All
-    indices are built once per step (`build_metadata`), not per layer.
+  * fast — no per-sequence loops inside layers for decode. Decoding sequences (one query token)
+    are sorted by context length and cut into buckets whose padding stays under
+    `MAX_PADDING` (one long sequence no longer pads a hundred short ones); each bucket gathers
+    its block tables, whole blocks at a time, into a preallocated buffer (no fresh allocation
+    per layer: on CPU, page-faulting a new 100 MB tensor cost more than the copy) and runs one
+    SDPA with a key-padding mask. A prefill chunk is its own group: with nothing cached before
+    it, it attends over its own fresh K/V (causal SDPA, no gather at all); otherwise it gathers
+    its blocks like a bucket of one. All indices are built once per step (`build_metadata`).
 Tests check they agree. This module knows nothing about scheduling, sampling or the model beyond
 the attention callable's signature `(layer_idx, q_BTNH, k_BTKH, v_BTKH) -> out_BTNH` with B = 1.
 
 Shape legend: T flat tokens this step, N query heads, K kv heads, H head dim, P pool blocks,
-B block size, S sequences in a group, Q query tokens per sequence (padded), C context length
-(padded), M max blocks per sequence.
+B block size, S sequences in a group, Q query tokens of a group's sequence, C context length
+(padded), M blocks per sequence (padded), X = B*K*H one block's values.
 """
 
 from __future__ import annotations
@@ -22,13 +26,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+MAX_PADDING = 1.25  # a decode bucket's padded context area may exceed its real one by this factor
+
 
 @dataclass
 class Group:
-    rows_SQ: torch.Tensor  # flat token index of each query (padding points at row 0)
-    valid_SQ: torch.Tensor  # bool: a real query, not padding
-    slots_SC: torch.Tensor  # pool slot of each context position (padding points at slot 0)
-    mask_S1QC: torch.Tensor  # bool: query may attend key (causal, within the context)
+    rows: torch.Tensor | slice  # flat token rows of the queries: (S,) for decode, a slice for a chunk
+    blocks_SM: torch.Tensor | None  # block ids to gather, flattened (S*M,); None: attend fresh K/V only
+    num_seqs: int  # S
+    num_blocks: int  # M
+    context_len: int  # C
+    mask_S1QC: torch.Tensor | None  # bool: query may attend key; None with blocks_SM None (causal)
 
 
 @dataclass
@@ -36,22 +44,38 @@ class AttentionMetadata:
     slot_mapping_T: torch.Tensor  # where each new token's K/V goes
     groups: list[Group]  # fast path
     per_seq: list[tuple[int, int, int, torch.Tensor]]  # reference: (q_start, q_len, num_computed, slots_C)
+    max_gather_blocks: int = 0  # the largest group's S*M: the gather buffer's size
 
 
-def _group(block_tables: list[list[int]], computed: list[int], q_lens: list[int], q_starts: list[int],
-           block_size: int, device: torch.device) -> Group:
-    S, Q, M = len(q_lens), max(q_lens), max(len(bt) for bt in block_tables)
-    C = max(c + q for c, q in zip(computed, q_lens))
-    bt_SM = torch.tensor([bt + [0] * (M - len(bt)) for bt in block_tables], dtype=torch.long)
+def _slots(bt: list[int], start: int, stop: int, block_size: int) -> list[int]:
+    return [bt[p // block_size] * block_size + p % block_size for p in range(start, stop)]
+
+
+def _decode_buckets(lens: list[int]) -> list[list[int]]:
+    """Indices into `lens`, ascending by length, cut so each bucket's S * max(len) <= MAX_PADDING * sum."""
+    buckets: list[list[int]] = []
+    cur, total = [], 0
+    for i in sorted(range(len(lens)), key=lens.__getitem__):
+        if cur and (len(cur) + 1) * lens[i] > MAX_PADDING * (total + lens[i]):
+            buckets.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += lens[i]
+    return buckets + [cur] if cur else buckets
+
+
+def _gather_group(rows, block_tables: list[list[int]], lens: list[int], q_len: int, block_size: int,
+                  device: torch.device) -> Group:
+    """Sequences that gather their first `lens[s]` tokens' K/V; queries are the last `q_len` of them."""
+    S, C = len(block_tables), max(lens)
+    M = -(-C // block_size)
+    blocks_SM = torch.tensor([bt[:M] + [0] * (M - len(bt[:M])) for bt in block_tables], dtype=torch.long)
     pos_C = torch.arange(C)
-    slots_SC = bt_SM[:, pos_C // block_size] * block_size + pos_C % block_size
-    q_SQ = torch.arange(Q).expand(S, Q)
-    valid_SQ = q_SQ < torch.tensor(q_lens)[:, None]
-    rows_SQ = torch.where(valid_SQ, torch.tensor(q_starts)[:, None] + q_SQ, 0)
-    qpos_SQ = torch.tensor(computed)[:, None] + q_SQ  # absolute position of each query
+    qpos_SQ = torch.tensor(lens)[:, None] - q_len + torch.arange(q_len)  # absolute position of each query
     mask_S1QC = (pos_C[None, None, :] <= qpos_SQ[:, :, None]).unsqueeze(1)
-    # padded queries may see padded keys (slot 0, finite values); their outputs are dropped
-    return Group(*(t.to(device, non_blocking=True) for t in (rows_SQ, valid_SQ, slots_SC, mask_S1QC)))
+    # padded keys (block 0, finite values) are masked; every query sees at least itself
+    return Group(rows, blocks_SM.flatten().to(device, non_blocking=True), S, M, C,
+                 mask_S1QC.to(device, non_blocking=True))
 
 
 def build_metadata(block_tables: list[list[int]], computed: list[int], q_lens: list[int], block_size: int,
@@ -61,25 +85,34 @@ def build_metadata(block_tables: list[list[int]], computed: list[int], q_lens: l
     for bt, c, q in zip(block_tables, computed, q_lens):
         q_starts.append(start)
         start += q
-        slot_mapping += [bt[p // block_size] * block_size + p % block_size for p in range(c, c + q)]
+        slot_mapping += _slots(bt, c, c + q, block_size)
     slot_mapping_T = torch.tensor(slot_mapping, dtype=torch.long).to(device, non_blocking=True)
     if reference:
-        per_seq = []
-        for bt, c, q, s in zip(block_tables, computed, q_lens, q_starts):
-            slots = [bt[p // block_size] * block_size + p % block_size for p in range(c + q)]
-            per_seq.append((s, q, c, torch.tensor(slots, dtype=torch.long, device=device)))
+        per_seq = [(s, q, c, torch.tensor(_slots(bt, 0, c + q, block_size), dtype=torch.long, device=device))
+                   for bt, c, q, s in zip(block_tables, computed, q_lens, q_starts)]
         return AttentionMetadata(slot_mapping_T, [], per_seq)
     groups = []
-    for is_decode in (True, False):  # one-token rows never pay for a long chunk's padding
-        idx = [i for i, q in enumerate(q_lens) if (q == 1) == is_decode]
-        if idx:
-            groups.append(_group([block_tables[i] for i in idx], [computed[i] for i in idx],
-                                 [q_lens[i] for i in idx], [q_starts[i] for i in idx], block_size, device))
-    return AttentionMetadata(slot_mapping_T, groups, [])
+    decode = [i for i, q in enumerate(q_lens) if q == 1]
+    for bucket in _decode_buckets([computed[i] + 1 for i in decode]):
+        idx = [decode[j] for j in bucket]
+        rows = torch.tensor([q_starts[i] for i in idx], dtype=torch.long).to(device, non_blocking=True)
+        groups.append(_gather_group(rows, [block_tables[i] for i in idx], [computed[i] + 1 for i in idx], 1,
+                                    block_size, device))
+    for i, q in enumerate(q_lens):
+        if q == 1:
+            continue
+        rows = slice(q_starts[i], q_starts[i] + q)
+        if computed[i] == 0:  # nothing cached before the chunk: causal attention over its own K/V
+            groups.append(Group(rows, None, 1, 0, q, None))
+        else:
+            groups.append(_gather_group(rows, [block_tables[i]], [computed[i] + q], q, block_size, device))
+    most = max((g.num_seqs * g.num_blocks for g in groups), default=0)
+    return AttentionMetadata(slot_mapping_T, groups, [], most)
 
 
 class PagedAttention:
-    """The engine's attention callable; owns the K/V pools, one pair of tensors per layer."""
+    """The engine's attention callable; owns the K/V pools, one pair of tensors per layer, and the
+    gather buffers every layer reuses."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
@@ -87,26 +120,50 @@ class PagedAttention:
         self.k_pools_PBKH = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_pools_PBKH = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.meta: AttentionMetadata | None = None  # set by the model runner before each forward
+        self._k_buf_X = self._v_buf_X = torch.empty(0, dtype=dtype, device=device)
+
+    def set_metadata(self, meta: AttentionMetadata | None) -> None:
+        self.meta = meta
+        X = self.k_pools_PBKH[0][0].numel()
+        if meta is not None and meta.max_gather_blocks * X > self._k_buf_X.numel():
+            n = int(meta.max_gather_blocks * 1.25) * X  # grow with headroom; reused by every later step
+            self._k_buf_X = torch.empty(n, dtype=self._k_buf_X.dtype, device=self._k_buf_X.device)
+            self._v_buf_X = torch.empty_like(self._k_buf_X)
 
     def __call__(self, layer_idx: int, q_BTNH: torch.Tensor, k_BTKH: torch.Tensor,
                  v_BTKH: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         K, H = k_BTKH.shape[2:]
-        k_cache = self.k_pools_PBKH[layer_idx].view(-1, K, H)  # (P*B, K, H): one row per slot
-        v_cache = self.v_pools_PBKH[layer_idx].view(-1, K, H)
+        k_pool_PBKH, v_pool_PBKH = self.k_pools_PBKH[layer_idx], self.v_pools_PBKH[layer_idx]
+        k_cache, v_cache = k_pool_PBKH.view(-1, K, H), v_pool_PBKH.view(-1, K, H)  # (P*B, K, H): a row per slot
         k_cache.index_copy_(0, meta.slot_mapping_T, k_BTKH[0])
         v_cache.index_copy_(0, meta.slot_mapping_T, v_BTKH[0])
         if meta.per_seq:
             return reference_attention(q_BTNH[0], k_cache, v_cache, meta.per_seq).unsqueeze(0)
         q_TNH, out_TNH = q_BTNH[0], torch.empty_like(q_BTNH[0])
+        gqa = q_TNH.shape[1] != K
         for g in meta.groups:
-            q_SNQH = q_TNH[g.rows_SQ].transpose(1, 2)
-            k_SKCH = k_cache[g.slots_SC].transpose(1, 2)
-            v_SKCH = v_cache[g.slots_SC].transpose(1, 2)
-            o_SNQH = F.scaled_dot_product_attention(q_SNQH, k_SKCH, v_SKCH, attn_mask=g.mask_S1QC,
-                                                    enable_gqa=q_SNQH.shape[1] != k_SKCH.shape[1])
-            out_TNH[g.rows_SQ[g.valid_SQ]] = o_SNQH.transpose(1, 2)[g.valid_SQ]
+            if g.blocks_SM is None:  # a fresh prefill chunk: (1, heads, Q, H) views, no copy
+                q_1NQH, k_1KQH, v_1KQH = (t[0, g.rows].transpose(0, 1).unsqueeze(0) for t in (q_BTNH, k_BTKH, v_BTKH))
+                o_1NQH = F.scaled_dot_product_attention(q_1NQH, k_1KQH, v_1KQH, is_causal=True, enable_gqa=gqa)
+                out_TNH[g.rows] = o_1NQH[0].transpose(0, 1)
+                continue
+            k_SKCH, v_SKCH = (self._gather(pool, buf, g, K, H) for pool, buf in
+                              ((k_pool_PBKH, self._k_buf_X), (v_pool_PBKH, self._v_buf_X)))
+            q_SQNH = q_TNH[g.rows].view(g.num_seqs, -1, *q_TNH.shape[1:])  # decode: Q = 1; a chunk: S = 1
+            o_SNQH = F.scaled_dot_product_attention(q_SQNH.transpose(1, 2), k_SKCH, v_SKCH, attn_mask=g.mask_S1QC,
+                                                    enable_gqa=gqa)
+            out_TNH[g.rows] = o_SNQH.transpose(1, 2).reshape(-1, *q_TNH.shape[1:])
         return out_TNH.unsqueeze(0)
+
+    @staticmethod
+    def _gather(pool_PBKH: torch.Tensor, buf_X: torch.Tensor, g: Group, K: int, H: int) -> torch.Tensor:
+        """The group's blocks, copied whole into the reusable buffer: a (S, K, C, H) view."""
+        P, B = pool_PBKH.shape[:2]
+        n = g.num_seqs * g.num_blocks
+        out_nX = buf_X[:n * B * K * H].view(n, B * K * H)
+        torch.index_select(pool_PBKH.view(P, -1), 0, g.blocks_SM, out=out_nX)
+        return out_nX.view(g.num_seqs, g.num_blocks * B, K, H)[:, :g.context_len].transpose(1, 2)
 
 
 def reference_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -46,14 +46,14 @@ class ModelRunner:
             start += n
             if s.samples:
                 last_rows.append(start - 1)
-        self.attn.meta = build_metadata([s.seq.block_table for s in scheduled],
-                                        [s.seq.num_computed_tokens for s in scheduled],
-                                        [s.num_new_tokens for s in scheduled], self.block_size, self.device,
-                                        self.reference)
+        self.attn.set_metadata(build_metadata([s.seq.block_table for s in scheduled],
+                                              [s.seq.num_computed_tokens for s in scheduled],
+                                              [s.num_new_tokens for s in scheduled], self.block_size, self.device,
+                                              self.reference))
         to_dev = dict(dtype=torch.long, device=self.device)
         h_1TD = self.model.hidden_states(torch.tensor([input_ids], **to_dev), torch.tensor([positions], **to_dev),
                                          attn=self.attn)
-        self.attn.meta = None
+        self.attn.set_metadata(None)
         if not last_rows:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
         h_SD = h_1TD[0, torch.tensor(last_rows, **to_dev)]
