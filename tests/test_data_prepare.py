@@ -413,3 +413,12 @@ def test_punctuation_words_match_reference():
     for _ in range(20000):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
         assert _PUNCT_ONLY.findall(text) == reference.findall(text), repr(text)
+
+
+def test_alpha_words_ascii_shortcut():
+    from lmforge.data.quality import _ALPHA_WORD, _alpha_words
+
+    rng = random.Random(0)
+    for _ in range(20000):
+        text = "".join(rng.choice("aZ09_-.#( \t\n\x1c\x0b") for _ in range(rng.randint(0, 30)))
+        assert _alpha_words(text, text.split()) == len(_ALPHA_WORD.findall(text)), repr(text)

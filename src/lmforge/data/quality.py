@@ -52,6 +52,14 @@ _BULLET_LINE = re.compile(r"^[ \t]*[•*-]", re.MULTILINE)
 _ELLIPSIS_LINE = re.compile(r"(?:\.\.\.|…)[ \t]*$", re.MULTILINE)
 
 
+def _alpha_words(text: str, words: list[str]) -> int:
+    """Words holding at least one letter. In ASCII text the letters are exactly the cased
+    characters, so comparing each word's lower and upper case (C loops) replaces the regex scan."""
+    if text.isascii():
+        return sum(map(str.__ne__, map(str.lower, words), map(str.upper, words)))
+    return len(_ALPHA_WORD.findall(text))
+
+
 def gopher_quality_reason(text: str, cfg: GopherQualityConfig, words: list[str] | None = None) -> str | None:
     words = text.split() if words is None else words
     n_words = len(words)
@@ -74,7 +82,7 @@ def gopher_quality_reason(text: str, cfg: GopherQualityConfig, words: list[str] 
         return "gopher_bullet_lines"
     if n_ellipses and len(_ELLIPSIS_LINE.findall(text)) > cfg.max_ellipsis_lines_ratio * n_lines:
         return "gopher_ellipsis_lines"
-    if len(_ALPHA_WORD.findall(text)) < cfg.min_alpha_words_ratio * n_words:
+    if _alpha_words(text, words) < cfg.min_alpha_words_ratio * n_words:
         return "gopher_alpha_words"
     if sum(1 for _ in itertools.islice(_STOP.finditer(text), cfg.min_stop_words)) < cfg.min_stop_words:
         return "gopher_stop_words"
