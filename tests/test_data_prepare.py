@@ -351,14 +351,18 @@ def test_repetition_rules_match_reference():
 
 
 def _mask_reference(text: str) -> tuple[str, dict[str, int]]:
-    """Every PII pattern, no gates, with the lookbehind-first spellings of cn_id and card."""
+    """Every PII pattern, no gates, with the lookbehind-first spellings of cn_id, card and phone."""
     import re
 
     from lmforge.data import pii
 
     original = {"cn_id": re.compile(r"(?<![0-9A-Za-z])[1-9]\d{5}(?:19|20)\d{2}(?:0[1-9]|1[0-2])"
                                     r"(?:0[1-9]|[12]\d|3[01])\d{3}[0-9Xx](?![0-9A-Za-z])"),
-                "credit_card": re.compile(r"(?<![\d.-])[3-6]\d{3}(?:[ -]?\d){9,15}(?![\d.])")}
+                "credit_card": re.compile(r"(?<![\d.-])[3-6]\d{3}(?:[ -]?\d){9,15}(?![\d.])"),
+                "phone": re.compile(r"(?<![\w+])\+\d{1,3}[ .-]?(?:\(\d{1,4}\)[ .-]?)?\d{1,4}(?:[ .-]?\d{2,4}){1,4}(?![\w])"
+                                    r"|(?<![\w(])\(\d{3}\) ?\d{3}[ .-]\d{4}(?!\d)"
+                                    r"|(?<![\w.-])\d{3}[-.]\d{3}[-.]\d{4}(?![\w.-])"
+                                    r"|(?<![0-9A-Za-z_+])(?:86[ -]?)?1[3-9]\d{9}(?![0-9A-Za-z_])")}
     counts = {}
     for kind, pattern, valid in pii._RULES:
         found = [m for m in original.get(kind, pattern).finditer(text) if valid is None or valid(m.group(0))]
@@ -371,12 +375,12 @@ def _mask_reference(text: str) -> tuple[str, dict[str, int]]:
 
 def test_pii_gates_change_nothing():
     rng = random.Random(0)
-    pieces = ["1", "3", "4", "5", "0", "9", "13", "86", "+", "(", ")", "-", ".", ":", "::", " ", "a", "f", "X", "@",
+    pieces = ["1", "3", "4", "5", "0", "9", "13", "86", "86 ", "+", "(", ")", "-", ".", ":", "::", " ", "a", "f", "X", "@",
               "x.com", "4111", "192.168.", "2001:db8", "sk-", "AKIA", "Bearer ", "hf_", "abcdefghijklmnopqrstuvwxyz",
               "ABCDEF0123456789", "手机", "\n"]
     cfg, masked = PiiConfig(), 0
     for text in [*PII_POSITIVE.values(), *LOOK_ALIKES] + \
-            ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 40))) for _ in range(5000)]:
+            ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 40))) for _ in range(8000)]:
         expected = _mask_reference(text)
         assert mask_pii(text, cfg) == expected, text
         masked += bool(expected[1])

@@ -47,11 +47,17 @@ _CARD = re.compile(r"[3-6](?<![\d.-][3-6])\d{3}(?:[ -]?\d){9,15}(?![\d.])")
 _IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![\w:])")
 _OCTET = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
 _IPV4 = re.compile(rf"(?<![\w.]){_OCTET}(?:\.{_OCTET}){{3}}(?![\w]|\.\d)")
+# Four alternatives: `+CC ...`, `(555) 123-4567`, `555-123-4567`, Chinese mobile `(86)1[3-9]...`, each
+# behind its own lookbehind. Spelled charset-first like _CN_ID: the first character is consumed by
+# `[+(\d]` and each alternative re-checks it and its left neighbour with a two-character lookbehind,
+# in the original order (the Chinese mobile split by its first character, 8 or 1).
 _PHONE = re.compile(
-    r"(?<![\w+])\+\d{1,3}[ .-]?(?:\(\d{1,4}\)[ .-]?)?\d{1,4}(?:[ .-]?\d{2,4}){1,4}(?![\w])"
-    r"|(?<![\w(])\(\d{3}\) ?\d{3}[ .-]\d{4}(?!\d)"
-    r"|(?<![\w.-])\d{3}[-.]\d{3}[-.]\d{4}(?![\w.-])"
-    r"|(?<![0-9A-Za-z_+])(?:86[ -]?)?1[3-9]\d{9}(?![0-9A-Za-z_])")
+    r"[+(\d](?:"
+    r"(?<=\+)(?<![\w+]\+)\d{1,3}[ .-]?(?:\(\d{1,4}\)[ .-]?)?\d{1,4}(?:[ .-]?\d{2,4}){1,4}(?![\w])"
+    r"|(?<=\()(?<![\w(]\()\d{3}\) ?\d{3}[ .-]\d{4}(?!\d)"
+    r"|(?<=\d)(?<![\w.-]\d)\d{2}[-.]\d{3}[-.]\d{4}(?![\w.-])"
+    r"|(?<=8)(?<![0-9A-Za-z_+]8)6[ -]?1[3-9]\d{9}(?![0-9A-Za-z_])"
+    r"|(?<=1)(?<![0-9A-Za-z_+]1)[3-9]\d{9}(?![0-9A-Za-z_]))")
 
 _API_KEY_PREFIXES = ("sk-", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_", "AKIA", "xox", "AIza", "hf_",
                      "k_live_", "eyJ", "Bearer ")
