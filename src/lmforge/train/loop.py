@@ -284,7 +284,7 @@ class Trainer:
             self.warn(f"--resume: no valid checkpoint in {self.out / ckpt.CKPT_DIR}; starting from step 0")
             return
         path, meta = found
-        state = ckpt.load_state(path, map_location=self.device)
+        state = ckpt.load_state(path, map_location="cpu")  # RNG states must stay CPU tensors; load_state_dict moves the rest
         if len(state["loader"]) != self.d.world_size:
             raise ConfigError(f"{path} was written by {len(state['loader'])} processes; resume with the same "
                               f"--nproc-per-node (now {self.d.world_size})")
