@@ -3,7 +3,8 @@ quarantine, reconciliation and determinism across workers and runs.
 
 The corpus is generated (random pseudo-words plus stop words, so Gopher rules pass), with
 planted exact duplicates, near duplicates (1-3% of words substituted), PII and eval items.
-One module-scope run with 1 worker and one with 2 workers; the file takes ~15 s on 2 cores.
+One module-scope run with 1 worker and one with 2 workers, plus fuzz tests of every fast path
+against its slow reference; the file takes ~25 s on 2 shared cores.
 
     python -m pytest -q tests/test_data_prepare.py
 """
