@@ -11,11 +11,22 @@ them; outputs come back in input order. Knows nothing about scheduling or tensor
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from .config import EngineConfig
 from .llm_engine import LLMEngine, RequestOutput
 from .sampling_params import SamplingParams
+
+
+def _final_only(params: Sequence[SamplingParams]) -> list[SamplingParams]:
+    """Offline callers only see finished outputs: ask for those alone (vLLM does the same), so the
+    engine builds no per-step output copies."""
+    converted: dict[int, SamplingParams] = {}
+    for p in params:
+        if id(p) not in converted:
+            converted[id(p)] = p if p.output_kind != "cumulative" else dataclasses.replace(p, output_kind="final_only")
+    return [converted[id(p)] for p in params]
 
 
 class LLM:
@@ -46,6 +57,7 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params; pass one or one per prompt")
+        params = _final_only(params)
         engine, ids = self.llm_engine, []
         try:
             for prompt, p in zip(prompts, params):  # all validated before any runs

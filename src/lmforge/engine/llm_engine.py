@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -44,6 +44,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None  # per token: the sampled id and the top ids -> logprob
     finish_reason: str | None = None  # stop | length | abort; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    token_times: list[float] = field(default_factory=list)  # time.time() each token in token_ids appeared
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -60,7 +61,9 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """Cumulative: `outputs[i].token_ids` and `.text` hold everything generated so far."""
+    """`SamplingParams.output_kind`: cumulative (the default) — `outputs[i].token_ids`, `.text`, `.logprobs`,
+    `.token_times` hold everything generated so far; delta — only what is new since the previous output;
+    final_only — a single output, when the request finishes (or is aborted), holding everything."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -76,6 +79,8 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     seqs: list[Sequence]
+    output_kind: str = "cumulative"
+    sent: list[tuple[int, int]] = field(default_factory=list)  # delta: (tokens, characters) sent per sample
 
 
 def _eos_token_ids(model_dir: Path, model: Transformer, tokenizer) -> set[int]:
@@ -112,6 +117,7 @@ class LLMEngine:
         self.sampler = Sampler(sorted(self.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self.counters = dict(steps=0, tokens_processed=0, kv_util_sum=0.0)
+        self.timings = dict.fromkeys(("schedule", "sample", "postprocess", "detokenize"), 0.0)  # seconds
 
     def _num_blocks_from_budget(self) -> int:
         per_block = kv_bytes_per_block(self.model, self.config.block_size)
@@ -136,6 +142,10 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported by lmforge's engine yet (it would need the logits "
+                             "of every prompt position, which chunked prefill and the prefix cache skip); "
+                             "omit it, or score the prompt with lmforge.model.Transformer directly")
         text, ids = self._tokenize(prompt)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         if len(ids) + max_tokens > self.max_model_len:
@@ -153,7 +163,8 @@ class LLMEngine:
             if self.tokenizer is not None:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params, ids)
             self.scheduler.add(seq)
-        self.requests[request_id] = Request(request_id, text, ids, seqs)
+        self.requests[request_id] = Request(request_id, text, ids, seqs, params.output_kind,
+                                            [(0, 0)] * params.n)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -185,15 +196,32 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return self._idle()
+        t1 = time.perf_counter()
         logits_SV = self.model_runner.run(scheduled)
+        t2 = time.perf_counter()
         sampling = [s.seq for s in scheduled if s.samples]
         results = self.sampler(logits_SV, sampling) if sampling else []
+        t3 = time.perf_counter()
         self.scheduler.update(scheduled)
         self._count(scheduled)
-        return self._postprocess(sampling, results)
+        outputs = self._postprocess(sampling, results)
+        t = self.timings
+        t["schedule"] += t1 - t0
+        t["sample"] += t3 - t2
+        t["postprocess"] += time.perf_counter() - t3
+        return outputs
+
+    def step_profile(self) -> dict[str, float]:
+        """Cumulative seconds per phase of `step()`: schedule, prepare (inputs and attention indices),
+        forward, sample, detokenize, postprocess (block hashing, end conditions, outputs; without
+        detokenize)."""
+        t, r = self.timings, self.model_runner.timings
+        return {"schedule": t["schedule"], "prepare": r["prepare"], "forward": r["forward"], "sample": t["sample"],
+                "detokenize": t["detokenize"], "postprocess": t["postprocess"] - t["detokenize"]}
 
     def _idle(self) -> list[RequestOutput]:
         if self.requests:  # requests that can never fit are refused upfront, so this is a bug
@@ -208,7 +236,11 @@ class LLMEngine:
             if r.logprob is not None:
                 seq.cumulative_logprob += r.logprob
                 seq.logprobs.append({r.token_id: r.logprob, **(r.top_logprobs or {})})
-            delta, hit_stop = seq.detokenizer.step([r.token_id]) if seq.detokenizer else ("", False)
+            delta, hit_stop = "", False
+            if seq.detokenizer is not None:
+                t0 = time.perf_counter()
+                delta, hit_stop = seq.detokenizer.step([r.token_id])
+                self.timings["detokenize"] += time.perf_counter() - t0
             seq.output_text += delta
             reason = self._finish_reason(seq, r.token_id, hit_stop)
             if reason is not None:
@@ -216,10 +248,13 @@ class LLMEngine:
                     seq.output_text += seq.detokenizer.flush()
                 self.scheduler.finish(seq, reason)
             touched[seq.request_id] = self.requests[seq.request_id]
-        outputs = [self._output(req) for req in touched.values()]
-        for out in outputs:
-            if out.finished:
-                del self.requests[out.request_id]
+        outputs = []
+        for req in touched.values():
+            done = all(s.is_finished for s in req.seqs)
+            if done:
+                del self.requests[req.request_id]
+            if done or req.output_kind != "final_only":
+                outputs.append(self._output(req))
         return outputs
 
     def _finish_reason(self, seq: Sequence, token_id: int, hit_stop: bool) -> str | None:
@@ -238,10 +273,16 @@ class LLMEngine:
         return None
 
     def _output(self, req: Request) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.output_text, list(s.output_token_ids),
-                                 s.cumulative_logprob if s.sampling_params.logprobs is not None else None,
-                                 list(s.logprobs) if s.sampling_params.logprobs is not None else None,
-                                 s.finish_reason, s.stop_reason) for s in req.seqs]
+        outs = []
+        for i, s in enumerate(req.seqs):
+            tok, chars = req.sent[i] if req.output_kind == "delta" else (0, 0)
+            wants_lp = s.sampling_params.logprobs is not None
+            outs.append(CompletionOutput(s.index, s.output_text[chars:], s.output_token_ids[tok:],
+                                         s.cumulative_logprob if wants_lp else None,
+                                         s.logprobs[tok:] if wants_lp else None, s.finish_reason, s.stop_reason,
+                                         s.token_times[tok:]))
+            if req.output_kind == "delta":
+                req.sent[i] = (s.num_output_tokens, len(s.output_text))
         s0, seqs = req.seqs[0], req.seqs
         last = [s.token_times[-1] for s in seqs if s.token_times]
         firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
@@ -276,5 +317,18 @@ class LLMEngine:
                     kv_blocks_total=bm.num_blocks, kv_blocks_in_use=bm.num_used_blocks,
                     kv_blocks_cached_free=sum(1 for b in bm.free if bm.blocks[b].hash is not None),
                     kv_utilization_avg=c["kv_util_sum"] / c["steps"] if c["steps"] else 0.0,
-                    tokens_processed=c["tokens_processed"], running=len(self.scheduler.running),
-                    waiting=len(self.scheduler.waiting))
+                    kv_util_sum=c["kv_util_sum"], tokens_processed=c["tokens_processed"],
+                    running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                    num_requests_running=len({s.request_id for s in self.scheduler.running}),
+                    num_requests_waiting=len({s.request_id for s in self.scheduler.waiting}
+                                             - {s.request_id for s in self.scheduler.running}))
+
+    # ---- what callers may read -------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def model_path(self) -> str:
+        return str(self.config.model)

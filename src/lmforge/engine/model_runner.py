@@ -11,6 +11,8 @@ Shape legend: T flat tokens this step, S sequences that sample, D hidden, V voca
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from lmforge.model import Transformer
@@ -34,10 +36,13 @@ class ModelRunner:
         self.device, self.dtype = p.device, p.dtype
         self.attn = PagedAttention(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
                                    c.head_dim, p.dtype, p.device)
+        self.timings = {"prepare": 0.0, "forward": 0.0}  # seconds, cumulative
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """float32 (float64 in exactness mode) logits (S, V), one row per sampling sequence, in `scheduled` order."""
+        """float32 (float64 in exactness mode) logits (S, V), one row per sampling sequence, in `scheduled` order.
+        Adds its seconds to `timings` (on CUDA, `forward` is launch time: the sampler's copy waits for the rest)."""
+        t0 = time.perf_counter()
         input_ids, positions, last_rows, start = [], [], [], 0
         for s in scheduled:
             c, n = s.seq.num_computed_tokens, s.num_new_tokens
@@ -51,10 +56,15 @@ class ModelRunner:
                                               [s.num_new_tokens for s in scheduled], self.block_size, self.device,
                                               self.reference))
         to_dev = dict(dtype=torch.long, device=self.device)
-        h_1TD = self.model.hidden_states(torch.tensor([input_ids], **to_dev), torch.tensor([positions], **to_dev),
-                                         attn=self.attn)
+        input_ids_1T, positions_1T = torch.tensor([input_ids], **to_dev), torch.tensor([positions], **to_dev)
+        last_rows_S = torch.tensor(last_rows, **to_dev)
+        t1 = time.perf_counter()
+        h_1TD = self.model.hidden_states(input_ids_1T, positions_1T, attn=self.attn)
         self.attn.set_metadata(None)
-        if not last_rows:
-            return torch.empty(0, self.model.config.vocab_size, device=self.device)
-        h_SD = h_1TD[0, torch.tensor(last_rows, **to_dev)]
-        return self.model.lm_head(h_SD).to(torch.promote_types(self.dtype, torch.float32))  # float64 stays exact
+        if last_rows:
+            logits_SV = self.model.lm_head(h_1TD[0, last_rows_S]).to(torch.promote_types(self.dtype, torch.float32))
+        else:  # float64 stays exact
+            logits_SV = torch.empty(0, self.model.config.vocab_size, device=self.device)
+        self.timings["prepare"] += t1 - t0
+        self.timings["forward"] += time.perf_counter() - t1
+        return logits_SV

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
 
 @dataclass
 class SamplingParams:
@@ -29,6 +31,10 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token (the sampled one is always given)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's RequestOutputKind: what each RequestOutput carries. cumulative = everything so far;
+    # delta = only what is new since the last output; final_only = one output, when the request ends
+    # (no per-step copies: the offline API's choice).
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +62,7 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
              "must be in [0, 20]"),
+            ("output_kind", self.output_kind in OUTPUT_KINDS, f"must be one of {', '.join(OUTPUT_KINDS)}"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "must be non-negative token ids"),

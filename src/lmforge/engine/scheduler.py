@@ -50,10 +50,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while bm.blocks_needed(seq, n) > bm.num_free_blocks and seq in self.running:
+            while bm.blocks_needed(seq, n) > bm.num_free_blocks and seq.status == SequenceStatus.RUNNING:
                 self._preempt(self.running.pop())  # the newest; maybe seq itself
                 preempted = True
-            if seq not in self.running:
+            if seq.status != SequenceStatus.RUNNING:
                 break
             bm.allocate(seq, n)
             scheduled.append(ScheduledSeq(seq, n))
