@@ -16,7 +16,7 @@ $(STAMP): requirements.lock pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/lmforge demo
+	$(VENV)/bin/lmforge quickstart
 
 test: $(STAMP)
 	$(PY) -m pytest -q

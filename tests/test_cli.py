@@ -16,7 +16,7 @@ def run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
 def test_help_lists_the_verbs():
     proc = run("--help")
     assert proc.returncode == 0, proc.stderr
-    for verb in ("doctor", "tokenizer", "demo"):
+    for verb in ("doctor", "quickstart", "data", "tokenizer", "train", "export", "runs", "eval", "serve", "bench"):
         assert verb in proc.stdout
 
 

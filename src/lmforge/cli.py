@@ -5,6 +5,7 @@ transformers) load only when a verb runs, so `lmforge --help` stays fast.
 
     lmforge --help
     lmforge doctor
+    lmforge quickstart
     lmforge tokenizer train python-docs --vocab-size 8192 --out runs/tok
 """
 
@@ -43,6 +44,22 @@ app.command("serve", help="Serve MODEL_DIR over an OpenAI-compatible HTTP API wi
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that write bench.json and a Markdown table.")
 bench_app.command("serve", help="Load-test an OpenAI-compatible server: TTFT, TPOT, ITL, E2E, throughput, "
                                 "goodput; writes bench.json and bench.md.")(serve_commands.bench_serve)
+
+
+@bench_app.command("data")
+def bench_data_cmd(
+    inputs: Annotated[Optional[list[str]], typer.Argument(help="Inputs to prepare (default: python-docs).")] = None,
+    workers: Annotated[list[int], typer.Option("--workers", help="Worker counts to compare; repeat.")] = [1, 2],
+    repeats: Annotated[int, typer.Option(help="Timed repeats per setting (best is kept).")] = 3,
+    out: Annotated[Path, typer.Option(help="Folder for bench_data.json and bench_data.md.")] = Path("runs/bench-data"),
+) -> None:
+    """Throughput of `lmforge data prepare` per step and end to end (MB/s, CPU time) with 1 and 2 workers;
+    checks that the outputs are identical across worker counts."""
+    from lmforge.data.bench import run_bench
+
+    run_bench(inputs=tuple(inputs or ["python-docs"]), workers=tuple(workers), repeats=repeats, out_dir=out)
+
+
 app.add_typer(bench_app, name="bench")
 
 
@@ -61,15 +78,18 @@ def doctor_cmd(
     raise typer.Exit(doctor(out, quick))
 
 
-@app.command("demo")
-def demo_cmd(
-    out: Annotated[Path, typer.Option("--out", help="Run directory for the demo's products.")] = Path("runs/demo"),
+@app.command("quickstart")
+def quickstart_cmd(
+    out: Annotated[Path, typer.Option("--out", help="Run directory; one sub-folder per stage.")] = Path(
+        "runs/quickstart"),
+    tiny: Annotated[bool, typer.Option("--tiny", help="A small slice of everything: about a minute.")] = False,
 ) -> None:
-    """Run what exists end to end: doctor, tokenizer training on python-docs, and model parity
-    against transformers for every supported architecture. Writes OUT/report.md."""
-    from lmforge.demo import run_demo
+    """The whole chain on python-docs: data prepare, tokenizer, pack, pretrain, export, eval, engine benchmark,
+    serve + OpenAI-client requests; writes OUT/report.md (the report card) and prints it. Rerunning skips
+    stages whose outputs are complete."""
+    from lmforge.quickstart import quickstart
 
-    raise typer.Exit(run_demo(out))
+    raise typer.Exit(quickstart(out, tiny=tiny))
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ so a tensor that a converter forgets shows up in the logits. This module imports
 `transformers` lazily and knows nothing about training or serving.
 
     hf = make_hf_model("qwen3")                  # transformers.Qwen3ForCausalLM, random weights
-    logits_ok = parity(hf, Transformer.from_pretrained(saved_dir))
+    save_hf_model("llama", "/tmp/tiny-llama")     # the same, saved in HF layout
 """
 
 from __future__ import annotations
@@ -67,18 +67,3 @@ def _save(model, path: str | Path) -> Path:
     hf_logging.disable_progress_bar()  # "Writing model shards" bars would flood test and demo output
     model.save_pretrained(path)
     return Path(path)
-
-
-@torch.no_grad()
-def logit_parity(variant: str, path: str | Path, seq_len: int = 64, batch: int = 2, seed: int = 0) -> dict:
-    """Save a random HF model of `variant` to `path`, load it as ours, compare logits in float32."""
-    from .transformer import Transformer
-
-    hf = make_hf_model(variant, seed=seed)
-    _save(hf, path)
-    ours = Transformer.from_pretrained(path, dtype="float32", device="cpu")
-    ids = torch.randint(0, hf.config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
-    ref, got = hf(ids).logits, ours(ids)
-    return {"variant": variant, "architecture": type(hf).__name__, "params": ours.num_parameters(),
-            "max_abs_err": (ref - got).abs().max().item(),
-            "argmax_agree": (ref.argmax(-1) == got.argmax(-1)).float().mean().item()}

@@ -36,22 +36,22 @@ def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]
 
 
 def hardware_info() -> dict:
-    """The machine in a few fields; the accelerator when torch sees one."""
+    """The machine in a few fields; the accelerator when torch sees one.
+
+    torch is asked only when the stage already imported it: a data stage that never touches
+    torch should not pay ~2 s to import it just to write record.json."""
     import os
 
     info = {"platform": platform.platform(), "machine": platform.machine(),
             "processor": platform.processor() or None, "cpu_count": os.cpu_count(),
             "python_executable": sys.executable}
-    try:
-        import torch
-
+    torch = sys.modules.get("torch")
+    if torch is not None:
         info["torch_threads"] = torch.get_num_threads()
         info["cuda"] = torch.cuda.is_available()
         if info["cuda"]:
             info["gpu"] = torch.cuda.get_device_name(0)
             info["gpu_count"] = torch.cuda.device_count()
-    except ImportError:
-        info["cuda"] = False
     try:
         with open("/proc/meminfo") as f:
             info["mem_total_bytes"] = int(f.readline().split()[1]) * 1024

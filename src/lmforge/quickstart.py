@@ -1,0 +1,422 @@
+"""`lmforge quickstart`: the whole chain in one command, with a report card.
+
+python-docs → data prepare → tokenizer → pack → pretrain → export → eval → engine benchmark →
+`lmforge serve` on a free loopback port, asked a few chat and completion questions through the
+`openai` client → `report.md`. Each stage writes its own run directory under OUT and is skipped
+on a rerun when its outputs are complete (its `record.json` says finished, or its product exists),
+so an interrupted quickstart continues where it stopped. The report is rebuilt from the files on
+disk every time, so it is the same whether a stage ran now or earlier.
+
+This module knows nothing of how a stage works: it calls each package's public function.
+
+    lmforge quickstart                 # ~10M-parameter model, a few minutes on 2 cores
+    lmforge quickstart --tiny          # seconds per stage; what the tests run
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from rich.console import Console
+
+from lmforge.track.io import atomic_write_json, atomic_write_text
+
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What differs between the full quickstart and `--tiny`."""
+
+    docs: int | None  # python-docs documents to use (None = all)
+    vocab_size: int
+    seq_len: int
+    config: str  # training config in configs/
+    overrides: tuple[str, ...]
+    eval_limit: int | None
+    bench_requests: int
+    serve_max_tokens: int
+
+
+FULL = Settings(docs=None, vocab_size=8192, seq_len=256, config="quickstart.yaml", overrides=(),
+                eval_limit=None, bench_requests=64, serve_max_tokens=48)
+TINY = Settings(docs=120, vocab_size=1024, seq_len=128, config="tiny.yaml",
+                overrides=("train.max_steps=30", "train.eval_every=15", "train.ckpt_every=15",
+                           "train.batch_size=8"),
+                eval_limit=12, bench_requests=8, serve_max_tokens=16)
+
+
+def _read(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def _finished(run_dir: Path) -> bool:
+    rec = run_dir / "record.json"
+    return rec.is_file() and _read(rec).get("status") == "finished"
+
+
+def _md_table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = [f"| {' | '.join(header)} |", f"|{'---|' * len(header)}"]
+    lines += [f"| {' | '.join(str(c) for c in r)} |" for r in rows]
+    return "\n".join(lines)
+
+
+def _f(x: Any, digits: int = 3) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        return f"{x:,.{digits}f}"
+    return f"{x:,}" if isinstance(x, int) else str(x)
+
+
+class Quickstart:
+    def __init__(self, out: Path, settings: Settings, console: Console):
+        self.out, self.s, self.console = out, settings, console
+        self.d = {name: out / name for name in self.STAGES}
+
+    # ---- stages: each is (done?, run) ---------------------------------------------------------
+
+    def doctor_done(self) -> bool:
+        from lmforge.perf.hardware import load_profile
+
+        return (self.d["doctor"] / "hardware.json").is_file() and load_profile() is not None
+
+    def doctor(self) -> None:
+        """Measure this machine's matmul peaks once: the trainer's MFU divides by them."""
+        import shutil
+
+        from lmforge.perf.doctor import doctor
+        from lmforge.perf.hardware import default_profile_path, load_profile
+
+        if load_profile() is None and doctor(default_profile_path()) != 0:
+            raise RuntimeError("lmforge doctor found a problem; see the table above")
+        self.d["doctor"].mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(default_profile_path(), self.d["doctor"] / "hardware.json")
+
+    def data_done(self) -> bool:
+        return _finished(self.d["data"]) and (self.d["data"] / "manifest.json").is_file()
+
+    def data(self) -> None:
+        from lmforge.data.prepare import prepare_dataset
+        from lmforge.data.sources import iter_python_docs
+
+        inputs = ["python-docs"]
+        if self.s.docs is not None:  # a fixed slice of python-docs, written as JSONL input
+            raw = self.out / "raw" / "python-docs-subset.jsonl"
+            docs = [d for _, d in zip(range(self.s.docs), iter_python_docs())]
+            atomic_write_text(raw, "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs))
+            inputs = [str(raw)]
+        # 5% + 5% held out: python-docs has only ~350 documents after cleaning, and the
+        # default 1% would leave a validation split of two or three documents.
+        prepare_dataset(inputs, self.d["data"], overrides=["split.val=0.05", "split.test=0.05"], overwrite=True,
+                        show_progress=True)
+
+    def tokenizer_done(self) -> bool:
+        return (self.d["tokenizer"] / "tokenizer.json").is_file() and (self.d["tokenizer"] / "record.json").is_file()
+
+    def tokenizer(self) -> None:
+        from lmforge.tokenizer import train_tokenizer
+
+        train_tokenizer([str(self.d["data"] / "splits" / "train.jsonl")], self.d["tokenizer"],
+                        vocab_size=self.s.vocab_size, show_progress=True, overwrite=True)
+
+    def packed_done(self) -> bool:
+        return (self.d["packed"] / "manifest.json").is_file()
+
+    def packed(self) -> None:
+        from lmforge.data.pack import pack_dataset
+
+        pack_dataset(self.d["data"], self.d["tokenizer"], self.s.seq_len, self.d["packed"], overwrite=True,
+                     show_progress=True)
+
+    def train_done(self) -> bool:
+        return _finished(self.d["train"])
+
+    def train(self) -> None:
+        from lmforge.config import load_config
+        from lmforge.train.config import TrainConfig
+        from lmforge.train.loop import train
+
+        overrides = [f"data.path={self.d['packed']}", *self.s.overrides]
+        cfg = load_config(TrainConfig, REPO_CONFIGS / self.s.config, overrides)
+        resume = (self.d["train"] / "checkpoints").is_dir()
+        train(cfg, self.d["train"], resume=resume, overwrite=not resume)
+
+    def model_done(self) -> bool:
+        return (self.d["model"] / "parity.json").is_file()
+
+    def model(self) -> None:
+        from lmforge.train.checkpoint import best_checkpoint
+        from lmforge.train.export import export_run
+
+        best = best_checkpoint(self.d["train"]) is not None  # lowest val loss, when there was a val split
+        export_run(self.d["train"], self.d["model"], checkpoint="best" if best else "last")
+        atomic_write_json(self.d["model"] / "parity.json", export_parity(self.d["model"]))
+
+    def eval_done(self) -> bool:
+        return _finished(self.d["eval"])
+
+    def eval(self) -> None:
+        from lmforge.eval.backends import TransformerBackend
+        from lmforge.eval.evaluate import evaluate
+        from lmforge.eval.suites import load_suite, make_perplexity_suite
+
+        val_suite = make_perplexity_suite(self.d["data"], self.out / "suites" / "val-python-docs.jsonl",
+                                          name="val-python-docs", max_docs=50)
+        suites = [val_suite] + [load_suite(n) for n in ("tiny-text", "choice-basics", "arith")]
+        backend = TransformerBackend(self.d["model"], dtype="float32")
+        evaluate(backend, suites, self.d["eval"], model_dir=self.d["model"], limit=self.s.eval_limit,
+                 overwrite=True,
+                 log=lambda name, t: self.console.print(f"  {name}: {t['metric']} {_f(t['value'], 4)} "
+                                                        f"(n={t['n']}, {t['seconds']:.1f}s)", highlight=False))
+
+    def bench_done(self) -> bool:
+        return (self.d["bench"] / "bench.json").is_file()
+
+    def bench(self) -> None:
+        from lmforge.perf.bench_engine import run_bench
+
+        run_bench(model=str(self.d["model"]), workload="high-variance", num_requests=self.s.bench_requests,
+                  out=self.d["bench"], dtype="bfloat16", baselines=("hf-sequential", "lmforge"),
+                  max_prompt_len=256, max_output_len=128, show_progress=True)
+
+    def serve_done(self) -> bool:
+        return (self.d["serve"] / "serve.json").is_file()
+
+    def serve(self) -> None:
+        atomic_write_json(self.d["serve"] / "serve.json", serve_and_ask(self.d["model"], self.s.serve_max_tokens))
+
+    # ---- driver -----------------------------------------------------------------------------
+
+    STAGES = ("doctor", "data", "tokenizer", "packed", "train", "model", "eval", "bench", "serve")
+
+    def run(self) -> list[dict]:
+        timings = []
+        for i, name in enumerate(self.STAGES, 1):
+            done: Callable[[], bool] = getattr(self, f"{name}_done")
+            self.console.rule(f"[bold]{i}/{len(self.STAGES)} {name}")
+            if done():
+                self.console.print(f"  {self.d[name]} is complete: skipped")
+                timings.append({"stage": name, "seconds": None, "skipped": True})
+                continue
+            t0 = time.perf_counter()
+            getattr(self, name)()
+            if not done():
+                raise RuntimeError(f"stage {name} finished but its outputs in {self.d[name]} are incomplete")
+            timings.append({"stage": name, "seconds": time.perf_counter() - t0, "skipped": False})
+            self.console.print(f"  done in {timings[-1]['seconds']:.1f} s")
+        return timings
+
+
+def export_parity(model_dir: Path) -> dict:
+    """The exported model read by `transformers` and by lmforge: the same logits on held-out text?"""
+    import torch
+    import transformers
+
+    from lmforge.model import Transformer
+    from lmforge.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    ids = torch.tensor([tok.encode("The os module provides a portable way of using operating system "
+                                   "dependent functionality, such as reading or writing files.")])
+    with torch.no_grad():
+        ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(ids).logits
+        ours = Transformer.from_pretrained(model_dir, dtype="float32", device="cpu")(ids)
+    return {"tokens": ids.shape[1], "max_abs_err": (ref - ours).abs().max().item(),
+            "argmax_agree": (ref.argmax(-1) == ours.argmax(-1)).float().mean().item(),
+            "architecture": json.loads((model_dir / "config.json").read_text())["architectures"][0]}
+
+
+def serve_and_ask(model_dir: Path, max_tokens: int, timeout: float = 120.0) -> dict:
+    """Start `lmforge serve` on a free loopback port, ask through the `openai` client, stop it with SIGTERM."""
+    import httpx
+    import openai
+
+    from lmforge.serve.testing import free_port
+
+    port = free_port()
+    cmd = [str(Path(sys.executable).with_name("lmforge")), "serve", str(model_dir), "--port", str(port),
+           "--served-model-name", "quickstart", "--dtype", "float32"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.perf_counter()
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.perf_counter() - t0 > timeout:
+                raise RuntimeError(f"`{' '.join(cmd)}` did not become healthy:\n{proc.stdout.read()}")
+            time.sleep(0.2)
+        ready_s = time.perf_counter() - t0
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        exchanges = []
+        for prompt in ("What does the os module provide?", "Explain a Python list in one sentence."):
+            t = time.perf_counter()
+            first, text, usage = None, "", None
+            stream = client.chat.completions.create(
+                model="quickstart", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                temperature=0, stream=True, stream_options={"include_usage": True})
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    first = first or time.perf_counter() - t
+                    text += chunk.choices[0].delta.content
+                if chunk.usage:
+                    usage = chunk.usage.model_dump()
+            exchanges.append({"kind": "chat (streamed)", "prompt": prompt, "output": text,
+                              "ttft_s": first, "e2e_s": time.perf_counter() - t, "usage": usage})
+        for prompt in ("The json module", "def read_file(path):"):
+            t = time.perf_counter()
+            r = client.completions.create(model="quickstart", prompt=prompt, max_tokens=max_tokens, temperature=0)
+            exchanges.append({"kind": "completion", "prompt": prompt, "output": r.choices[0].text,
+                              "ttft_s": None, "e2e_s": time.perf_counter() - t, "usage": r.usage.model_dump()})
+        metrics = httpx.get(f"{base}/metrics", timeout=5).text
+        wanted = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+                  "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+        counters = {}
+        for line in metrics.splitlines():
+            if line.startswith(wanted):
+                name, _, value = line.rpartition(" ")
+                counters[name] = float(value)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+    return {"command": " ".join(cmd), "ready_s": ready_s, "exchanges": exchanges, "metrics": counters,
+            "exit_code": code}
+
+
+def build_report(out: Path, timings: list[dict] | None = None) -> str:
+    """report.md from the files of each stage's run directory."""
+    d = {name: out / name for name in Quickstart.STAGES}
+    parts = ["# lmforge quickstart — report card", ""]
+    summary: list[str] = []
+    hw = _read(d["doctor"] / "hardware.json")
+    peaks = ", ".join(f"{k} {v / 1e9:,.0f} GFLOP/s" for k, v in (hw.get("peak_flops") or {}).items())
+    parts += [f"Machine: {hw.get('device_name')} ({hw.get('cpu_count')} cores); measured matmul peaks: {peaks}; "
+              f"torch {hw.get('torch_version')}.", ""]
+
+    stats = _read(d["data"] / "stats.json")
+    steps = stats.get("steps", {})
+    rows = [[name, _f(s.get("in")), _f(s.get("out")),
+             ", ".join(f"{k} {v}" for k, v in (s.get("dropped") or {}).items()) or "—"]
+            for name, s in steps.items()]
+    manifest = _read(d["data"] / "manifest.json")
+    split_docs = {k: v.get("documents", v) if isinstance(v, dict) else v
+                  for k, v in (stats.get("splits") or manifest.get("splits") or {}).items()}
+    parts += ["## Data", "", _md_table(["step", "in", "out", "dropped (reason: count)"], rows), "",
+              f"Splits: {split_docs}. PII masked: {stats.get('pii') or stats.get('pii_counts')}. "
+              f"Near-duplicate rate: {_f(stats.get('near_duplicate_rate'), 4)}. "
+              f"`data_hash` {manifest.get('data_hash', '')[:16]}.", ""]
+    first, last = next(iter(steps.values()), {}), list(steps.values())[-1] if steps else {}
+    summary.append(f"Data: from {_f(first.get('in'))} raw documents to {_f(last.get('out'))} clean, deduplicated, "
+                   f"split documents.")
+
+    tok = _read(d["tokenizer"] / "record.json")
+    parts += ["## Tokenizer", "", _md_table(["", "value"], [
+        ["vocabulary", _f(tok.get("vocab_size"))], ["training text", f"{tok.get('bytes', 0) / 1e6:.2f} MB"],
+        ["seconds", _f(tok.get("seconds"), 2)], ["bytes per token", _f(tok.get("bytes_per_token"), 2)]]), ""]
+    packed = _read(d["packed"] / "manifest.json")
+    tokens = {k: v.get("tokens") for k, v in packed.get("splits", {}).items()}
+    parts += [f"Packed into rows of {packed.get('seq_len')} tokens: {tokens}.", ""]
+    summary.append(f"Tokenizer: from {tok.get('bytes', 0) / 1e6:.2f} MB of text to {_f(tok.get('vocab_size'))} "
+                   f"tokens at {_f(tok.get('bytes_per_token'), 2)} bytes/token.")
+
+    rec = _read(d["train"] / "record.json")
+    res = rec.get("results", rec)
+    evals = [json.loads(line) for line in (d["train"] / "metrics.jsonl").read_text().splitlines()
+             if '"val_loss"' in line]
+    curve = [[e["step"], _f(e["val_loss"], 4), _f(e.get("val_bpb"), 4)] for e in evals]
+    parts += ["## Training", "", _md_table(["", "value"], [
+        ["parameters", _f(res.get("params") or rec.get("params"))], ["steps", _f(res.get("steps"))],
+        ["dtype", rec.get("config", {}).get("train", {}).get("dtype", "—")],
+        ["final train loss", _f(res.get("final_train_loss"), 4)], ["final val loss", _f(res.get("final_val_loss"), 4)],
+        ["tokens/s", _f(res.get("tokens_per_s"), 0)], ["MFU", _f(res.get("mfu"), 4)],
+        ["wall time (s)", _f(res.get("wall_time_s") or rec.get("wall_time_s"), 1)]]), "",
+        "Validation curve:", "", _md_table(["step", "val loss (nats/token)", "val bits/byte"], curve), "",
+        "![loss curve](train/loss.png)", ""]
+    if evals:
+        summary.append(f"Training: val loss from {evals[0]['val_loss']:.3f} (step {evals[0]['step']}) to "
+                       f"{evals[-1]['val_loss']:.3f} (step {evals[-1]['step']}) nats/token.")
+
+    par = _read(d["model"] / "parity.json")
+    parts += ["## Model", "", f"Exported to `{d['model']}` as `{par['architecture']}` (Hugging Face layout). "
+              f"Read back by `transformers` and by lmforge on {par['tokens']} tokens: max |Δlogit| "
+              f"{par['max_abs_err']:.2e}, argmax agreement {par['argmax_agree']:.0%}.", ""]
+
+    results = _read(d["eval"] / "results.json")
+    rows = []
+    for name, t in results.get("tasks", {}).items():
+        for metric, v in t.get("metrics", {}).items():
+            if metric in ("tokens", "bytes"):
+                continue
+            rows.append([name, t.get("kind"), metric, _f(v.get("value"), 4), _f(v.get("stderr"), 4), t.get("n"),
+                         t.get("suite_sha256", "")[:8]])
+    parts += ["## Evaluation", "", _md_table(["suite", "kind", "metric", "value", "stderr", "n", "suite sha256"],
+                                             rows), ""]
+    ppl = results.get("tasks", {}).get("val-python-docs", {}).get("metrics", {}).get("bits_per_byte", {})
+    if ppl:
+        summary.append(f"Evaluation: from 8.000 bits/byte (a uniform byte guess) to {ppl['value']:.3f} bits/byte "
+                       f"on held-out python-docs.")
+
+    bench = _read(d["bench"] / "bench.json")
+    rows = [[s.get("name"), _f(s.get("output_tokens_per_s"), 1), _f(s.get("requests_per_s"), 2),
+             _f(s.get("ttft_mean_s") or s.get("ttft_s", {}).get("mean") if isinstance(s.get("ttft_s"), dict)
+                else s.get("ttft_mean_s"), 3)]
+            for s in bench.get("systems", [])]
+    parts += ["## Engine", "", _md_table(["system", "output tok/s", "requests/s", "mean TTFT (s)"], rows), "",
+              f"Command: `{bench.get('command', '')}`", ""]
+    speed = {s.get("name"): s.get("output_tokens_per_s") for s in bench.get("systems", [])}
+    if speed.get("hf-sequential") and speed.get("lmforge"):
+        summary.append(f"Engine: from {speed['hf-sequential']:.0f} output tok/s (transformers, one request at a "
+                       f"time) to {speed['lmforge']:.0f} (lmforge, continuous batching).")
+
+    srv = _read(d["serve"] / "serve.json")
+    rows = [[x["kind"], x["prompt"], x["output"].replace("\n", " ").replace("|", "\\|")[:80],
+             _f(x.get("ttft_s"), 3), _f(x.get("e2e_s"), 3)] for x in srv["exchanges"]]
+    parts += ["## Serving", "", f"`{srv['command']}` became healthy in {srv['ready_s']:.1f} s and exited "
+              f"with code {srv['exit_code']} after SIGTERM.", "",
+              _md_table(["request", "prompt", "output (first 80 chars)", "TTFT (s)", "e2e (s)"], rows), "",
+              "Server counters from `/metrics`:", "",
+              _md_table(["metric", "value"], [[k, _f(v, 0)] for k, v in srv["metrics"].items()]), ""]
+    ttfts = [x["ttft_s"] for x in srv["exchanges"] if x.get("ttft_s")]
+    if ttfts:
+        summary.append(f"Serving: from an HTTP request to the first streamed token in {min(ttfts) * 1000:.0f} ms.")
+
+    if timings:
+        parts += ["## Time per stage", "", _md_table(["stage", "seconds"], [
+            [t["stage"], "skipped (complete)" if t["skipped"] else f"{t['seconds']:.1f}"] for t in timings]), ""]
+    head = ["## From X to Y", ""] + [f"- {line}" for line in summary] + [""]
+    return "\n".join(parts[:2] + head + parts[2:])
+
+
+def quickstart(out: Path, tiny: bool = False) -> int:
+    console = Console()
+    settings = TINY if tiny else FULL
+    t0 = time.perf_counter()
+    timings = Quickstart(out, settings, console).run()
+    report = build_report(out, timings)
+    atomic_write_text(out / "report.md", report)
+    console.rule("[bold]report card")
+    from rich.markdown import Markdown
+
+    console.print(Markdown(report))
+    console.print(f"\n{out / 'report.md'} ({time.perf_counter() - t0:.0f} s in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(quickstart(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("runs/quickstart"),
+                                tiny="--tiny" in sys.argv))
