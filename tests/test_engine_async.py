@@ -89,3 +89,76 @@ def test_invalid_request_raises_before_streaming(model_dir):
             asyncio.run(consume())
     finally:
         engine.shutdown()
+
+
+def test_the_event_loop_never_waits_for_a_step(model_dir):
+    """Submissions, aborts and stats go through a queue / a snapshot: with 0.3 s steps, the loop's
+    timer ticks stay punctual while requests are added, streamed and aborted."""
+    import time
+
+    engine = AsyncLLMEngine(EngineConfig(model=str(model_dir), device="cpu"))
+    run = engine.engine.model_runner.run
+
+    def slow(scheduled):
+        time.sleep(0.3)
+        return run(scheduled)
+    engine.engine.model_runner.run = slow
+    assert engine.is_running and engine.max_model_len == 512 and engine.vocab_size == 256
+    assert engine.model_path == str(model_dir)
+
+    async def main():
+        lags, stop = [], False
+
+        async def ticker():
+            while not stop:
+                t = time.perf_counter()
+                await asyncio.sleep(0.01)
+                lags.append(time.perf_counter() - t - 0.01)
+
+        tick = asyncio.ensure_future(ticker())
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        gens = [engine.generate([5, 6, 7], params, f"r{i}") for i in range(4)]
+        first = await asyncio.gather(*(g.__anext__() for g in gens))
+        t = time.perf_counter()
+        s = engine.stats()
+        assert time.perf_counter() - t < 0.01 and s["num_requests_running"] + s["num_requests_waiting"] == 4
+        assert len(first[0].outputs[0].token_times) == len(first[0].outputs[0].token_ids)
+        await engine.abort("r3")
+        for g in gens[:3]:
+            async for _ in g:
+                pass
+        await gens[3].aclose()
+        stop = True
+        await tick
+        return lags
+
+    try:
+        lags = asyncio.run(main())
+        assert max(lags) < 0.15, f"the event loop stalled {max(lags):.3f} s"
+        assert engine.stats()["kv_blocks_in_use"] == 0 and engine.stats()["num_requests_running"] == 0
+    finally:
+        engine.shutdown()
+    assert not engine.is_running
+
+
+def test_prompt_logprobs_are_refused_not_ignored(model_dir):
+    llm = LLM(str(model_dir), device="cpu")
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        llm.generate([[5, 6]], SamplingParams(prompt_logprobs=1), use_tqdm=False)
+
+
+def test_output_kinds_reconcile(model_dir):
+    """delta outputs concatenate to the cumulative ones; final_only yields exactly one output."""
+    engine = LLM(str(model_dir), device="cpu").llm_engine
+    kinds = ("cumulative", "delta", "final_only")
+    for kind in kinds:
+        engine.add_request(kind, [5, 6, 7], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True,
+                                                           output_kind=kind))
+    seen: dict[str, list] = {k: [] for k in kinds}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    full = seen["cumulative"][-1].outputs[0].token_ids
+    assert len(full) == 7 and len(seen["final_only"]) == 1 and seen["final_only"][0].outputs[0].token_ids == full
+    assert [t for o in seen["delta"] for t in o.outputs[0].token_ids] == full
+    assert sum(len(o.outputs[0].token_times) for o in seen["delta"]) == 7

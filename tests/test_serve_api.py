@@ -22,9 +22,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmforge.engine import LLM, EngineConfig, SamplingParams
+from lmforge.engine import LLM, AsyncLLMEngine, EngineConfig, SamplingParams
 from lmforge.serve.app import build_app
-from lmforge.serve.engine_front import ServingEngine
 from lmforge.serve.testing import ServerThread, make_model_with_tokenizer
 
 MODEL = "tiny"
@@ -39,7 +38,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    eng = ServingEngine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=256))
+    eng = AsyncLLMEngine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=256))
     yield eng
     eng.shutdown()
 

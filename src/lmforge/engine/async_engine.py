@@ -1,11 +1,13 @@
 """`AsyncLLMEngine`: `LLMEngine` behind asyncio, for the HTTP server.
 
-A background thread steps the engine while requests exist and sleeps on an event otherwise;
-a lock serializes it against `add_request`/`abort_request`, so requests arrive while others
-decode and an abort frees blocks as soon as the current step ends. Outputs reach each request's
-`asyncio.Queue` through `loop.call_soon_threadsafe`. If a step raises, every request that was in
-flight gets the exception (and is aborted, freeing its blocks); the loop keeps serving new ones.
-Knows nothing about HTTP.
+A background thread owns the `LLMEngine`: nothing else touches it. Submissions and aborts are
+commands on a thread-safe queue that the thread applies between steps, so the event loop never
+waits for a step (it used to take a lock the stepping thread re-took right after every step, and
+a burst of requests stalled every stream). The thread sleeps on an event while there is no work.
+Outputs reach each request's `asyncio.Queue` through `loop.call_soon_threadsafe`; `stats()` is a
+snapshot the thread replaces after every step and command (a dict swap: no lock). If a step
+raises, every request that was in flight gets the exception (and is aborted, freeing its blocks);
+the loop keeps serving new ones. Knows nothing about HTTP.
 
     engine = AsyncLLMEngine(EngineConfig(model=...))
     async for out in engine.generate("Hello", SamplingParams(max_tokens=16), request_id="r1"):
@@ -16,82 +18,144 @@ Knows nothing about HTTP.
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 from collections.abc import AsyncIterator
+from typing import Any
 
 from .config import EngineConfig
 from .llm_engine import LLMEngine, RequestOutput
 from .sampling_params import SamplingParams
 
+Sink = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
+
 
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None):
         self.engine = engine or LLMEngine(config)
-        self._lock = threading.Lock()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (kind, request_id, payload, done future or None)
         self._wake = threading.Event()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._sinks: dict[str, Sink] = {}  # the engine thread's alone
+        self._stats = self.engine.stats()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="lmforge-engine", daemon=True)
         self._thread.start()
+
+    # ---- what the server reads (fixed after construction, or snapshots) ------------------------------
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def model_path(self) -> str:
+        return self.engine.model_path
+
+    @property
+    def is_running(self) -> bool:
+        """True while the stepping thread serves requests (False after `shutdown()`)."""
+        return not self._stopped and self._thread.is_alive()
+
+    def stats(self) -> dict:
+        """`LLMEngine.stats()` as of the last step or command; never waits."""
+        return self._stats
+
+    # ---- requests ------------------------------------------------------------------------------------
+
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None,
                        request_id: str) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs as tokens arrive; the last has `finished=True`. Invalid requests
-        raise ValueError before the first yield. Leaving the loop early aborts the request."""
-        if self._stopped:
-            raise RuntimeError("AsyncLLMEngine is shut down")
-        queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            self.engine.add_request(request_id, prompt, sampling_params)  # ValueError -> caller
-            self._queues[request_id] = (asyncio.get_running_loop(), queue)
-        self._wake.set()
+        """Yield outputs as tokens arrive (cumulative unless `output_kind` says otherwise); the last has
+        `finished=True`. Invalid requests raise ValueError before the first yield. Leaving the loop
+        early aborts the request."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        accepted = loop.create_future()
+        self._submit("add", request_id, (prompt, sampling_params, (loop, outputs)), accepted)
+        try:
+            await accepted  # ValueError -> caller; waits for the step in progress, never blocks the loop
+        except asyncio.CancelledError:
+            if not self._stopped:
+                self._submit("abort", request_id, None, None)  # applied after the add, in order
+            raise
         finished = False
         try:
             while not finished:
-                item = await queue.get()
+                item = await outputs.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
                 yield item
         finally:
-            if not finished:  # the consumer went away (client disconnect) or an error: free the blocks
-                await self.abort(request_id)
+            if not finished and not self._stopped:  # the consumer went away or an error: free the blocks
+                self._submit("abort", request_id, None, None)
 
     async def abort(self, request_id: str) -> None:
-        """End a request now; its blocks are free when this returns. Its stream ends with `abort`."""
-        with self._lock:
-            out = self.engine.abort_request(request_id)
-            entry = self._queues.pop(request_id, None)
-        if entry is not None and out is not None:
-            entry[0].call_soon_threadsafe(entry[1].put_nowait, out)
-
-    def stats(self) -> dict:
-        with self._lock:
-            return self.engine.stats()
+        """End a request; its blocks are free when this returns. Its stream ends with `abort`."""
+        done = asyncio.get_running_loop().create_future()
+        self._submit("abort", request_id, None, done)
+        await done
 
     def shutdown(self) -> None:
-        """Stop the loop; requests still in flight get a RuntimeError."""
+        """Stop the loop; requests still in flight (or submitted) get a RuntimeError."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
-        with self._lock:
-            for rid in list(self._queues):
-                self.engine.abort_request(rid)
-            self._fail(list(self._queues), RuntimeError("AsyncLLMEngine shut down"))
+        error = RuntimeError("AsyncLLMEngine shut down")
+        for rid in list(self._sinks):
+            self.engine.abort_request(rid)
+        self._fail(list(self._sinks), error)
+        while not self._inbox.empty():
+            _, _, _, done = self._inbox.get_nowait()
+            _resolve(done, error)
+
+    def _submit(self, kind: str, request_id: str, payload: Any, done: asyncio.Future | None) -> None:
+        if self._stopped:
+            raise RuntimeError("AsyncLLMEngine is shut down")
+        self._inbox.put((kind, request_id, payload, done))
+        self._wake.set()
+
+    # ---- the engine thread ---------------------------------------------------------------------------
 
     def _loop(self) -> None:
         while not self._stopped:
-            with self._lock:
-                busy = self.engine.has_unfinished_requests()
-                if busy:
-                    self._step()
-            if not busy:
+            self._wake.clear()  # before draining: a command put after the drain sets it again
+            self._apply_commands()
+            if self.engine.has_unfinished_requests():
+                self._step()
+            else:
                 self._wake.wait(timeout=0.5)
-                self._wake.clear()
+
+    def _apply_commands(self) -> None:
+        applied = False
+        while not self._inbox.empty():
+            kind, rid, payload, done = self._inbox.get_nowait()
+            applied = True
+            if kind == "add":
+                prompt, params, sink = payload
+                try:
+                    self.engine.add_request(rid, prompt, params)
+                except Exception as e:  # a bad request: its caller raises it
+                    _resolve(done, e)
+                    continue
+                self._sinks[rid] = sink
+                _resolve(done, None)
+            else:
+                out = self.engine.abort_request(rid)
+                self._stats = self.engine.stats()
+                sink = self._sinks.pop(rid, None)
+                if sink is not None and out is not None:
+                    sink[0].call_soon_threadsafe(sink[1].put_nowait, out)
+                _resolve(done, None)
+        if applied:
+            self._stats = self.engine.stats()
 
     def _step(self) -> None:
         try:
@@ -100,17 +164,34 @@ class AsyncLLMEngine:
             ids = list(self.engine.requests)
             for rid in ids:
                 self.engine.abort_request(rid)
+            self._stats = self.engine.stats()
             self._fail(ids, e)
             return
+        self._stats = self.engine.stats()  # before delivering: a finished request sees its blocks freed
         for out in outputs:
-            entry = self._queues.get(out.request_id)
-            if entry is not None:
-                entry[0].call_soon_threadsafe(entry[1].put_nowait, out)
+            sink = self._sinks.get(out.request_id)
+            if sink is not None:
+                sink[0].call_soon_threadsafe(sink[1].put_nowait, out)
                 if out.finished:
-                    del self._queues[out.request_id]
+                    del self._sinks[out.request_id]
 
     def _fail(self, ids: list[str], error: BaseException) -> None:
         for rid in ids:
-            entry = self._queues.pop(rid, None)
-            if entry is not None:
-                entry[0].call_soon_threadsafe(entry[1].put_nowait, error)
+            sink = self._sinks.pop(rid, None)
+            if sink is not None:
+                sink[0].call_soon_threadsafe(sink[1].put_nowait, error)
+
+
+def _resolve(done: asyncio.Future | None, error: BaseException | None) -> None:
+    """Complete a caller's future from the engine thread (on the caller's loop)."""
+    if done is None:
+        return
+
+    def settle() -> None:
+        if not done.done():  # the caller may have been cancelled meanwhile
+            done.set_exception(error) if error is not None else done.set_result(None)
+
+    try:
+        done.get_loop().call_soon_threadsafe(settle)
+    except RuntimeError:  # that loop is closed: nobody is waiting
+        pass

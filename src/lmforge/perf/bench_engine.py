@@ -34,6 +34,7 @@ within one run, never across runs.
 from __future__ import annotations
 
 import math
+import os
 import platform
 import random
 import sys
@@ -301,7 +302,7 @@ def run_hf_cb(model_dir: Path, dtype, reqs: list[Request], max_num_seqs: int) ->
         with torch.inference_mode():
             manager.add_request(reqs[0].prompt[:16], request_id="warmup", max_new_tokens=3, eos_token_id=[])
             manager.get_result(request_id="warmup", timeout=600)
-            t0, t0_wall = time.perf_counter(), time.time()
+            t0 = time.perf_counter()
             for i, r in enumerate(reqs):
                 manager.add_request(r.prompt, request_id=str(i), max_new_tokens=r.output_len, eos_token_id=[],
                                     record_timestamps=True)
@@ -322,9 +323,8 @@ def run_hf_cb(model_dir: Path, dtype, reqs: list[Request], max_num_seqs: int) ->
     for i in range(len(reqs)):
         res = got[str(i)]
         ts = list(res.timestamps or [])
-        # timestamps are wall-clock (time.time) when recorded; map them onto perf_counter's axis
-        times.append([t - t0_wall + t0 for t in ts] if len(ts) == len(res.generated_tokens)
-                     else [t0 + duration] * len(res.generated_tokens))
+        # transformers stamps tokens with time.perf_counter, our clock too
+        times.append(ts if len(ts) == len(res.generated_tokens) else [t0 + duration] * len(res.generated_tokens))
     return summarize("hf-cb", duration, [t0] * len(reqs), times,
                      note=f"transformers {transformers.__version__} generate_batch manager, sdpa")
 
@@ -380,12 +380,13 @@ def bench_engine_run(cfg: BenchEngineConfig, command: str | None = None) -> dict
     max_model_len = -(-max(len(r.prompt) + r.output_len for r in reqs) // block) * block
     torch_dtype = getattr(torch, cfg.dtype)
     report: dict[str, Any] = {
-        "config": asdict(cfg), "command": command or " ".join(sys.argv), "model": str(model_dir),
+        "config": asdict(cfg), "command": command or _command(), "model": str(model_dir),
         "max_model_len": max_model_len,
         "requests": {"count": len(reqs), "prompt_tokens": sum(len(r.prompt) for r in reqs),
                      "output_tokens": sum(r.output_len for r in reqs)},
         "provenance": {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "threads": torch.get_num_threads(),
-                       "dtype": cfg.dtype, "machine": platform.node(), "load_average": _loadavg(),
+                       "dtype": cfg.dtype, "machine": f"{platform.node()}, {_cpu_name()}, {os.cpu_count()} cores",
+                       "load_average": _loadavg(),
                        "hardware": hardware_info(), "packages": package_versions(), "git": git_info()},
         "systems": [],
     }
@@ -421,6 +422,22 @@ def bench_engine_run(cfg: BenchEngineConfig, command: str | None = None) -> dict
     return report
 
 
+def _command() -> str:
+    prog = Path(sys.argv[0]).name
+    prog = "python -m lmforge.perf.bench_engine" if prog == "bench_engine.py" else prog
+    return " ".join([prog] + sys.argv[1:])
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _loadavg() -> list[float] | None:
     try:
         import os
@@ -443,7 +460,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     cfg, p = report["config"], report["provenance"]
     lines = [f"# bench engine: workload `{cfg['workload']}`, {report['requests']['count']} requests",
              "", f"`{report['command']}`", "",
-             f"{p['date']} on {p['machine']} ({p['hardware'].get('cpu', '') if isinstance(p['hardware'], dict) else ''}), "
+             f"{p['date']} on {p['machine']}, "
              f"torch {p['packages'].get('torch')}, transformers {p['packages'].get('transformers')}, "
              f"{cfg['dtype']}, {p['threads']} thread(s), load average at start {p['load_average']}"
              f"{', at end ' + str(p['load_average_end']) if 'load_average_end' in p else ''}; model `{report['model']}`, "

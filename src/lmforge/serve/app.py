@@ -13,7 +13,7 @@ What the HTTP layer does, and why it is here rather than in the engine:
   disconnect, and leaving `AsyncLLMEngine.generate` early aborts the request and frees its KV
   blocks; non-streamed requests are watched for a disconnect the same way (`_unless_disconnected`);
 * admission control: with `max_waiting`, a request is refused with 429 while that many engine
-  requests are submitted but have not produced a token yet (counted here, without the engine lock).
+  requests are submitted but have not produced a token yet (counted here).
 
 It knows nothing about scheduling, sampling or KV paging. Run: `lmforge serve MODEL_DIR`.
 """
@@ -65,11 +65,10 @@ class ServerState:
 
     def attach(self, engine: AsyncLLMEngine) -> None:
         self.engine = engine
-        core = engine.engine
         self.tokenizer = engine.tokenizer
-        self.max_model_len: int = core.max_model_len
-        self.vocab_size: int = core.model.config.vocab_size
-        self.model_dir = str(core.config.model)
+        self.max_model_len: int = engine.max_model_len
+        self.vocab_size: int = engine.vocab_size
+        self.model_dir = engine.model_path
         self.metrics = ServerMetrics(self.served_model_name, self.max_model_len, self.stats)
 
     def stats(self) -> dict | None:
@@ -77,7 +76,7 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine._thread.is_alive()
+        return self.engine is not None and self.engine.is_running
 
     def token_text(self, token_id: int) -> str:
         """Decoded text of one token, for logprobs (cached: the same ids recur constantly)."""
@@ -145,8 +144,7 @@ def build_app(engine: EngineOrLoader, served_model_name: str, api_key: str | Non
     async def metrics() -> Response:
         if state.metrics is None:
             return Response(b"", media_type="text/plain; version=0.0.4")
-        # The engine's statistics take its lock, held during a step: read them off the event loop.
-        body = await asyncio.to_thread(state.metrics.exposition)
+        body = state.metrics.exposition()  # the engine's stats are a snapshot: nothing here waits for a step
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -185,7 +183,7 @@ async def _log_load(state: ServerState, interval: float) -> None:
             continue
         logger = logger or LoadLogger(state.metrics, interval)
         with contextlib.suppress(Exception):
-            logger.tick(await asyncio.to_thread(state.stats))
+            logger.tick(state.stats())
 
 
 # ---- jobs: a validated request, ready to run ---------------------------------------------------------

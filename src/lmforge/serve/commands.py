@@ -85,10 +85,11 @@ def run_server(config, served_model_name: str, host: str, port: int, api_key: st
 
     import uvicorn
 
-    from .app import build_app
-    from .engine_front import ServingEngine
+    from lmforge.engine import AsyncLLMEngine
 
-    fastapi_app = build_app(lambda: ServingEngine(config), served_model_name, api_key, max_waiting)
+    from .app import build_app
+
+    fastapi_app = build_app(lambda: AsyncLLMEngine(config), served_model_name, api_key, max_waiting)
     state = fastapi_app.state.server
 
     class Server(uvicorn.Server):

@@ -68,10 +68,10 @@ class EngineCollector:
             return f
 
         total = s["kv_blocks_total"] or 1
-        yield family(GaugeMetricFamily, "vllm:num_requests_running", "Number of sequences in the running batch.",
-                     s["running"])
-        yield family(GaugeMetricFamily, "vllm:num_requests_waiting", "Number of sequences waiting to be scheduled.",
-                     s["waiting"])
+        yield family(GaugeMetricFamily, "vllm:num_requests_running", "Number of requests in the running batch.",
+                     s["num_requests_running"])
+        yield family(GaugeMetricFamily, "vllm:num_requests_waiting", "Number of requests waiting to be scheduled.",
+                     s["num_requests_waiting"])
         yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc",
                      "KV-cache usage: fraction of blocks in use (1 means 100 percent).", s["kv_blocks_in_use"] / total)
         yield family(CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemptions.",
@@ -163,12 +163,13 @@ class LoadLogger:
         q, h = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
         self._last = (now, t["generation_tokens"], t["prompt_tokens"], q, h)
         dt = max(now - t0, 1e-9)
-        busy = stats["running"] or stats["waiting"] or t["generation_tokens"] > gen0
+        running, waiting = stats["num_requests_running"], stats["num_requests_waiting"]
+        busy = running or waiting or t["generation_tokens"] > gen0
         if not busy:
             return None
         line = (f"throughput: prompt {(t['prompt_tokens'] - prompt0) / dt:.1f} tok/s, "
-                f"generation {(t['generation_tokens'] - gen0) / dt:.1f} tok/s | running {stats['running']}, "
-                f"waiting {stats['waiting']} | KV usage {100 * stats['kv_blocks_in_use'] / max(stats['kv_blocks_total'], 1):.1f}% "
+                f"generation {(t['generation_tokens'] - gen0) / dt:.1f} tok/s | running {running}, "
+                f"waiting {waiting} | KV usage {100 * stats['kv_blocks_in_use'] / max(stats['kv_blocks_total'], 1):.1f}% "
                 f"| prefix hit rate {100 * (h - h0) / (q - q0) if q > q0 else 0.0:.1f}%")
         log.info(line)
         return line
