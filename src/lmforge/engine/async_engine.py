@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -78,7 +79,8 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         accepted = loop.create_future()
-        self._submit("add", request_id, (prompt, sampling_params, (loop, outputs)), accepted)
+        # arrival is now, on the caller's clock, so TTFT counts the wait for the step in progress
+        self._submit("add", request_id, (prompt, sampling_params, time.time(), (loop, outputs)), accepted)
         try:
             await accepted  # ValueError -> caller; waits for the step in progress, never blocks the loop
         except asyncio.CancelledError:
@@ -139,9 +141,9 @@ class AsyncLLMEngine:
             kind, rid, payload, done = self._inbox.get_nowait()
             applied = True
             if kind == "add":
-                prompt, params, sink = payload
+                prompt, params, arrival_time, sink = payload
                 try:
-                    self.engine.add_request(rid, prompt, params)
+                    self.engine.add_request(rid, prompt, params, arrival_time)
                 except Exception as e:  # a bad request: its caller raises it
                     _resolve(done, e)
                     continue
