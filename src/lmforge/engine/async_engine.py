@@ -170,18 +170,29 @@ class AsyncLLMEngine:
             self._fail(ids, e)
             return
         self._stats = self.engine.stats()  # before delivering: a finished request sees its blocks freed
+        batches: dict[asyncio.AbstractEventLoop, list] = {}  # one wake-up per loop per step, not per request
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is not None:
-                sink[0].call_soon_threadsafe(sink[1].put_nowait, out)
+                batches.setdefault(sink[0], []).append((sink[1], out))
                 if out.finished:
                     del self._sinks[out.request_id]
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that loop is closed: nobody is listening
+                pass
 
     def _fail(self, ids: list[str], error: BaseException) -> None:
         for rid in ids:
             sink = self._sinks.pop(rid, None)
             if sink is not None:
                 sink[0].call_soon_threadsafe(sink[1].put_nowait, error)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
 
 
 def _resolve(done: asyncio.Future | None, error: BaseException | None) -> None:
