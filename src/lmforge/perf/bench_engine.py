@@ -263,7 +263,9 @@ def run_static(model_dir: Path, dtype: str, reqs: list[Request], batch_size: int
             for i, r in enumerate(rs):
                 if len(times[i]) < r.output_len:
                     times[i].append(now)
-            lens = [n + 1 for n in lens]
+            # a finished row keeps computing (as generate() does) but stops advancing: it never needs
+            # a slot past its own prompt + output, so max_model_len per row always suffices
+            lens = [min(n + 1, len(r.prompt) + r.output_len - 1) for n, r in zip(lens, rs)]
             util_sum += sum(lens) / (batch_size * max_model_len)  # every row holds its K/V until the batch ends
             steps += 1
 
