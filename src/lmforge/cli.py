@@ -18,6 +18,7 @@ import typer
 
 from lmforge.data.commands import app as data_app
 from lmforge.eval.commands import app as eval_app
+from lmforge.perf import bench_engine
 from lmforge.serve import commands as serve_commands
 from lmforge.tokenizer.commands import app as tokenizer_app
 from lmforge.track.commands import app as runs_app
@@ -60,6 +61,7 @@ def bench_data_cmd(
     run_bench(inputs=tuple(inputs or ["python-docs"]), workers=tuple(workers), repeats=repeats, out_dir=out)
 
 
+bench_app.command("engine")(bench_engine.bench_engine)
 app.add_typer(bench_app, name="bench")
 
 

@@ -42,15 +42,16 @@ class Settings:
     overrides: tuple[str, ...]
     eval_limit: int | None
     bench_requests: int
+    bench_hf_requests: int  # the random subset transformers runs one at a time
     serve_max_tokens: int
 
 
 FULL = Settings(docs=None, vocab_size=8192, seq_len=256, config="quickstart.yaml", overrides=(),
-                eval_limit=None, bench_requests=64, serve_max_tokens=48)
+                eval_limit=None, bench_requests=64, bench_hf_requests=8, serve_max_tokens=48)
 TINY = Settings(docs=120, vocab_size=1024, seq_len=128, config="tiny.yaml",
                 overrides=("train.max_steps=30", "train.eval_every=15", "train.ckpt_every=15",
                            "train.batch_size=8"),
-                eval_limit=12, bench_requests=8, serve_max_tokens=16)
+                eval_limit=12, bench_requests=8, bench_hf_requests=2, serve_max_tokens=16)
 
 
 def _read(path: Path) -> Any:
@@ -181,11 +182,14 @@ class Quickstart:
         return (self.d["bench"] / "bench.json").is_file()
 
     def bench(self) -> None:
-        from lmforge.perf.bench_engine import run_bench
+        from lmforge.perf.bench_engine import BenchEngineConfig, bench_engine_run
 
-        run_bench(model=str(self.d["model"]), workload="high-variance", num_requests=self.s.bench_requests,
-                  out=self.d["bench"], dtype="bfloat16", baselines=("hf-sequential", "lmforge"),
-                  max_prompt_len=256, max_output_len=128, show_progress=True)
+        cfg = BenchEngineConfig(model=str(self.d["model"]), workload="high-variance",
+                                num_requests=self.s.bench_requests, hf_sequential_requests=self.s.bench_hf_requests,
+                                dtype="bfloat16", baselines=("hf-sequential", "lmforge"), out=str(self.d["bench"]))
+        bench_engine_run(cfg, command=f"lmforge bench engine --model {self.d['model']} --num-requests "
+                                      f"{cfg.num_requests} --hf-sequential-requests {cfg.hf_sequential_requests} "
+                                      f"--baselines hf-sequential,lmforge")
 
     def serve_done(self) -> bool:
         return (self.d["serve"] / "serve.json").is_file()
@@ -314,15 +318,16 @@ def build_report(out: Path, timings: list[dict] | None = None) -> str:
              ", ".join(f"{k} {v}" for k, v in (s.get("dropped") or {}).items()) or "—"]
             for name, s in steps.items()]
     manifest = _read(d["data"] / "manifest.json")
-    split_docs = {k: v.get("documents", v) if isinstance(v, dict) else v
-                  for k, v in (stats.get("splits") or manifest.get("splits") or {}).items()}
+    pii = steps.get("pii", {}).get("counts") or {}
     parts += ["## Data", "", _md_table(["step", "in", "out", "dropped (reason: count)"], rows), "",
-              f"Splits: {split_docs}. PII masked: {stats.get('pii') or stats.get('pii_counts')}. "
-              f"Near-duplicate rate: {_f(stats.get('near_duplicate_rate'), 4)}. "
-              f"`data_hash` {manifest.get('data_hash', '')[:16]}.", ""]
-    first, last = next(iter(steps.values()), {}), list(steps.values())[-1] if steps else {}
-    summary.append(f"Data: from {_f(first.get('in'))} raw documents to {_f(last.get('out'))} clean, deduplicated, "
-                   f"split documents.")
+              f"Splits (documents): {steps.get('split', {}).get('sizes')}. PII masked: "
+              f"{', '.join(f'{k} {v}' for k, v in pii.items()) or 'none'}. Near-duplicate rate: "
+              f"{_f(steps.get('near_dedup', {}).get('duplicate_rate'), 4)}. Prepare throughput "
+              f"{_f(stats.get('mb_per_s'), 2)} MB/s. `data_hash` {manifest.get('data_hash', '')[:16]}.", ""]
+    totals = stats.get("totals", {})
+    summary.append(f"Data: from {_f(totals.get('read'))} raw documents to {_f(totals.get('kept'))} clean, "
+                   f"deduplicated documents ({_f(totals.get('rejected'))} rejected with a reason, "
+                   f"{_f(totals.get('quarantined'))} quarantined).")
 
     tok = _read(d["tokenizer"] / "record.json")
     parts += ["## Tokenizer", "", _md_table(["", "value"], [
@@ -336,20 +341,21 @@ def build_report(out: Path, timings: list[dict] | None = None) -> str:
 
     rec = _read(d["train"] / "record.json")
     res = rec.get("results", rec)
-    evals = [json.loads(line) for line in (d["train"] / "metrics.jsonl").read_text().splitlines()
-             if '"val_loss"' in line]
+    metrics = [json.loads(line) for line in (d["train"] / "metrics.jsonl").read_text().splitlines()]
+    evals = [m for m in metrics if "val_loss" in m]
     curve = [[e["step"], _f(e["val_loss"], 4), _f(e.get("val_bpb"), 4)] for e in evals]
     parts += ["## Training", "", _md_table(["", "value"], [
-        ["parameters", _f(res.get("params") or rec.get("params"))], ["steps", _f(res.get("steps"))],
+        ["parameters", _f(rec.get("num_parameters"))], ["steps", _f(res.get("steps"))],
         ["dtype", rec.get("config", {}).get("train", {}).get("dtype", "—")],
         ["final train loss", _f(res.get("final_train_loss"), 4)], ["final val loss", _f(res.get("final_val_loss"), 4)],
         ["tokens/s", _f(res.get("tokens_per_s"), 0)], ["MFU", _f(res.get("mfu"), 4)],
-        ["wall time (s)", _f(res.get("wall_time_s") or rec.get("wall_time_s"), 1)]]), "",
+        ["training time (s)", _f(res.get("train_time_s"), 1)]]), "",
         "Validation curve:", "", _md_table(["step", "val loss (nats/token)", "val bits/byte"], curve), "",
         "![loss curve](train/loss.png)", ""]
-    if evals:
-        summary.append(f"Training: val loss from {evals[0]['val_loss']:.3f} (step {evals[0]['step']}) to "
-                       f"{evals[-1]['val_loss']:.3f} (step {evals[-1]['step']}) nats/token.")
+    if evals and metrics:
+        summary.append(f"Training: loss from {metrics[0]['loss']:.3f} nats/token (step 1) to {evals[-1]['val_loss']:.3f} "
+                       f"on validation (step {evals[-1]['step']}), in {_f(res.get('train_time_s'), 0)} s at "
+                       f"{_f(res.get('tokens_per_s'), 0)} tokens/s.")
 
     par = _read(d["model"] / "parity.json")
     parts += ["## Model", "", f"Exported to `{d['model']}` as `{par['architecture']}` (Hugging Face layout). "
@@ -372,13 +378,12 @@ def build_report(out: Path, timings: list[dict] | None = None) -> str:
                        f"on held-out python-docs.")
 
     bench = _read(d["bench"] / "bench.json")
-    rows = [[s.get("name"), _f(s.get("output_tokens_per_s"), 1), _f(s.get("requests_per_s"), 2),
-             _f(s.get("ttft_mean_s") or s.get("ttft_s", {}).get("mean") if isinstance(s.get("ttft_s"), dict)
-                else s.get("ttft_mean_s"), 3)]
-            for s in bench.get("systems", [])]
-    parts += ["## Engine", "", _md_table(["system", "output tok/s", "requests/s", "mean TTFT (s)"], rows), "",
-              f"Command: `{bench.get('command', '')}`", ""]
-    speed = {s.get("name"): s.get("output_tokens_per_s") for s in bench.get("systems", [])}
+    rows = [[s["system"], s["requests"], _f(s["output_tok_s"], 1), _f(s["req_s"], 2), _f(s["ttft_ms"]["mean"], 1),
+             _f(s["tpot_ms"]["mean"], 1)] for s in bench.get("systems", [])]
+    parts += ["## Engine", "", _md_table(["system", "requests", "output tok/s", "requests/s", "mean TTFT (ms)",
+                                          "mean TPOT (ms)"], rows), "",
+              f"Command: `{bench.get('command', '')}` (bfloat16, {bench['provenance']['threads']} thread(s)).", ""]
+    speed = {s["system"]: s["output_tok_s"] for s in bench.get("systems", [])}
     if speed.get("hf-sequential") and speed.get("lmforge"):
         summary.append(f"Engine: from {speed['hf-sequential']:.0f} output tok/s (transformers, one request at a "
                        f"time) to {speed['lmforge']:.0f} (lmforge, continuous batching).")
@@ -393,7 +398,8 @@ def build_report(out: Path, timings: list[dict] | None = None) -> str:
               _md_table(["metric", "value"], [[k, _f(v, 0)] for k, v in srv["metrics"].items()]), ""]
     ttfts = [x["ttft_s"] for x in srv["exchanges"] if x.get("ttft_s")]
     if ttfts:
-        summary.append(f"Serving: from an HTTP request to the first streamed token in {min(ttfts) * 1000:.0f} ms.")
+        summary.append(f"Serving: from an HTTP request to the first streamed token in {ttfts[0] * 1000:.0f} ms "
+                       f"(first request) and {ttfts[-1] * 1000:.0f} ms (warm), through the `openai` client.")
 
     if timings:
         parts += ["## Time per stage", "", _md_table(["stage", "seconds"], [

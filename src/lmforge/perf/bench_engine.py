@@ -81,7 +81,20 @@ class Request:
     output_len: int
 
 
-def make_requests(workload: str, n: int, seed: int, vocab_size: int) -> list[Request]:
+def make_requests(workload: str, n: int, seed: int, vocab_size: int, max_len: int | None = None) -> list[Request]:
+    """The workload's requests; with `max_len` (the model's context), each request's prompt and output
+    lengths are cut so that prompt + output fits (prompt to at most half of it)."""
+    reqs = _make_requests(workload, n, seed, vocab_size)
+    if max_len is None:
+        return reqs
+    fitted = []
+    for r in reqs:
+        prompt = r.prompt if len(r.prompt) + r.output_len <= max_len else r.prompt[:max(1, max_len // 2)]
+        fitted.append(Request(prompt, max(1, min(r.output_len, max_len - len(prompt)))))
+    return fitted
+
+
+def _make_requests(workload: str, n: int, seed: int, vocab_size: int) -> list[Request]:
     rng = random.Random(seed)
 
     def log_uniform(lo: int, hi: int) -> int:
@@ -377,7 +390,7 @@ def bench_engine_run(cfg: BenchEngineConfig, command: str | None = None) -> dict
     import json
 
     mc = json.loads((model_dir / "config.json").read_text())
-    reqs = make_requests(cfg.workload, cfg.num_requests, cfg.seed, mc["vocab_size"])
+    reqs = make_requests(cfg.workload, cfg.num_requests, cfg.seed, mc["vocab_size"], mc.get("max_position_embeddings"))
     block = 16
     max_model_len = -(-max(len(r.prompt) + r.output_len for r in reqs) // block) * block
     torch_dtype = getattr(torch, cfg.dtype)
