@@ -3,7 +3,9 @@ token over its sequence's cached + new keys, causally.
 
 Two implementations of one contract, selected by `EngineConfig.attention`:
   * reference — a per-sequence Python loop with plain matmul/softmax math. Slow, obviously right.
-  * fast — no per-sequence loops inside layers for decode. Decoding sequences (one query token)
+  * fast — a decoding sequence (one query token) whose blocks form one run of consecutive ids
+    (the block manager allocates that way when it can) attends over a strided view of the pool
+    rows in place: one SDPA, no copy, no padding. The remaining decoding sequences
     are sorted by context length and cut into buckets whose padding stays under
     `MAX_PADDING` (one long sequence no longer pads a hundred short ones); each bucket gathers
     its block tables, whole blocks at a time, into a preallocated buffer (no fresh allocation
@@ -45,6 +47,7 @@ class AttentionMetadata:
     groups: list[Group]  # fast path
     per_seq: list[tuple[int, int, int, torch.Tensor]]  # reference: (q_start, q_len, num_computed, slots_C)
     max_gather_blocks: int = 0  # the largest group's S*M: the gather buffer's size
+    views: list[tuple[int, int, int]] | None = None  # decode, blocks one run: (row, first slot, context len)
 
 
 def _slots(bt: list[int], start: int, stop: int, block_size: int) -> list[int]:
@@ -91,8 +94,16 @@ def build_metadata(block_tables: list[list[int]], computed: list[int], q_lens: l
         per_seq = [(s, q, c, torch.tensor(_slots(bt, 0, c + q, block_size), dtype=torch.long, device=device))
                    for bt, c, q, s in zip(block_tables, computed, q_lens, q_starts)]
         return AttentionMetadata(slot_mapping_T, [], per_seq)
-    groups = []
-    decode = [i for i, q in enumerate(q_lens) if q == 1]
+    groups, views, decode = [], [], []
+    for i, q in enumerate(q_lens):
+        if q != 1:
+            continue
+        bt, n = block_tables[i], computed[i] + 1
+        m = -(-n // block_size)
+        if bt[m - 1] - bt[0] == m - 1 and bt[:m] == list(range(bt[0], bt[0] + m)):
+            views.append((q_starts[i], bt[0] * block_size, n))  # its K/V is one strided view of the pool
+        else:
+            decode.append(i)
     for bucket in _decode_buckets([computed[i] + 1 for i in decode]):
         idx = [decode[j] for j in bucket]
         rows = torch.tensor([q_starts[i] for i in idx], dtype=torch.long).to(device, non_blocking=True)
@@ -107,7 +118,7 @@ def build_metadata(block_tables: list[list[int]], computed: list[int], q_lens: l
         else:
             groups.append(_gather_group(rows, [block_tables[i]], [computed[i] + q], q, block_size, device))
     most = max((g.num_seqs * g.num_blocks for g in groups), default=0)
-    return AttentionMetadata(slot_mapping_T, groups, [], most)
+    return AttentionMetadata(slot_mapping_T, groups, [], most, views)
 
 
 class PagedAttention:
@@ -142,6 +153,12 @@ class PagedAttention:
             return reference_attention(q_BTNH[0], k_cache, v_cache, meta.per_seq).unsqueeze(0)
         q_TNH, out_TNH = q_BTNH[0], torch.empty_like(q_BTNH[0])
         gqa = q_TNH.shape[1] != K
+        for row, first, n in meta.views or ():  # no copy: SDPA reads the pool rows in place
+            o_1N1H = F.scaled_dot_product_attention(q_TNH[row:row + 1].transpose(0, 1).unsqueeze(0),
+                                                    k_cache[first:first + n].transpose(0, 1).unsqueeze(0),
+                                                    v_cache[first:first + n].transpose(0, 1).unsqueeze(0),
+                                                    enable_gqa=gqa)
+            out_TNH[row] = o_1N1H.view(out_TNH.shape[1:])
         for g in meta.groups:
             if g.blocks_SM is None:  # a fresh prefill chunk: (1, heads, Q, H) views, no copy
                 q_1NQH, k_1KQH, v_1KQH = (t[0, g.rows].transpose(0, 1).unsqueeze(0) for t in (q_BTNH, k_BTKH, v_BTKH))

@@ -99,7 +99,8 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Give `seq` the blocks its next `num_new_tokens` tokens need (caller checked they exist)."""
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
-            block_id, _ = self.free.popitem(last=False)  # LRU end: evict what has waited longest
+            block_id = self._next_block(seq.block_table)
+            del self.free[block_id]
             self._evict(block_id)
             self.blocks[block_id].ref_count = 1
             seq.block_table.append(block_id)
@@ -130,6 +131,28 @@ class BlockManager:
                 if block.hash is None:  # nothing worth keeping: reuse it first
                     self.free.move_to_end(block_id, last=False)
         seq.block_table, seq.block_hashes = [], []
+
+    def _next_block(self, table: list[int]) -> int:
+        """Keep a sequence's blocks one run where it can (attention then reads them in place, no gather):
+        the block after its last one when that is free and holds nothing cached; a new run starts in the
+        middle of the longest stretch of such blocks, leaving room to grow on both sides. Else the LRU end."""
+        if table:
+            nxt = table[-1] + 1
+            if nxt in self.free and self.blocks[nxt].hash is None:
+                return nxt
+            return next(iter(self.free))
+        best_start, best_len, start = 0, 0, -1
+        for b in range(self.num_blocks + 1):
+            empty = b < self.num_blocks and b in self.free and self.blocks[b].hash is None
+            if empty and start < 0:
+                start = b
+            elif not empty and start >= 0:
+                if b - start > best_len:
+                    best_start, best_len = start, b - start
+                start = -1
+        if best_len == 0:
+            return next(iter(self.free))  # LRU end: evict what has waited longest
+        return best_start + best_len // 2 if best_start > 0 else best_start
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
