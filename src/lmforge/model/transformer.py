@@ -231,13 +231,17 @@ class Transformer(nn.Module):
     # ---- construction ---------------------------------------------------------------------------
 
     def init_weights(self, seed: int | None = None) -> Transformer:
-        """Normal(0, initializer_range) for linear and embedding weights, zeros for biases, ones for norms."""
+        """Normal(0, initializer_range) for linear and embedding weights, zeros for biases, ones for norms.
+        The projections that write into the residual stream (`o_proj`, `down_proj`) get
+        std / sqrt(2 * layers), so the stream's variance does not grow with depth (GPT-2, nanoGPT)."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         std = self.config.initializer_range
-        for module in self.modules():
+        residual_std = std / math.sqrt(2 * self.config.num_hidden_layers)
+        for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
+                s = residual_std if name.endswith(("o_proj", "down_proj")) else std
                 with torch.no_grad():
-                    module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * std)
+                    module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * s)
                     if getattr(module, "bias", None) is not None:
                         module.bias.zero_()
             elif isinstance(module, RMSNorm):
