@@ -48,7 +48,7 @@ def test_fast_matches_reference(contiguous):
 
 
 def test_blocks_stay_one_run():
-    bm = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    bm = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False, contiguous_runs=True)
     seqs = [Sequence(f"s{i}", 0, [1] * 5, SamplingParams(max_tokens=40), 40) for i in range(3)]
     for s in seqs:
         bm.admit(s, [], [])

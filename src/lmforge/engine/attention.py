@@ -3,9 +3,9 @@ token over its sequence's cached + new keys, causally.
 
 Two implementations of one contract, selected by `EngineConfig.attention`:
   * reference — a per-sequence Python loop with plain matmul/softmax math. Slow, obviously right.
-  * fast — a decoding sequence (one query token) whose blocks form one run of consecutive ids
-    (the block manager allocates that way when it can) attends over a strided view of the pool
-    rows in place: one SDPA, no copy, no padding. The remaining decoding sequences
+  * fast — on CPU, a decoding sequence (one query token) whose blocks form one run of consecutive
+    ids (the block manager allocates that way when it can) attends over a strided view of the
+    pool rows in place: one SDPA per sequence, no copy, no padding. The remaining decoding sequences
     are sorted by context length and cut into buckets whose padding stays under
     `MAX_PADDING` (one long sequence no longer pads a hundred short ones); each bucket gathers
     its block tables, whole blocks at a time, into a preallocated buffer (no fresh allocation
@@ -95,12 +95,13 @@ def build_metadata(block_tables: list[list[int]], computed: list[int], q_lens: l
                    for bt, c, q, s in zip(block_tables, computed, q_lens, q_starts)]
         return AttentionMetadata(slot_mapping_T, [], per_seq)
     groups, views, decode = [], [], []
+    in_place = device.type == "cpu"  # a call per sequence: cheap on CPU, a launch-bound loop on a GPU
     for i, q in enumerate(q_lens):
         if q != 1:
             continue
         bt, n = block_tables[i], computed[i] + 1
         m = -(-n // block_size)
-        if bt[m - 1] - bt[0] == m - 1 and bt[:m] == list(range(bt[0], bt[0] + m)):
+        if in_place and bt[m - 1] - bt[0] == m - 1 and bt[:m] == list(range(bt[0], bt[0] + m)):
             views.append((q_starts[i], bt[0] * block_size, n))  # its K/V is one strided view of the pool
         else:
             decode.append(i)

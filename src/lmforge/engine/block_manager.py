@@ -42,8 +42,10 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 contiguous_runs: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.contiguous_runs = contiguous_runs  # allocate so a sequence's blocks stay one run (see _next_block)
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
@@ -135,7 +137,10 @@ class BlockManager:
     def _next_block(self, table: list[int]) -> int:
         """Keep a sequence's blocks one run where it can (attention then reads them in place, no gather):
         the block after its last one when that is free and holds nothing cached; a new run starts in the
-        middle of the longest stretch of such blocks, leaving room to grow on both sides. Else the LRU end."""
+        middle of the longest stretch of such blocks, leaving room to grow on both sides (an O(num_blocks)
+        scan per new sequence). Else, or without `contiguous_runs`, the LRU end."""
+        if not self.contiguous_runs:
+            return next(iter(self.free))  # LRU end: evict what has waited longest
         if table:
             nxt = table[-1] + 1
             if nxt in self.free and self.blocks[nxt].hash is None:

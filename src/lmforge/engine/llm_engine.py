@@ -111,7 +111,9 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.eos_token_ids = _eos_token_ids(model_dir, self.model, self.tokenizer)
         num_blocks = config.num_kv_blocks or self._num_blocks_from_budget()
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # on CPU the fast attention reads a sequence whose blocks are one run in place: allocate for that
+        runs = self.model_runner_device().type == "cpu" and config.attention == "fast"
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, runs)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.model_runner = ModelRunner(self.model, num_blocks, config.block_size, config.attention == "reference")
         self.sampler = Sampler(sorted(self.eos_token_ids))
