@@ -20,6 +20,7 @@ This module knows nothing about cleaning (that is `prepare`) or about training.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -73,14 +74,9 @@ def _read_split_texts(path: Path) -> Iterator[str]:
 
 
 def _chunks(texts: Iterator[str], size: int) -> Iterator[list[str]]:
-    chunk: list[str] = []
-    for text in texts:
-        chunk.append(text)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
+    """Lists of `size` consecutive items (the last one shorter)."""
+    it = iter(texts)
+    return iter(lambda: list(itertools.islice(it, size)), [])
 
 
 class _ShardWriter:

@@ -24,6 +24,7 @@ This module wires the steps together; each rule lives in its own module.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -107,14 +108,9 @@ def _pass2(task: tuple[frozenset[int], list[dict]]) -> list[dict]:
 # ---- main side ---------------------------------------------------------------------------------
 
 def _chunks(items: Iterable[dict], size: int = CHUNK_DOCS) -> Iterator[list[dict]]:
-    chunk: list[dict] = []
-    for item in items:
-        chunk.append(item)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
+    """Lists of `size` consecutive items (the last one shorter)."""
+    it = iter(items)
+    return iter(lambda: list(itertools.islice(it, size)), [])
 
 
 def _read_jsonl(path: Path) -> Iterator[dict]:
