@@ -30,6 +30,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode="markdown",  # docstring line breaks are wrapping, not layout
 )
 app.add_typer(data_app, name="data",
               help="Prepare (clean, filter, scrub PII, dedup, split) and pack text into token shards.")
@@ -54,8 +55,8 @@ def bench_data_cmd(
     repeats: Annotated[int, typer.Option(help="Timed repeats per setting (best is kept).")] = 3,
     out: Annotated[Path, typer.Option(help="Folder for bench_data.json and bench_data.md.")] = Path("runs/bench-data"),
 ) -> None:
-    """Throughput of `lmforge data prepare` per step and end to end (MB/s, CPU time) with 1 and 2 workers;
-    checks that the outputs are identical across worker counts."""
+    """Throughput of `lmforge data prepare` per step and end to end (MB/s, CPU time) with 1 and 2
+    workers; checks that the outputs are identical across worker counts."""
     from lmforge.data.bench import run_bench
 
     run_bench(inputs=tuple(inputs or ["python-docs"]), workers=tuple(workers), repeats=repeats, out_dir=out)
@@ -86,9 +87,9 @@ def quickstart_cmd(
         "runs/quickstart"),
     tiny: Annotated[bool, typer.Option("--tiny", help="A small slice of everything: about a minute.")] = False,
 ) -> None:
-    """The whole chain on python-docs: data prepare, tokenizer, pack, pretrain, export, eval, engine benchmark,
-    serve + OpenAI-client requests; writes OUT/report.md (the report card) and prints it. Rerunning skips
-    stages whose outputs are complete."""
+    """The whole chain on python-docs: data prepare, tokenizer, pack, pretrain, export, eval, engine
+    benchmark, serve + OpenAI-client requests; writes OUT/report.md (the report card) and prints it.
+    Rerunning skips stages whose outputs are complete."""
     from lmforge.quickstart import quickstart
 
     raise typer.Exit(quickstart(out, tiny=tiny))
