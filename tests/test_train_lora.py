@@ -19,14 +19,7 @@ from lmforge.train.lora import (LoraConfig, apply_lora, is_lora, load_lora_state
 VOCAB = 512  # the size of the tiny tokenizers the other training tests train
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy 2-core box spinning OpenMP workers
-    make them ~10x slower; restore the setting for the rest of the session."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(tie: bool = True) -> Transformer:

@@ -28,14 +28,7 @@ WORDS = ("the a model learns to answer questions about python code and data with
          "replies list dict loop function returns value error file line yes no why how").split()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy 2-core box spinning OpenMP workers
-    make them ~10x slower; restore the setting for the rest of the session."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def sentence(rng: random.Random, n: int) -> str:
