@@ -13,7 +13,7 @@ Hugging Face directory to start from (`model.init`). It knows nothing about tens
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from lmforge.config import ConfigError
 
@@ -78,12 +78,35 @@ class TrainSection:
     seq_len: int = 256  # sft only: rendered chats are packed/padded to this (pretrain: the data's)
 
 
+# nn.Linear names in the model (Hugging Face's), the only modules adapters can target.
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
 @dataclass
-class LoraSection:
+class LoraConfig:
+    """LoRA hyper-parameters; `alpha / rank` scales the update (Hu et al. 2021, section 4.1)."""
+
     rank: int = 8
     alpha: int = 16
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+    def validate(self, model: Any) -> None:
+        """Every rule; `model` (a `Transformer`) is needed only for the tied-head one."""
+        if self.rank < 1:
+            raise ValueError(f"lora config: rank must be >= 1, got {self.rank}")
+        if self.alpha <= 0:
+            raise ValueError(f"lora config: alpha must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora config: dropout must be in [0, 1), got {self.dropout}")
+        unknown = [m for m in self.target_modules if m not in LINEAR_MODULES]
+        if not self.target_modules or unknown:
+            raise ValueError(f"lora config: target_modules {unknown or '[]'} not valid; choose from "
+                             f"{', '.join(LINEAR_MODULES)}")
+        if "lm_head" in self.target_modules and model.config.tie_word_embeddings:
+            # merging would also change the tied input embedding, which LoRA never saw
+            raise ValueError("lora config: target_modules has lm_head but the model ties it to "
+                             "embed_tokens (tie_word_embeddings=True); drop lm_head")
 
 
 @dataclass
@@ -97,7 +120,7 @@ class TrainConfig:
     data: DataSection = field(default_factory=DataSection)
     model: ModelSection = field(default_factory=ModelSection)
     train: TrainSection = field(default_factory=TrainSection)
-    lora: LoraSection = field(default_factory=LoraSection)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     sft: SFTSection = field(default_factory=SFTSection)
 
     def validate(self) -> TrainConfig:

@@ -35,11 +35,10 @@ def load_run_model(run: str | os.PathLike, checkpoint: str = "last") -> tuple[Tr
     model = Transformer(config)  # every weight is overwritten by the checkpoint below
     state = ckpt.load_state(path)["model"]
     if meta.get("method") == "lora":
-        from .lora import LoraConfig, apply_lora, merge_lora
+        from .config import LoraConfig
+        from .lora import apply_lora, merge_lora
 
-        lc = meta["config"]["lora"]
-        peft_model = apply_lora(model, LoraConfig(rank=lc["rank"], alpha=lc["alpha"], dropout=lc["dropout"],
-                                                  target_modules=list(lc["target_modules"])))
+        peft_model = apply_lora(model, LoraConfig(**meta["config"]["lora"]))
         peft_model.load_state_dict(state)
         model = merge_lora(peft_model)
     else:

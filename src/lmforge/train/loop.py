@@ -196,11 +196,9 @@ def build_model(cfg: TrainConfig, data: Data) -> Transformer:
 def apply_method(cfg: TrainConfig, model: Transformer) -> torch.nn.Module:
     if cfg.train.method == "full":
         return model
-    from .lora import LoraConfig, apply_lora
+    from .lora import apply_lora
 
-    lc = cfg.lora
-    return apply_lora(model, LoraConfig(rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout,
-                                        target_modules=list(lc.target_modules)))
+    return apply_lora(model, cfg.lora)
 
 
 def seed_everything(seed: int) -> None:

@@ -20,42 +20,14 @@ This module knows nothing about data, optimizers or the training loop.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from lmforge.model import Transformer
+from lmforge.train.config import LINEAR_MODULES, LoraConfig  # noqa: F401 (re-exported: the public LoRA API)
 
-# nn.Linear names in the model (Hugging Face's), the only modules adapters can target.
-LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 ADAPTER_NAME = "default"  # peft's; we keep one adapter per model
-
-
-@dataclass
-class LoraConfig:
-    """LoRA hyper-parameters; `alpha / rank` scales the update (Hu et al. 2021, section 4.1)."""
-
-    rank: int = 8
-    alpha: int = 16
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-
-    def validate(self, model: Transformer) -> None:
-        if self.rank < 1:
-            raise ValueError(f"lora config: rank must be >= 1, got {self.rank}")
-        if self.alpha <= 0:
-            raise ValueError(f"lora config: alpha must be > 0, got {self.alpha}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora config: dropout must be in [0, 1), got {self.dropout}")
-        unknown = [m for m in self.target_modules if m not in LINEAR_MODULES]
-        if not self.target_modules or unknown:
-            raise ValueError(f"lora config: target_modules {unknown or '[]'} not valid; choose from "
-                             f"{', '.join(LINEAR_MODULES)}")
-        if "lm_head" in self.target_modules and model.config.tie_word_embeddings:
-            # merging would also change the tied input embedding, which LoRA never saw
-            raise ValueError("lora config: target_modules has lm_head but the model ties it to "
-                             "embed_tokens (tie_word_embeddings=True); drop lm_head")
 
 
 def apply_lora(model: Transformer, cfg: LoraConfig) -> Transformer:
