@@ -68,3 +68,26 @@ def test_mixed_prompts_in_input_order_and_errors(llm):
     assert {"steps", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "kv_blocks_total",
             "kv_blocks_in_use", "kv_utilization_avg", "tokens_processed"} <= set(s)
     assert 0 < s["kv_utilization_avg"] <= 1
+
+
+def test_packed_bf16_linears_give_the_same_tokens(tmp_path, one_thread):
+    """CPU bfloat16: the engine reorders linear weights once for oneDNN (`pack_weights`); the greedy
+    tokens and logprobs equal the unpacked engine's (the same matmul, without the per-call reorder)."""
+    from lmforge.engine.model_runner import PackedLinear, can_pack_linear
+
+    model_dir = str(save_hf_model("qwen2", tmp_path))  # q/k/v biases too
+    prompts = [list(range(3, 3 + n)) for n in (1, 9, 40, 70)]
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    runs = []
+    for pack in (True, False):
+        llm = LLM(model_dir, dtype="bfloat16", device="cpu", block_size=4, pack_weights=pack)
+        runner = llm.llm_engine.model_runner
+        packed = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
+        if pack and can_pack_linear(torch.device("cpu"), torch.bfloat16):
+            c = runner.model.config
+            assert runner.packed_linears == len(packed) == 7 * c.num_hidden_layers + 1  # + lm_head
+        else:
+            assert runner.packed_linears == len(packed) == 0
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)
+                     for o in llm.generate(prompts, p, use_tqdm=False)])
+    assert runs[0] == runs[1]

@@ -48,6 +48,7 @@ class AttentionMetadata:
     per_seq: list[tuple[int, int, int, torch.Tensor]]  # reference: (q_start, q_len, num_computed, slots_C)
     max_gather_blocks: int = 0  # the largest group's S*M: the gather buffer's size
     views: list[tuple[int, int, int]] | None = None  # decode, blocks one run: (row, first slot, context len)
+    view_rows: torch.Tensor | None = None  # the views' rows when they are not simply 0, 1, ..., len(views) - 1
 
 
 def _slots(bt: list[int], start: int, stop: int, block_size: int) -> list[int]:
@@ -119,7 +120,10 @@ def build_metadata(block_tables: list[list[int]], computed: list[int], q_lens: l
         else:
             groups.append(_gather_group(rows, [block_tables[i]], [computed[i] + q], q, block_size, device))
     most = max((g.num_seqs * g.num_blocks for g in groups), default=0)
-    return AttentionMetadata(slot_mapping_T, groups, [], most, views)
+    view_rows = None
+    if any(v[0] != i for i, v in enumerate(views)):
+        view_rows = torch.tensor([v[0] for v in views], dtype=torch.long).to(device, non_blocking=True)
+    return AttentionMetadata(slot_mapping_T, groups, [], most, views, view_rows)
 
 
 class PagedAttention:
@@ -154,12 +158,17 @@ class PagedAttention:
             return reference_attention(q_BTNH[0], k_cache, v_cache, meta.per_seq).unsqueeze(0)
         q_TNH, out_TNH = q_BTNH[0], torch.empty_like(q_BTNH[0])
         gqa = q_TNH.shape[1] != K
-        for row, first, n in meta.views or ():  # no copy: SDPA reads the pool rows in place
-            o_1N1H = F.scaled_dot_product_attention(q_TNH[row:row + 1].transpose(0, 1).unsqueeze(0),
-                                                    k_cache[first:first + n].transpose(0, 1).unsqueeze(0),
-                                                    v_cache[first:first + n].transpose(0, 1).unsqueeze(0),
-                                                    enable_gqa=gqa)
-            out_TNH[row] = o_1N1H.view(out_TNH.shape[1:])
+        if meta.views:  # no copy: SDPA reads the pool rows in place; one slice per tensor per sequence
+            q_1NTH = q_TNH.transpose(0, 1).unsqueeze(0)
+            k_1KRH, v_1KRH = k_cache.transpose(0, 1).unsqueeze(0), v_cache.transpose(0, 1).unsqueeze(0)
+            outs = [F.scaled_dot_product_attention(q_1NTH[:, :, row:row + 1], k_1KRH[:, :, first:first + n],
+                                                   v_1KRH[:, :, first:first + n], enable_gqa=gqa)
+                    for row, first, n in meta.views]
+            o_NSH = torch.cat(outs, dim=2)[0]
+            if meta.view_rows is None:
+                out_TNH[:len(outs)] = o_NSH.transpose(0, 1)
+            else:
+                out_TNH[meta.view_rows] = o_NSH.transpose(0, 1)
         for g in meta.groups:
             if g.blocks_SM is None:  # a fresh prefill chunk: (1, heads, Q, H) views, no copy
                 q_1NQH, k_1KQH, v_1KQH = (t[0, g.rows].transpose(0, 1).unsqueeze(0) for t in (q_BTNH, k_BTKH, v_BTKH))

@@ -23,6 +23,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0  # seeds torch for requests that set no seed of their own
     attention: str = "fast"  # fast (batched gather + SDPA) | reference (per-sequence loop, plain math)
+    pack_weights: bool = True  # CPU bfloat16: linear weights reordered once into oneDNN's layout (fast path)
 
     def __post_init__(self) -> None:
         checks = [

@@ -115,7 +115,8 @@ class LLMEngine:
         runs = self.model_runner_device().type == "cpu" and config.attention == "fast"
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, runs)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.model_runner = ModelRunner(self.model, num_blocks, config.block_size, config.attention == "reference")
+        self.model_runner = ModelRunner(self.model, num_blocks, config.block_size, config.attention == "reference",
+                                        config.pack_weights)
         self.sampler = Sampler(sorted(self.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self.counters = dict(steps=0, tokens_processed=0, kv_util_sum=0.0)

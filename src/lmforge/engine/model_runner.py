@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch import nn
 
 from lmforge.model import Transformer
 
@@ -28,12 +29,50 @@ def kv_bytes_per_block(model: Transformer, block_size: int) -> int:
     return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * block_size * itemsize
 
 
+class PackedLinear(nn.Module):
+    """A bfloat16 `nn.Linear` whose weight oneDNN reordered once into its blocked layout. A plain
+    bf16 `F.linear` on CPU reorders the weight on every call: at the few rows of a decode step that
+    copy is most of the cost (a 512x1376 projection at 1 row: 263 us plain, 162 us packed; at 128
+    rows 633 vs 430 us; same bits). Inference only: the original weight is not kept."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.detach()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(w, 64), persistent=False)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+def can_pack_linear(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN packed bf16 linear: CPU with native bf16 (AVX512-BF16 / AMX)."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """Replace every `nn.Linear` of `model` by a `PackedLinear` (a tied lm_head gets its own packed
+    copy; the embedding keeps the plain weight). Returns how many were packed."""
+    todo = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if isinstance(child, nn.Linear)]
+    for parent, name, child in todo:
+        setattr(parent, name, PackedLinear(child))
+    return len(todo)
+
+
 class ModelRunner:
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int, reference: bool = False):
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int, reference: bool = False,
+                 pack_weights: bool = True):
         c = model.config
         self.model, self.block_size, self.reference = model.eval(), block_size, reference
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.packed_linears = 0
+        if pack_weights and not reference and can_pack_linear(p.device, p.dtype):
+            with torch.no_grad():
+                self.packed_linears = pack_linear_weights(model)
         self.attn = PagedAttention(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
                                    c.head_dim, p.dtype, p.device)
         self.timings = {"prepare": 0.0, "forward": 0.0}  # seconds, cumulative
