@@ -78,14 +78,14 @@ N = 6  # run A trains 2N steps; run B is killed after step N + 2 (checkpoint at 
 def run_a(packed, home, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("runs") / "a"
     lmforge_train(TINY, f"data.path={packed}", f"train.max_steps={2 * N}", f"train.ckpt_every={N // 2}",
-                  f"train.eval_every={N}", "--out", out, env={"LMFORGE_HOME": str(home)})
+                  f"train.eval_every={N}", "train.target_val_loss=100", "--out", out, env={"LMFORGE_HOME": str(home)})
     return out
 
 
 def test_exact_resume_after_sigkill(packed, home, run_a, tmp_path):
     out = tmp_path / "b"
     args = [TINY, f"data.path={packed}", f"train.max_steps={2 * N}", f"train.ckpt_every={N // 2}",
-            f"train.eval_every={N}", "--out", out]
+            f"train.eval_every={N}", "train.target_val_loss=100", "--out", out]
     env = {"LMFORGE_HOME": str(home)}
     killed = lmforge_train(*args, env={**env, "LMFORGE_TEST_SIGKILL_AT_STEP": str(N + 2)}, check=False)
     assert killed.returncode == -9, killed.stderr
@@ -109,6 +109,8 @@ def test_exact_resume_after_sigkill(packed, home, run_a, tmp_path):
     assert wa.keys() == wb.keys()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert json.loads((out / "record.json").read_text())["status"] == "finished"
+    reached = [json.loads((run / "record.json").read_text())["results"]["target_reached"] for run in (run_a, out)]
+    assert reached[0]["step"] == reached[1]["step"] == N and reached[0]["tokens"] == reached[1]["tokens"]
 
 
 def test_record_and_metrics(packed, run_a):
@@ -132,6 +134,11 @@ def test_record_and_metrics(packed, run_a):
     for row in rows:
         assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_bytes"} <= set(row)
     assert (run_a / "loss.png").stat().st_size > 1000
+    # train.target_val_loss=100: reached at the first evaluation (step N); seconds are the steps' dt_s sums
+    hit = res["target_reached"]
+    assert res["target_val_loss"] == 100 and hit["step"] == N and hit["tokens"] == rows[N - 1]["tokens"]
+    assert hit["train_s"] == pytest.approx(sum(r["dt_s"] for r in rows[:N]), abs=1e-3)
+    assert hit["train_plus_eval_s"] == pytest.approx(hit["train_s"] + rows[N - 1]["eval_s"], abs=1e-3)
     assert "max_steps: 12" in (run_a / "config.yaml").read_text()
     kept = sorted(p.name for p in (run_a / "checkpoints").iterdir())
     assert kept == [f"step-{2 * N - N // 2:08d}", f"step-{2 * N:08d}"]  # keep_last 2; best is the last
@@ -185,3 +192,66 @@ def test_config_errors_name_the_key(tmp_path):
         load_config(TrainConfig, TINY).validate()
     proc = lmforge_train(TINY, "--out", tmp_path / "x", check=False)
     assert proc.returncode == 2 and "data.path is required" in proc.stderr
+
+
+def test_target_reached_is_the_first_eval_at_or_below():
+    from lmforge.train.loop import target_reached
+
+    rows = [{"step": 1, "dt_s": 2.0, "tokens": 10, "loss": 9.0},
+            {"step": 2, "dt_s": 2.0, "tokens": 20, "loss": 5.0, "val_loss": 4.5, "eval_s": 1.0},
+            {"step": 3, "dt_s": 2.0, "tokens": 30, "loss": 4.0, "val_loss": 3.9, "eval_s": 1.0},
+            {"step": 4, "dt_s": 2.0, "tokens": 40, "loss": 3.0, "val_loss": 3.5, "eval_s": 1.0}]
+    assert target_reached(rows, 4.0) == {"step": 3, "tokens": 30, "val_loss": 3.9, "train_s": 6.0,
+                                         "train_plus_eval_s": 8.0}
+    assert target_reached(rows, 4.5)["step"] == 2 and target_reached(rows, 3.0) is None
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_fused_loss_equals_plain_loss_and_gradients(tie):
+    """TrainLoss (LM head + cross-entropy in chunks, no full logits) = token_losses(...).sum(), with
+    the gradients of every weight (tied head included), in float32; chunks not dividing the tokens."""
+    from lmforge.model import ModelConfig, Transformer
+    from lmforge.train import fused_ce
+    from lmforge.train.loop import token_losses
+
+    model = Transformer(ModelConfig(vocab_size=384, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    tie_word_embeddings=tie)).init_weights(0)
+    gen = torch.Generator().manual_seed(0)
+    ids, labels = torch.randint(0, 384, (3, 50), generator=gen), torch.randint(0, 384, (3, 50), generator=gen)
+    labels[0, :7] = labels[2, 30:] = -100
+    doc_ids = (torch.arange(50) >= 20).long().expand(3, 50)
+    grads = []
+    for fused in (False, True):
+        model.zero_grad()
+        if fused:
+            loss = fused_ce.TrainLoss(model)(ids, labels, None, doc_ids)
+        else:
+            loss = token_losses(model, {"input_ids": ids, "labels": labels, "doc_ids": doc_ids}).sum()
+        (loss * 0.3).backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (plain, g_plain), (fused, g_fused) = grads
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-4)
+    for name in g_plain:
+        torch.testing.assert_close(g_fused[name], g_plain[name], rtol=1e-5, atol=1e-6, msg=name)
+    loss = fused_ce.chunked_lm_loss(model.hidden_states(ids, None, doc_ids), model.lm_head.weight, labels, chunk=32)
+    torch.testing.assert_close(loss.detach(), plain, rtol=1e-6, atol=1e-4)  # 150 tokens in chunks of 32
+    assert fused_ce.can_fuse(model)
+
+
+def test_whole_val_split_eval_does_not_depend_on_batch_size(packed, home, tmp_path, monkeypatch):
+    """train.eval_batches=0 evaluates every val row exactly once, so batch size 3 and 5 agree."""
+    from lmforge.config import load_config
+    from lmforge.data.loader import PackedDataset
+    from lmforge.train.config import TrainConfig
+    from lmforge.train.loop import Trainer
+
+    monkeypatch.setenv("LMFORGE_HOME", str(home))
+    rows = PackedDataset(packed, "val").num_rows
+    losses = []
+    for bs in (3, 5):
+        cfg = load_config(TrainConfig, TINY, [f"data.path={packed}", f"train.batch_size={bs}", "train.eval_batches=0"])
+        trainer = Trainer(cfg, tmp_path / f"b{bs}", overwrite=True)
+        assert sum(len(b["input_ids"]) for b in trainer.data.make_val()) == rows
+        losses.append(trainer.evaluate()["val_loss"])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)

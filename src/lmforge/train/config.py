@@ -61,6 +61,11 @@ class TrainSection:
     warmup_steps: int = 10
     decay: Literal["cosine", "linear", "constant"] = "cosine"
     weight_decay: float = 0.1
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon for hidden matrices, AdamW for the rest (optim.py)
+    muon_lr: float = 0.02  # optimizer=muon: the hidden matrices' learning rate
+    muon_momentum: float = 0.95
+    embedding_lr: float | None = None  # token embedding's AdamW learning rate; None = lr
+    head_lr: float | None = None  # untied LM head's AdamW learning rate; None = lr
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -71,10 +76,12 @@ class TrainSection:
     ckpt_every: int = 100  # 0 = only at the end
     keep_last: int = 2  # checkpoints kept besides the best one
     eval_every: int = 50  # 0 = only at the end
-    eval_batches: int = 8
+    eval_batches: int = 8  # 0 = pretrain: every val row once (sft: one batch)
+    target_val_loss: float | None = None  # report the first step/seconds/tokens at which val_loss <= this
     log_every: int = 1  # console lines; metrics.jsonl gets every step
     gradient_checkpointing: bool = False
     compile: bool = False
+    fused_loss: bool = True  # LM head + cross-entropy in chunks of tokens, no full logits (fused_ce.py)
     seq_len: int = 256  # sft only: rendered chats are packed/padded to this (pretrain: the data's)
 
 
@@ -138,6 +145,13 @@ class TrainConfig:
                 raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
         if t.lr <= 0:
             raise ConfigError(f"train.lr must be > 0, got {t.lr}")
+        for key in ("muon_lr", "embedding_lr", "head_lr"):
+            if getattr(t, key) is not None and getattr(t, key) <= 0:
+                raise ConfigError(f"train.{key} must be > 0, got {getattr(t, key)}")
+        if not 0 <= t.muon_momentum < 1:
+            raise ConfigError(f"train.muon_momentum must be in [0, 1), got {t.muon_momentum}")
+        if t.target_val_loss is not None and t.target_val_loss <= 0:
+            raise ConfigError(f"train.target_val_loss must be > 0 (nats/token) or null, got {t.target_val_loss}")
         if not 0 <= t.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
         if t.method == "lora" and (self.lora.rank < 1 or not self.lora.target_modules):

@@ -43,6 +43,7 @@ from lmforge.track.run import RunDir, peak_memory
 
 from . import checkpoint as ckpt
 from .config import TrainConfig
+from .fused_ce import TrainLoss, can_fuse
 from .optim import build_optimizer, build_scheduler
 
 IGNORE = -100
@@ -147,8 +148,13 @@ def build_data(cfg: TrainConfig, d: Dist, device: torch.device) -> Data:
         train = PackedLoader(str(path), split="train", batch_size=t.batch_size, seed=t.seed, shuffle=True,
                              rank=d.rank, world_size=d.world_size, device=str(device))
         has_val = manifest.get("splits", {}).get("val", {}).get("rows", 0) >= d.world_size
-        make_val = (lambda: PackedLoader(str(path), split="val", batch_size=t.batch_size, seed=0, shuffle=False,
-                                         rank=d.rank, world_size=d.world_size, device=str(device))) if has_val else None
+        if not has_val:
+            make_val = None
+        elif t.eval_batches == 0:  # every val row once, the last batch possibly short: independent of batch_size
+            make_val = lambda: _all_rows(str(path), "val", t.batch_size, d, str(device))  # noqa: E731
+        else:
+            make_val = lambda: PackedLoader(str(path), split="val", batch_size=t.batch_size, seed=0,  # noqa: E731
+                                            shuffle=False, rank=d.rank, world_size=d.world_size, device=str(device))
         tok_dir = _find_tokenizer(cfg, path)
         notes = [] if has_val else [f"{path} has no val split: no evaluation"]
         if tok_dir and tokenizer_hash(tok_dir) != manifest.get("tokenizer_hash"):
@@ -174,6 +180,18 @@ def build_data(cfg: TrainConfig, d: Dist, device: torch.device) -> Data:
     make_val = (lambda: loader(cfg.data.val_path, 0)) if cfg.data.val_path else None
     return Data(train, make_val, t.seq_len, len(tok), getattr(train, "data_hash", None), tokenizer_hash(tok_dir),
                 tok_dir, token_byte_lengths(tok_dir), [] if make_val else ["no data.val_path: no evaluation"])
+
+
+def _all_rows(path: str, split: str, batch_size: int, d: Dist, device: str) -> Any:
+    """Batches of every row of a packed split exactly once (this rank's rows: `r::world_size`), in order."""
+    from lmforge.data.loader import PackedDataset, batch_from_rows
+
+    ds = PackedDataset(path, split)
+    mine = list(range(d.rank, ds.num_rows, d.world_size))
+    for lo in range(0, len(mine), batch_size):
+        rows_BT1 = np.stack([ds.row(i) for i in mine[lo:lo + batch_size]])
+        yield {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64)).to(device)
+               for k, v in batch_from_rows(rows_BT1, ds.eos_token_id).items()}
 
 
 def build_model(cfg: TrainConfig, data: Data) -> Transformer:
@@ -234,12 +252,14 @@ class Trainer:
         self.step, self.tokens_seen, self.train_time = 0, 0, 0.0
         self.last_ckpt: Path | None = None
         self.best_val: float | None = None
+        self._target_reported = False
         if resume:
             self._restore()
-        self.fwd = self.model
+        self.fused = t.fused_loss and can_fuse(self.model)
+        self.fwd = TrainLoss(self.model) if self.fused else self.model
         if self.d.world_size > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
-            self.fwd = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+            self.fwd = torch.nn.parallel.DistributedDataParallel(self.fwd, device_ids=ids)
         if t.compile:
             self.fwd = torch.compile(self.fwd)
         self.train_iter = iter(self.data.train)
@@ -311,6 +331,8 @@ class Trainer:
     def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed next-token cross-entropy over the batch's target tokens (labels != -100)."""
         with self.autocast():
+            if self.fused:  # `model` is (a wrapper of) TrainLoss: the summed loss without full logits
+                return model(batch["input_ids"], batch["labels"], batch.get("position_ids"), batch.get("doc_ids"))
             return token_losses(model, batch).sum()
 
     def train_step(self) -> dict[str, float]:
@@ -375,8 +397,8 @@ class Trainer:
         loader = iter(self.data.make_val())
         loss_sum = n_tokens = byte_loss = n_bytes = 0.0
         tb = self.data.token_bytes.to(self.device) if self.data.token_bytes is not None else None
-        for _ in range(max(1, self.cfg.train.eval_batches)):
-            batch = next(loader)
+        whole = self.cfg.train.stage == "pretrain" and self.cfg.train.eval_batches == 0  # a finite iterator
+        for batch in (loader if whole else (next(loader) for _ in range(max(1, self.cfg.train.eval_batches)))):
             with self.autocast():
                 loss_N = token_losses(self.model, batch).flatten()
             labels = batch["labels"].flatten()
@@ -429,9 +451,10 @@ class Trainer:
             done = self.step == t.max_steps
             val_loss = None
             if done or (t.eval_every and self.step % t.eval_every == 0):
+                t_eval = time.perf_counter()
                 ev = self.evaluate()
                 if ev is not None:
-                    row.update(ev)
+                    row.update(ev, eval_s=round(time.perf_counter() - t_eval, 6))
                     last_eval, val_loss = ev, ev["val_loss"]
             if done or (t.ckpt_every and self.step % t.ckpt_every == 0):
                 self.save(val_loss)
@@ -439,6 +462,13 @@ class Trainer:
                 self.run.log_metrics(row)
                 if t.log_every and (self.step % t.log_every == 0 or done or "val_loss" in row):
                     print(_format_row(row, t.max_steps), flush=True)
+                if t.target_val_loss is not None and val_loss is not None and val_loss <= t.target_val_loss \
+                        and not self._target_reported:
+                    self._target_reported = True
+                    hit = target_reached(_read_metrics(self.out / "metrics.jsonl"), t.target_val_loss)
+                    print(f"val_loss {val_loss:.4f} <= target {t.target_val_loss} at step {hit['step']}: "
+                          f"{hit['train_s']:.1f} s of training ({hit['train_plus_eval_s']:.1f} s with evaluation), "
+                          f"{hit['tokens']:,} tokens", flush=True)
                 if kill_at and self.step == kill_at:
                     os.kill(os.getpid(), signal.SIGKILL)
         return self._finish(last_train_loss, last_eval)
@@ -476,7 +506,10 @@ class Trainer:
                    "train_time_s": round(self.train_time, 3), "tokens_per_s": round(tps, 2) if tps else None,
                    "mfu": self.mfu(tps) if tps else None, "peak_mem": mem.get("cuda_max_allocated_bytes",
                                                                            mem["cpu_max_rss_bytes"]),
-                   "mfu_error": self.mfu_error, "best_val_loss": self.best_val, "last_checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
+                   "mfu_error": self.mfu_error, "best_val_loss": self.best_val,
+                   "target_val_loss": self.cfg.train.target_val_loss,
+                   "target_reached": (target_reached(metrics, self.cfg.train.target_val_loss)
+                                      if self.cfg.train.target_val_loss is not None else None), "last_checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
                    "warnings": self.warnings}
         self.run.write_record(results)
         try:
@@ -487,6 +520,20 @@ class Trainer:
             self.warn(f"loss curve not drawn: {e}")
         self.run.finish(**results)
         return self.run.read_record()
+
+
+def target_reached(metrics: list[dict], target: float) -> dict[str, Any] | None:
+    """The first evaluation with val_loss <= target: its step, tokens seen, training seconds (the sum of
+    the step times up to it, evaluations excluded) and the same plus the evaluations' seconds; None if
+    never. Read from metrics.jsonl, so a resumed run reports the same as an uninterrupted one."""
+    train_s = eval_s = 0.0
+    for m in metrics:
+        train_s += m.get("dt_s", 0.0)
+        eval_s += m.get("eval_s", 0.0)
+        if m.get("val_loss") is not None and m["val_loss"] <= target:
+            return {"step": m["step"], "tokens": m["tokens"], "val_loss": m["val_loss"],
+                    "train_s": round(train_s, 3), "train_plus_eval_s": round(train_s + eval_s, 3)}
+    return None
 
 
 def token_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
