@@ -262,7 +262,7 @@ def test_minhash_and_lsh_match_datasketch():
     from lmforge.data import dedup
 
     rng = np.random.default_rng(0)
-    for n in (1, 7, 20000):  # 20000: more than one block of shingles
+    for n in (1, 7, 70000):  # 70000: more than one block of shingles
         hashes = np.unique(rng.integers(0, 2**32, n, dtype=np.uint64))
         for num_perm, seed in ((128, 1), (64, 7)):
             ref = MinHash(num_perm=num_perm, seed=seed, scheme="affine32", hashfunc=lambda x: x)
@@ -351,6 +351,71 @@ def test_repetition_rules_match_reference():
     assert len(reasons) >= 6  # the fuzz reaches most rules
 
 
+def test_repetition_rules_batched_match_reference():
+    """Many texts in one batch (one sort per n over all of them) decide as each text alone."""
+    from lmforge.data.config import GopherRepetitionConfig
+    from lmforge.data.quality import gopher_repetition_reasons
+
+    rng = random.Random(6)
+    cfg = GopherRepetitionConfig(dup_line_frac=1, dup_para_frac=1, dup_line_char_frac=1, dup_para_char_frac=1,
+                                 top_ngram_char_fracs=[0.3, 0.25, 0.2], dup_ngram_char_fracs=[0.3, 0.25, 0.2, 0.15,
+                                                                                                0.12, 0.1])
+    texts = []
+    for _ in range(400):
+        vocab = [f"w{i}" * rng.randint(1, 3) for i in range(rng.randint(2, 60))]
+        words = [rng.choice(vocab) for _ in range(rng.randint(0, 200))]
+        if len(words) > 20 and rng.random() < 0.5:
+            i = rng.randrange(len(words) - 12)
+            words[rng.randrange(len(words)):0] = words[i:i + rng.randint(5, 12)]
+        texts.append(" ".join(words))
+    expected = [_repetition_reference(t, cfg) for t in texts]
+    assert gopher_repetition_reasons(texts, cfg) == expected
+    assert len(set(expected)) >= 5
+
+
+def test_signatures_batched_match_minhash():
+    """dedup.signatures (many texts, one array of shingles) equals MinHash of each text's shingle set."""
+    import numpy as np
+
+    from lmforge.data import dedup
+    from lmforge.data.config import NearDedupConfig
+
+    rng = random.Random(2)
+    words = vocab(rng, 300)
+    texts = ["", "one", "Two Words", "a b c d", "x " * 70000] + fuzz_texts(rng, 30) + \
+        [random_doc(rng, words, rng.randint(1, 400)) for _ in range(60)]
+    rng.shuffle(texts)
+    for cfg in (NearDedupConfig(), NearDedupConfig(ngram=3, num_perm=64, seed=7)):
+        got = dedup.signatures(texts, cfg)
+        for text, sig in zip(texts, got):
+            assert np.array_equal(sig, dedup.minhash(dedup.shingle_hashes(text, cfg.ngram), cfg.num_perm, cfg.seed))
+
+
+def test_contamination_hits_match_reference():
+    """13-gram hits, batched and hashed in words.py, against sets of word tuples."""
+    import re
+
+    from lmforge.data.contamination import ContaminationIndex
+
+    def grams(text: str, n: int) -> list[tuple[str, ...]]:
+        w = re.findall(r"\w+", text.lower())
+        return [tuple(w[i:i + n]) for i in range(len(w) - n + 1)]
+
+    rng = random.Random(4)
+    words = [*vocab(rng, 40), "É", "ß", "中文", "İx", "_"]
+    docs = [" ".join(rng.choice(words) + rng.choice([" ", ", ", ". ", "\n", "-"]) for _ in range(rng.randint(0, 60)))
+            for _ in range(200)]
+    for n in (3, 13):
+        index = ContaminationIndex(n)
+        index.add_many(docs[:20])
+        index.add("short")
+        held = {g for d in docs[:20] for g in grams(d, n)}
+        assert index.too_short == sum(not grams(d, n) for d in docs[:20]) + 1
+        assert len(index.ngrams) == len(held)
+        assert index.hits_many(docs) == [sum(g in held for g in grams(d, n)) for d in docs]
+        assert n == 13 or sum(index.hits_many(docs[20:])) > 0
+
+
 def _mask_reference(text: str) -> tuple[str, dict[str, int]]:
     """Every PII pattern, no gates, with the lookbehind-first spellings of cn_id, card and phone."""
     import re
@@ -407,23 +472,86 @@ def test_normalize_matches_reference():
         assert normalize_text(text) == reference(text), repr(text)
 
 
-def test_punctuation_words_match_reference():
+WORD_PIECES = ["a", "b1", "Z", "_", "9", " ", "  ", "\n", "\t", "-", "*", "...", "…", "#", "(", ")", "•", "»", "é",
+               "²", "½", "中", "ß", "\u00a0", "\u2028", "\u3000", "\x1c", "\x0b", "\x85", "the", "With", "İ",
+               "\U0001d400"]
+
+
+def fuzz_texts(rng: random.Random, n: int, max_pieces: int = 30) -> list[str]:
+    return ["".join(rng.choice(WORD_PIECES) for _ in range(rng.randint(0, max_pieces))) for _ in range(n)]
+
+
+def test_split_words_match_python():
+    r"""words.py's vectorized tokenizations equal str.split and re.findall(r"\w+"), batched."""
+    import re
+    import sys as _sys
+
+    from lmforge.data.words import _TABLE_SIZE, split_words
+
+    assert not [c for c in range(_TABLE_SIZE, _sys.maxunicode + 1) if chr(c).isspace()]
+    rng = random.Random(0)
+    for _ in range(300):
+        texts = fuzz_texts(rng, rng.randint(1, 12))
+        if rng.random() < 0.5:
+            texts = [t.encode("latin-1", "ignore").decode("latin-1") for t in texts]  # the uint8 path
+        for pattern, reference in (("split", str.split), (r"\w+", re.compile(r"\w+").findall)):
+            w = split_words(texts, pattern)
+            joined = "\n".join(texts) + "\n"
+            got = [[] for _ in texts]
+            for d, a, b in zip(w.doc.tolist(), w.starts.tolist(), w.ends.tolist()):
+                got[d].append(joined[a:b])
+            assert got == [reference(t) for t in texts], texts
+            h = w.hashes().tolist()  # equal words, equal hashes (and here no collisions)
+            assert len({(joined[a:b]) for a, b in zip(w.starts.tolist(), w.ends.tolist())}) == len(set(h))
+
+
+def _gopher_quality_reference(text: str, cfg) -> str | None:
+    """Gopher quality rules spelled plainly, per word in Python: the reference for quality.py."""
     import re
 
-    from lmforge.data.quality import _PUNCT, _PUNCT_ONLY
+    from lmforge.data.quality import STOP_WORDS
+    from lmforge.data.words import PUNCTUATION
 
-    reference = re.compile("(?<!\\S)[" + re.escape("".join(sorted(_PUNCT))) + "]+(?!\\S)")
-    rng = random.Random(0)
-    pieces = ["a", "b1", " ", "\n", "\t", "-", "*", "...", "…", "#", "(", ")", "•", "»", "\u00a0"]
-    for _ in range(20000):
-        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
-        assert _PUNCT_ONLY.findall(text) == reference.findall(text), repr(text)
+    words = text.split()
+    if not words:
+        return "gopher_word_count"
+    content = [w for w in words if not all(c in PUNCTUATION for c in w)]
+    if not cfg.min_words <= len(content) <= cfg.max_words:
+        return "gopher_word_count"
+    if not cfg.min_mean_word_length <= sum(map(len, content)) / max(len(content), 1) <= cfg.max_mean_word_length:
+        return "gopher_mean_word_length"
+    if text.count("#") / len(words) > cfg.max_symbol_word_ratio:
+        return "gopher_hash_ratio"
+    n_ellipses = text.count("...") + text.count("…")
+    if n_ellipses / len(words) > cfg.max_symbol_word_ratio:
+        return "gopher_ellipsis_ratio"
+    lines = text.split("\n")
+    if sum(line.lstrip(" \t")[:1] in ("•", "*", "-") for line in lines) > cfg.max_bullet_lines_ratio * len(lines):
+        return "gopher_bullet_lines"
+    if sum(line.rstrip(" \t").endswith(("...", "…")) for line in lines) > cfg.max_ellipsis_lines_ratio * len(lines):
+        return "gopher_ellipsis_lines"
+    if sum(bool(re.search(r"[^\W\d_]", w)) for w in words) < cfg.min_alpha_words_ratio * len(words):
+        return "gopher_alpha_words"
+    if len(re.findall(r"\b(?:" + "|".join(STOP_WORDS) + r")\b", text, re.IGNORECASE)) < cfg.min_stop_words:
+        return "gopher_stop_words"
+    return None
 
 
-def test_alpha_words_ascii_shortcut():
-    from lmforge.data.quality import _ALPHA_WORD, _alpha_words
+def test_gopher_quality_matches_reference():
+    from lmforge.data.config import GopherQualityConfig
+    from lmforge.data.quality import gopher_quality_reasons
 
-    rng = random.Random(0)
-    for _ in range(20000):
-        text = "".join(rng.choice("aZ09_-.#( \t\n\x1c\x0b") for _ in range(rng.randint(0, 30)))
-        assert _alpha_words(text, text.split()) == len(_ALPHA_WORD.findall(text)), repr(text)
+    rng = random.Random(1)
+    pieces = [*WORD_PIECES, "the", "of", "and", "word", "...", "#", "\n- ", "\n* ", "...\n", "1", "22"]
+    reasons = set()
+    for _ in range(60):
+        cfg = GopherQualityConfig(min_words=rng.randint(0, 8), max_words=rng.randint(10, 60),
+                                  min_mean_word_length=rng.random() * 2, max_mean_word_length=rng.uniform(2, 8),
+                                  max_symbol_word_ratio=rng.random() * 0.3, max_bullet_lines_ratio=rng.random(),
+                                  max_ellipsis_lines_ratio=rng.random(), min_alpha_words_ratio=rng.random(),
+                                  min_stop_words=rng.randint(0, 3))
+        texts = [" ".join(rng.choice(pieces) for _ in range(rng.randint(0, 60))) for _ in range(40)]
+        expected = [_gopher_quality_reference(t, cfg) for t in texts]
+        assert gopher_quality_reasons(texts, cfg) == expected
+        reasons.update(expected)
+    assert len(reasons) >= 9  # the fuzz reaches every rule

@@ -12,19 +12,20 @@ It knows nothing about the other steps.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 
-from lmforge.data.hashing import ngram_hashes, word_hashes
+from lmforge.data.hashing import ngram_hashes
+from lmforge.data.words import split_words
 
-_WORD = re.compile(r"\w+")
-
-
-def _ngram_hashes(text: str, n: int) -> np.ndarray:
-    return ngram_hashes(word_hashes(_WORD.findall(text.lower())), n)
+def ngram_hashes_many(texts: list[str], n: int) -> list[np.ndarray]:
+    """uint64 hashes of the word n-grams of each lowercased text (words: `re.findall(r"\\w+")`)."""
+    words = split_words([t.lower() for t in texts], r"\w+")
+    windows = ngram_hashes(words.hashes(), n)  # every window of the batch; those crossing texts are dropped
+    first = np.searchsorted(words.doc, np.arange(len(texts) + 1))
+    return [windows[a:max(a, b - n + 1)] for a, b in zip(first[:-1].tolist(), first[1:].tolist())]
 
 
 def eval_strings(path: str | Path, fields: Iterable[str]) -> Iterator[str]:
@@ -47,24 +48,41 @@ def eval_strings(path: str | Path, fields: Iterable[str]) -> Iterator[str]:
 
 
 class ContaminationIndex:
+    """A set of n-gram hashes; `add_many` texts to it, then count each text's `hits_many`."""
+
     def __init__(self, n: int = 13):
         self.n = n
         self.ngrams: set[int] = set()
         self.too_short = 0
         self._sorted: np.ndarray | None = None  # the set as a sorted array, for vectorized lookups
 
-    def add(self, text: str) -> None:
-        grams = _ngram_hashes(text, self.n)
-        self.ngrams.update(grams.tolist())
-        self.too_short += not len(grams)
+    def add_many(self, texts: list[str]) -> None:
+        for grams in ngram_hashes_many(texts, self.n):
+            self.ngrams.update(grams.tolist())
+            self.too_short += not len(grams)
         self._sorted = None
 
-    def hits(self, text: str) -> int:
-        """How many of the text's 13-grams occur in the index (binary search of every one at once)."""
+    def add(self, text: str) -> None:
+        self.add_many([text])
+
+    def hits_many(self, texts: list[str]) -> list[int]:
+        """How many of each text's n-grams occur in the index (a binary search of all at once)."""
         if not self.ngrams:
-            return 0
+            return [0] * len(texts)
         if self._sorted is None:
             self._sorted = np.sort(np.fromiter(self.ngrams, dtype=np.uint64, count=len(self.ngrams)))
-        grams = _ngram_hashes(text, self.n)
-        at = np.minimum(np.searchsorted(self._sorted, grams), len(self._sorted) - 1)
-        return int(np.count_nonzero(self._sorted[at] == grams))
+            # a bitmap of the hashes' low bits, ~16 bits per n-gram: most n-grams of a clean
+            # text miss it, and only the few that hit are binary-searched
+            self._mask = np.uint64((1 << max(16, int(len(self._sorted) * 16).bit_length())) - 1)
+            self._bitmap = np.zeros(int(self._mask) + 1, dtype=bool)
+            self._bitmap[self._sorted & self._mask] = True
+        per_text = ngram_hashes_many(texts, self.n)
+        grams = np.concatenate(per_text)
+        text = np.repeat(np.arange(len(texts)), [len(g) for g in per_text])
+        maybe = np.flatnonzero(self._bitmap[grams & self._mask])
+        at = np.minimum(np.searchsorted(self._sorted, grams[maybe]), len(self._sorted) - 1)
+        found = maybe[self._sorted[at] == grams[maybe]]
+        return np.bincount(text[found], minlength=len(texts)).tolist()
+
+    def hits(self, text: str) -> int:
+        return self.hits_many([text])[0]

@@ -36,10 +36,10 @@ from typing import Any
 
 from lmforge.data.boilerplate import boilerplate_keys, line_keys, strip_boilerplate
 from lmforge.data.config import PrepareConfig
-from lmforge.data.dedup import NearDedup, exact_key, signature
+from lmforge.data.dedup import NearDedup, exact_key, signatures
 from lmforge.data.normalize import normalize_text
 from lmforge.data.pii import mask_pii
-from lmforge.data.quality import quality_reason, split_long
+from lmforge.data.quality import quality_reasons, split_long
 from lmforge.data.split import SPLITS, assign_split
 
 CHUNK_DOCS = 64
@@ -68,16 +68,23 @@ def _pass1(docs: list[dict]) -> list[tuple[dict, int]]:
     return out
 
 
-def _process_part(doc: dict) -> dict:
-    """Quality, PII, hashes of one document (or one part of a split document)."""
-    reason = quality_reason(doc["text"], _cfg.quality)
-    if reason:
-        return {"doc": doc, "reason": reason, "step": "quality"}
-    pii: dict[str, int] = {}
-    if _cfg.pii.enabled:
-        doc["text"], pii = mask_pii(doc["text"], _cfg.pii)
-    sig = signature(doc["text"], _cfg.near_dedup) if _cfg.near_dedup.enabled else None
-    return {"doc": doc, "reason": None, "pii": pii, "exact": exact_key(doc["text"]), "sig": sig}
+def _process_parts(parts: list[dict]) -> list[dict]:
+    """Quality, PII, hashes of documents (or parts of split documents), the numpy work batched."""
+    reasons = quality_reasons([doc["text"] for doc in parts], _cfg.quality)
+    out, kept = [], []
+    for doc, reason in zip(parts, reasons):
+        if reason:
+            out.append({"doc": doc, "reason": reason, "step": "quality"})
+            continue
+        pii: dict[str, int] = {}
+        if _cfg.pii.enabled:
+            doc["text"], pii = mask_pii(doc["text"], _cfg.pii)
+        out.append({"doc": doc, "reason": None, "pii": pii, "exact": exact_key(doc["text"]), "sig": None})
+        kept.append(out[-1])
+    if _cfg.near_dedup.enabled and kept:
+        for item, sig in zip(kept, signatures([item["doc"]["text"] for item in kept], _cfg.near_dedup)):
+            item["sig"] = sig
+    return out
 
 
 def _pass2(task: tuple[frozenset[int], list[dict]]) -> list[dict]:
@@ -85,7 +92,7 @@ def _pass2(task: tuple[frozenset[int], list[dict]]) -> list[dict]:
 
     The boilerplate keys travel with each chunk (a few hundred ints), so one pool serves both passes."""
     bp_keys, docs = task
-    out = []
+    out, parts = [], []
     for doc in docs:
         text, removed = strip_boilerplate(doc["text"], bp_keys, _cfg.boilerplate.min_line_chars)
         item: dict[str, Any] = {"id": doc["id"], "boilerplate_lines": removed, "parts": []}
@@ -101,13 +108,18 @@ def _pass2(task: tuple[frozenset[int], list[dict]]) -> list[dict]:
         for k, piece in enumerate(pieces):
             part = doc if len(pieces) == 1 else {"id": f"{doc['id']}#part{k}", "text": piece,
                                                  "meta": {**doc["meta"], "part": k, "parent": doc["id"]}}
-            item["parts"].append(_process_part(part))
+            item["parts"].append(len(parts))
+            parts.append(part)
+    processed = _process_parts(parts)
+    for item in out:
+        if item["parts"] and isinstance(item["parts"][0], int):
+            item["parts"] = [processed[i] for i in item["parts"]]
     return out
 
 
 # ---- main side ---------------------------------------------------------------------------------
 
-def _chunks(items: Iterable[dict], size: int = CHUNK_DOCS) -> Iterator[list[dict]]:
+def _chunks(items: Iterable[Any], size: int = CHUNK_DOCS) -> Iterator[list[Any]]:
     """Lists of `size` consecutive items (the last one shorter)."""
     it = iter(items)
     return iter(lambda: list(itertools.islice(it, size)), [])
@@ -290,26 +302,27 @@ class _Pipeline:
         eval_info = {}
         if self.cfg.contamination.enabled:
             for split in ("val", "test"):
-                for doc in _read_jsonl(self.out / "splits" / f"{split}.jsonl"):
-                    index.add(doc["text"])
+                for docs in _chunks(_read_jsonl(self.out / "splits" / f"{split}.jsonl")):
+                    index.add_many([doc["text"] for doc in docs])
             short_before = index.too_short
             for path in eval_sets:
                 n = 0
-                for text in eval_strings(path, self.cfg.contamination.eval_fields):
-                    index.add(text)
-                    n += 1
+                for texts in _chunks(eval_strings(path, self.cfg.contamination.eval_fields)):
+                    index.add_many(texts)
+                    n += len(texts)
                 eval_info[path] = {"strings": n}
             st["eval_strings_too_short"] = index.too_short - short_before
         st["eval_sets"] = eval_info
         st["index_ngrams"] = len(index.ngrams)
-        for doc in _read_jsonl(self.work / "train.jsonl"):
-            st["in"] += 1
-            hits = index.hits(doc["text"]) if self.cfg.contamination.enabled else 0
-            if hits:
-                self.reject(doc, "contamination", "contamination", ngram_hits=hits)
-                continue
-            st["out"] += 1
-            train.write(doc)
+        for docs in _chunks(_read_jsonl(self.work / "train.jsonl")):
+            texts = [doc["text"] for doc in docs]
+            for doc, hits in zip(docs, index.hits_many(texts) if self.cfg.contamination.enabled else [0] * len(docs)):
+                st["in"] += 1
+                if hits:
+                    self.reject(doc, "contamination", "contamination", ngram_hits=hits)
+                    continue
+                st["out"] += 1
+                train.write(doc)
         train.close()
         st["hits"] = st["dropped"].get("contamination", 0)
 

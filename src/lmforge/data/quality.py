@@ -5,23 +5,34 @@ from Training Gopher", appendix A.1.1) as implemented in datatrove's `GopherQual
 `GopherRepetitionFilter`, with the paper's thresholds as defaults (see `config.py`). Each
 function returns the name of the first failed rule (the rejection reason) or None.
 Over-long documents are split at paragraph, then line, then character boundaries into parts of
-at most `max_chars`, or dropped (`quality.long_docs`). Pure functions of a string; it knows
+at most `max_chars`, or dropped (`quality.long_docs`). Pure functions of strings; it knows
 nothing about documents, readers or the pipeline.
+
+`quality_reasons(texts)` is the fast path: the per-word work of a whole batch of texts is a few
+numpy calls over one array (`words.py`), the per-text rest is a handful of C-level string
+counts. `quality_reason(text)` is the same on one text. tests/test_data_prepare.py checks the
+word counts, the repetition rules and the whole quality decision against plain reference code.
 """
 
 from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Iterator
 
 import numpy as np
 
 from lmforge.data.config import GopherQualityConfig, GopherRepetitionConfig, QualityConfig
-from lmforge.data.hashing import add_word, mix, word_hashes
+from lmforge.data.hashing import add_word, mix
+from lmforge.data.words import LETTER, NOT_PUNCT, Words, split_words
 
 STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})
-_PUNCT = frozenset("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~…“”‘’«»–—·•")
 _PARAGRAPHS = re.compile(r"\n\n+")  # == \n{2,}, with a literal prefix sre finds in C
+_STOP = re.compile(r"\b(?:" + "|".join(sorted(STOP_WORDS)) + r")\b", re.IGNORECASE)
+_BULLET_LINE = re.compile(r"^[ \t]*[•*-]", re.MULTILINE)
+_ELLIPSIS_LINE = re.compile(r"(?:\.\.\.|…)[ \t]*$", re.MULTILINE)
+_BATCH_CHARS = 1 << 20  # code points per numpy batch: ~40 MB of temporaries at most
+_SALT = np.uint64(0x9E3779B97F4A7C15)  # odd: (text index + 1) * _SALT differs for every text of a batch
 
 
 def split_long(text: str, max_chars: int) -> list[str]:
@@ -43,33 +54,27 @@ def length_reason(text: str, cfg: QualityConfig) -> str | None:
     return None
 
 
-_P = "[" + re.escape("".join(sorted(_PUNCT))) + "]"
-# (?<!\S)P+(?!\S), spelled P(?<!\S P)P*(?!\S) so sre skips to punctuation in C instead of trying every position
-_PUNCT_ONLY = re.compile(_P + r"(?<!\S" + _P + ")" + _P + r"*(?!\S)")
-_ALPHA_WORD = re.compile(r"\S*[^\W\d_]\S*")
-_STOP = re.compile(r"\b(?:" + "|".join(sorted(STOP_WORDS)) + r")\b", re.IGNORECASE)
-_BULLET_LINE = re.compile(r"^[ \t]*[•*-]", re.MULTILINE)
-_ELLIPSIS_LINE = re.compile(r"(?:\.\.\.|…)[ \t]*$", re.MULTILINE)
+def gopher_quality_reasons(texts: list[str], cfg: GopherQualityConfig, words: Words | None = None) -> list[str | None]:
+    """The Gopher quality rules of each text. Words are `text.split()`; a word made only of
+    punctuation (`words.PUNCTUATION`) does not count for the word count and mean length; a word
+    "contains a letter" when one of its characters matches `[^\\W\\d_]`."""
+    words = split_words(texts) if words is None else words
+    lengths, classes = words.lengths, words.classes()
+    punct = (classes & NOT_PUNCT) == 0
+    n_words, n_punct = words.per_text().tolist(), words.per_text(punct).tolist()
+    chars, punct_chars = words.per_text(lengths).tolist(), words.per_text(np.where(punct, lengths, 0)).tolist()
+    n_alpha = words.per_text((classes & LETTER) != 0).tolist()
+    return [_quality_reason(t, cfg, *counts) for t, *counts in zip(texts, n_words, n_punct, chars, punct_chars, n_alpha)]
 
 
-def _alpha_words(text: str, words: list[str]) -> int:
-    """Words holding at least one letter. In ASCII text the letters are exactly the cased
-    characters, so comparing each word's lower and upper case (C loops) replaces the regex scan."""
-    if text.isascii():
-        return sum(map(str.__ne__, map(str.lower, words), map(str.upper, words)))
-    return len(_ALPHA_WORD.findall(text))
-
-
-def gopher_quality_reason(text: str, cfg: GopherQualityConfig, words: list[str] | None = None) -> str | None:
-    words = text.split() if words is None else words
-    n_words = len(words)
+def _quality_reason(text: str, cfg: GopherQualityConfig, n_words: int, n_punct: int, chars: int,
+                    punct_chars: int, n_alpha: int) -> str | None:
     if n_words == 0:
         return "gopher_word_count"
-    punct_only = _PUNCT_ONLY.findall(text)  # words made only of punctuation do not count as words
-    n_content = n_words - len(punct_only)
+    n_content = n_words - n_punct
     if not cfg.min_words <= n_content <= cfg.max_words:
         return "gopher_word_count"
-    mean_len = (sum(map(len, words)) - sum(map(len, punct_only))) / max(n_content, 1)
+    mean_len = (chars - punct_chars) / max(n_content, 1)
     if not cfg.min_mean_word_length <= mean_len <= cfg.max_mean_word_length:
         return "gopher_mean_word_length"
     if text.count("#") / n_words > cfg.max_symbol_word_ratio:
@@ -78,60 +83,54 @@ def gopher_quality_reason(text: str, cfg: GopherQualityConfig, words: list[str] 
     if n_ellipses / n_words > cfg.max_symbol_word_ratio:
         return "gopher_ellipsis_ratio"
     n_lines = text.count("\n") + 1
-    if len(_BULLET_LINE.findall(text)) > cfg.max_bullet_lines_ratio * n_lines:
+    max_bullets = cfg.max_bullet_lines_ratio * n_lines
+    # every bullet line holds one of these characters: the regex runs only when there are enough
+    if text.count("-") + text.count("*") + text.count("•") > max_bullets and \
+            len(_BULLET_LINE.findall(text)) > max_bullets:
         return "gopher_bullet_lines"
     if n_ellipses and len(_ELLIPSIS_LINE.findall(text)) > cfg.max_ellipsis_lines_ratio * n_lines:
         return "gopher_ellipsis_lines"
-    if _alpha_words(text, words) < cfg.min_alpha_words_ratio * n_words:
+    if n_alpha < cfg.min_alpha_words_ratio * n_words:
         return "gopher_alpha_words"
     if sum(1 for _ in itertools.islice(_STOP.finditer(text), cfg.min_stop_words)) < cfg.min_stop_words:
         return "gopher_stop_words"
     return None
 
 
+def gopher_quality_reason(text: str, cfg: GopherQualityConfig) -> str | None:
+    return gopher_quality_reasons([text], cfg)[0]
+
+
 def _duplicates(elements: list[str]) -> tuple[int, int]:
-    """(number, characters) of elements that repeat an earlier one."""
-    seen: set[str] = set()
-    n = chars = 0
-    for e in elements:
-        if e in seen:
-            n, chars = n + 1, chars + len(e)
-        else:
-            seen.add(e)
-    return n, chars
+    """(number, characters) of elements that repeat an earlier one: all but the first of each."""
+    distinct = set(elements)
+    return len(elements) - len(distinct), sum(map(len, elements)) - sum(map(len, distinct))
 
 
-def _top_ngram_chars(h: np.ndarray, csum: np.ndarray, n: int, limit: float) -> int:
-    """Characters covered by the most frequent n-gram (" "-joined length x count), 0 if none repeats.
-
-    `h`: the hashes of every n-gram, in position order. Only its comparison with `limit`
-    matters, so when even the longest n-gram times the top count stays within it, that bound is
-    returned instead of finding which n-gram is the most frequent."""
-    if len(h) < 2:
-        return 0
-    s = np.sort(h)
-    starts = np.flatnonzero(np.concatenate(([True], s[1:] != s[:-1])))
-    counts = np.diff(np.append(starts, len(s)))
-    top = int(counts.max())
-    if top < 2:
-        return 0
-    gram_chars = csum[n:n + len(h)] - csum[:len(h)] + n - 1
-    bound = int(gram_chars.max()) * top
-    if bound <= limit:
-        return bound
-    i = int(np.argmax(np.isin(h, s[starts[counts == top]])))  # ties: the earliest, as Counter.most_common
-    return int(gram_chars[i]) * top
+def _line_paragraph_reason(text: str, cfg: GopherRepetitionConfig) -> str | None:
+    size = max(len(text), 1)
+    paragraphs = list(filter(str.strip, _PARAGRAPHS.split(text)))
+    n, chars = _duplicates(paragraphs)
+    if n > cfg.dup_para_frac * len(paragraphs):
+        return "gopher_dup_paragraph_frac"
+    if chars > cfg.dup_para_char_frac * size:
+        return "gopher_dup_paragraph_chars"
+    lines = list(filter(str.strip, text.split("\n")))
+    n, chars = _duplicates(lines)
+    if n > cfg.dup_line_frac * len(lines):
+        return "gopher_dup_line_frac"
+    if chars > cfg.dup_line_char_frac * size:
+        return "gopher_dup_line_chars"
+    return None
 
 
-def _repeats(h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Masks over `h`: values seen at an earlier position; values occurring more than once."""
-    order = np.argsort(h, kind="stable")  # stable: the first of equal values is the earliest
-    s = h[order]
-    same_prev = np.concatenate(([False], s[1:] == s[:-1]))
-    same_next = np.concatenate((same_prev[1:], [False]))
-    repeat, shared = np.empty(len(h), bool), np.empty(len(h), bool)
-    repeat[order], shared[order] = same_prev, same_prev | same_next
-    return repeat, shared
+def _per_text_max(values: np.ndarray, text: np.ndarray, n_texts: int) -> np.ndarray:
+    """Max of non-negative `values` per text; `text` is ascending (0 where a text has none)."""
+    out = np.zeros(n_texts, dtype=values.dtype)
+    if len(values):
+        starts = np.flatnonzero(np.diff(text, prepend=-1))
+        out[text[starts]] = np.maximum.reduceat(values, starts)
+    return out
 
 
 def _dup_scan(pos: np.ndarray, h: np.ndarray, gram_chars: np.ndarray, n: int) -> int:
@@ -153,66 +152,127 @@ def _dup_scan(pos: np.ndarray, h: np.ndarray, gram_chars: np.ndarray, n: int) ->
     return chars
 
 
-def _dup_ngram_reason(wh: np.ndarray, csum: np.ndarray, acc: np.ndarray, size: int,
-                      fracs: list[float]) -> str | None:
-    """Characters inside n-grams repeating an earlier one (non-overlapping scan, as in Gopher), n = 5..10.
+def _ngram_reasons(words: Words, size: np.ndarray, cfg: GopherRepetitionConfig) -> list[str | None]:
+    """Top 2/3/4-gram char share and duplicated 5..10-gram char share of each text of `words`.
 
-    `acc`: unmixed sums of every 5-gram. An n-gram can repeat only where its (n-1)-gram occurs
-    twice, so for n > 5 only those positions (`pos`, usually few) are hashed and sorted. The
-    exact sequential scan runs only when the vectorized upper bound (all repeated occurrences,
-    overlaps included) exceeds the limit, which is rare.
+    n-grams are hashed for every position of every text at once: `acc` holds the unmixed sum of
+    each n-gram's word hashes and grows by one word per n (`hashing.add_word`); the text index,
+    mixed into the hash, keeps texts apart in one sort. An n-gram can repeat only where its
+    (n-1)-gram does, so after each n only those positions (usually few) go on. The top n-gram
+    check compares an upper bound (longest n-gram x top count) first, and the duplicated n-gram
+    check runs the exact left-to-right scan (`_dup_scan`) only when two upper bounds exceed the
+    limit: the sum over all repeated occurrences, overlaps included, then the characters of the
+    words covered by any repeated occurrence (the scan counts each character at most once).
     """
-    pos = np.arange(len(acc))
-    for n, frac in zip(range(5, 11), fracs):
-        if n > 5:
-            keep = pos < len(wh) - n + 1
-            pos = pos[keep]
-            acc = add_word(acc[keep], wh, pos, n - 1)
-        if len(pos) == 0:
-            return None
-        h = mix(acc)
-        repeat, shared = _repeats(h)
-        gram_chars = csum[pos + n] - csum[pos]
-        if int(gram_chars[repeat].sum()) > frac * size and \
-                _dup_scan(pos[shared], h[shared], gram_chars[shared], n) > frac * size:
-            return f"gopher_dup_{n}gram"
+    reasons: list[str | None] = [None] * words.n_texts
+    wh, text = words.hashes(), words.doc
+    csum = np.zeros(len(wh) + 1, dtype=np.int64)
+    np.cumsum(words.lengths, out=csum[1:])
+    text_end = np.searchsorted(text, np.arange(words.n_texts), side="right")[text]  # (W,) end of each word's text
+    with np.errstate(over="ignore"):
+        salt = (text.astype(np.uint64) + np.uint64(1)) * _SALT
+    limits = dict(zip(range(2, 11), [*cfg.top_ngram_char_fracs, *cfg.dup_ngram_char_fracs]))
+    pos = np.arange(len(wh))
+    acc = add_word(np.zeros(len(wh), dtype=np.uint64), wh, pos, 0)
+    for n in range(2, 11):
+        keep = pos + n - 1 < text_end[pos]
+        pos, acc = pos[keep], acc[keep]
+        if not len(pos):
+            break
+        acc = add_word(acc, wh, pos, n - 1)
+        h = mix(acc) ^ salt[pos]
+        order = np.argsort(h)  # equal hashes in any order: first occurrences are found by position
+        h_sorted = h[order]
+        new = np.empty(len(h), dtype=bool)
+        new[0] = True
+        np.not_equal(h_sorted[1:], h_sorted[:-1], out=new[1:])
+        group, group_start = np.cumsum(new) - 1, np.flatnonzero(new)
+        count = np.empty(len(h), dtype=np.int64)
+        count[order] = np.diff(group_start, append=len(h))[group]
+        tpos, limit = text[pos], limits[n] * size
+        if n <= 4:  # share of the most frequent n-gram, counted with overlaps ("the the the")
+            gram_chars = csum[pos + n] - csum[pos] + n - 1
+            top = _per_text_max(count, tpos, words.n_texts)
+            bound = _per_text_max(gram_chars, tpos, words.n_texts) * top
+            for t in np.flatnonzero((top > 1) & (bound > limit)).tolist():
+                lo = np.searchsorted(tpos, t)  # ties: the earliest n-gram, as Counter.most_common
+                i = lo + int(np.argmax(count[lo:np.searchsorted(tpos, t, side="right")] == top[t]))
+                if reasons[t] is None and int(gram_chars[i]) * int(top[t]) > limit[t]:
+                    reasons[t] = f"gopher_top_{n}gram"
+        else:  # characters inside n-grams that repeat an earlier one
+            first = np.minimum.reduceat(pos[order], group_start)
+            repeat = np.empty(len(h), dtype=bool)
+            repeat[order] = pos[order] != first[group]
+            gram_chars = csum[pos + n] - csum[pos]
+            upper = np.bincount(tpos, weights=np.where(repeat, gram_chars, 0), minlength=words.n_texts)
+            over = upper > limit
+            if over.any():  # tighter: the characters of the words inside any repeated n-gram, once
+                covered = np.zeros(len(wh) + 1, dtype=np.int64)
+                np.add.at(covered, pos[repeat], 1)
+                np.subtract.at(covered, pos[repeat] + n, 1)
+                inside = np.cumsum(covered[:-1]) > 0
+                over &= np.bincount(text, weights=np.where(inside, words.lengths, 0), minlength=words.n_texts) > limit
+            for t in np.flatnonzero(over).tolist():
+                lo, hi = np.searchsorted(tpos, t), np.searchsorted(tpos, t, side="right")
+                m = count[lo:hi] > 1
+                if reasons[t] is None and \
+                        _dup_scan(pos[lo:hi][m], h[lo:hi][m], gram_chars[lo:hi][m], n) > limit[t]:
+                    reasons[t] = f"gopher_dup_{n}gram"
+        shared = count > 1
         pos, acc = pos[shared], acc[shared]
-    return None
+    return reasons
 
 
-def gopher_repetition_reason(text: str, cfg: GopherRepetitionConfig, words: list[str] | None = None) -> str | None:
-    size = max(len(text), 1)
-    paragraphs = [p for p in _PARAGRAPHS.split(text) if p.strip()]
-    n, chars = _duplicates(paragraphs)
-    if n > cfg.dup_para_frac * len(paragraphs):
-        return "gopher_dup_paragraph_frac"
-    if chars > cfg.dup_para_char_frac * size:
-        return "gopher_dup_paragraph_chars"
-    lines = [line for line in text.split("\n") if line.strip()]
-    n, chars = _duplicates(lines)
-    if n > cfg.dup_line_frac * len(lines):
-        return "gopher_dup_line_frac"
-    if chars > cfg.dup_line_char_frac * size:
-        return "gopher_dup_line_chars"
-    words = text.split() if words is None else words
-    wh = word_hashes(words)
-    csum = np.concatenate([[0], np.cumsum(np.fromiter(map(len, words), dtype=np.int64, count=len(words)))])
-    acc = np.zeros(len(wh), dtype=np.uint64)  # unmixed n-gram sums, extended one word per n
-    for n, frac in zip((1, 2, 3, 4), [None, *cfg.top_ngram_char_fracs]):
-        pos = np.arange(max(len(wh) - n + 1, 0))
-        acc = add_word(acc[:len(pos)], wh, pos, n - 1)
-        if frac is not None and _top_ngram_chars(mix(acc), csum, n, frac * size) > frac * size:
-            return f"gopher_top_{n}gram"
-    acc = add_word(acc[:max(len(wh) - 4, 0)], wh, np.arange(max(len(wh) - 4, 0)), 4)
-    return _dup_ngram_reason(wh, csum, acc, size, cfg.dup_ngram_char_fracs)
+def gopher_repetition_reasons(texts: list[str], cfg: GopherRepetitionConfig,
+                              words: Words | None = None) -> list[str | None]:
+    """The Gopher repetition rules of each text: duplicate paragraphs and lines, then n-grams."""
+    reasons = [_line_paragraph_reason(t, cfg) for t in texts]
+    keep = np.array([r is None for r in reasons], dtype=bool)
+    if keep.any():
+        words = split_words(texts) if words is None else words
+        size = np.array([max(len(t), 1) for t, k in zip(texts, keep) if k], dtype=np.float64)
+        found = iter(_ngram_reasons(words.select(keep), size, cfg))
+        reasons = [next(found) if k else r for r, k in zip(reasons, keep.tolist())]
+    return reasons
+
+
+def gopher_repetition_reason(text: str, cfg: GopherRepetitionConfig) -> str | None:
+    return gopher_repetition_reasons([text], cfg)[0]
+
+
+def _batches(indices: list[int], texts: list[str]) -> Iterator[list[int]]:
+    """Runs of `indices` whose texts hold at most _BATCH_CHARS code points together (or one text)."""
+    batch, chars = [], 0
+    for i in indices:
+        if batch and chars + len(texts[i]) > _BATCH_CHARS:
+            yield batch
+            batch, chars = [], 0
+        batch.append(i)
+        chars += len(texts[i]) + 1
+    if batch:
+        yield batch
+
+
+def quality_reasons(texts: list[str], cfg: QualityConfig) -> list[str | None]:
+    """The first failed rule of each text (length, then Gopher quality, then Gopher repetition), or None."""
+    reasons = [length_reason(t, cfg) for t in texts]
+    gq, gr = cfg.gopher_quality, cfg.gopher_repetition
+    if not (gq.enabled or gr.enabled):
+        return reasons
+    for batch in _batches([i for i, r in enumerate(reasons) if r is None], texts):
+        batch_texts = [texts[i] for i in batch]
+        words = split_words(batch_texts)
+        found = gopher_quality_reasons(batch_texts, gq, words) if gq.enabled else [None] * len(batch)
+        keep = np.array([r is None for r in found], dtype=bool)
+        if gr.enabled and keep.any():
+            kept = [t for t, k in zip(batch_texts, keep.tolist()) if k]
+            more = iter(gopher_repetition_reasons(kept, gr, words.select(keep)))
+            found = [next(more) if k else r for r, k in zip(found, keep.tolist())]
+        for i, r in zip(batch, found):
+            reasons[i] = r
+    return reasons
 
 
 def quality_reason(text: str, cfg: QualityConfig) -> str | None:
     """The first failed rule (length, then Gopher quality, then Gopher repetition), or None."""
-    reason = length_reason(text, cfg)
-    words = text.split()
-    if reason is None and cfg.gopher_quality.enabled:
-        reason = gopher_quality_reason(text, cfg.gopher_quality, words)
-    if reason is None and cfg.gopher_repetition.enabled:
-        reason = gopher_repetition_reason(text, cfg.gopher_repetition, words)
-    return reason
+    return quality_reasons([text], cfg)[0]
