@@ -12,7 +12,7 @@ and drops per reason (every drop lands in `rejected.jsonl`, every unreadable lin
 Per-document work runs in worker processes over fixed chunks whose results come back in order;
 everything stateful (dedup, LSH, split, writing) runs in the main process in input order, so the
 outputs are byte-identical for any number of workers. Between passes documents stream through
-`OUT/.work/*.jsonl`; memory holds the boilerplate line counts, the exact-hash set, the LSH index
+`OUT/.work/` (pickled chunks); memory holds the boilerplate line counts, the exact-hash set, the LSH index
 and the val/test 13-gram set, never the corpus. Counts reconcile (read + parts added by splitting
 = kept + rejected + quarantined), checked before manifest.json is written.
 This module wires the steps together; each rule lives in its own module.
@@ -27,6 +27,7 @@ import hashlib
 import itertools
 import json
 import os
+import pickle
 import shutil
 import time
 from collections import Counter
@@ -147,6 +148,38 @@ class _Writer:
         self._f.close()
 
 
+class _WorkFile:
+    """Documents between passes (`OUT/.work`, deleted at the end): pickled lists of CHUNK_DOCS
+    documents, ~5x cheaper to write and read back than JSON lines; same `write`/`count` as _Writer."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.count = path, 0
+        self._f = open(path, "wb")
+        self._buffer: list[dict] = []
+
+    def write(self, obj: dict) -> None:
+        self._buffer.append(obj)
+        self.count += 1
+        if len(self._buffer) == CHUNK_DOCS:
+            pickle.dump(self._buffer, self._f, protocol=pickle.HIGHEST_PROTOCOL)
+            self._buffer = []
+
+    def close(self) -> None:
+        if self._buffer:
+            pickle.dump(self._buffer, self._f, protocol=pickle.HIGHEST_PROTOCOL)
+        self._f.close()
+
+    @staticmethod
+    def read(path: Path) -> Iterator[dict]:
+        with open(path, "rb") as f:
+            while True:
+                try:
+                    yield from pickle.load(f)
+                except EOFError:
+                    return
+
+
 class _Stats:
     def __init__(self) -> None:
         self.steps = {name: {"in": 0, "out": 0, "dropped": Counter()} for name in STEPS}
@@ -190,7 +223,7 @@ class _Pipeline:
         read, norm = self.stats.steps["read"], self.stats.steps["normalize"]
         counts: Counter = Counter()
         seen_ids: set[bytes] = set()
-        normalized = _Writer(self.work / "normalized.jsonl")
+        normalized = _WorkFile(self.work / "normalized.pkl")
         for results in self._map(_pass1, _chunks(records)):
             for doc, nbytes, keys in results:
                 self.bytes_read += nbytes
@@ -223,8 +256,9 @@ class _Pipeline:
         exact_seen: dict[bytes, str] = {}
         near = NearDedup(self.cfg.near_dedup) if self.cfg.near_dedup.enabled else None
         cluster_sizes: Counter = Counter()
-        writers = {s: _Writer((self.work if s == "train" else self.out / "splits") / f"{s}.jsonl") for s in SPLITS}
-        chunks = _chunks(_read_jsonl(self.work / "normalized.jsonl"))
+        writers = {s: _WorkFile(self.work / "train.pkl") if s == "train"  # checked for contamination in pass 3
+                   else _Writer(self.out / "splits" / f"{s}.jsonl") for s in SPLITS}
+        chunks = _chunks(_WorkFile.read(self.work / "normalized.pkl"))
         for items in self._map(_pass2, ((bp_keys, chunk) for chunk in chunks)):
             for item in items:
                 st["boilerplate"]["in"] += 1
@@ -314,7 +348,7 @@ class _Pipeline:
             st["eval_strings_too_short"] = index.too_short - short_before
         st["eval_sets"] = eval_info
         st["index_ngrams"] = len(index.ngrams)
-        for docs in _chunks(_read_jsonl(self.work / "train.jsonl")):
+        for docs in _chunks(_WorkFile.read(self.work / "train.pkl")):
             texts = [doc["text"] for doc in docs]
             for doc, hits in zip(docs, index.hits_many(texts) if self.cfg.contamination.enabled else [0] * len(docs)):
                 st["in"] += 1
