@@ -176,10 +176,18 @@ def test_pii_counted_in_pipeline(run1):
     assert stats["steps"]["pii"]["counts"]["email"] >= 1
 
 
-def test_deterministic_across_workers_and_runs(run1, corpus, tmp_path):
+def test_deterministic_across_workers_and_runs(run1, corpus, tmp_path, monkeypatch):
+    from lmforge.data import prepare
+
     out1, _ = run1
     out2 = tmp_path / "two"
-    prepare_dataset([str(corpus["path"])], out2, eval_sets=[str(corpus["eval"])], overrides=OVERRIDES, workers=2)
+    stats = prepare_dataset([str(corpus["path"])], out2, eval_sets=[str(corpus["eval"])], overrides=OVERRIDES,
+                            workers=2)
+    assert stats["workers"] == 1 and stats["workers_requested"] == 2  # too small to pay for a pool
+    monkeypatch.setattr(prepare, "MIN_BYTES_PER_WORKER", 1)
+    stats = prepare_dataset([str(corpus["path"])], out2, eval_sets=[str(corpus["eval"])], overrides=OVERRIDES,
+                            workers=2, overwrite=True)
+    assert stats["workers"] == 2
     for name in ("splits/train.jsonl", "splits/val.jsonl", "splits/test.jsonl", "rejected.jsonl",
                  "quarantine.jsonl", "manifest.json"):
         assert (out1 / name).read_bytes() == (out2 / name).read_bytes(), name

@@ -1,15 +1,16 @@
 """Remove boilerplate: lines repeated across many documents (headers, footers, license banners).
 
 Two passes. `line_keys(text)` gives the distinct candidate lines of one document (stripped,
-at least `min_line_chars` long) as 8-byte hashes; the pipeline counts in how many documents
+at least `min_line_chars` long) as their length and an 8-byte hash; the pipeline counts in how many documents
 each hash occurs. `boilerplate_keys(counts, n_docs, cfg)` picks those in at least
 `max(min_docs, min_doc_fraction * n_docs)` documents; `strip_boilerplate` drops those lines.
-The count table grows with the number of distinct long lines (8 bytes + a counter each).
+The count table grows with the number of distinct long lines (a ~16-byte key + a counter each).
 It knows nothing about readers or other steps.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import Counter
 
@@ -17,7 +18,9 @@ from lmforge.data.config import BoilerplateConfig
 
 
 def _key(line: str) -> int:
-    return int.from_bytes(hashlib.blake2b(line.encode("utf-8"), digest_size=8).digest(), "little")
+    """The line's length (bits 64 and up) and an 8-byte hash of it: pass 2 hashes only lines
+    whose length some boilerplate line has."""
+    return len(line) << 64 | int.from_bytes(hashlib.blake2b(line.encode("utf-8"), digest_size=8).digest(), "little")
 
 
 def line_keys(text: str, min_line_chars: int) -> list[int]:
@@ -30,14 +33,20 @@ def boilerplate_keys(counts: Counter, n_docs: int, cfg: BoilerplateConfig) -> fr
     return frozenset(k for k, c in counts.items() if c >= need)
 
 
+@functools.lru_cache(maxsize=4)
+def _lengths(keys: frozenset[int]) -> frozenset[int]:
+    return frozenset(k >> 64 for k in keys)
+
+
 def strip_boilerplate(text: str, keys: frozenset[int], min_line_chars: int) -> tuple[str, int]:
     """The text without boilerplate lines, and how many lines went."""
     if not keys:
         return text, 0
+    lengths = _lengths(keys)
     kept, removed = [], 0
     for line in text.split("\n"):
         s = line.strip()
-        if len(s) >= min_line_chars and _key(s) in keys:
+        if len(s) in lengths and len(s) >= min_line_chars and _key(s) in keys:
             removed += 1
         else:
             kept.append(line)
