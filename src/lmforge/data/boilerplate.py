@@ -43,13 +43,13 @@ def strip_boilerplate(text: str, keys: frozenset[int], min_line_chars: int) -> t
     if not keys:
         return text, 0
     lengths = _lengths(keys)
-    kept, removed = [], 0
-    for line in text.split("\n"):
-        s = line.strip()
-        if len(s) in lengths and len(s) >= min_line_chars and _key(s) in keys:
-            removed += 1
-        else:
-            kept.append(line)
+    lines = text.split("\n")
+    stripped = list(map(str.strip, lines))
+    # C-level scans first: most documents have no line of a boilerplate length, or none that hashes in
+    if not any(map(lengths.__contains__, map(len, stripped))):
+        return text, 0
+    drop = [len(s) in lengths and len(s) >= min_line_chars and _key(s) in keys for s in stripped]
+    removed = sum(drop)
     if not removed:
         return text, 0
-    return "\n".join(kept).strip(), removed
+    return "\n".join(line for line, d in zip(lines, drop) if not d).strip(), removed
