@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_models import save_hf_model
-from lmforge.engine import AsyncLLMEngine, EngineConfig, LLM, SamplingParams
+from lmforge.engine import AsyncLLMEngine, EngineConfig, LLM, ProcessAsyncLLMEngine, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +27,9 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def test_two_streams_and_an_abort(model_dir):
-    engine = AsyncLLMEngine(EngineConfig(model=str(model_dir), device="cpu", enable_prefix_caching=False))
+@pytest.mark.parametrize("engine_cls", [AsyncLLMEngine, ProcessAsyncLLMEngine])
+def test_two_streams_and_an_abort(model_dir, engine_cls):
+    engine = engine_cls(EngineConfig(model=str(model_dir), device="cpu", enable_prefix_caching=False))
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
     async def collect(rid, prompt, abort_after=None):
@@ -79,8 +80,9 @@ def test_step_error_reaches_the_request_and_loop_survives(model_dir):
         engine.shutdown()
 
 
-def test_invalid_request_raises_before_streaming(model_dir):
-    engine = AsyncLLMEngine(EngineConfig(model=str(model_dir), device="cpu", max_model_len=32))
+@pytest.mark.parametrize("engine_cls", [AsyncLLMEngine, ProcessAsyncLLMEngine])
+def test_invalid_request_raises_before_streaming(model_dir, engine_cls):
+    engine = engine_cls(EngineConfig(model=str(model_dir), device="cpu", max_model_len=32))
 
     async def consume():
         return [o async for o in engine.generate([5] * 30, SamplingParams(max_tokens=8), "z")]
@@ -139,6 +141,39 @@ def test_the_event_loop_never_waits_for_a_step(model_dir):
     finally:
         engine.shutdown()
     assert not engine.is_running
+
+
+def test_engine_process_death_fails_requests_in_flight(model_dir):
+    """The engine in its own process: if that process dies mid-stream, the stream raises (it never
+    hangs), the engine reports itself down, and new requests are refused at once."""
+    import os
+    import signal
+
+    engine = ProcessAsyncLLMEngine(EngineConfig(model=str(model_dir), device="cpu"))
+    assert engine.is_running and engine.max_model_len == 512 and engine.vocab_size == 256
+    assert engine.model_path == str(model_dir) and engine.pid != os.getpid()
+
+    async def main():
+        n = 0
+        async for _ in engine.generate([5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True), "k"):
+            n += 1
+            if n == 2:
+                os.kill(engine.pid, signal.SIGKILL)
+    try:
+        with pytest.raises(RuntimeError, match="engine process exited"):
+            asyncio.run(asyncio.wait_for(main(), timeout=60))
+        assert not engine.is_running
+        with pytest.raises(RuntimeError, match="engine process is gone"):
+            asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+def test_engine_process_load_error_is_raised(model_dir, tmp_path):
+    (tmp_path / "config.json").write_bytes((model_dir / "config.json").read_bytes())  # no weights
+    with pytest.raises(FileNotFoundError) as raised:
+        ProcessAsyncLLMEngine(EngineConfig(model=str(tmp_path), device="cpu"))
+    assert str(tmp_path) in str(raised.value)  # the child's own error, with its message
 
 
 def test_prompt_logprobs_are_refused_not_ignored(model_dir):

@@ -8,9 +8,10 @@ See docs/engine.md for the design and the async API the server uses.
 
 from .async_engine import AsyncLLMEngine
 from .config import EngineConfig
+from .core_process import ProcessAsyncLLMEngine
 from .llm import LLM
 from .llm_engine import CompletionOutput, LLMEngine, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 
-__all__ = ["LLM", "AsyncLLMEngine", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestMetrics",
-           "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "AsyncLLMEngine", "CompletionOutput", "EngineConfig", "LLMEngine", "ProcessAsyncLLMEngine",
+           "RequestMetrics", "RequestOutput", "SamplingParams"]

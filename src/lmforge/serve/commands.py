@@ -50,6 +50,8 @@ def serve(
     shutdown_timeout: Annotated[float, typer.Option(
         help="Seconds in-flight requests get to finish after SIGTERM/SIGINT.")] = 10.0,
     log_level: Annotated[str, typer.Option(help="debug | info | warning.")] = "info",
+    engine_process: Annotated[bool, typer.Option(
+        help="Run the engine in its own process (no GIL shared with the HTTP event loop), as vLLM does.")] = True,
 ) -> None:
     """Serve MODEL_DIR over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
     with /health, /metrics (Prometheus, vLLM's names) and /version."""
@@ -73,11 +75,12 @@ def serve(
         raise typer.Exit(2)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise typer.Exit(run_server(config, served_model_name or model_dir.name, host, port, api_key, max_waiting,
-                                shutdown_timeout, log_level))
+                                shutdown_timeout, log_level, engine_process))
 
 
 def run_server(config, served_model_name: str, host: str, port: int, api_key: str | None,
-               max_waiting: int | None, shutdown_timeout: float, log_level: str = "info") -> int:
+               max_waiting: int | None, shutdown_timeout: float, log_level: str = "info",
+               engine_process: bool = True) -> int:
     """Block serving until SIGTERM/SIGINT; 0 after a clean shutdown, 1 if the model failed to load."""
     import contextlib
     import signal
@@ -85,11 +88,12 @@ def run_server(config, served_model_name: str, host: str, port: int, api_key: st
 
     import uvicorn
 
-    from lmforge.engine import AsyncLLMEngine
+    from lmforge.engine import AsyncLLMEngine, ProcessAsyncLLMEngine
 
     from .app import build_app
 
-    fastapi_app = build_app(lambda: AsyncLLMEngine(config), served_model_name, api_key, max_waiting)
+    engine_cls = ProcessAsyncLLMEngine if engine_process else AsyncLLMEngine
+    fastapi_app = build_app(lambda: engine_cls(config), served_model_name, api_key, max_waiting)
     state = fastapi_app.state.server
 
     class Server(uvicorn.Server):
