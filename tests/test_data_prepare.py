@@ -563,3 +563,24 @@ def test_gopher_quality_matches_reference():
         assert gopher_quality_reasons(texts, cfg) == expected
         reasons.update(expected)
     assert len(reasons) >= 9  # the fuzz reaches every rule
+
+
+def test_sort_groups_exact_when_high_bits_collide():
+    """quality._sort_groups keys a value sort by the hash's high bits: hashes that differ only in
+    the low bits (where the index rides) must still form exact groups, first occurrence first."""
+    import numpy as np
+
+    from lmforge.data.quality import _sort_groups
+
+    rng = np.random.default_rng(0)
+    for low_only in (False, True):
+        base = rng.integers(0, 1 << 63, 50, dtype=np.uint64)
+        h = base[rng.integers(0, 50, 1000)]
+        if low_only:  # same high bits, different low bits: a collision of the sort keys
+            h = (h & np.uint64(~1023 & (1 << 64) - 1)) | rng.integers(0, 4, 1000, dtype=np.uint64)
+        order, new = _sort_groups(h)
+        assert np.array_equal(h[order], np.sort(h))
+        starts = np.flatnonzero(new)
+        assert np.array_equal(h[order][starts], np.unique(h))
+        assert all(np.all(np.diff(g) > 0) for g in np.split(order, starts[1:]))  # index order within a group
+        assert np.array_equal(order[starts], [np.flatnonzero(h == v)[0] for v in np.unique(h)])

@@ -152,6 +152,28 @@ def _dup_scan(pos: np.ndarray, h: np.ndarray, gram_chars: np.ndarray, n: int) ->
     return chars
 
 
+def _sort_groups(h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(order, new): `order` sorts `h` (W,) so that equal values are adjacent and, within a group,
+    in index order; `new` (W,) marks the first of each group in sorted order.
+
+    A value sort is ~3x faster than `argsort` here (numpy's vectorized sort), so the index rides
+    in the low bits of each key, under the hash's high bits. Two different hashes sharing those
+    high bits would make the groups wrong: when any adjacent pair does, `argsort` decides."""
+    bits = max(1, (len(h) - 1).bit_length())
+    low = np.uint64((1 << bits) - 1)
+    key = np.sort((h & ~low) | np.arange(len(h), dtype=np.uint64))
+    order = (key & low).astype(np.intp)
+    h_sorted = h[order]
+    new = np.empty(len(h), dtype=bool)
+    new[0] = True
+    np.not_equal(h_sorted[1:], h_sorted[:-1], out=new[1:])
+    if np.any(new[1:] & ((key[1:] ^ key[:-1]) <= low)):  # a new hash with the same high bits
+        order = np.argsort(h, kind="stable")
+        h_sorted = h[order]
+        np.not_equal(h_sorted[1:], h_sorted[:-1], out=new[1:])
+    return order, new
+
+
 def _ngram_reasons(words: Words, size: np.ndarray, cfg: GopherRepetitionConfig) -> list[str | None]:
     """Top 2/3/4-gram char share and duplicated 5..10-gram char share of each text of `words`.
 
@@ -160,9 +182,9 @@ def _ngram_reasons(words: Words, size: np.ndarray, cfg: GopherRepetitionConfig) 
     mixed into the hash, keeps texts apart in one sort. An n-gram can repeat only where its
     (n-1)-gram does, so after each n only those positions (usually few) go on. The top n-gram
     check compares an upper bound (longest n-gram x top count) first, and the duplicated n-gram
-    check runs the exact left-to-right scan (`_dup_scan`) only when two upper bounds exceed the
-    limit: the sum over all repeated occurrences, overlaps included, then the characters of the
-    words covered by any repeated occurrence (the scan counts each character at most once).
+    check runs the exact left-to-right scan (`_dup_scan`) only when an upper bound exceeds the
+    limit: the characters of the words covered by any repeated occurrence (the scan counts each
+    character at most once, and only inside repeated occurrences).
     """
     reasons: list[str | None] = [None] * words.n_texts
     wh, text = words.hashes(), words.doc
@@ -181,11 +203,7 @@ def _ngram_reasons(words: Words, size: np.ndarray, cfg: GopherRepetitionConfig) 
             break
         acc = add_word(acc, wh, pos, n - 1)
         h = mix(acc) ^ salt[pos]
-        order = np.argsort(h)  # equal hashes in any order: first occurrences are found by position
-        h_sorted = h[order]
-        new = np.empty(len(h), dtype=bool)
-        new[0] = True
-        np.not_equal(h_sorted[1:], h_sorted[:-1], out=new[1:])
+        order, new = _sort_groups(h)
         group, group_start = np.cumsum(new) - 1, np.flatnonzero(new)
         count = np.empty(len(h), dtype=np.int64)
         count[order] = np.diff(group_start, append=len(h))[group]
@@ -200,23 +218,19 @@ def _ngram_reasons(words: Words, size: np.ndarray, cfg: GopherRepetitionConfig) 
                 if reasons[t] is None and int(gram_chars[i]) * int(top[t]) > limit[t]:
                     reasons[t] = f"gopher_top_{n}gram"
         else:  # characters inside n-grams that repeat an earlier one
-            first = np.minimum.reduceat(pos[order], group_start)
             repeat = np.empty(len(h), dtype=bool)
-            repeat[order] = pos[order] != first[group]
-            gram_chars = csum[pos + n] - csum[pos]
-            upper = np.bincount(tpos, weights=np.where(repeat, gram_chars, 0), minlength=words.n_texts)
-            over = upper > limit
-            if over.any():  # tighter: the characters of the words inside any repeated n-gram, once
-                covered = np.zeros(len(wh) + 1, dtype=np.int64)
-                np.add.at(covered, pos[repeat], 1)
-                np.subtract.at(covered, pos[repeat] + n, 1)
-                inside = np.cumsum(covered[:-1]) > 0
-                over &= np.bincount(text, weights=np.where(inside, words.lengths, 0), minlength=words.n_texts) > limit
+            repeat[order] = ~new  # all but the first (in position order) of each group
+            # upper bound of the scan: the characters of the words inside any repeated n-gram,
+            # once. Repeats [p, p + n) are ascending and equally long, so the part of one that
+            # the next does not cover is [p, min(p + n, next p)); those parts add up to the union.
+            rp = pos[repeat]
+            covered_end = np.minimum(rp + n, np.append(rp[1:], len(wh)))
+            over = np.bincount(text[rp], weights=csum[covered_end] - csum[rp], minlength=words.n_texts) > limit
             for t in np.flatnonzero(over).tolist():
                 lo, hi = np.searchsorted(tpos, t), np.searchsorted(tpos, t, side="right")
                 m = count[lo:hi] > 1
-                if reasons[t] is None and \
-                        _dup_scan(pos[lo:hi][m], h[lo:hi][m], gram_chars[lo:hi][m], n) > limit[t]:
+                p = pos[lo:hi][m]
+                if reasons[t] is None and _dup_scan(p, h[lo:hi][m], csum[p + n] - csum[p], n) > limit[t]:
                     reasons[t] = f"gopher_dup_{n}gram"
         shared = count > 1
         pos, acc = pos[shared], acc[shared]
