@@ -61,9 +61,6 @@ class TrainSection:
     warmup_steps: int = 10
     decay: Literal["cosine", "linear", "constant"] = "cosine"
     weight_decay: float = 0.1
-    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon for hidden matrices, AdamW for the rest (optim.py)
-    muon_lr: float = 0.02  # optimizer=muon: the hidden matrices' learning rate
-    muon_momentum: float = 0.95
     embedding_lr: float | None = None  # token embedding's AdamW learning rate; None = lr
     head_lr: float | None = None  # untied LM head's AdamW learning rate; None = lr
     beta1: float = 0.9
@@ -145,11 +142,9 @@ class TrainConfig:
                 raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
         if t.lr <= 0:
             raise ConfigError(f"train.lr must be > 0, got {t.lr}")
-        for key in ("muon_lr", "embedding_lr", "head_lr"):
+        for key in ("embedding_lr", "head_lr"):
             if getattr(t, key) is not None and getattr(t, key) <= 0:
                 raise ConfigError(f"train.{key} must be > 0, got {getattr(t, key)}")
-        if not 0 <= t.muon_momentum < 1:
-            raise ConfigError(f"train.muon_momentum must be in [0, 1), got {t.muon_momentum}")
         if t.target_val_loss is not None and t.target_val_loss <= 0:
             raise ConfigError(f"train.target_val_loss must be > 0 (nats/token) or null, got {t.target_val_loss}")
         if not 0 <= t.min_lr_ratio <= 1:
