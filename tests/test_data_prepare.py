@@ -15,12 +15,13 @@ import json
 import random
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from lmforge.data.config import PiiConfig
-from lmforge.data.pii import mask_pii
+from lmforge.data.pii import mask_pii, mask_pii_many
 from lmforge.data.prepare import prepare_dataset
 from lmforge.data.quality import split_long
 
@@ -451,14 +452,25 @@ def test_pii_gates_change_nothing():
     rng = random.Random(0)
     pieces = ["1", "3", "4", "5", "0", "9", "13", "86", "86 ", "+", "(", ")", "-", ".", ":", "::", " ", "a", "f", "X", "@",
               "x.com", "4111", "192.168.", "2001:db8", "sk-", "AKIA", "Bearer ", "hf_", "abcdefghijklmnopqrstuvwxyz",
-              "ABCDEF0123456789", "手机", "\n"]
+              "ABCDEF0123456789", "手机", "\n", "٣", "１", "eyJ", "xoxb-", "_-", "111", "5555", "555-", "1234567"]
     cfg, masked = PiiConfig(), 0
-    for text in [*PII_POSITIVE.values(), *LOOK_ALIKES] + \
-            ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 40))) for _ in range(8000)]:
-        expected = _mask_reference(text)
-        assert mask_pii(text, cfg) == expected, text
-        masked += bool(expected[1])
+    texts = [*PII_POSITIVE.values(), *LOOK_ALIKES] + \
+        ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 40))) for _ in range(8000)]
+    expected = [_mask_reference(text) for text in texts]
+    for text, want in zip(texts, expected):
+        assert mask_pii(text, cfg) == want, text
+        masked += bool(want[1])
     assert masked > 500
+    assert mask_pii_many(texts, cfg) == expected  # the gates of one batch, as of each text alone
+    # numbers near each pattern's shape: the digit, dot and colon runs the gates count
+    pieces = ["11010519491231002X", "4111 1111 1111 1111", "4111-1111-1111", "(555) 123-4567", "555.123.4567",
+              "13812345678", "+86 138", "10.0.0.1", "2001:db8::1", "fe80::1:2:3", "1", "12", "123", "1234", "٣",
+              " ", "-", ".", ":", "X", "a", "(", ")", "+", "\n", "é"]
+    texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 12))) for _ in range(3000)]
+    expected = [_mask_reference(text) for text in texts]
+    assert mask_pii_many(texts, cfg) == expected
+    kinds = Counter(kind for _, counts in expected for kind in counts)
+    assert min(kinds[k] for k in ("cn_id", "credit_card", "ipv6", "ipv4", "phone")) > 20, kinds
 
 
 def test_normalize_matches_reference():

@@ -80,7 +80,7 @@ def step_times(docs: list[dict], cfg: PrepareConfig, repeats: int = 3) -> dict[s
     from lmforge.data.contamination import ContaminationIndex
     from lmforge.data.dedup import NearDedup, exact_key, signatures
     from lmforge.data.normalize import normalize_text
-    from lmforge.data.pii import mask_pii
+    from lmforge.data.pii import mask_pii_many
     from lmforge.data.prepare import CHUNK_DOCS
     from lmforge.data.quality import quality_reasons
     from lmforge.data.split import assign_split
@@ -111,7 +111,7 @@ def step_times(docs: list[dict], cfg: PrepareConfig, repeats: int = 3) -> dict[s
         "normalize": lambda: [normalize_text(d["text"]) for d in docs],
         "boilerplate": lambda: [strip_boilerplate(t, frozenset(line_keys(t, min_line)[:1]), min_line) for t in texts],
         "quality": lambda: [quality_reasons(chunk, cfg.quality) for chunk in chunks],
-        "pii": lambda: [mask_pii(t, cfg.pii) for t in texts],
+        "pii": lambda: [mask_pii_many(chunk, cfg.pii) for chunk in chunks],
         "exact_dedup": lambda: [exact_key(t) for t in texts],
         "near_dedup (minhash)": lambda: [signatures(chunk, cfg.near_dedup) for chunk in chunks],
         "near_dedup (lsh)": near_dedup,

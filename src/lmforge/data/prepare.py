@@ -39,7 +39,7 @@ from lmforge.data.boilerplate import boilerplate_keys, line_keys, strip_boilerpl
 from lmforge.data.config import PrepareConfig
 from lmforge.data.dedup import NearDedup, exact_key, signatures
 from lmforge.data.normalize import normalize_text
-from lmforge.data.pii import mask_pii
+from lmforge.data.pii import mask_pii_many
 from lmforge.data.quality import quality_reasons, split_long
 from lmforge.data.split import SPLITS, assign_split
 
@@ -73,16 +73,14 @@ def _pass1(docs: list[dict]) -> list[tuple[dict, int]]:
 def _process_parts(parts: list[dict]) -> list[dict]:
     """Quality, PII, hashes of documents (or parts of split documents), the numpy work batched."""
     reasons = quality_reasons([doc["text"] for doc in parts], _cfg.quality)
-    out, kept = [], []
-    for doc, reason in zip(parts, reasons):
-        if reason:
-            out.append({"doc": doc, "reason": reason, "step": "quality"})
-            continue
-        pii: dict[str, int] = {}
-        if _cfg.pii.enabled:
-            doc["text"], pii = mask_pii(doc["text"], _cfg.pii)
-        out.append({"doc": doc, "reason": None, "pii": pii, "exact": exact_key(doc["text"]), "sig": None})
-        kept.append(out[-1])
+    out = [{"doc": doc, "reason": reason, "step": "quality"} if reason else {"doc": doc, "reason": None, "pii": {}}
+           for doc, reason in zip(parts, reasons)]
+    kept = [item for item in out if item["reason"] is None]
+    if _cfg.pii.enabled and kept:
+        for item, (text, pii) in zip(kept, mask_pii_many([item["doc"]["text"] for item in kept], _cfg.pii)):
+            item["doc"]["text"], item["pii"] = text, pii
+    for item in kept:
+        item["exact"], item["sig"] = exact_key(item["doc"]["text"]), None
     if _cfg.near_dedup.enabled and kept:
         for item, sig in zip(kept, signatures([item["doc"]["text"] for item in kept], _cfg.near_dedup)):
             item["sig"] = sig

@@ -25,17 +25,19 @@ from dataclasses import dataclass
 import numpy as np
 
 PUNCTUATION = frozenset("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~…“”‘’«»–—·•")  # Gopher's "symbol" words
-SPACE, LETTER, NOT_PUNCT, WORD_CHAR = 1, 2, 4, 8  # bits of a character's class
+SPACE, LETTER, NOT_PUNCT, WORD_CHAR, DIGIT = 1, 2, 4, 8, 16  # bits of a character's class
 _P = 0x100000001B3  # the FNV-64 prime: odd, so invertible mod 2^64
 _P_INV = pow(_P, -1, 1 << 64)
 _TABLE_SIZE = 0x3002  # every whitespace character (the last is U+3000) and punctuation mark is below it
 _LETTER = re.compile(r"[^\W\d_]")  # a "letter" as in Gopher's alphabetic-word rule
 _WORD = re.compile(r"\w")
+_DIGIT = re.compile(r"\d")  # Unicode decimal digits, as `\d` in a str pattern
 
 
 def _class(c: str) -> int:
     return (SPACE * c.isspace() | LETTER * bool(_LETTER.match(c)) |
-            NOT_PUNCT * (not c.isspace() and c not in PUNCTUATION) | WORD_CHAR * bool(_WORD.match(c)))
+            NOT_PUNCT * (not c.isspace() and c not in PUNCTUATION) | WORD_CHAR * bool(_WORD.match(c)) |
+            DIGIT * bool(_DIGIT.match(c)))
 
 
 _table: np.ndarray | None = None  # class of every code point below _TABLE_SIZE, built on first use
