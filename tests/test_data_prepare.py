@@ -596,3 +596,24 @@ def test_sort_groups_exact_when_high_bits_collide():
         assert np.array_equal(h[order][starts], np.unique(h))
         assert all(np.all(np.diff(g) > 0) for g in np.split(order, starts[1:]))  # index order within a group
         assert np.array_equal(order[starts], [np.flatnonzero(h == v)[0] for v in np.unique(h)])
+
+
+def test_word_crcs_match_zlib():
+    """dedup.word_crcs (numpy CRC-32 over a batch) equals zlib.crc32 of each `text.lower().split()` word."""
+    import zlib
+
+    import numpy as np
+
+    from lmforge.data.dedup import word_crcs
+
+    rng = random.Random(8)
+    ascii_pieces = [p for p in WORD_PIECES if p.isascii()] + ["ABCDEFGHIJKLMNOPQRSTUVWXYZ_0123456789", "x" * 40]
+    texts = fuzz_texts(rng, 200) + ["".join(rng.choice(ascii_pieces) for _ in range(rng.randint(0, 30)))
+                                    for _ in range(200)] + ["", " ", "Supercalifragilistic" * 3]
+    rng.shuffle(texts)
+    crcs, first = word_crcs(texts)
+    for k, text in enumerate(texts):
+        want = [zlib.crc32(w.encode()) for w in text.lower().split()]
+        assert crcs[first[k]:first[k + 1]].tolist() == want, text
+    assert first[-1] == len(crcs) == sum(len(t.split()) for t in texts)
+    assert crcs.dtype == np.uint64

@@ -2,8 +2,9 @@
 
 Exact: sha256 of the document text as it stands after normalization, boilerplate removal and
 PII masking; the first document with a given hash survives.
-Near: MinHash over word `ngram`-shingles (lowercased whitespace-separated words, each shingle
-hashed to 32 bits by `hashing.py`; a document shorter than `ngram` words is one shingle),
+Near: MinHash over word `ngram`-shingles (lowercased whitespace-separated words, each word's
+UTF-8 CRC-32 combined into a 32-bit shingle hash by `hashing.py`; a document shorter than `ngram`
+words is one shingle),
 indexed by LSH banding at the Jaccard `threshold`. The LSH index uses `threshold - recall_margin`
 and candidates are confirmed by the estimated Jaccard of the two signatures at
 `threshold - recall_margin / 2`, so pairs at the threshold merge with high recall while band
@@ -26,8 +27,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
-import re
 import zlib
 
 import numpy as np
@@ -100,14 +99,60 @@ def signature(text: str, cfg: NearDedupConfig) -> np.ndarray:
     return signatures([text], cfg)[0]
 
 
-_INFO_SEPARATORS = re.compile("[\x1c-\x1f]")  # whitespace to str.split, not to bytes.split
+def _crc_table() -> np.ndarray:
+    """zlib's CRC-32 table (reflected polynomial 0xEDB88320): the register after one byte."""
+    c = np.arange(256, dtype=np.uint32)
+    for _ in range(8):
+        c = np.where(c & 1, (c >> np.uint32(1)) ^ np.uint32(0xEDB88320), c >> np.uint32(1))
+    return c.astype(np.uint32)
 
 
-def _lower_words(text: str) -> list[bytes]:
-    """UTF-8 bytes of the words of `text.lower().split()` (for ASCII text, split as bytes: no str per word)."""
-    if text.isascii() and not _INFO_SEPARATORS.search(text):
-        return text.encode("ascii").lower().split()
-    return list(map(str.encode, text.lower().split()))
+_CRC_TABLE = _crc_table()
+_CRC_LOOP_BYTES = 16  # longer words (~1.5% of them) take zlib.crc32 one by one: fewer numpy steps per batch
+
+
+def crc32_spans(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """(W,) uint32 `zlib.crc32(buf[s:e])` of each span, for all spans at once: one table step per
+    byte position, over the spans still that long (sorted by length, longest first, so each step
+    works on a prefix)."""
+    lengths = ends - starts
+    out = np.empty(len(starts), dtype=np.uint32)
+    long = np.flatnonzero(lengths > _CRC_LOOP_BYTES)
+    data = buf.tobytes() if len(long) else b""
+    out[long] = [zlib.crc32(data[s:e]) for s, e in zip(starts[long].tolist(), ends[long].tolist())]
+    short = np.flatnonzero(lengths <= _CRC_LOOP_BYTES)
+    order = short[np.argsort(-lengths[short].astype(np.int8), kind="stable")]  # longest first
+    first = starts[order]
+    active = len(order) - np.cumsum(np.bincount(lengths[order], minlength=_CRC_LOOP_BYTES + 1))  # longer than k
+    crc = np.full(len(order), 0xFFFFFFFF, dtype=np.uint32)
+    for k in range(_CRC_LOOP_BYTES):
+        a = int(active[k])
+        if not a:
+            break
+        c = crc[:a]
+        crc[:a] = _CRC_TABLE.take((c ^ buf[first[:a] + k]) & np.uint32(0xFF)) ^ (c >> np.uint32(8))
+    out[order] = ~crc
+    return out
+
+
+def _ascii_space(b: np.ndarray) -> np.ndarray:
+    """(C,) bool: the bytes `str.isspace` holds for (\\t \\n \\v \\f \\r, \\x1c-\\x1f, space)."""
+    return ((b - np.uint8(9)) < 5) | ((b - np.uint8(28)) < 5)
+
+
+def word_crcs(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(W,) uint64 CRC-32 of the UTF-8 bytes of each word of each `text.lower().split()`, and (T + 1,)
+    the index of each text's first word. ASCII texts are lowercased and split as bytes in numpy;
+    any other text is lowercased and split by Python (Unicode case and spaces), its words joined by
+    a space, which splits the same way as bytes (UTF-8 puts no ASCII byte inside a character)."""
+    encoded = [t.encode("ascii") if t.isascii() else " ".join(t.lower().split()).encode("utf-8") for t in texts]
+    offsets = np.zeros(len(texts) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)) + 1, out=offsets[1:])
+    buf = np.frombuffer(b"\n".join(encoded) + b"\n", dtype=np.uint8)
+    buf = buf + (((buf - np.uint8(65)) < 26) * np.uint8(32)).astype(np.uint8)  # A-Z to a-z
+    edges = np.flatnonzero(np.diff((~_ascii_space(buf)).view(np.int8), prepend=np.int8(0)))
+    starts, ends = edges[0::2], edges[1::2]  # the "\n" after each text ends its last word
+    return crc32_spans(buf, starts, ends).astype(np.uint64), np.searchsorted(starts, offsets)
 
 
 def signatures(texts: list[str], cfg: NearDedupConfig) -> list[np.ndarray]:
@@ -116,9 +161,8 @@ def signatures(texts: list[str], cfg: NearDedupConfig) -> list[np.ndarray]:
     A signature is a minimum over shingles, so repeated shingles change nothing and are kept
     (no `np.unique`); the shingles of all texts are one array, reduced per text."""
     n = cfg.ngram
-    word_lists = list(map(_lower_words, texts))
-    lengths = list(map(len, word_lists))
-    wh = np.fromiter(map(zlib.crc32, itertools.chain.from_iterable(word_lists)), dtype=np.uint64, count=sum(lengths))
+    wh, first = word_crcs(texts)
+    lengths = np.diff(first).tolist()
     windows = ngram_hashes(wh, n)  # windows crossing from one text into the next are never used
     parts, start = [], 0
     for k in lengths:
