@@ -617,3 +617,16 @@ def test_word_crcs_match_zlib():
         assert crcs[first[k]:first[k + 1]].tolist() == want, text
     assert first[-1] == len(crcs) == sum(len(t.split()) for t in texts)
     assert crcs.dtype == np.uint64
+
+
+def test_json_lines_same_as_ensure_ascii_false():
+    """prepare._dumps picks the faster ASCII escaper only where it writes the same bytes."""
+    from lmforge.data.prepare import _dumps
+
+    rng = random.Random(9)
+    chars = ["a", "Z", " ", "\n", "\t", "\x00", "\x1f", '"', "\\", "/", "\x7f", "é", "中", "\u2028", "\U0001d400", "u"]
+    for _ in range(2000):
+        text = "".join(rng.choice(chars) for _ in range(rng.randint(0, 12)))
+        obj = {"id": text[:3], "text": text, "meta": {"k": [text[-2:], 1, 2.5, None], text[:1]: {"pii": {"email": 1}}}}
+        assert _dumps(obj) == json.dumps(obj, ensure_ascii=False)
+        assert _dumps(obj, sort_keys=True) == json.dumps(obj, ensure_ascii=False, sort_keys=True)

@@ -131,6 +131,23 @@ def _read_jsonl(path: Path) -> Iterator[dict]:
             yield json.loads(line)
 
 
+def _ascii(value: Any) -> bool:
+    """Whether every string in `value` (keys included) is ASCII without DEL: then `json.dumps`
+    writes the same with `ensure_ascii` on, and its ASCII escaper is ~2x faster."""
+    if isinstance(value, str):
+        return value.isascii() and "\x7f" not in value  # isascii is O(1) on str
+    if isinstance(value, dict):
+        return all(_ascii(k) and _ascii(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(map(_ascii, value))
+    return True
+
+
+def _dumps(obj: Any, **kwargs: Any) -> str:
+    """`json.dumps(obj, ensure_ascii=False, **kwargs)`."""
+    return json.dumps(obj, ensure_ascii=_ascii(obj), **kwargs)
+
+
 class _Writer:
     """Append-only JSONL with one fixed key order, so the bytes are reproducible."""
 
@@ -140,7 +157,7 @@ class _Writer:
         self._f = open(path, "w", encoding="utf-8")
 
     def write(self, obj: dict) -> None:
-        self._f.write(json.dumps(obj, ensure_ascii=False) + "\n")
+        self._f.write(_dumps(obj) + "\n")
         self.count += 1
 
     def close(self) -> None:
@@ -368,7 +385,7 @@ def _hashing_records(sources: list, cfg: PrepareConfig, quarantine: Any, builtin
         h, size = hashlib.sha256(), 0
         for doc in iter_records([s], cfg.read.text_field, cfg.read.txt_mode, quarantine=quarantine):
             if s.kind == "builtin":
-                data = json.dumps(doc, ensure_ascii=False, sort_keys=True).encode("utf-8")
+                data = _dumps(doc, sort_keys=True).encode("utf-8")
                 h.update(data)
                 size += len(data)
             yield doc
