@@ -471,6 +471,12 @@ def test_pii_gates_change_nothing():
     assert mask_pii_many(texts, cfg) == expected
     kinds = Counter(kind for _, counts in expected for kind in counts)
     assert min(kinds[k] for k in ("cn_id", "credit_card", "ipv6", "ipv4", "phone")) > 20, kinds
+    # emails are substituted in the tokens around each "@" (or the whole text when a token is long)
+    pieces = ["jane.roe@example.org", "@", "a@b.co", ".", "-", "x", "é", " ", "\n", "\t", "\u2028", "x" * 300, "@x.com"]
+    texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 10))) for _ in range(2000)]
+    expected = [_mask_reference(text) for text in texts]
+    assert mask_pii_many(texts, cfg) == expected
+    assert sum("email" in counts for _, counts in expected) > 500
 
 
 def test_normalize_matches_reference():

@@ -19,10 +19,11 @@ a whole batch of texts in a few numpy calls over one array of code points (`word
 shape every match has: for a key, its first characters at a word boundary with a long enough run
 of `[A-Za-z0-9_-]` after them; for a cn_id, a run of 17 digits; for a card, 13 digits in runs one
 space or dash apart; for an IPv4 address, 4 digit runs one dot apart; for a phone, a run of 11
-digits or `\\d{3}[ .-]\\d{4}` (or `+` and a digit). An email needs "@"; an IPv6 address, two colons
-one group apart in a run of hex digits and colons long enough for 3 groups. Masks only cut digit
-runs (a placeholder holds no digit, space, dot or dash), so the gates of the text as given hold for
-every later pattern's input. Years, versions (`3.11.2`), dates (`2024-01-15`), times, port numbers
+digits or `\\d{3}[ .-]\\d{4}` (or `+` and a digit). An email needs "@" and is searched for only in
+the tokens around each "@" (`_tokens_around`); an IPv6 address needs two colons one group apart
+in a run of hex digits and colons long enough for 3 groups. Masks only cut digit runs (a
+placeholder holds no digit, space, dot or dash), so the gates of the text as given hold for every
+later pattern's input. Years, versions (`3.11.2`), dates (`2024-01-15`), times, port numbers
 and numbers failing their checksum are left alone. Pure functions of strings; it knows nothing
 about documents or the pipeline.
 """
@@ -253,7 +254,38 @@ def _mask(text: str, cfg: PiiConfig, g: Gates) -> tuple[str, dict[str, int]]:
             n += 1
             return PLACEHOLDERS[kind]
 
-        text = pattern.sub(replace, text)
+        spans = _tokens_around(text, "@") if kind == "email" else None
+        if spans is None:
+            text = pattern.sub(replace, text)
+        else:  # only the tokens holding an "@": the same matches, without scanning every position
+            pieces, done = [], 0
+            for a, b in spans:
+                pieces += [text[done:a], pattern.sub(replace, text[a:b])]
+                done = b
+            text = "".join(pieces) + text[done:]
         if n:
             counts[kind] = n
     return text, counts
+
+
+_REACH = 256  # how far `_tokens_around` looks for the ends of a token
+
+
+def _tokens_around(text: str, char: str) -> list[tuple[int, int]] | None:
+    """Spans [a, b) around each `char`, from after the space, newline or tab before it to the one
+    after it (or the text's ends). An email holds none of those, so each match lies inside the
+    span of its "@", and `\\b` at a span's ends sees the same as in the text: substituting in the
+    spans alone gives the same text. None when an end is further than _REACH away."""
+    spans = []
+    i = text.find(char)
+    while i != -1:
+        lo = max(0, i - _REACH)
+        a = max(text.rfind(" ", lo, i), text.rfind("\n", lo, i), text.rfind("\t", lo, i)) + 1
+        ends = [e for e in (text.find(" ", i, i + _REACH), text.find("\n", i, i + _REACH),
+                            text.find("\t", i, i + _REACH)) if e != -1]
+        if (a == 0 and lo > 0) or (not ends and i + _REACH < len(text)):
+            return None
+        b = min(ends) if ends else len(text)
+        spans.append((a, b))
+        i = text.find(char, b)
+    return spans
