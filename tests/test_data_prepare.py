@@ -492,7 +492,8 @@ def test_normalize_matches_reference():
         return re.sub(r"\n{3,}", "\n\n", text).strip()
 
     rng = random.Random(0)
-    pieces = ["a", "b", " ", "  ", "\t", "\n", "\r", "\r\n", "\x00", "\x1f", "\x85", "\u00a0", "\u3000", "e\u0301", "\u2028"]
+    pieces = ["a", "b", " ", "  ", "\t", "\n", "\r", "\r\n", "\x00", "\x1f", "\x85", "\u00a0", "\u3000", "e\u0301", "\u2028",
+              "\x7f", "\x0b", " \t", "\t "]
     for _ in range(20000):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
         assert normalize_text(text) == reference(text), repr(text)
@@ -636,3 +637,13 @@ def test_json_lines_same_as_ensure_ascii_false():
         obj = {"id": text[:3], "text": text, "meta": {"k": [text[-2:], 1, 2.5, None], text[:1]: {"pii": {"email": 1}}}}
         assert _dumps(obj) == json.dumps(obj, ensure_ascii=False)
         assert _dumps(obj, sort_keys=True) == json.dumps(obj, ensure_ascii=False, sort_keys=True)
+
+
+def test_char_class_table_matches_per_character_rule():
+    import numpy as np
+
+    from lmforge.data import words
+
+    words._table = None
+    words.char_classes(np.zeros(1, dtype=np.uint32))
+    assert words._table.tolist() == [words._class(chr(c)) for c in range(words._TABLE_SIZE)]

@@ -104,6 +104,8 @@ def gopher_quality_reason(text: str, cfg: GopherQualityConfig) -> str | None:
 def _duplicates(elements: list[str]) -> tuple[int, int]:
     """(number, characters) of elements that repeat an earlier one: all but the first of each."""
     distinct = set(elements)
+    if len(distinct) == len(elements):
+        return 0, 0
     return len(elements) - len(distinct), sum(map(len, elements)) - sum(map(len, distinct))
 
 
@@ -204,9 +206,9 @@ def _ngram_reasons(words: Words, size: np.ndarray, cfg: GopherRepetitionConfig) 
         acc = add_word(acc, wh, pos, n - 1)
         h = mix(acc) ^ salt[pos]
         order, new = _sort_groups(h)
-        group, group_start = np.cumsum(new) - 1, np.flatnonzero(new)
+        sizes = np.diff(np.flatnonzero(new), append=len(h))
         count = np.empty(len(h), dtype=np.int64)
-        count[order] = np.diff(group_start, append=len(h))[group]
+        count[order] = np.repeat(sizes, sizes)
         tpos, limit = text[pos], limits[n] * size
         if n <= 4:  # share of the most frequent n-gram, counted with overlaps ("the the the")
             gram_chars = csum[pos + n] - csum[pos] + n - 1

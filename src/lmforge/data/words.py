@@ -47,8 +47,12 @@ _high: dict[int, int] = {}  # classes of code points above it, as met
 def char_classes(cp: np.ndarray) -> np.ndarray:
     """(C,) uint8 class bits of each code point."""
     global _table
-    if _table is None:
-        _table = np.array([_class(chr(c)) for c in range(_TABLE_SIZE)], dtype=np.uint8)
+    if _table is None:  # each regex once over all the characters: ~10x faster than _class per character
+        chars = "".join(map(chr, range(_TABLE_SIZE)))
+        _table = np.array([SPACE * c.isspace() | NOT_PUNCT * (not c.isspace() and c not in PUNCTUATION)
+                           for c in chars], dtype=np.uint8)
+        for pattern, bit in ((_LETTER, LETTER), (_WORD, WORD_CHAR), (_DIGIT, DIGIT)):
+            _table[[m.start() for m in pattern.finditer(chars)]] |= bit
     if cp.dtype == np.uint8:
         return _table[:256].take(cp)
     out = _table.take(np.minimum(cp, _TABLE_SIZE - 1))
