@@ -81,7 +81,7 @@ def step_times(docs: list[dict], cfg: PrepareConfig, repeats: int = 3) -> dict[s
     from lmforge.data.dedup import NearDedup, exact_key, signatures
     from lmforge.data.normalize import normalize_text
     from lmforge.data.pii import mask_pii_many
-    from lmforge.data.prepare import CHUNK_DOCS
+    from lmforge.data.prepare import CHUNK_DOCS, _dumps
     from lmforge.data.quality import quality_reasons
     from lmforge.data.split import assign_split
 
@@ -102,7 +102,7 @@ def step_times(docs: list[dict], cfg: PrepareConfig, repeats: int = 3) -> dict[s
             index.hits_many(chunk)
 
     def output_and_work_files() -> None:  # every document once as a JSON line, twice through .work
-        [json.dumps(d, ensure_ascii=False) for d in docs]
+        [_dumps(d) for d in docs]
         for _ in range(2):
             pickle.loads(pickle.dumps(docs, protocol=pickle.HIGHEST_PROTOCOL))
 

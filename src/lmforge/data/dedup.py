@@ -135,9 +135,7 @@ def crc32_spans(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.nda
     return out
 
 
-def _ascii_space(b: np.ndarray) -> np.ndarray:
-    """(C,) bool: the bytes `str.isspace` holds for (\\t \\n \\v \\f \\r, \\x1c-\\x1f, space)."""
-    return ((b - np.uint8(9)) < 5) | ((b - np.uint8(28)) < 5)
+_WORD_BYTE = bytes(0 if chr(c).isspace() else 1 for c in range(128)) + bytes([1] * 128)  # str.isspace, ASCII
 
 
 def word_crcs(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -148,9 +146,9 @@ def word_crcs(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     encoded = [t.encode("ascii") if t.isascii() else " ".join(t.lower().split()).encode("utf-8") for t in texts]
     offsets = np.zeros(len(texts) + 1, dtype=np.int64)
     np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)) + 1, out=offsets[1:])
-    buf = np.frombuffer(b"\n".join(encoded) + b"\n", dtype=np.uint8)
-    buf = buf + (((buf - np.uint8(65)) < 26) * np.uint8(32)).astype(np.uint8)  # A-Z to a-z
-    edges = np.flatnonzero(np.diff((~_ascii_space(buf)).view(np.int8), prepend=np.int8(0)))
+    data = (b"\n".join(encoded) + b"\n").lower()  # bytes.lower: A-Z only
+    buf = np.frombuffer(data, dtype=np.uint8)
+    edges = np.flatnonzero(np.diff(np.frombuffer(data.translate(_WORD_BYTE), dtype=np.int8), prepend=np.int8(0)))
     starts, ends = edges[0::2], edges[1::2]  # the "\n" after each text ends its last word
     return crc32_spans(buf, starts, ends).astype(np.uint64), np.searchsorted(starts, offsets)
 
