@@ -472,7 +472,8 @@ def test_pii_gates_change_nothing():
     kinds = Counter(kind for _, counts in expected for kind in counts)
     assert min(kinds[k] for k in ("cn_id", "credit_card", "ipv6", "ipv4", "phone")) > 20, kinds
     # emails are substituted in the tokens around each "@" (or the whole text when a token is long)
-    pieces = ["jane.roe@example.org", "@", "a@b.co", ".", "-", "x", "é", " ", "\n", "\t", "\u2028", "x" * 300, "@x.com"]
+    pieces = ["jane.roe@example.org", "@", "a@b.co", ".", "-", "x", "é", " ", "\n", "\t", "\u2028", "x" * 300,
+              "@x.com"]
     texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 10))) for _ in range(2000)]
     expected = [_mask_reference(text) for text in texts]
     assert mask_pii_many(texts, cfg) == expected
@@ -492,8 +493,8 @@ def test_normalize_matches_reference():
         return re.sub(r"\n{3,}", "\n\n", text).strip()
 
     rng = random.Random(0)
-    pieces = ["a", "b", " ", "  ", "\t", "\n", "\r", "\r\n", "\x00", "\x1f", "\x85", "\u00a0", "\u3000", "e\u0301", "\u2028",
-              "\x7f", "\x0b", " \t", "\t "]
+    pieces = ["a", "b", " ", "  ", "\t", "\n", "\r", "\r\n", "\x00", "\x1f", "\x85", "\u00a0", "\u3000", "e\u0301",
+              "\u2028", "\x7f", "\x0b", " \t", "\t "]
     for _ in range(20000):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
         assert normalize_text(text) == reference(text), repr(text)
@@ -631,7 +632,8 @@ def test_json_lines_same_as_ensure_ascii_false():
     from lmforge.data.prepare import _dumps
 
     rng = random.Random(9)
-    chars = ["a", "Z", " ", "\n", "\t", "\x00", "\x1f", '"', "\\", "/", "\x7f", "é", "中", "\u2028", "\U0001d400", "u"]
+    chars = ["a", "Z", " ", "\n", "\t", "\x00", "\x1f", '"', "\\", "/", "\x7f", "é", "中", "\u2028", "\U0001d400",
+             "u"]
     for _ in range(2000):
         text = "".join(rng.choice(chars) for _ in range(rng.randint(0, 12)))
         obj = {"id": text[:3], "text": text, "meta": {"k": [text[-2:], 1, 2.5, None], text[:1]: {"pii": {"email": 1}}}}

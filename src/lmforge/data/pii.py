@@ -80,7 +80,8 @@ _KEY_STARTS = (("sk-", 23), ("ghp_", 40), ("gho_", 40), ("ghu_", 40), ("ghs_", 4
                ("gith", 51), ("AKIA", 20), ("xox", 15), ("AIza", 39), ("hf_", 33), ("sk_l", 28),
                ("rk_l", 28), ("pk_l", 28), ("eyJ", 11))
 _KEY_WINDOW = 52  # longer than the longest least length above
-_FLAGS = bytes(1 * (chr(c) in "0123456789") | 2 * (chr(c) in "0123456789_-ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+_KEY_CHARS = "0123456789_-ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+_FLAGS = bytes(1 * (chr(c) in "0123456789") | 2 * (chr(c) in _KEY_CHARS)
                for c in range(256))  # by code point: bit 1 an ASCII digit, bit 2 [A-Za-z0-9_-]
 _COLON_PAIR = re.compile(r":(?=[0-9A-Fa-f]{0,4}:)")  # two colons of an IPv6 match, one group apart
 _HEX_COLONS_BEFORE = re.compile(r"[0-9A-Fa-f:]*\Z")

@@ -111,13 +111,14 @@ def _duplicates(elements: list[str]) -> tuple[int, int]:
 
 def _line_paragraph_reason(text: str, cfg: GopherRepetitionConfig) -> str | None:
     size = max(len(text), 1)
-    paragraphs = list(filter(str.strip, _PARAGRAPHS.split(text)))
+    # == filter(str.strip, ...) without a stripped copy of each
+    paragraphs = list(itertools.filterfalse(str.isspace, filter(None, _PARAGRAPHS.split(text))))
     n, chars = _duplicates(paragraphs)
     if n > cfg.dup_para_frac * len(paragraphs):
         return "gopher_dup_paragraph_frac"
     if chars > cfg.dup_para_char_frac * size:
         return "gopher_dup_paragraph_chars"
-    lines = list(filter(str.strip, text.split("\n")))
+    lines = list(itertools.filterfalse(str.isspace, filter(None, text.split("\n"))))
     n, chars = _duplicates(lines)
     if n > cfg.dup_line_frac * len(lines):
         return "gopher_dup_line_frac"
@@ -180,8 +181,8 @@ def _ngram_reasons(words: Words, size: np.ndarray, cfg: GopherRepetitionConfig) 
     """Top 2/3/4-gram char share and duplicated 5..10-gram char share of each text of `words`.
 
     n-grams are hashed for every position of every text at once: `acc` holds the unmixed sum of
-    each n-gram's word hashes and grows by one word per n (`hashing.add_word`); the text index,
-    mixed into the hash, keeps texts apart in one sort. An n-gram can repeat only where its
+    each n-gram's word hashes and grows by one word per n (`hashing.add_word`), starting from a
+    salt per text that keeps texts apart in one sort. An n-gram can repeat only where its
     (n-1)-gram does, so after each n only those positions (usually few) go on. The top n-gram
     check compares an upper bound (longest n-gram x top count) first, and the duplicated n-gram
     check runs the exact left-to-right scan (`_dup_scan`) only when an upper bound exceeds the
@@ -193,18 +194,18 @@ def _ngram_reasons(words: Words, size: np.ndarray, cfg: GopherRepetitionConfig) 
     csum = np.zeros(len(wh) + 1, dtype=np.int64)
     np.cumsum(words.lengths, out=csum[1:])
     text_end = np.searchsorted(text, np.arange(words.n_texts), side="right")[text]  # (W,) end of each word's text
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore"):  # the sums start from a salt per text: equal n-grams of two texts differ
         salt = (text.astype(np.uint64) + np.uint64(1)) * _SALT
     limits = dict(zip(range(2, 11), [*cfg.top_ngram_char_fracs, *cfg.dup_ngram_char_fracs]))
     pos = np.arange(len(wh))
-    acc = add_word(np.zeros(len(wh), dtype=np.uint64), wh, pos, 0)
+    acc = add_word(salt, wh, pos, 0)
     for n in range(2, 11):
         keep = pos + n - 1 < text_end[pos]
         pos, acc = pos[keep], acc[keep]
         if not len(pos):
             break
         acc = add_word(acc, wh, pos, n - 1)
-        h = mix(acc) ^ salt[pos]
+        h = mix(acc)
         order, new = _sort_groups(h)
         sizes = np.diff(np.flatnonzero(new), append=len(h))
         count = np.empty(len(h), dtype=np.int64)
