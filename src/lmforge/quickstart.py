@@ -9,7 +9,7 @@ disk every time, so it is the same whether a stage ran now or earlier.
 
 This module knows nothing of how a stage works: it calls each package's public function.
 
-    lmforge quickstart                 # ~10M-parameter model, a few minutes on 2 cores
+    lmforge quickstart                 # 7.4M-parameter model, a few minutes on 2 cores
     lmforge quickstart --tiny          # seconds per stage; what the tests run
 """
 
@@ -52,6 +52,13 @@ TINY = Settings(docs=120, vocab_size=1024, seq_len=128, config="tiny.yaml",
                 overrides=("train.max_steps=30", "train.eval_every=15", "train.ckpt_every=15",
                            "train.batch_size=8"),
                 eval_limit=12, bench_requests=8, bench_hf_requests=2, serve_max_tokens=16)
+
+
+def _target(hit: dict | None) -> str:
+    if not hit:
+        return "not reached"
+    return (f"step {hit['step']}: {hit['train_s']:.1f} s of training ({hit['train_plus_eval_s']:.1f} s with "
+            f"evaluation), {hit['tokens']:,} tokens")
 
 
 def _read(path: Path) -> Any:
@@ -349,7 +356,9 @@ def build_report(out: Path, timings: list[dict] | None = None) -> str:
         ["dtype", rec.get("config", {}).get("train", {}).get("dtype", "—")],
         ["final train loss", _f(res.get("final_train_loss"), 4)], ["final val loss", _f(res.get("final_val_loss"), 4)],
         ["tokens/s", _f(res.get("tokens_per_s"), 0)], ["MFU", _f(res.get("mfu"), 4)],
-        ["training time (s)", _f(res.get("train_time_s"), 1)]]), "",
+        ["training time (s)", _f(res.get("train_time_s"), 1)],
+        *([[f"val loss <= {res['target_val_loss']}", _target(res.get("target_reached"))]]
+          if res.get("target_val_loss") is not None else [])]), "",
         "Validation curve:", "", _md_table(["step", "val loss (nats/token)", "val bits/byte"], curve), "",
         "![loss curve](train/loss.png)", ""]
     if evals and metrics:
