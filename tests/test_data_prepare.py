@@ -649,3 +649,36 @@ def test_char_class_table_matches_per_character_rule():
     words._table = None
     words.char_classes(np.zeros(1, dtype=np.uint32))
     assert words._table.tolist() == [words._class(chr(c)) for c in range(words._TABLE_SIZE)]
+
+
+def test_python_docs_snapshot_follows_its_cache(tmp_path, monkeypatch):
+    """The marshal snapshot serves the JSONL cache's documents and saved digest only while that
+    file is unchanged (size, mtime) and the digest tag matches; else both are computed again."""
+    import os
+
+    from lmforge.data import sources
+    from lmforge.data.prepare import _BUILTIN_DIGEST, _builtin_digest
+
+    cache = tmp_path / "python-docs-3.11-test.jsonl"
+    docs = [{"id": f"python-docs/m{i}.py", "text": f"Doc {i} é", "meta": {"source": "python-docs", "path": f"m{i}"}}
+            for i in range(5)]
+    cache.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs), encoding="utf-8")
+    monkeypatch.setattr(sources, "_cache_path", lambda *a: cache)
+    calls = []
+
+    def digest(ds):
+        calls.append(1)
+        return _builtin_digest(ds)
+
+    first = sources.python_docs_snapshot(_BUILTIN_DIGEST, digest)
+    assert first == (docs, _builtin_digest(docs)) and len(calls) == 1
+    assert sources._snapshot_path(cache).is_file()
+    assert sources.python_docs_snapshot(_BUILTIN_DIGEST, digest) == first and len(calls) == 1  # from the snapshot
+    assert sources.python_docs_snapshot("other tag", digest) == first and len(calls) == 2
+    docs[1]["text"] = "changed"
+    cache.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs), encoding="utf-8")
+    os.utime(cache, ns=(1, 1))
+    again = sources.python_docs_snapshot(_BUILTIN_DIGEST, digest)
+    assert again == (docs, _builtin_digest(docs)) and len(calls) == 3
+    sources._snapshot_path(cache).write_bytes(b"\x00garbage")  # a damaged snapshot is recomputed
+    assert sources.python_docs_snapshot(_BUILTIN_DIGEST, digest) == again and len(calls) == 4

@@ -376,15 +376,27 @@ def _hashing_records(sources: list, cfg: PrepareConfig, quarantine: Any, builtin
     from lmforge.data.readers import iter_records
 
     for s in sources:
-        h, size = hashlib.sha256(), 0
-        for doc in iter_records([s], cfg.read.text_field, cfg.read.txt_mode, quarantine=quarantine):
-            if s.kind == "builtin":
-                data = _dumps(doc, sort_keys=True).encode("utf-8")
-                h.update(data)
-                size += len(data)
-            yield doc
-        if s.kind == "builtin":
-            builtin[s.location] = {"bytes": size, "sha256": h.hexdigest()}
+        if s.kind == "builtin":  # the only one, python-docs: documents and digest kept next to its cache
+            from lmforge.data.sources import python_docs_snapshot
+
+            docs, builtin[s.location] = python_docs_snapshot(_BUILTIN_DIGEST, _builtin_digest)
+            yield from docs
+        else:
+            yield from iter_records([s], cfg.read.text_field, cfg.read.txt_mode, quarantine=quarantine)
+
+
+_BUILTIN_DIGEST = "manifest-input-v1: sha256 of each document's sort_keys JSON (prepare._dumps), bytes"
+
+
+def _builtin_digest(docs: Iterable[dict]) -> dict:
+    """The manifest's input entry of a built-in source: over each document as sorted-keys JSON.
+    Change `_BUILTIN_DIGEST` with it (saved digests are looked up by that tag)."""
+    h, size = hashlib.sha256(), 0
+    for doc in docs:
+        data = _dumps(doc, sort_keys=True).encode("utf-8")
+        h.update(data)
+        size += len(data)
+    return {"bytes": size, "sha256": h.hexdigest()}
 
 
 def _input_entries(sources: list, builtin: dict) -> list[dict]:

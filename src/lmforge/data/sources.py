@@ -8,7 +8,10 @@ are cached as JSONL under `$LMFORGE_HOME/sources/` (default `~/.cache/lmforge`),
 Python version, the stdlib path and the size and mtime of every file read: a changed or
 reinstalled library is a new key. A cache file appears only once an extraction ran to its end
 (atomic rename), so a partial read never leaves a truncated cache behind. Delete the folder to
-drop it. This module knows nothing about tokenizers or models.
+drop it. Next to it, `python_docs_snapshot` keeps a `marshal` file (same name, `.marshal`) of the
+documents and of digests the caller computed over them, tied to the JSONL's size and mtime: a
+warm `lmforge data prepare python-docs` loads it in ~1 ms instead of parsing 2 MB of JSON and
+re-hashing every document for the manifest. This module knows nothing about tokenizers or models.
 
     from lmforge.data.sources import iter_python_docs
     docs = list(iter_python_docs())   # [{"id", "text", "meta"}, ...]
@@ -19,12 +22,14 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import marshal
 import os
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 PYTHON_DOCS = "python-docs"
 BUILTIN_SOURCES = (PYTHON_DOCS,)
@@ -120,3 +125,59 @@ def iter_python_docs() -> Iterator[dict]:
             yield from map(json.loads, f)
         return
     yield from _write_through(_extract(files, version), cache)
+
+
+def _snapshot_path(cache: Path) -> Path:
+    return cache.with_name(cache.name.removesuffix(".jsonl") + ".marshal")
+
+
+def _load_snapshot(path: Path, stamp: list[int], tag: str) -> tuple[list[dict], Any] | None:
+    try:
+        with open(path, "rb") as f:
+            saved = marshal.load(f)
+        if saved["stamp"] == stamp and tag in saved["digests"] and isinstance(saved["docs"], list):
+            return saved["docs"], saved["digests"][tag]
+    except (OSError, EOFError, ValueError, TypeError, KeyError):
+        pass
+    return None
+
+
+def _save_snapshot(path: Path, stamp: list[int], tag: str, docs: list[dict], digest: Any) -> None:
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "wb") as f:
+            marshal.dump({"stamp": stamp, "docs": docs, "digests": {tag: digest}}, f)
+        os.replace(tmp, path)
+    except (OSError, ValueError):
+        pass
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def python_docs_snapshot(tag: str, digest: Callable[[list[dict]], Any]) -> tuple[list[dict], Any]:
+    """(every document of `iter_python_docs()`, `digest(documents)`), from the `.marshal` file next to
+    the JSONL cache when it was written from that very cache file (its size and mtime) with a digest
+    named `tag`; else computed, and saved there. `tag` must change whenever `digest` does."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    cache = _cache_path(stdlib, _stdlib_files(stdlib), version)
+    path = _snapshot_path(cache)
+    try:
+        st = os.stat(cache)
+        stamp = [st.st_size, st.st_mtime_ns]
+        loaded = _load_snapshot(path, stamp, tag)
+        if loaded is not None:
+            return loaded
+    except OSError:
+        pass
+    docs = list(iter_python_docs())
+    value = digest(docs)
+    try:
+        st = os.stat(cache)  # written by the call above when it was missing
+    except OSError:  # no cache (read-only home): nothing to keep a snapshot of
+        return docs, value
+    _save_snapshot(path, [st.st_size, st.st_mtime_ns], tag, docs, value)
+    return docs, value
