@@ -170,18 +170,9 @@ class AsyncLLMEngine:
             self._fail(ids, e)
             return
         self._stats = self.engine.stats()  # before delivering: a finished request sees its blocks freed
-        batches: dict[asyncio.AbstractEventLoop, list] = {}  # one wake-up per loop per step, not per request
-        for out in outputs:
-            sink = self._sinks.get(out.request_id)
-            if sink is not None:
-                batches.setdefault(sink[0], []).append((sink[1], out))
-                if out.finished:
-                    del self._sinks[out.request_id]
-        for loop, items in batches.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # that loop is closed: nobody is listening
-                pass
+        batches: Batches = {}  # one wake-up per loop per step, not per request
+        route_outputs(self._sinks, outputs, batches)
+        post_batches(batches)
 
     def _fail(self, ids: list[str], error: BaseException) -> None:
         for rid in ids:
@@ -190,9 +181,31 @@ class AsyncLLMEngine:
                 sink[0].call_soon_threadsafe(sink[1].put_nowait, error)
 
 
-def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for q, out in items:
-        q.put_nowait(out)
+Batches = dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]]
+
+
+def route_outputs(sinks: dict[str, Sink], outputs: list[RequestOutput], batches: Batches) -> None:
+    """Add each output to its request's loop's batch; a finished request leaves `sinks`."""
+    for out in outputs:
+        sink = sinks.get(out.request_id)
+        if sink is not None:
+            batches.setdefault(sink[0], []).append((sink[1], out))
+            if out.finished:
+                del sinks[out.request_id]
+
+
+def post_batches(batches: Batches) -> None:
+    """One `call_soon_threadsafe` per event loop, delivering its whole batch in order."""
+    for loop, items in batches.items():
+        try:
+            loop.call_soon_threadsafe(_deliver, items)
+        except RuntimeError:  # that loop is closed: nobody is listening
+            pass
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 def _resolve(done: asyncio.Future | None, error: BaseException | None) -> None:

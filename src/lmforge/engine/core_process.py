@@ -35,7 +35,7 @@ from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 from typing import Any
 
-from .async_engine import AsyncLLMEngine, Sink, _resolve
+from .async_engine import AsyncLLMEngine, Batches, Sink, _resolve, post_batches, route_outputs
 from .config import EngineConfig
 
 LOAD_TIMEOUT_S = 600.0
@@ -164,7 +164,7 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
 
     def _on_batch(self, replies: list, outputs: list, stats: dict) -> None:
         self._stats = stats  # first: a finished or aborted request sees its blocks freed
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        batches: Batches = {}
         with self._lock:
             for kind, cid, rid, result in replies:
                 done = self._pending.pop(cid, None)
@@ -182,17 +182,8 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
                         sink = self._sinks.pop(failed, None)
                         if sink is not None:
                             batches.setdefault(sink[0], []).append((sink[1], result))
-            for out in outputs:
-                sink = self._sinks.get(out.request_id)
-                if sink is not None:
-                    batches.setdefault(sink[0], []).append((sink[1], out))
-                    if out.finished:
-                        del self._sinks[out.request_id]
-        for loop, items in batches.items():
-            try:
-                loop.call_soon_threadsafe(_deliver_items, items)
-            except RuntimeError:  # that loop is closed: nobody is listening
-                pass
+            route_outputs(self._sinks, outputs, batches)
+        post_batches(batches)
 
     def _on_exit(self) -> None:
         try:
@@ -227,11 +218,6 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
             self._kill()
         self._receiver.join(timeout=10)
         self._cmd_send.close()
-
-
-def _deliver_items(items: list) -> None:
-    for q, item in items:
-        q.put_nowait(item)
 
 
 def _load_tokenizer(model_dir: Path):
