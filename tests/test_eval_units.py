@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from lmforge.eval import metrics as M
 from lmforge.eval.backends import MockBackend, truncate_at_stop
-from lmforge.eval.builtin import SplitMix64, builtin_suites, write_builtin_suites
+from lmforge.eval.builtin import SplitMix64, write_builtin_suites
 from lmforge.eval.compare import SuiteChangedError, compare_runs
 from lmforge.eval.evaluate import evaluate
 from lmforge.eval.suites import (BUILTIN_DIR, LOCK_FILE, SuiteError, builtin_names, load_suite,

@@ -99,7 +99,7 @@ def test_exact_resume_after_sigkill(packed, home, run_a, tmp_path):
 
     resumed = lmforge_train(*args, "--resume", env=env)
     assert "skipping checkpoint" in resumed.stderr and "does not match" in resumed.stderr
-    assert f"resumed from" in resumed.stderr and f"step {N})" in resumed.stderr
+    assert "resumed from" in resumed.stderr and f"step {N})" in resumed.stderr
 
     a, b = metrics(run_a), metrics(out)
     assert [m["step"] for m in b] == list(range(1, 2 * N + 1))

@@ -19,7 +19,7 @@ seed, same MurmurHash3 pre-mix, same (bands, rows) choice, so the same signature
 Documents arrive in input order; the first of a cluster is its survivor and its id is the
 cluster id, so the survivor is deterministic for a given input order. Memory: the band tables
 plus one `num_perm` x uint32 signature per surviving document. Signatures are computed by
-`signature()` in worker processes; `NearDedup` runs in the main one.
+`signatures()` a batch at a time in worker processes; `NearDedup` runs in the main one.
 It knows nothing about readers, splits or files.
 """
 
@@ -34,7 +34,6 @@ import numpy as np
 from lmforge.data.config import NearDedupConfig
 from lmforge.data.hashing import ngram_hashes, word_hashes
 
-SCHEME = "affine32"  # datasketch 2.x: uint32 values, a_k * fmix32(h) + b_k mod 2^32, a_k odd
 _SHINGLES_PER_BLOCK = 1 << 16  # shingles hashed per permutation at a time: a 256 KiB temporary
 
 
@@ -94,11 +93,6 @@ def _minhash_segments(h_S: np.ndarray, bounds: np.ndarray, num_perm: int, seed: 
     return np.ascontiguousarray(sig_PT.T)
 
 
-def signature(text: str, cfg: NearDedupConfig) -> np.ndarray:
-    """MinHash signature (num_perm uint32) of the document's word shingles."""
-    return signatures([text], cfg)[0]
-
-
 def _crc_table() -> np.ndarray:
     """zlib's CRC-32 table (reflected polynomial 0xEDB88320): the register after one byte."""
     c = np.arange(256, dtype=np.uint32)
@@ -154,7 +148,8 @@ def word_crcs(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def signatures(texts: list[str], cfg: NearDedupConfig) -> list[np.ndarray]:
-    """`signature` of each text, the numpy work done for all of them at once.
+    """MinHash signature (num_perm uint32) of each text's word shingles, the numpy work done for all
+    of them at once.
 
     A signature is a minimum over shingles, so repeated shingles change nothing and are kept
     (no `np.unique`); the shingles of all texts are one array, reduced per text."""

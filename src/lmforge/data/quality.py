@@ -10,7 +10,7 @@ nothing about documents, readers or the pipeline.
 
 `quality_reasons(texts)` is the fast path: the per-word work of a whole batch of texts is a few
 numpy calls over one array (`words.py`), the per-text rest is a handful of C-level string
-counts. `quality_reason(text)` is the same on one text. tests/test_data_prepare.py checks the
+counts. tests/test_data_prepare.py checks the
 word counts, the repetition rules and the whole quality decision against plain reference code.
 """
 
@@ -95,10 +95,6 @@ def _quality_reason(text: str, cfg: GopherQualityConfig, n_words: int, n_punct: 
     if sum(1 for _ in itertools.islice(_STOP.finditer(text), cfg.min_stop_words)) < cfg.min_stop_words:
         return "gopher_stop_words"
     return None
-
-
-def gopher_quality_reason(text: str, cfg: GopherQualityConfig) -> str | None:
-    return gopher_quality_reasons([text], cfg)[0]
 
 
 def _duplicates(elements: list[str]) -> tuple[int, int]:
@@ -289,7 +285,3 @@ def quality_reasons(texts: list[str], cfg: QualityConfig) -> list[str | None]:
             reasons[i] = r
     return reasons
 
-
-def quality_reason(text: str, cfg: QualityConfig) -> str | None:
-    """The first failed rule (length, then Gopher quality, then Gopher repetition), or None."""
-    return quality_reasons([text], cfg)[0]

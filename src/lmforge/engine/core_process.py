@@ -37,6 +37,7 @@ from typing import Any
 
 from .async_engine import AsyncLLMEngine, Batches, Sink, _resolve, post_batches, route_outputs
 from .config import EngineConfig
+from .llm_engine import load_tokenizer
 
 LOAD_TIMEOUT_S = 600.0
 
@@ -44,7 +45,6 @@ LOAD_TIMEOUT_S = 600.0
 class ProcessAsyncLLMEngine(AsyncLLMEngine):
     def __init__(self, config: EngineConfig):  # noqa: super().__init__ would build an in-process engine
         self.engine = None  # lives in the child
-        self._config = config
         # A plain child interpreter (not multiprocessing's spawn, which re-imports the caller's
         # __main__ and so breaks any script without an `if __name__ == "__main__"` guard).
         child_cmd_recv, self._cmd_send = Pipe(duplex=False)
@@ -71,7 +71,7 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
             self._kill()
             raise info
         self._info, self._stats = info, info["stats"]
-        self.tokenizer_obj = _load_tokenizer(Path(config.model))
+        self._tokenizer = load_tokenizer(Path(config.model))
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="lmforge-engine-send", daemon=True)
         self._receiver = threading.Thread(target=self._recv_loop, name="lmforge-engine-recv", daemon=True)
@@ -100,7 +100,7 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
 
     @property
     def tokenizer(self):
-        return self.tokenizer_obj
+        return self._tokenizer
 
     @property
     def max_model_len(self) -> int:
@@ -218,16 +218,6 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
             self._kill()
         self._receiver.join(timeout=10)
         self._cmd_send.close()
-
-
-def _load_tokenizer(model_dir: Path):
-    from .llm_engine import TOKENIZER_FILES
-
-    if any((model_dir / f).exists() for f in TOKENIZER_FILES):
-        import transformers
-
-        return transformers.AutoTokenizer.from_pretrained(str(model_dir))
-    return None
 
 
 def _pythonpath() -> str:

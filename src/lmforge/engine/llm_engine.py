@@ -35,6 +35,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 CPU_KV_CACHE_BYTES = 2 * 1024**3  # default pool cap on CPU, where memory is shared with everything
 
 
+def load_tokenizer(model_dir: Path):
+    """The model directory's tokenizer (`AutoTokenizer`), or None when it has no tokenizer files."""
+    if not any((model_dir / f).exists() for f in TOKENIZER_FILES):
+        return None
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -102,11 +111,7 @@ class LLMEngine:
             raise FileNotFoundError(f"{model_dir}: no config.json; pass a Hugging Face layout model directory")
         torch.manual_seed(config.seed)
         self.model = Transformer.from_pretrained(model_dir, dtype=config.dtype, device=config.device)
-        self.tokenizer = None
-        if any((model_dir / f).exists() for f in TOKENIZER_FILES):
-            import transformers
-
-            self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+        self.tokenizer = load_tokenizer(model_dir)
         mc = self.model.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.eos_token_ids = _eos_token_ids(model_dir, self.model, self.tokenizer)

@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable

@@ -17,7 +17,6 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
 
 from lmforge.model import ModelConfig, Transformer, resolve_dtype
 from lmforge.track.io import atomic_write_json, sha256_dir

@@ -20,6 +20,7 @@ and `sft_data.py` do) or about the command line (`commands.py`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -151,10 +152,10 @@ def build_data(cfg: TrainConfig, d: Dist, device: torch.device) -> Data:
         if not has_val:
             make_val = None
         elif t.eval_batches == 0:  # every val row once, the last batch possibly short: independent of batch_size
-            make_val = lambda: _all_rows(str(path), "val", t.batch_size, d, str(device))  # noqa: E731
+            make_val = functools.partial(_all_rows, str(path), "val", t.batch_size, d, str(device))
         else:
-            make_val = lambda: PackedLoader(str(path), split="val", batch_size=t.batch_size, seed=0,  # noqa: E731
-                                            shuffle=False, rank=d.rank, world_size=d.world_size, device=str(device))
+            make_val = functools.partial(PackedLoader, str(path), split="val", batch_size=t.batch_size, seed=0,
+                                         shuffle=False, rank=d.rank, world_size=d.world_size, device=str(device))
         tok_dir = _find_tokenizer(cfg, path)
         notes = [] if has_val else [f"{path} has no val split: no evaluation"]
         if tok_dir and tokenizer_hash(tok_dir) != manifest.get("tokenizer_hash"):
@@ -501,15 +502,16 @@ class Trainer:
         evals = [m for m in metrics if "val_loss" in m]
         last_eval = last_eval or ({k: evals[-1][k] for k in ("val_loss", "val_ppl", "val_bpb")} if evals else None)
         mem = peak_memory()
+        target = self.cfg.train.target_val_loss
         results = {"final_train_loss": train_loss, "final_val_loss": (last_eval or {}).get("val_loss"),
                    "eval": last_eval or {}, "steps": self.step, "tokens_seen": self.tokens_seen,
                    "train_time_s": round(self.train_time, 3), "tokens_per_s": round(tps, 2) if tps else None,
                    "mfu": self.mfu(tps) if tps else None, "peak_mem": mem.get("cuda_max_allocated_bytes",
                                                                            mem["cpu_max_rss_bytes"]),
                    "mfu_error": self.mfu_error, "best_val_loss": self.best_val,
-                   "target_val_loss": self.cfg.train.target_val_loss,
-                   "target_reached": (target_reached(metrics, self.cfg.train.target_val_loss)
-                                      if self.cfg.train.target_val_loss is not None else None), "last_checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
+                   "target_val_loss": target,
+                   "target_reached": target_reached(metrics, target) if target is not None else None,
+                   "last_checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
                    "warnings": self.warnings}
         self.run.write_record(results)
         try:
