@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .kernels import PagedDecodeLib
+
 MAX_PADDING = 1.25  # a decode bucket's padded context area may exceed its real one by this factor
 
 
@@ -49,6 +51,8 @@ class AttentionMetadata:
     max_gather_blocks: int = 0  # the largest group's S*M: the gather buffer's size
     views: list[tuple[int, int, int]] | None = None  # decode, blocks one run: (row, first slot, context len)
     view_rows: torch.Tensor | None = None  # the views' rows when they are not simply 0, 1, ..., len(views) - 1
+    kernel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # decode for the C kernel:
+    # rows (S,) int64, lens (S,) int32, block tables (S, M) int32 padded with 0
 
 
 def _slots(bt: list[int], start: int, stop: int, block_size: int) -> list[int]:
@@ -83,8 +87,9 @@ def _gather_group(rows, block_tables: list[list[int]], lens: list[int], q_len: i
 
 
 def build_metadata(block_tables: list[list[int]], computed: list[int], q_lens: list[int], block_size: int,
-                   device: torch.device, reference: bool = False) -> AttentionMetadata:
-    """Indices for one step. Sequence s computes tokens [computed[s], computed[s] + q_lens[s])."""
+                   device: torch.device, reference: bool = False, kernel: bool = False) -> AttentionMetadata:
+    """Indices for one step. Sequence s computes tokens [computed[s], computed[s] + q_lens[s]).
+    `kernel`: every decoding sequence goes to the compiled paged-decode kernel (CPU, in place)."""
     q_starts, slot_mapping, start = [], [], 0
     for bt, c, q in zip(block_tables, computed, q_lens):
         q_starts.append(start)
@@ -97,8 +102,17 @@ def build_metadata(block_tables: list[list[int]], computed: list[int], q_lens: l
         return AttentionMetadata(slot_mapping_T, [], per_seq)
     groups, views, decode = [], [], []
     in_place = device.type == "cpu"  # a call per sequence: cheap on CPU, a launch-bound loop on a GPU
+    kernel_meta = None
+    if kernel:
+        idx = [i for i, q in enumerate(q_lens) if q == 1]
+        if idx:
+            lens = [computed[i] + 1 for i in idx]
+            M = -(-max(lens) // block_size)
+            tables = [block_tables[i][:M] + [0] * (M - len(block_tables[i][:M])) for i in idx]
+            kernel_meta = (torch.tensor([q_starts[i] for i in idx], dtype=torch.long),
+                           torch.tensor(lens, dtype=torch.int32), torch.tensor(tables, dtype=torch.int32))
     for i, q in enumerate(q_lens):
-        if q != 1:
+        if q != 1 or kernel:
             continue
         bt, n = block_tables[i], computed[i] + 1
         m = -(-n // block_size)
@@ -123,7 +137,7 @@ def build_metadata(block_tables: list[list[int]], computed: list[int], q_lens: l
     view_rows = None
     if any(v[0] != i for i, v in enumerate(views)):
         view_rows = torch.tensor([v[0] for v in views], dtype=torch.long).to(device, non_blocking=True)
-    return AttentionMetadata(slot_mapping_T, groups, [], most, views, view_rows)
+    return AttentionMetadata(slot_mapping_T, groups, [], most, views, view_rows, kernel_meta)
 
 
 class PagedAttention:
@@ -131,7 +145,8 @@ class PagedAttention:
     gather buffers every layer reuses."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, kernels: PagedDecodeLib | None = None):
+        self.kernels = kernels  # compiled CPU bf16 decode attention + K/V write; None: torch only
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_pools_PBKH = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_pools_PBKH = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -141,6 +156,8 @@ class PagedAttention:
     def set_metadata(self, meta: AttentionMetadata | None) -> None:
         self.meta = meta
         X = self.k_pools_PBKH[0][0].numel()
+        if meta is not None and meta.kernel is not None and self.kernels is None:
+            raise ValueError("metadata built for the decode kernel, but this PagedAttention has none")
         if meta is not None and meta.max_gather_blocks * X > self._k_buf_X.numel():
             n = int(meta.max_gather_blocks * 1.25) * X  # grow with headroom; reused by every later step
             self._k_buf_X = torch.empty(n, dtype=self._k_buf_X.dtype, device=self._k_buf_X.device)
@@ -152,12 +169,25 @@ class PagedAttention:
         K, H = k_BTKH.shape[2:]
         k_pool_PBKH, v_pool_PBKH = self.k_pools_PBKH[layer_idx], self.v_pools_PBKH[layer_idx]
         k_cache, v_cache = k_pool_PBKH.view(-1, K, H), v_pool_PBKH.view(-1, K, H)  # (P*B, K, H): a row per slot
-        k_cache.index_copy_(0, meta.slot_mapping_T, k_BTKH[0])
-        v_cache.index_copy_(0, meta.slot_mapping_T, v_BTKH[0])
+        if self.kernels is not None:
+            k_TKH, v_TKH = k_BTKH[0].contiguous(), v_BTKH[0].contiguous()
+            self.kernels.write_kv(k_TKH.data_ptr(), v_TKH.data_ptr(), meta.slot_mapping_T.data_ptr(), k_TKH.shape[0],
+                                  K * H, k_cache.data_ptr(), v_cache.data_ptr())
+        else:
+            k_cache.index_copy_(0, meta.slot_mapping_T, k_BTKH[0])
+            v_cache.index_copy_(0, meta.slot_mapping_T, v_BTKH[0])
         if meta.per_seq:
             return reference_attention(q_BTNH[0], k_cache, v_cache, meta.per_seq).unsqueeze(0)
-        q_TNH, out_TNH = q_BTNH[0], torch.empty_like(q_BTNH[0])
+        q_TNH = q_BTNH[0] if meta.kernel is None else q_BTNH[0].contiguous()
+        out_TNH = torch.empty(q_TNH.shape, dtype=q_TNH.dtype, device=q_TNH.device)
         gqa = q_TNH.shape[1] != K
+        if meta.kernel is not None:  # every decoding sequence in one call, K/V read in place
+            rows_S, lens_S, tables_SM = meta.kernel
+            rc = self.kernels.decode(q_TNH.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables_SM.data_ptr(),
+                                     tables_SM.shape[1], lens_S.data_ptr(), rows_S.data_ptr(), len(rows_S),
+                                     q_TNH.shape[1], K, H, k_pool_PBKH.shape[1], H ** -0.5, out_TNH.data_ptr())
+            if rc != 0:
+                raise RuntimeError(f"paged decode kernel refused heads={q_TNH.shape[1]} kv_heads={K} head_dim={H}")
         if meta.views:  # no copy: SDPA reads the pool rows in place; one slice per tensor per sequence
             q_1NTH = q_TNH.transpose(0, 1).unsqueeze(0)
             k_1KRH, v_1KRH = k_cache.transpose(0, 1).unsqueeze(0), v_cache.transpose(0, 1).unsqueeze(0)

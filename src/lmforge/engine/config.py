@@ -24,6 +24,7 @@ class EngineConfig:
     seed: int = 0  # seeds torch for requests that set no seed of their own
     attention: str = "fast"  # fast (batched gather + SDPA) | reference (per-sequence loop, plain math)
     pack_weights: bool = True  # CPU bfloat16: linear weights reordered once into oneDNN's layout (fast path)
+    cpu_kernels: bool = True  # CPU bfloat16: compiled C paged-decode attention (torch path if no compiler)
 
     def __post_init__(self) -> None:
         checks = [

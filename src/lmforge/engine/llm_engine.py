@@ -121,7 +121,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, runs)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.model_runner = ModelRunner(self.model, num_blocks, config.block_size, config.attention == "reference",
-                                        config.pack_weights)
+                                        config.pack_weights, config.cpu_kernels)
         self.sampler = Sampler(sorted(self.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self.counters = dict(steps=0, tokens_processed=0, kv_util_sum=0.0)

@@ -18,6 +18,7 @@ from torch import nn
 
 from lmforge.model import Transformer
 
+from . import kernels
 from .attention import PagedAttention, build_metadata
 from .scheduler import ScheduledSeq
 
@@ -65,7 +66,7 @@ def pack_linear_weights(model: nn.Module) -> int:
 
 class ModelRunner:
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, reference: bool = False,
-                 pack_weights: bool = True):
+                 pack_weights: bool = True, cpu_kernels: bool = True):
         c = model.config
         self.model, self.block_size, self.reference = model.eval(), block_size, reference
         p = next(model.parameters())
@@ -74,8 +75,13 @@ class ModelRunner:
         if pack_weights and not reference and can_pack_linear(p.device, p.dtype):
             with torch.no_grad():
                 self.packed_linears = pack_linear_weights(model)
+        lib = None
+        if (cpu_kernels and not reference and p.device.type == "cpu" and p.dtype == torch.bfloat16
+                and kernels.supports(c.num_attention_heads, c.num_key_value_heads, c.head_dim)):
+            lib = kernels.load()
+        self.attention_backend = "paged-decode kernel (C)" if lib is not None else "torch"
         self.attn = PagedAttention(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
-                                   c.head_dim, p.dtype, p.device)
+                                   c.head_dim, p.dtype, p.device, kernels=lib)
         self.timings = {"prepare": 0.0, "forward": 0.0}  # seconds, cumulative
 
     @torch.inference_mode()
@@ -94,7 +100,7 @@ class ModelRunner:
         self.attn.set_metadata(build_metadata([s.seq.block_table for s in scheduled],
                                               [s.seq.num_computed_tokens for s in scheduled],
                                               [s.num_new_tokens for s in scheduled], self.block_size, self.device,
-                                              self.reference))
+                                              self.reference, kernel=self.attn.kernels is not None))
         to_dev = dict(dtype=torch.long, device=self.device)
         input_ids_1T, positions_1T = torch.tensor([input_ids], **to_dev), torch.tensor([positions], **to_dev)
         last_rows_S = torch.tensor(last_rows, **to_dev)

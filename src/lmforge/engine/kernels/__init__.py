@@ -1,0 +1,141 @@
+"""Native CPU kernels for the engine's hot path, compiled on first use and called through ctypes.
+
+`paged_decode.c` holds two functions, both on bfloat16 K/V pools:
+  * `lmf_paged_decode_bf16`: decode attention for every one-token query of a step in one call,
+    reading each sequence's blocks in place (no gather, no padding, no per-sequence Python);
+  * `lmf_write_kv_bf16`: this step's K/V rows into their pool slots (vLLM's `reshape_and_cache`).
+
+Why native code: on CPU the per-sequence `scaled_dot_product_attention` loop spent ~30 us of
+dispatch per sequence per layer on top of reading the K/V, and a padded batched SDPA must first
+copy every sequence's blocks. `python -m lmforge.perf.bench_attention` measures the difference.
+
+The file is plain C (no Python or torch headers), so building it takes one compiler call and well
+under a second. It is built with the system C compiler (`$CC`, else `cc`, `gcc`, `clang`) with
+`-O3 -march=native`, into `$LMFORGE_CACHE/kernels` (default `~/.cache/lmforge/kernels`), keyed by
+the source, the flags, the compiler and this CPU's feature flags; the build writes a temporary file
+and renames it, so concurrent first uses are safe. With no compiler, a failed build or
+`LMFORGE_KERNELS=0`, `load()` returns None and the engine keeps its torch path (same contract; the
+tests check both). `status()` says which and why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
+
+_lock = threading.Lock()
+_cache: dict[tuple, PagedDecodeLib | None] = {}
+_status: dict[tuple, str] = {}
+
+
+@dataclass
+class PagedDecodeLib:
+    """The loaded library's two entry points, typed; `path` is the shared object."""
+
+    path: Path
+    decode: ctypes._CFuncPtr  # lmf_paged_decode_bf16(...) -> 0 | -1 (shape not handled)
+    write_kv: ctypes._CFuncPtr  # lmf_write_kv_bf16(...)
+
+
+def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Shapes `lmf_paged_decode_bf16` handles on every build (it returns -1 for the others)."""
+    return (num_kv_heads >= 1 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16
+            and num_heads <= 64 and head_dim % 32 == 0 and head_dim <= 256)
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LMFORGE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lmforge")
+    return Path(root) / "kernels"
+
+
+def build(extra_flags: tuple[str, ...] = (), out_dir: Path | None = None) -> Path:
+    """Compile `paged_decode.c` (or reuse the cached build) and return the shared object's path.
+    Raises RuntimeError with the compiler's message when it cannot."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
+    src = SOURCE.read_bytes()
+    flags = FLAGS + list(extra_flags)
+    key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), cc.encode(), _cpu_flags().encode(),
+                                     platform.machine().encode()])).hexdigest()[:16]
+    out_dir = out_dir or cache_dir()
+    target = out_dir / f"paged_decode-{key}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{Path(cc).name} failed on {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _bind(path: Path) -> PagedDecodeLib:
+    lib = ctypes.CDLL(str(path))  # CDLL: the GIL is released for the call
+    P, I64 = ctypes.c_void_p, ctypes.c_int64
+    decode = lib.lmf_paged_decode_bf16
+    decode.restype = ctypes.c_int
+    decode.argtypes = [P, P, P, P, I64, P, P, I64, I64, I64, I64, I64, ctypes.c_float, P]
+    write_kv = lib.lmf_write_kv_bf16
+    write_kv.restype = None
+    write_kv.argtypes = [P, P, P, I64, I64, P, P]
+    return PagedDecodeLib(path, decode, write_kv)
+
+
+def load(extra_flags: tuple[str, ...] = ()) -> PagedDecodeLib | None:
+    """The compiled kernels, or None (no compiler, build failed, or `LMFORGE_KERNELS=0`); once per process."""
+    key = tuple(extra_flags)
+    with _lock:
+        if key in _cache:
+            return _cache[key]
+        lib = None
+        if os.environ.get("LMFORGE_KERNELS", "1") == "0":
+            _status[key] = "off (LMFORGE_KERNELS=0)"
+        else:
+            try:
+                lib = _bind(build(extra_flags))
+                _status[key] = f"on ({lib.path})"
+            except (RuntimeError, OSError, AttributeError) as e:
+                _status[key] = f"off ({e})"
+        _cache[key] = lib
+        return lib
+
+
+def status() -> str:
+    """'on (path)' or 'off (why)' for the default build; builds it if nobody asked yet."""
+    load()
+    return _status[()]

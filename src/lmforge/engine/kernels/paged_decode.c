@@ -1,0 +1,230 @@
+/* Paged decode attention for bfloat16 K/V pools: every decoding sequence of a step in one call,
+ * reading each sequence's blocks once, in place.
+ *
+ * For every decoding sequence s (one query token) and kv head g, the G = N / K query heads of the
+ * group attend over the first lens[s] tokens of the sequence; token j lives in pool row
+ * block_tables[s * M + j / B] * B + j % B. Scores, the running max and sum of an online softmax
+ * (Milakov & Gimelshein 2018, as in FlashAttention) and the output accumulate in float32, TILE
+ * tokens at a time: no gather, no padding, no per-sequence call. The output is rounded to
+ * bfloat16 (nearest even).
+ *
+ * Layouts (contiguous): q and out (T, N, H); pools (P * B, K, H); rows[s] is the query's row in q
+ * and out. Returns 0, or -1 for a shape this file does not handle (the caller falls back).
+ *
+ * Two bodies of one algorithm: AVX-512 intrinsics where the compiler targets AVX-512F (bf16 dot
+ * products with AVX512-BF16 when present), and portable C elsewhere (or with -DLMF_PORTABLE, which
+ * the tests build to check it). No Python or torch headers: lmforge compiles this file with the
+ * system C compiler at first use (`lmforge.engine.kernels`) and calls it through ctypes.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define TILE 16
+#define MAX_H 256
+#define MAX_G 16
+#define MAX_N 64  /* query heads, AVX-512 body */
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)x << 16;
+    return c.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    uint32_t u = c.u;
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* K/V of this step's T tokens into their pool rows (vLLM's reshape_and_cache): row_len = K * H. */
+void lmf_write_kv_bf16(const uint16_t *k, const uint16_t *v, const int64_t *slots, int64_t T, int64_t row_len,
+                       uint16_t *k_pool, uint16_t *v_pool) {
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(k_pool + slots[t] * row_len, k + t * row_len, (size_t)row_len * 2);
+        memcpy(v_pool + slots[t] * row_len, v + t * row_len, (size_t)row_len * 2);
+    }
+}
+
+#if defined(__AVX512F__) && !defined(LMF_PORTABLE)
+#include <immintrin.h>
+
+static inline __m512 load_bf16(const uint16_t *p) {  /* 16 bfloat16 -> 16 float32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* exp(x) for x <= 0 (and -inf -> 0): 2^n * p(f), f in [-ln2/2, ln2/2], rel. error ~2e-7. */
+static inline __m512 exp_ps(__m512 x) {
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), ln2 = _mm512_set1_ps(0.693147180559945309f);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(n, ln2, x);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* sums of 16 vectors, lane-wise -> one vector whose lane i is the sum of a[i]'s lanes */
+static inline __m512 hsum16(__m512 a[16]) {
+    float s[16];
+    for (int i = 0; i < 16; i++) s[i] = _mm512_reduce_add_ps(a[i]);
+    return _mm512_loadu_ps(s);
+}
+
+/* One sequence, all heads: each tile's K rows (then V rows) are read once, whole, in pool order. */
+static void decode_seq(const uint16_t *q, const uint16_t *k_pool, const uint16_t *v_pool, const int32_t *table,
+                       int64_t len, int64_t N, int64_t K, int64_t H, int64_t B, float scale, uint16_t *out) {
+    const int64_t C = H / 16, G = N / K;  /* 16-float chunks per head vector; query heads per kv head */
+    __m512 acc[MAX_N * MAX_H / 16];
+    float mx[MAX_N], sum[MAX_N], p[MAX_N][TILE];
+#ifdef __AVX512BF16__
+    __m512bh qb[MAX_N * MAX_H / 32];
+    for (int64_t c = 0; c < N * H / 32; c++) qb[c] = (__m512bh)_mm512_loadu_si512(q + c * 32);
+#else
+    __m512 qf[MAX_N * MAX_H / 16];
+    for (int64_t c = 0; c < N * C; c++) qf[c] = load_bf16(q + c * 16);
+#endif
+    for (int64_t c = 0; c < N * C; c++) acc[c] = _mm512_setzero_ps();
+    for (int64_t n = 0; n < N; n++) {
+        mx[n] = -INFINITY;
+        sum[n] = 0.0f;
+    }
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const int64_t row_len = K * H;
+    for (int64_t t0 = 0; t0 < len; t0 += TILE) {
+        const int64_t nt = len - t0 < TILE ? len - t0 : TILE;
+        const __mmask16 live = (__mmask16)((1u << nt) - 1u);
+        const uint16_t *kr[TILE], *vr[TILE];
+        for (int64_t i = 0; i < nt; i++) {
+            const int64_t j = t0 + i, row = (int64_t)table[j / B] * B + j % B;
+            kr[i] = k_pool + row * row_len;
+            vr[i] = v_pool + row * row_len;
+        }
+        for (int64_t n = 0; n < N; n++) {
+            const int64_t koff = (n / G) * H;
+            __m512 d[TILE];
+            for (int64_t i = 0; i < nt; i++) {
+#ifdef __AVX512BF16__
+                __m512 a = _mm512_setzero_ps();
+                for (int64_t c = 0; c < H / 32; c++)
+                    a = _mm512_dpbf16_ps(a, qb[n * H / 32 + c], (__m512bh)_mm512_loadu_si512(kr[i] + koff + c * 32));
+#else
+                __m512 a = _mm512_mul_ps(qf[n * C], load_bf16(kr[i] + koff));
+                for (int64_t c = 1; c < C; c++) a = _mm512_fmadd_ps(qf[n * C + c], load_bf16(kr[i] + koff + c * 16), a);
+#endif
+                d[i] = a;
+            }
+            for (int64_t i = nt; i < TILE; i++) d[i] = _mm512_setzero_ps();
+            __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), live, hsum16(d), vscale);
+            const float m = fmaxf(mx[n], _mm512_reduce_max_ps(s));
+            const __m512 e = exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(m)));
+            const float alpha = expf(mx[n] - m);  /* 0 on the first tile (exp(-inf)) */
+            sum[n] = sum[n] * alpha + _mm512_reduce_add_ps(e);
+            mx[n] = m;
+            _mm512_storeu_ps(p[n], e);
+            if (alpha != 1.0f) {
+                const __m512 va = _mm512_set1_ps(alpha);
+                for (int64_t c = 0; c < C; c++) acc[n * C + c] = _mm512_mul_ps(acc[n * C + c], va);
+            }
+        }
+        for (int64_t i = 0; i < nt; i++) {
+            for (int64_t n = 0; n < N; n++) {
+                const __m512 w = _mm512_set1_ps(p[n][i]);
+                const uint16_t *v = vr[i] + (n / G) * H;
+                for (int64_t c = 0; c < C; c++) acc[n * C + c] = _mm512_fmadd_ps(w, load_bf16(v + c * 16), acc[n * C + c]);
+            }
+        }
+    }
+    for (int64_t n = 0; n < N; n++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / sum[n]);
+        float o[MAX_H];
+        for (int64_t c = 0; c < C; c++) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(acc[n * C + c], inv));
+        for (int64_t h = 0; h < H; h++) out[n * H + h] = f32_to_bf16(o[h]);
+    }
+}
+
+#else /* portable C */
+
+static void decode_one(const uint16_t *q, const uint16_t *k_pool, const uint16_t *v_pool, const int32_t *table,
+                       int64_t len, int64_t g, int64_t G, int64_t K, int64_t H, int64_t B, float scale,
+                       uint16_t *out) {
+    float qf[MAX_G][MAX_H], acc[MAX_G][MAX_H], p[MAX_G][TILE], mx[MAX_G], sum[MAX_G];
+    for (int64_t n = 0; n < G; n++) {
+        for (int64_t h = 0; h < H; h++) {
+            qf[n][h] = bf16_to_f32(q[n * H + h]);
+            acc[n][h] = 0.0f;
+        }
+        mx[n] = -INFINITY;
+        sum[n] = 0.0f;
+    }
+    for (int64_t t0 = 0; t0 < len; t0 += TILE) {
+        const int64_t nt = len - t0 < TILE ? len - t0 : TILE;
+        int64_t row[TILE];
+        for (int64_t i = 0; i < nt; i++) {
+            const int64_t j = t0 + i;
+            row[i] = ((int64_t)table[j / B] * B + j % B) * K + g;
+        }
+        for (int64_t n = 0; n < G; n++) {
+            for (int64_t i = 0; i < nt; i++) {
+                const uint16_t *kr = k_pool + row[i] * H;
+                float d = 0.0f;
+                for (int64_t h = 0; h < H; h++) d += qf[n][h] * bf16_to_f32(kr[h]);
+                p[n][i] = d * scale;
+            }
+            float m = mx[n];
+            for (int64_t i = 0; i < nt; i++) m = p[n][i] > m ? p[n][i] : m;
+            const float alpha = expf(mx[n] - m);
+            float tile_sum = 0.0f;
+            for (int64_t i = 0; i < nt; i++) {
+                p[n][i] = expf(p[n][i] - m);
+                tile_sum += p[n][i];
+            }
+            sum[n] = sum[n] * alpha + tile_sum;
+            mx[n] = m;
+            for (int64_t h = 0; h < H; h++) acc[n][h] *= alpha;
+        }
+        for (int64_t i = 0; i < nt; i++) {
+            const uint16_t *vr = v_pool + row[i] * H;
+            for (int64_t n = 0; n < G; n++)
+                for (int64_t h = 0; h < H; h++) acc[n][h] += p[n][i] * bf16_to_f32(vr[h]);
+        }
+    }
+    for (int64_t n = 0; n < G; n++)
+        for (int64_t h = 0; h < H; h++) out[n * H + h] = f32_to_bf16(acc[n][h] / sum[n]);
+}
+
+#endif
+
+int lmf_paged_decode_bf16(const uint16_t *q, const uint16_t *k_pool, const uint16_t *v_pool,
+                          const int32_t *block_tables, int64_t M, const int32_t *lens, const int64_t *rows,
+                          int64_t S, int64_t N, int64_t K, int64_t H, int64_t B, float scale, uint16_t *out) {
+    if (K < 1 || N % K != 0 || N / K > MAX_G || H > MAX_H || H % 16 != 0 || B < 1) return -1;
+#if defined(__AVX512F__) && !defined(LMF_PORTABLE)
+    if (N > MAX_N || (N * H) % 32 != 0) return -1;
+#ifdef __AVX512BF16__
+    if (H % 32 != 0) return -1;
+#endif
+#endif
+    for (int64_t s = 0; s < S; s++)
+        if (lens[s] < 1) return -1;
+    for (int64_t s = 0; s < S; s++) {
+#if defined(__AVX512F__) && !defined(LMF_PORTABLE)
+        decode_seq(q + rows[s] * N * H, k_pool, v_pool, block_tables + s * M, lens[s], N, K, H, B, scale,
+                   out + rows[s] * N * H);
+#else
+        const int64_t G = N / K;
+        for (int64_t g = 0; g < K; g++)
+            decode_one(q + (rows[s] * N + g * G) * H, k_pool, v_pool, block_tables + s * M, lens[s], g, G, K, H, B,
+                       scale, out + (rows[s] * N + g * G) * H);
+#endif
+    }
+    return 0;
+}
