@@ -30,6 +30,7 @@ def test_doctor_exits_zero_prints_table_and_writes_profile(doctor_run):
     proc, out = doctor_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "lmforge doctor" in proc.stdout and "matmul cpu float32" in proc.stdout and "✓" in proc.stdout
+    assert "engine cpu kernels" in proc.stdout
     profile = json.loads(out.read_text())
     assert profile["devices"]["cpu"]["peak_flops"]["float32"] > 0
     assert profile["cpu_count"] >= 1 and profile["torch_threads"] >= 1 and profile["torch_version"]

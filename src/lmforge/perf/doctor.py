@@ -183,6 +183,16 @@ def _check_cpu_bf16(r: DoctorResult, torch: Any) -> bool:
     return ran
 
 
+def _check_engine_kernels(r: DoctorResult) -> str:
+    """The engine's compiled CPU decode-attention kernel: built (or cached) here, or why not."""
+    from lmforge.engine import kernels
+
+    status = kernels.status()
+    fix = "" if status.startswith("on") else "install a C compiler (gcc or clang); the engine runs without it, slower"
+    r.add("engine cpu kernels", status[:100], "ok" if status.startswith("on") else "warn", fix)
+    return status
+
+
 def _measure(r: DoctorResult, kind: str, quick: bool) -> dict[str, float]:
     sizes = QUICK_SIZES[kind] if quick else SIZES[kind]
     peaks: dict[str, float] = {}
@@ -216,6 +226,7 @@ def run_checks(quick: bool = False) -> DoctorResult:
         r.add("mps", "available")
         devices["mps"] = {"kind": "mps", "name": platform.machine()}
     devices["cpu"]["bf16_ran"] = _check_cpu_bf16(r, torch)
+    devices["cpu"]["engine_kernels"] = _check_engine_kernels(r)
     r.add("cpu", f"{cpu_name()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}")
     for kind, info in devices.items():
         info["peak_flops"] = _measure(r, kind, quick)
