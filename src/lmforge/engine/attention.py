@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kernels import PagedDecodeLib
+from .kernels import CpuKernels
 
 MAX_PADDING = 1.25  # a decode bucket's padded context area may exceed its real one by this factor
 
@@ -145,7 +145,7 @@ class PagedAttention:
     gather buffers every layer reuses."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, kernels: PagedDecodeLib | None = None):
+                 dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None = None):
         self.kernels = kernels  # compiled CPU bf16 decode attention + K/V write; None: torch only
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_pools_PBKH = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

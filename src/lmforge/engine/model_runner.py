@@ -20,6 +20,7 @@ from lmforge.model import Transformer
 
 from . import kernels
 from .attention import PagedAttention, build_metadata
+from .fused import fuse_elementwise
 from .scheduler import ScheduledSeq
 
 
@@ -76,9 +77,11 @@ class ModelRunner:
             with torch.no_grad():
                 self.packed_linears = pack_linear_weights(model)
         lib = None
-        if (cpu_kernels and not reference and p.device.type == "cpu" and p.dtype == torch.bfloat16
-                and kernels.supports(c.num_attention_heads, c.num_key_value_heads, c.head_dim)):
-            lib = kernels.load()
+        if cpu_kernels and not reference and p.device.type == "cpu" and p.dtype == torch.bfloat16:
+            lib = kernels.load()  # None without a compiler: the torch path, same contract
+        self.fused_modules = fuse_elementwise(model, lib) if lib is not None else 0
+        if lib is not None and not kernels.supports(c.num_attention_heads, c.num_key_value_heads, c.head_dim):
+            lib = None
         self.attention_backend = "paged-decode kernel (C)" if lib is not None else "torch"
         self.attn = PagedAttention(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
                                    c.head_dim, p.dtype, p.device, kernels=lib)

@@ -1,9 +1,11 @@
 """Native CPU kernels for the engine's hot path, compiled on first use and called through ctypes.
 
-`paged_decode.c` holds two functions, both on bfloat16 K/V pools:
+`cpu_ops.c` holds, all on bfloat16:
   * `lmf_paged_decode_bf16`: decode attention for every one-token query of a step in one call,
     reading each sequence's blocks in place (no gather, no padding, no per-sequence Python);
-  * `lmf_write_kv_bf16`: this step's K/V rows into their pool slots (vLLM's `reshape_and_cache`).
+  * `lmf_write_kv_bf16`: this step's K/V rows into their pool slots (vLLM's `reshape_and_cache`);
+  * `lmf_rmsnorm_bf16`, `lmf_rope_bf16`, `lmf_silu_mul_bf16`: a Llama layer's elementwise ops, one
+    call each instead of 5-14 torch ops (`lmforge.engine.fused` puts them in the model).
 
 Why native code: on CPU the per-sequence `scaled_dot_product_attention` loop spent ~30 us of
 dispatch per sequence per layer on top of reading the K/V, and a padded batched SDPA must first
@@ -31,27 +33,31 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+MAX_H = 256  # head size limit of the attention and RoPE kernels (cpu_ops.c's MAX_H)
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
 
 _lock = threading.Lock()
-_cache: dict[tuple, PagedDecodeLib | None] = {}
+_cache: dict[tuple, CpuKernels | None] = {}
 _status: dict[tuple, str] = {}
 
 
 @dataclass
-class PagedDecodeLib:
+class CpuKernels:
     """The loaded library's two entry points, typed; `path` is the shared object."""
 
     path: Path
     decode: ctypes._CFuncPtr  # lmf_paged_decode_bf16(...) -> 0 | -1 (shape not handled)
-    write_kv: ctypes._CFuncPtr  # lmf_write_kv_bf16(...)
+    write_kv: ctypes._CFuncPtr  # lmf_write_kv_bf16(k, v, slots, T, row_len, k_pool, v_pool)
+    rmsnorm: ctypes._CFuncPtr  # lmf_rmsnorm_bf16(x, w, out, rows, D, eps)
+    rope: ctypes._CFuncPtr  # lmf_rope_bf16(x, cos, sin, T, heads, H), in place
+    silu_mul: ctypes._CFuncPtr  # lmf_silu_mul_bf16(g, u, out, n)
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Shapes `lmf_paged_decode_bf16` handles on every build (it returns -1 for the others)."""
     return (num_kv_heads >= 1 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16
-            and num_heads <= 64 and head_dim % 32 == 0 and head_dim <= 256)
+            and num_heads <= 64 and head_dim % 32 == 0 and head_dim <= MAX_H)
 
 
 def _compiler() -> str | None:
@@ -77,7 +83,7 @@ def cache_dir() -> Path:
 
 
 def build(extra_flags: tuple[str, ...] = (), out_dir: Path | None = None) -> Path:
-    """Compile `paged_decode.c` (or reuse the cached build) and return the shared object's path.
+    """Compile `cpu_ops.c` (or reuse the cached build) and return the shared object's path.
     Raises RuntimeError with the compiler's message when it cannot."""
     cc = _compiler()
     if cc is None:
@@ -87,7 +93,7 @@ def build(extra_flags: tuple[str, ...] = (), out_dir: Path | None = None) -> Pat
     key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), cc.encode(), _cpu_flags().encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
-    target = out_dir / f"paged_decode-{key}.so"
+    target = out_dir / f"cpu_ops-{key}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -104,19 +110,22 @@ def build(extra_flags: tuple[str, ...] = (), out_dir: Path | None = None) -> Pat
     return target
 
 
-def _bind(path: Path) -> PagedDecodeLib:
+def _bind(path: Path) -> CpuKernels:
     lib = ctypes.CDLL(str(path))  # CDLL: the GIL is released for the call
     P, I64 = ctypes.c_void_p, ctypes.c_int64
     decode = lib.lmf_paged_decode_bf16
     decode.restype = ctypes.c_int
     decode.argtypes = [P, P, P, P, I64, P, P, I64, I64, I64, I64, I64, ctypes.c_float, P]
-    write_kv = lib.lmf_write_kv_bf16
-    write_kv.restype = None
-    write_kv.argtypes = [P, P, P, I64, I64, P, P]
-    return PagedDecodeLib(path, decode, write_kv)
+    fns = {}
+    for name, argtypes in (("write_kv", [P, P, P, I64, I64, P, P]), ("rmsnorm", [P, P, P, I64, I64, ctypes.c_float]),
+                           ("rope", [P, P, P, I64, I64, I64]), ("silu_mul", [P, P, P, I64])):
+        fn = getattr(lib, f"lmf_{name}_bf16")
+        fn.restype, fn.argtypes = None, argtypes
+        fns[name] = fn
+    return CpuKernels(path, decode, **fns)
 
 
-def load(extra_flags: tuple[str, ...] = ()) -> PagedDecodeLib | None:
+def load(extra_flags: tuple[str, ...] = ()) -> CpuKernels | None:
     """The compiled kernels, or None (no compiler, build failed, or `LMFORGE_KERNELS=0`); once per process."""
     key = tuple(extra_flags)
     with _lock:

@@ -1,5 +1,6 @@
-/* Paged decode attention for bfloat16 K/V pools: every decoding sequence of a step in one call,
- * reading each sequence's blocks once, in place.
+/* CPU kernels of the inference engine, bfloat16. Paged decode attention: every decoding sequence of a
+ * step in one call, reading each sequence's blocks once, in place. Then the K/V write and the
+ * elementwise ops of a Llama layer (RMSNorm, RoPE, SwiGLU's silu * up) at the end of the file.
  *
  * For every decoding sequence s (one query token) and kv head g, the G = N / K query heads of the
  * group attend over the first lens[s] tokens of the sequence; token j lives in pool row
@@ -56,7 +57,8 @@ static inline __m512 load_bf16(const uint16_t *p) {  /* 16 bfloat16 -> 16 float3
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/* exp(x) for x <= 0 (and -inf -> 0): 2^n * p(f), f in [-ln2/2, ln2/2], rel. error ~2e-7. */
+/* exp(x): 2^n * p(f), f in [-ln2/2, ln2/2], rel. error ~2e-7; x below -87 gives exp(-87) ~1.6e-38
+ * (so -inf gives that too: callers mask), above 88.7 inf. */
 static inline __m512 exp_ps(__m512 x) {
     const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), ln2 = _mm512_set1_ps(0.693147180559945309f);
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
@@ -147,7 +149,7 @@ static void decode_seq(const uint16_t *q, const uint16_t *k_pool, const uint16_t
             for (int64_t i = nt; i < TILE; i++) d[i] = _mm512_setzero_ps();
             __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), live, hsum16(d), vscale);
             const float m = fmaxf(mx[n], _mm512_reduce_max_ps(s));
-            const __m512 e = exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(m)));
+            const __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(m))));
             const float alpha = expf(mx[n] - m);  /* 0 on the first tile (exp(-inf)) */
             sum[n] = sum[n] * alpha + _mm512_reduce_add_ps(e);
             mx[n] = m;
@@ -248,4 +250,108 @@ int lmf_paged_decode_bf16(const uint16_t *q, const uint16_t *k_pool, const uint1
 #endif
     }
     return 0;
+}
+
+/* ---- elementwise ops of a Llama layer, bfloat16 in and out ---------------------------------------
+ * Each follows the rounding of the torch ops it replaces (every torch bf16 op computes in float32
+ * and rounds its result to bfloat16), so outputs match torch's bit for bit except where a float32
+ * reduction (RMSNorm's mean) or exp (SiLU) is summed or approximated differently. */
+
+#if defined(__AVX512F__) && !defined(LMF_PORTABLE)
+/* x rounded to the nearest bfloat16 (ties to even), kept as float32; NaN stays NaN */
+static inline __m512 round_bf16_ps(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+                                       _mm512_set1_epi32((int)0xffff0000u));
+    return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
+
+static inline void store_bf16(uint16_t *p, __m512 x) {  /* x must already be a bfloat16 value */
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
+}
+#define VEC 1
+#else
+#define VEC 0
+#endif
+
+/* RMSNorm as transformers computes it: y = bf16(x * rsqrt(mean(x^2) + eps)); out = bf16(w * y). */
+void lmf_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t rows, int64_t D, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * D;
+        uint16_t *o = out + r * D;
+        int64_t h = 0;
+        float ss = 0.0f;
+#if VEC
+        __m512 acc = _mm512_setzero_ps();
+        for (; h + 16 <= D; h += 16) {
+            const __m512 v = load_bf16(xr + h);
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        ss = _mm512_reduce_add_ps(acc);
+#endif
+        for (; h < D; h++) ss += bf16_to_f32(xr[h]) * bf16_to_f32(xr[h]);
+        const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+        h = 0;
+#if VEC
+        const __m512 vinv = _mm512_set1_ps(inv);
+        for (; h + 16 <= D; h += 16)
+            store_bf16(o + h, round_bf16_ps(_mm512_mul_ps(load_bf16(w + h),
+                                                          round_bf16_ps(_mm512_mul_ps(load_bf16(xr + h), vinv)))));
+#endif
+        for (; h < D; h++)
+            o[h] = f32_to_bf16(bf16_to_f32(w[h]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[h]) * inv)));
+    }
+}
+
+/* Rotary embedding in place on x (T, heads, H) with cos/sin (T, H): x*cos + rotate_half(x)*sin,
+ * rotate_half(x) = (-x2, x1); both products and the sum rounded as torch rounds them. */
+void lmf_rope_bf16(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t T, int64_t heads, int64_t H) {
+    const int64_t half = H / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *c = cos + t * H, *s = sin + t * H;
+        for (int64_t n = 0; n < heads; n++) {
+            uint16_t *lo = x + (t * heads + n) * H, *hi = lo + half;
+            int64_t h = 0;
+#if VEC
+            for (; h + 16 <= half; h += 16) {
+                const __m512 l = load_bf16(lo + h), u = load_bf16(hi + h);
+                const __m512 a = round_bf16_ps(_mm512_mul_ps(l, load_bf16(c + h)));
+                const __m512 b = round_bf16_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), u), load_bf16(s + h)));
+                const __m512 a2 = round_bf16_ps(_mm512_mul_ps(u, load_bf16(c + half + h)));
+                const __m512 b2 = round_bf16_ps(_mm512_mul_ps(l, load_bf16(s + half + h)));
+                store_bf16(lo + h, round_bf16_ps(_mm512_add_ps(a, b)));
+                store_bf16(hi + h, round_bf16_ps(_mm512_add_ps(a2, b2)));
+            }
+#endif
+            for (; h < half; h++) {
+                const float l = bf16_to_f32(lo[h]), u = bf16_to_f32(hi[h]);
+                const float a = bf16_to_f32(f32_to_bf16(l * bf16_to_f32(c[h])));
+                const float b = bf16_to_f32(f32_to_bf16(-u * bf16_to_f32(s[h])));
+                const float a2 = bf16_to_f32(f32_to_bf16(u * bf16_to_f32(c[h + half])));
+                const float b2 = bf16_to_f32(f32_to_bf16(l * bf16_to_f32(s[h + half])));
+                lo[h] = f32_to_bf16(a + b);
+                hi[h] = f32_to_bf16(a2 + b2);
+            }
+        }
+    }
+}
+
+/* SwiGLU's middle: out = bf16(bf16(silu(g)) * u), silu(g) = g / (1 + exp(-g)). */
+void lmf_silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, int64_t n) {
+    int64_t i = 0;
+#if VEC
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 gv = load_bf16(g + i);
+        /* exp(-g) overflows to inf for g < -88.7 (silu -> -0; torch gives a denormal) */
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 sv = round_bf16_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)));
+        store_bf16(out + i, round_bf16_ps(_mm512_mul_ps(sv, load_bf16(u + i))));
+    }
+#endif
+    for (; i < n; i++) {
+        const float gv = bf16_to_f32(g[i]);
+        out[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(gv / (1.0f + expf(-gv)))) * bf16_to_f32(u[i]));
+    }
 }
