@@ -36,7 +36,7 @@ def _case(rng, N, K, H, B, lens, reference=True):
     return q, k_pool, v_pool, tables, rows, ref
 
 
-def _run_decode(lib, q, k_pool, v_pool, tables, rows, lens, B):
+def _run_decode(lib, q, k_pool, v_pool, tables, rows, lens, B, threads=1):
     N, H = q.shape[1:]
     K = k_pool.shape[1]
     M = max(len(t) for t in tables)
@@ -44,7 +44,7 @@ def _run_decode(lib, q, k_pool, v_pool, tables, rows, lens, B):
     lens_S, rows_S = torch.tensor(lens, dtype=torch.int32), torch.tensor(rows, dtype=torch.long)
     out = torch.full_like(q, 7.0)
     rc = lib.decode(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables_SM.data_ptr(), M, lens_S.data_ptr(),
-                    rows_S.data_ptr(), len(lens), N, K, H, B, H ** -0.5, out.data_ptr())
+                    rows_S.data_ptr(), len(lens), N, K, H, B, H ** -0.5, out.data_ptr(), threads)
     return rc, out
 
 
@@ -65,6 +65,23 @@ def test_paged_decode_matches_reference(portable, N, K, H, B):
     assert (out[untouched] == 7.0).all()
     # bf16 output of a float32 computation: within a couple of bf16 ulps of the float32 reference
     torch.testing.assert_close(out[rows].float(), ref[rows], rtol=2e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 64])
+def test_paged_decode_threads_give_the_same_bits(threads):
+    """Sequences cut into ranges of about equal context, one thread each: every sequence's output
+    is computed the same way, so the result equals the one-thread call bit for bit."""
+    lib = kernels.load()
+    if not HAVE_CC:
+        assert lib is None
+        return
+    rng = random.Random(threads)
+    lens = [rng.randint(1, 400) for _ in range(41)]  # > 4,096 tokens in all: the threads do start
+    q, k_pool, v_pool, tables, rows, _ = _case(rng, 8, 2, 64, 16, lens, reference=False)
+    rc1, one = _run_decode(lib, q, k_pool, v_pool, tables, rows, lens, 16, threads=1)
+    rcn, many = _run_decode(lib, q, k_pool, v_pool, tables, rows, lens, 16, threads=threads)
+    assert rc1 == rcn == 0 and sum(lens) >= 4096
+    assert torch.equal(one, many)
 
 
 def test_paged_decode_refuses_unsupported_shapes():

@@ -185,7 +185,8 @@ class PagedAttention:
             rows_S, lens_S, tables_SM = meta.kernel
             rc = self.kernels.decode(q_TNH.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables_SM.data_ptr(),
                                      tables_SM.shape[1], lens_S.data_ptr(), rows_S.data_ptr(), len(rows_S),
-                                     q_TNH.shape[1], K, H, k_pool_PBKH.shape[1], H ** -0.5, out_TNH.data_ptr())
+                                     q_TNH.shape[1], K, H, k_pool_PBKH.shape[1], H ** -0.5, out_TNH.data_ptr(),
+                                     torch.get_num_threads())
             if rc != 0:
                 raise RuntimeError(f"paged decode kernel refused heads={q_TNH.shape[1]} kv_heads={K} head_dim={H}")
         if meta.views:  # no copy: SDPA reads the pool rows in place; one slice per tensor per sequence

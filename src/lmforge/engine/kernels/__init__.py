@@ -35,7 +35,8 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 MAX_H = 256  # head size limit of the attention and RoPE kernels (cpu_ops.c's MAX_H)
-FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-pthread"]
+OPENMP = "-fopenmp"  # tried first: the decode kernel's threads then come from torch's own OpenMP pool
 
 _lock = threading.Lock()
 _cache: dict[tuple, CpuKernels | None] = {}
@@ -47,7 +48,7 @@ class CpuKernels:
     """The loaded library's two entry points, typed; `path` is the shared object."""
 
     path: Path
-    decode: ctypes._CFuncPtr  # lmf_paged_decode_bf16(...) -> 0 | -1 (shape not handled)
+    decode: ctypes._CFuncPtr  # lmf_paged_decode_bf16(..., threads) -> 0 | -1 (shape not handled)
     write_kv: ctypes._CFuncPtr  # lmf_write_kv_bf16(k, v, slots, T, row_len, k_pool, v_pool)
     rmsnorm: ctypes._CFuncPtr  # lmf_rmsnorm_bf16(x, w, out, rows, D, eps)
     rope: ctypes._CFuncPtr  # lmf_rope_bf16(x, cos, sin, T, heads, H), in place
@@ -90,7 +91,7 @@ def build(extra_flags: tuple[str, ...] = (), out_dir: Path | None = None) -> Pat
         raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
     src = SOURCE.read_bytes()
     flags = FLAGS + list(extra_flags)
-    key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), cc.encode(), _cpu_flags().encode(),
+    key = hashlib.sha256(b"\0".join([src, " ".join(flags + [OPENMP]).encode(), cc.encode(), _cpu_flags().encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
     target = out_dir / f"cpu_ops-{key}.so"
@@ -100,8 +101,11 @@ def build(extra_flags: tuple[str, ...] = (), out_dir: Path | None = None) -> Pat
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
-        if proc.returncode != 0:
+        for attempt in ([OPENMP], []):  # without OpenMP (e.g. clang without libomp): pthreads
+            proc = subprocess.run([cc, *flags, *attempt, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+            if proc.returncode == 0:
+                break
+        else:
             raise RuntimeError(f"{Path(cc).name} failed on {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     finally:
@@ -115,7 +119,7 @@ def _bind(path: Path) -> CpuKernels:
     P, I64 = ctypes.c_void_p, ctypes.c_int64
     decode = lib.lmf_paged_decode_bf16
     decode.restype = ctypes.c_int
-    decode.argtypes = [P, P, P, P, I64, P, P, I64, I64, I64, I64, I64, ctypes.c_float, P]
+    decode.argtypes = [P, P, P, P, I64, P, P, I64, I64, I64, I64, I64, ctypes.c_float, P, I64]
     fns = {}
     for name, argtypes in (("write_kv", [P, P, P, I64, I64, P, P]), ("rmsnorm", [P, P, P, I64, I64, ctypes.c_float]),
                            ("rope", [P, P, P, I64, I64, I64]), ("silu_mul", [P, P, P, I64])):

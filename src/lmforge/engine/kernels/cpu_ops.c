@@ -18,6 +18,7 @@
  * system C compiler at first use (`lmforge.engine.kernels`) and calls it through ctypes.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -226,9 +227,41 @@ static void decode_one(const uint16_t *q, const uint16_t *k_pool, const uint16_t
 
 #endif
 
+typedef struct {
+    const uint16_t *q, *k_pool, *v_pool;
+    const int32_t *block_tables, *lens;
+    const int64_t *rows;
+    int64_t M, first, last, N, K, H, B;
+    float scale;
+    uint16_t *out;
+} decode_job;
+
+static void *decode_range(void *arg) {  /* sequences [first, last) */
+    const decode_job *j = (const decode_job *)arg;
+    const int64_t N = j->N, H = j->H;
+    for (int64_t s = j->first; s < j->last; s++) {
+#if defined(__AVX512F__) && !defined(LMF_PORTABLE)
+        decode_seq(j->q + j->rows[s] * N * H, j->k_pool, j->v_pool, j->block_tables + s * j->M, j->lens[s], N, j->K, H,
+                   j->B, j->scale, j->out + j->rows[s] * N * H);
+#else
+        const int64_t G = N / j->K;
+        for (int64_t g = 0; g < j->K; g++)
+            decode_one(j->q + (j->rows[s] * N + g * G) * H, j->k_pool, j->v_pool, j->block_tables + s * j->M, j->lens[s],
+                       g, G, j->K, H, j->B, j->scale, j->out + (j->rows[s] * N + g * G) * H);
+#endif
+    }
+    return NULL;
+}
+
+#define MAX_THREADS 64
+
+/* `threads` > 1: the sequences are cut into that many consecutive ranges of about equal total
+ * context (the work is K/V bytes read), each run by its own thread (OpenMP when built with it,
+ * else pthreads), this one included. */
 int lmf_paged_decode_bf16(const uint16_t *q, const uint16_t *k_pool, const uint16_t *v_pool,
                           const int32_t *block_tables, int64_t M, const int32_t *lens, const int64_t *rows,
-                          int64_t S, int64_t N, int64_t K, int64_t H, int64_t B, float scale, uint16_t *out) {
+                          int64_t S, int64_t N, int64_t K, int64_t H, int64_t B, float scale, uint16_t *out,
+                          int64_t threads) {
     if (K < 1 || N % K != 0 || N / K > MAX_G || H > MAX_H || H % 16 != 0 || B < 1) return -1;
 #if defined(__AVX512F__) && !defined(LMF_PORTABLE)
     if (N > MAX_N || (N * H) % 32 != 0) return -1;
@@ -236,19 +269,40 @@ int lmf_paged_decode_bf16(const uint16_t *q, const uint16_t *k_pool, const uint1
     if (H % 32 != 0) return -1;
 #endif
 #endif
-    for (int64_t s = 0; s < S; s++)
-        if (lens[s] < 1) return -1;
+    int64_t total = 0;
     for (int64_t s = 0; s < S; s++) {
-#if defined(__AVX512F__) && !defined(LMF_PORTABLE)
-        decode_seq(q + rows[s] * N * H, k_pool, v_pool, block_tables + s * M, lens[s], N, K, H, B, scale,
-                   out + rows[s] * N * H);
-#else
-        const int64_t G = N / K;
-        for (int64_t g = 0; g < K; g++)
-            decode_one(q + (rows[s] * N + g * G) * H, k_pool, v_pool, block_tables + s * M, lens[s], g, G, K, H, B,
-                       scale, out + (rows[s] * N + g * G) * H);
-#endif
+        if (lens[s] < 1) return -1;
+        total += lens[s];
     }
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > S) threads = S;
+    if (threads < 1 || total < 4096) threads = 1;  /* below ~4k tokens a thread start costs more than it saves */
+    decode_job jobs[MAX_THREADS];
+    int64_t s = 0, acc = 0;
+    for (int64_t t = 0; t < threads; t++) {
+        const int64_t first = s;
+        const int64_t goal = total * (t + 1) / threads;
+        while (s < S && (t == threads - 1 || acc + lens[s] / 2 < goal)) acc += lens[s++];
+        jobs[t] = (decode_job){q, k_pool, v_pool, block_tables, lens, rows, M, first, s, N, K, H, B, scale, out};
+    }
+#ifdef _OPENMP
+    /* torch's own OpenMP runtime (libgomp.so.1 is loaded once per process): its worker threads,
+     * already spinning after the last matmul, take the ranges; no second pool fights them for cores */
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int64_t t = 0; t < threads; t++) decode_range(&jobs[t]);
+#else
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int64_t t = 1; t < threads; t++)
+        started[t] = pthread_create(&tids[t], NULL, decode_range, &jobs[t]) == 0;
+    decode_range(&jobs[0]);
+    for (int64_t t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(tids[t], NULL);
+        else
+            decode_range(&jobs[t]);  /* no thread to be had: do it here */
+    }
+#endif
     return 0;
 }
 
