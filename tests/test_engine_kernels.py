@@ -240,3 +240,18 @@ def test_fused_model_matches_torch_model(tmp_path):
     # measured: identical here; bf16 noise would be a few percent of the largest logit
     assert (a - b).abs().max() <= 0.03 * a.abs().max()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.95
+
+
+def test_bench_attention_reports_both_paths(tmp_path):
+    """`python -m lmforge.perf.bench_attention`: both paths timed, outputs within bf16 noise."""
+    from lmforge.perf.bench_attention import bench_attention, to_markdown
+
+    report = bench_attention(seqs=3)
+    if not HAVE_CC:
+        assert report["skipped"] and report["rows"] == []
+        return
+    paths = {r["path"] for r in report["rows"]}
+    assert paths == {"SDPA per sequence (torch)", "paged-decode kernel (C)"}
+    for r in report["rows"]:
+        assert r["ms_per_step"] > 0 and r["gb_per_s"] > 0 and r["max_abs_diff_vs_sdpa"] < 0.02
+    assert "paged-decode kernel (C)" in to_markdown(report)
