@@ -37,30 +37,26 @@ class FusedRMSNorm(nn.Module):
         return out
 
 
-class FusedAttention(nn.Module):
-    """`Attention.forward` with RoPE applied in place by one C call for q and one for k."""
+class FusedAttention(Attention):
+    """`Attention` with RoPE applied in place by one C call for q and one for k; everything else
+    (projections, q/k norms, the attention callable) is the model's own `forward`."""
 
-    def __init__(self, attn: Attention, lib: CpuKernels):
-        super().__init__()
-        self.layer_idx, self.n_heads, self.n_kv_heads, self.head_dim = (attn.layer_idx, attn.n_heads,
-                                                                         attn.n_kv_heads, attn.head_dim)
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
-        self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
-        self.lib = lib
+    lib: CpuKernels
 
-    def forward(self, x_BTD: torch.Tensor, cos_BTH, sin_BTH, attn) -> torch.Tensor:
-        B, T, _ = x_BTD.shape
-        q_BTNH = self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim)
-        k_BTKH = self.k_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
-        v_BTKH = self.v_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+    @classmethod
+    def wrap(cls, attn: Attention, lib: CpuKernels) -> FusedAttention:
+        fused = cls.__new__(cls)
+        fused.__dict__.update(attn.__dict__)  # the same projections and norms, not copies
+        fused.lib = lib
+        return fused
+
+    def rope(self, q_BTNH, k_BTKH, cos_BTH, sin_BTH) -> tuple[torch.Tensor, torch.Tensor]:
         q_BTNH, k_BTKH = q_BTNH.contiguous(), k_BTKH.contiguous()  # fresh projections: no copy
         cos_BTH, sin_BTH = cos_BTH.contiguous(), sin_BTH.contiguous()
+        rows = q_BTNH.shape[0] * q_BTNH.shape[1]
         for t, heads in ((q_BTNH, self.n_heads), (k_BTKH, self.n_kv_heads)):  # in place: nothing else holds them
-            self.lib.rope(t.data_ptr(), cos_BTH.data_ptr(), sin_BTH.data_ptr(), B * T, heads, self.head_dim)
-        out_BTNH = attn(self.layer_idx, q_BTNH, k_BTKH, v_BTKH)
-        return self.o_proj(out_BTNH.reshape(B, T, -1))
+            self.lib.rope(t.data_ptr(), cos_BTH.data_ptr(), sin_BTH.data_ptr(), rows, heads, self.head_dim)
+        return q_BTNH, k_BTKH
 
 
 class FusedMLP(nn.Module):
@@ -85,10 +81,12 @@ def fuse_elementwise(model: nn.Module, lib: CpuKernels) -> int:
         for name, child in parent.named_children():
             if isinstance(child, RMSNorm) and child.weight.dtype == torch.bfloat16:
                 todo.append((parent, name, FusedRMSNorm))
-            elif isinstance(child, Attention) and child.head_dim % 2 == 0 and child.head_dim <= MAX_H:
+            elif (isinstance(child, Attention) and not isinstance(child, FusedAttention)
+                  and child.head_dim % 2 == 0 and child.head_dim <= MAX_H):
                 todo.append((parent, name, FusedAttention))
             elif isinstance(child, MLP):
                 todo.append((parent, name, FusedMLP))
     for parent, name, cls in reversed(todo):  # children first: a block's stand-in takes its fused norms
-        setattr(parent, name, cls(getattr(parent, name), lib))
+        make = cls.wrap if cls is FusedAttention else cls
+        setattr(parent, name, make(getattr(parent, name), lib))
     return len(todo)

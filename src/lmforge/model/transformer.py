@@ -134,9 +134,13 @@ class Attention(nn.Module):
         v_BTKH = self.v_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
-        q_BTNH, k_BTKH = apply_rope(q_BTNH, cos_BTH, sin_BTH), apply_rope(k_BTKH, cos_BTH, sin_BTH)
+        q_BTNH, k_BTKH = self.rope(q_BTNH, k_BTKH, cos_BTH, sin_BTH)
         out_BTNH = attn(self.layer_idx, q_BTNH, k_BTKH, v_BTKH)
         return self.o_proj(out_BTNH.reshape(B, T, -1))
+
+    def rope(self, q_BTNH, k_BTKH, cos_BTH, sin_BTH) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on q and k (the inference engine's CPU kernels override this one step)."""
+        return apply_rope(q_BTNH, cos_BTH, sin_BTH), apply_rope(k_BTKH, cos_BTH, sin_BTH)
 
 
 class MLP(nn.Module):

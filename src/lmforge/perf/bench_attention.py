@@ -13,24 +13,14 @@ does not sit in cache between repeats). GB/s = K and V bytes that must be read /
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from .bench_linear import best_seconds
+
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 8, 8, 64, 16
-
-
-def _best_ms(fn, repeats: int = 5, calls: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t) / calls)
-    return best * 1e3
 
 
 def bench_attention(seqs: int = 57, seed: int = 0) -> dict:
@@ -85,7 +75,7 @@ def bench_attention(seqs: int = 57, seed: int = 0) -> dict:
             for threads in sorted({1, threads0}):
                 torch.set_num_threads(threads)
                 for name, fn in (("SDPA per sequence (torch)", sdpa_loop), ("paged-decode kernel (C)", kernel(threads))):
-                    ms = _best_ms(fn)
+                    ms = best_seconds(fn, calls=5) * 1e3
                     diff = (fn().float() - ref).abs().max().item()
                     rows.append({"path": name, "threads": threads, "ms_per_step": round(ms, 2),
                                  "gb_per_s": round(nbytes / ms / 1e6, 2), "max_abs_diff_vs_sdpa": diff})

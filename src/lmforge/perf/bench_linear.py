@@ -19,7 +19,8 @@ SHAPES = ((512, 512), (512, 1376), (1376, 512), (512, 8192))  # (in, out)
 ROWS = (1, 8, 32, 128)
 
 
-def _time_us(fn, calls: int = 50, repeats: int = 5) -> float:
+def best_seconds(fn, calls: int = 50, repeats: int = 5) -> float:
+    """Seconds per call of `fn`: one warm-up call, then the best of `repeats` timings of `calls` calls."""
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -27,7 +28,7 @@ def _time_us(fn, calls: int = 50, repeats: int = 5) -> float:
         for _ in range(calls):
             fn()
         best = min(best, (time.perf_counter() - t) / calls)
-    return best * 1e6
+    return best
 
 
 def bench_linear() -> dict:
@@ -48,8 +49,8 @@ def bench_linear() -> dict:
                 packed = PackedLinear(linear)
                 for m in ROWS:
                     x = torch.randn(m, k, dtype=torch.bfloat16)
-                    plain_us = _time_us(lambda: F.linear(x, linear.weight))
-                    packed_us = _time_us(lambda: packed(x))
+                    plain_us = best_seconds(lambda: F.linear(x, linear.weight)) * 1e6
+                    packed_us = best_seconds(lambda: packed(x)) * 1e6
                     same = torch.equal(F.linear(x, linear.weight), packed(x))
                     rows.append({"in": k, "out": n, "rows": m, "plain_us": round(plain_us, 1),
                                  "packed_us": round(packed_us, 1), "speedup": round(plain_us / packed_us, 2),
