@@ -18,7 +18,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .bench_linear import best_seconds
+from .bench_linear import best_seconds, emit
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 8, 8, 64, 16
 
@@ -98,14 +98,7 @@ def to_markdown(report: dict) -> str:
 
 def main(seqs: Annotated[int, typer.Option(help="Decoding sequences in the step.")] = 57,
          out: Annotated[Optional[Path], typer.Option(help="Where bench_attention.json and .md go.")] = None) -> None:
-    from lmforge.track.io import atomic_write_json, atomic_write_text
-
-    report = bench_attention(seqs)
-    md = to_markdown(report)
-    print(md)
-    if out is not None:
-        atomic_write_json(out / "bench_attention.json", report)
-        atomic_write_text(out / "bench_attention.md", md)
+    emit(bench_attention(seqs), to_markdown, out, "bench_attention")
 
 
 if __name__ == "__main__":

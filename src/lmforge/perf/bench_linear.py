@@ -71,14 +71,18 @@ def to_markdown(report: dict) -> str:
 
 
 def main(out: Annotated[Optional[Path], typer.Option(help="Where bench_linear.json and .md go.")] = None) -> None:
+    emit(bench_linear(), to_markdown, out, "bench_linear")
+
+
+def emit(report: dict, to_md, out: Path | None, name: str) -> None:
+    """Print the report's Markdown; with `out`, also write `name`.json and `name`.md there (atomically)."""
     from lmforge.track.io import atomic_write_json, atomic_write_text
 
-    report = bench_linear()
-    md = to_markdown(report)
+    md = to_md(report)
     print(md)
     if out is not None:
-        atomic_write_json(out / "bench_linear.json", report)
-        atomic_write_text(out / "bench_linear.md", md)
+        atomic_write_json(out / f"{name}.json", report)
+        atomic_write_text(out / f"{name}.md", md)
 
 
 if __name__ == "__main__":
