@@ -366,7 +366,9 @@ def run_lmforge(model_dir: Path, dtype: str, reqs: list[Request], cfg: BenchEngi
     steps = s["steps"] - before["steps"]
     return summarize(name, duration, [t0] * len(reqs), times,
                      note=f"max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens {cfg.max_num_batched_tokens}, "
-                          f"prefix cache {'on' if enable_prefix_caching else 'off'}",
+                          f"prefix cache {'on' if enable_prefix_caching else 'off'}, "
+                          f"attention {llm.llm_engine.model_runner.attention_backend}, "
+                          f"{llm.llm_engine.model_runner.fused_modules} fused modules",
                      kv_utilization=(s["kv_util_sum"] - before["kv_util_sum"]) / max(steps, 1), steps=steps,
                      preemptions=s["preemptions"] - before["preemptions"],
                      prefix_cache_hit_rate=((s["prefix_cache_hits"] - before["prefix_cache_hits"]) /
