@@ -45,7 +45,7 @@ _status: dict[tuple, str] = {}
 
 @dataclass
 class CpuKernels:
-    """The loaded library's two entry points, typed; `path` is the shared object."""
+    """The loaded library's entry points, typed; `path` is the shared object."""
 
     path: Path
     decode: ctypes._CFuncPtr  # lmf_paged_decode_bf16(..., threads) -> 0 | -1 (shape not handled)
