@@ -14,6 +14,7 @@ fit. It knows nothing about HTTP or threads (see `async_engine.py`) or about pro
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,8 @@ from .sequence import Sequence
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 CPU_KV_CACHE_BYTES = 2 * 1024**3  # default pool cap on CPU, where memory is shared with everything
+
+log = logging.getLogger("lmforge.engine")
 
 
 def load_tokenizer(model_dir: Path):
@@ -126,6 +129,11 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.counters = dict(steps=0, tokens_processed=0, kv_util_sum=0.0)
         self.timings = dict.fromkeys(("schedule", "sample", "postprocess", "detokenize"), 0.0)  # seconds
+        r = self.model_runner
+        log.info("engine ready: %s, %s on %s; %d KV blocks of %d tokens (%.1f MiB); attention: %s; "
+                 "%d packed linears, %d fused modules", model_dir, r.dtype, r.device, num_blocks, config.block_size,
+                 num_blocks * kv_bytes_per_block(self.model, config.block_size) / 2**20, r.attention_backend,
+                 r.packed_linears, r.fused_modules)
 
     def _num_blocks_from_budget(self) -> int:
         per_block = kv_bytes_per_block(self.model, self.config.block_size)
