@@ -103,17 +103,14 @@ def build_metadata(block_tables: list[list[int]], computed: list[int], q_lens: l
     groups, views, decode = [], [], []
     in_place = device.type == "cpu"  # a call per sequence: cheap on CPU, a launch-bound loop on a GPU
     kernel_meta = None
-    if kernel:
-        idx = [i for i, q in enumerate(q_lens) if q == 1]
-        if idx:
-            lens = [computed[i] + 1 for i in idx]
-            M = -(-max(lens) // block_size)
-            tables = [block_tables[i][:M] + [0] * (M - len(block_tables[i][:M])) for i in idx]
-            kernel_meta = (torch.tensor([q_starts[i] for i in idx], dtype=torch.long),
-                           torch.tensor(lens, dtype=torch.int32), torch.tensor(tables, dtype=torch.int32))
-    for i, q in enumerate(q_lens):
-        if q != 1 or kernel:
-            continue
+    decoding = [i for i, q in enumerate(q_lens) if q == 1]
+    if kernel and decoding:  # all of them go to the kernel; no views, no buckets
+        lens = [computed[i] + 1 for i in decoding]
+        M = -(-max(lens) // block_size)
+        tables = [block_tables[i][:M] + [0] * (M - len(block_tables[i][:M])) for i in decoding]
+        kernel_meta = (torch.tensor([q_starts[i] for i in decoding], dtype=torch.long),
+                       torch.tensor(lens, dtype=torch.int32), torch.tensor(tables, dtype=torch.int32))
+    for i in [] if kernel else decoding:
         bt, n = block_tables[i], computed[i] + 1
         m = -(-n // block_size)
         if in_place and bt[m - 1] - bt[0] == m - 1 and bt[:m] == list(range(bt[0], bt[0] + m)):

@@ -119,12 +119,14 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.eos_token_ids = _eos_token_ids(model_dir, self.model, self.tokenizer)
         num_blocks = config.num_kv_blocks or self._num_blocks_from_budget()
-        # on CPU the fast attention reads a sequence whose blocks are one run in place: allocate for that
-        runs = self.model_runner_device().type == "cpu" and config.attention == "fast"
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, runs)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.model_runner = ModelRunner(self.model, num_blocks, config.block_size, config.attention == "reference",
                                         config.pack_weights, config.cpu_kernels)
+        # the torch attention on CPU reads a sequence whose blocks are one run in place: allocate for
+        # that (the C decode kernel reads any block table, so it needs no such scan per admission)
+        runs = (self.model_runner_device().type == "cpu" and config.attention == "fast"
+                and self.model_runner.attn.kernels is None)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, runs)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(sorted(self.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self.counters = dict(steps=0, tokens_processed=0, kv_util_sum=0.0)

@@ -80,11 +80,11 @@ class ModelRunner:
         if cpu_kernels and not reference and p.device.type == "cpu" and p.dtype == torch.bfloat16:
             lib = kernels.load()  # None without a compiler: the torch path, same contract
         self.fused_modules = fuse_elementwise(model, lib) if lib is not None else 0
-        if lib is not None and not kernels.supports(c.num_attention_heads, c.num_key_value_heads, c.head_dim):
-            lib = None
-        self.attention_backend = "paged-decode kernel (C)" if lib is not None else "torch"
+        attn_lib = lib if lib is not None and kernels.supports(c.num_attention_heads, c.num_key_value_heads,
+                                                               c.head_dim) else None
+        self.attention_backend = "paged-decode kernel (C)" if attn_lib is not None else "torch"
         self.attn = PagedAttention(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
-                                   c.head_dim, p.dtype, p.device, kernels=lib)
+                                   c.head_dim, p.dtype, p.device, kernels=attn_lib)
         self.timings = {"prepare": 0.0, "forward": 0.0}  # seconds, cumulative
 
     @torch.inference_mode()
