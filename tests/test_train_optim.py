@@ -36,6 +36,9 @@ def test_default_groups_are_adamw_decay_and_no_decay():
     assert type(opt) is torch.optim.AdamW and [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     emb = model.model.embed_tokens.weight
     assert any(p is emb for p in opt.param_groups[1]["params"])
+    # weight_decay 0 keeps the same two groups, so the optimizer state (and a checkpoint) has one layout
+    no_wd = build_optimizer(model, TrainSection(weight_decay=0.0), torch.device("cpu"))
+    assert [len(g["params"]) for g in no_wd.param_groups] == [len(g["params"]) for g in opt.param_groups]
 
 
 def test_embedding_and_head_learning_rates():
@@ -48,10 +51,9 @@ def test_embedding_and_head_learning_rates():
     q = model.model.layers[0].self_attn.q_proj.weight
     assert by_param[id(q)]["lr"] == 1e-3 and by_param[id(q)]["weight_decay"] == 0.1
     assert by_param[id(model.model.norm.weight)]["lr"] == 1e-3
-    sched = build_scheduler(opt, t)  # one warmup factor for every group
+    build_scheduler(opt, t)  # sets every group's rate: one warmup factor for all
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([g["initial_lr"] / t.warmup_steps
                                                                 for g in opt.param_groups])
-    del sched
 
 
 @pytest.mark.parametrize("embedding_lr", [None, 0.05])

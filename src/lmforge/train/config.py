@@ -140,9 +140,7 @@ class TrainConfig:
         for key in ("ckpt_every", "eval_every", "eval_batches", "warmup_steps", "keep_last", "log_every"):
             if getattr(t, key) < 0:
                 raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
-        if t.lr <= 0:
-            raise ConfigError(f"train.lr must be > 0, got {t.lr}")
-        for key in ("embedding_lr", "head_lr"):
+        for key in ("lr", "embedding_lr", "head_lr"):
             if getattr(t, key) is not None and getattr(t, key) <= 0:
                 raise ConfigError(f"train.{key} must be > 0, got {getattr(t, key)}")
         if t.target_val_loss is not None and t.target_val_loss <= 0:

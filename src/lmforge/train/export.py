@@ -17,7 +17,6 @@ import os
 import shutil
 from pathlib import Path
 
-
 from lmforge.model import ModelConfig, Transformer, resolve_dtype
 from lmforge.track.io import atomic_write_json, sha256_dir
 
@@ -34,8 +33,7 @@ def load_run_model(run: str | os.PathLike, checkpoint: str = "last") -> tuple[Tr
     model = Transformer(config)  # every weight is overwritten by the checkpoint below
     state = ckpt.load_state(path)["model"]
     if meta.get("method") == "lora":
-        from .config import LoraConfig
-        from .lora import apply_lora, merge_lora
+        from .lora import LoraConfig, apply_lora, merge_lora
 
         peft_model = apply_lora(model, LoraConfig(**meta["config"]["lora"]))
         peft_model.load_state_dict(state)

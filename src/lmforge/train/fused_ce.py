@@ -14,7 +14,7 @@ The numbers are the ones the plain path computes (hidden states and weight in th
 dtype, logits and softmax in float32) up to the order of float additions. Knows nothing of the
 trainer; `TrainLoss` is the module the trainer calls (and wraps in DDP or `torch.compile`).
 
-    loss_sum = TrainLoss(model)(batch)   # == token_losses(model, batch).sum()
+    loss_sum = TrainLoss(model)(input_ids, labels, position_ids, doc_ids)  # == token_losses(...).sum()
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def can_fuse(model: nn.Module) -> bool:
 
 
 class TrainLoss(nn.Module):
-    """`forward(batch)` = the batch's summed training loss, a scalar; what DDP and compile wrap."""
+    """`forward(input_ids, labels, position_ids, doc_ids)` = the batch's summed training loss, a scalar;
+    what DDP and compile wrap."""
 
     def __init__(self, model: nn.Module):
         super().__init__()

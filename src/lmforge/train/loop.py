@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import math
 import os
@@ -253,7 +254,6 @@ class Trainer:
         self.step, self.tokens_seen, self.train_time = 0, 0, 0.0
         self.last_ckpt: Path | None = None
         self.best_val: float | None = None
-        self._target_reported = False
         if resume:
             self._restore()
         self.fused = t.fused_loss and can_fuse(self.model)
@@ -395,11 +395,11 @@ class Trainer:
         if self.data.make_val is None:
             return None
         self.model.eval()
-        loader = iter(self.data.make_val())
         loss_sum = n_tokens = byte_loss = n_bytes = 0.0
         tb = self.data.token_bytes.to(self.device) if self.data.token_bytes is not None else None
-        whole = self.cfg.train.stage == "pretrain" and self.cfg.train.eval_batches == 0  # a finite iterator
-        for batch in (loader if whole else (next(loader) for _ in range(max(1, self.cfg.train.eval_batches)))):
+        n = self.cfg.train.eval_batches
+        whole = self.cfg.train.stage == "pretrain" and n == 0  # make_val gives every val row once, then stops
+        for batch in itertools.islice(self.data.make_val(), None if whole else max(1, n)):
             with self.autocast():
                 loss_N = token_losses(self.model, batch).flatten()
             labels = batch["labels"].flatten()
@@ -463,13 +463,12 @@ class Trainer:
                 self.run.log_metrics(row)
                 if t.log_every and (self.step % t.log_every == 0 or done or "val_loss" in row):
                     print(_format_row(row, t.max_steps), flush=True)
-                if t.target_val_loss is not None and val_loss is not None and val_loss <= t.target_val_loss \
-                        and not self._target_reported:
-                    self._target_reported = True
+                if t.target_val_loss is not None and val_loss is not None and val_loss <= t.target_val_loss:
                     hit = target_reached(_read_metrics(self.out / "metrics.jsonl"), t.target_val_loss)
-                    print(f"val_loss {val_loss:.4f} <= target {t.target_val_loss} at step {hit['step']}: "
-                          f"{hit['train_s']:.1f} s of training ({hit['train_plus_eval_s']:.1f} s with evaluation), "
-                          f"{hit['tokens']:,} tokens", flush=True)
+                    if hit["step"] == self.step:  # the first evaluation at or below it, also after a resume
+                        print(f"val_loss {val_loss:.4f} <= target {t.target_val_loss} at step {hit['step']}: "
+                              f"{hit['train_s']:.1f} s of training ({hit['train_plus_eval_s']:.1f} s with "
+                              f"evaluation), {hit['tokens']:,} tokens", flush=True)
                 if kill_at and self.step == kill_at:
                     os.kill(os.getpid(), signal.SIGKILL)
         return self._finish(last_train_loss, last_eval)

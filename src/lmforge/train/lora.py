@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from lmforge.model import Transformer
-from lmforge.train.config import LINEAR_MODULES, LoraConfig  # noqa: F401 (re-exported: the public LoRA API)
+from lmforge.train.config import LoraConfig  # the public LoRA API: `from lmforge.train.lora import LoraConfig`
 
 ADAPTER_NAME = "default"  # peft's; we keep one adapter per model
 

@@ -29,26 +29,22 @@ def _param_groups(model: nn.Module, t: TrainSection) -> list[dict]:
     params = [p for p in model.parameters() if p.requires_grad]
     # Embeddings are lookups (and, tied, the LM head): decaying them pulls rare tokens' rows to 0.
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay = [p for p in params if p.dim() >= 2 and id(p) not in embeddings]
+    no_decay = [p for p in params if p.dim() < 2 or id(p) in embeddings]
+    if t.embedding_lr is None and t.head_lr is None:  # one rate: two groups, decay and no decay
+        return [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     head = getattr(model, "lm_head", None)
-    heads = {id(head.weight)} if isinstance(head, nn.Linear) and id(head.weight) not in embeddings else set()
-    emb = [p for p in params if id(p) in embeddings]
-    hd = [p for p in params if id(p) in heads]
-    matrices = [p for p in params if p.dim() >= 2 and id(p) not in embeddings and id(p) not in heads]
-    other = [p for p in params if p.dim() < 2]
-    groups = [{"params": matrices, "weight_decay": t.weight_decay, "lr": t.lr},
-              {"params": hd, "weight_decay": t.weight_decay, "lr": t.head_lr or t.lr},
-              {"params": emb, "weight_decay": 0.0, "lr": t.embedding_lr or t.lr},
-              {"params": other, "weight_decay": 0.0, "lr": t.lr}]
-    return groups
+    head_id = id(head.weight) if isinstance(head, nn.Linear) else None  # tied: in no_decay, not in decay
+    return [{"params": [p for p in decay if id(p) != head_id], "weight_decay": t.weight_decay, "lr": t.lr},
+            {"params": [p for p in decay if id(p) == head_id], "weight_decay": t.weight_decay,
+             "lr": t.head_lr or t.lr},
+            {"params": [p for p in no_decay if id(p) in embeddings], "weight_decay": 0.0,
+             "lr": t.embedding_lr or t.lr},
+            {"params": [p for p in no_decay if id(p) not in embeddings], "weight_decay": 0.0, "lr": t.lr}]
 
 
 def build_optimizer(model: nn.Module, t: TrainSection, device: torch.device) -> torch.optim.AdamW:
     groups = [g for g in _param_groups(model, t) if g["params"]]
-    if t.embedding_lr is None and t.head_lr is None:  # one rate: two groups, decay and no decay
-        decay = [p for g in groups if g["weight_decay"] for p in g["params"]]
-        no_decay = [p for g in groups if not g["weight_decay"] for p in g["params"]]
-        groups = [g for g in ({"params": decay, "weight_decay": t.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                              fused=device.type in ("cuda", "cpu"))
 
