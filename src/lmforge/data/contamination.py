@@ -20,6 +20,7 @@ import numpy as np
 from lmforge.data.hashing import ngram_hashes
 from lmforge.data.words import split_words
 
+
 def ngram_hashes_many(texts: list[str], n: int) -> list[np.ndarray]:
     """uint64 hashes of the word n-grams of each lowercased text (words: `re.findall(r"\\w+")`)."""
     words = split_words([t.lower() for t in texts], r"\w+")
@@ -55,6 +56,8 @@ class ContaminationIndex:
         self.ngrams: set[int] = set()
         self.too_short = 0
         self._sorted: np.ndarray | None = None  # the set as a sorted array, for vectorized lookups
+        self._mask = np.uint64(0)  # with _bitmap, built along with _sorted in hits_many
+        self._bitmap = np.zeros(0, dtype=bool)
 
     def add_many(self, texts: list[str]) -> None:
         for grams in ngram_hashes_many(texts, self.n):
@@ -83,6 +86,3 @@ class ContaminationIndex:
         at = np.minimum(np.searchsorted(self._sorted, grams[maybe]), len(self._sorted) - 1)
         found = maybe[self._sorted[at] == grams[maybe]]
         return np.bincount(text[found], minlength=len(texts)).tolist()
-
-    def hits(self, text: str) -> int:
-        return self.hits_many([text])[0]

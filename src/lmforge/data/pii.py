@@ -124,16 +124,15 @@ def gates(texts: list[str]) -> list[Gates]:
     pos = np.flatnonzero(run11 & boundary[:len(run11)])
     head = low[pos].astype(np.uint32) | low[pos + 1].astype(np.uint32) << 8 | \
         low[pos + 2].astype(np.uint32) << 16 | low[pos + 3].astype(np.uint32) << 24
-    hit = np.zeros(len(pos), dtype=bool)
-    for prefix, _ in _KEY_STARTS:
-        hit |= (head & np.uint32((1 << 8 * len(prefix)) - 1)) == int.from_bytes(prefix.encode(), "little")
-    pos, head = pos[hit], head[hit]
+    need = np.full(len(pos), _KEY_WINDOW + 1)  # least run length of a key shape starting here (none: unreachable)
+    for prefix, least in _KEY_STARTS:
+        match = (head & np.uint32((1 << 8 * len(prefix)) - 1)) == int.from_bytes(prefix.encode(), "little")
+        need[match] = np.minimum(need[match], least)
+    hit = need <= _KEY_WINDOW
+    pos, need = pos[hit], need[hit]
     window = key[np.minimum(pos[:, None] + np.arange(_KEY_WINDOW), len(key) - 1)]  # (hits, _KEY_WINDOW)
     left = np.where(window.all(axis=1), _KEY_WINDOW, np.argmin(window, axis=1))  # run length from each hit
-    api_key = np.zeros(len(pos), dtype=bool)
-    for prefix, least in _KEY_STARTS:
-        api_key |= ((head & np.uint32((1 << 8 * len(prefix)) - 1)) == int.from_bytes(prefix.encode(), "little")) & \
-            (left >= least)
+    api_key = left >= need
 
     edges = np.flatnonzero(np.diff(digit.view(np.int8), prepend=np.int8(0)))  # the final "\n" ends the last run
     d_start, d_end = edges[0::2], edges[1::2]

@@ -92,7 +92,7 @@ def _pass2(task: tuple[frozenset[int], list[dict]]) -> list[dict]:
 
     The boilerplate keys travel with each chunk (a few hundred ints), so one pool serves both passes."""
     bp_keys, docs = task
-    out, parts = [], []
+    out, parts, owners = [], [], []  # owners[i]: the item that part i belongs to
     for doc in docs:
         text, removed = strip_boilerplate(doc["text"], bp_keys, _cfg.boilerplate.min_line_chars)
         item: dict[str, Any] = {"id": doc["id"], "boilerplate_lines": removed, "parts": []}
@@ -108,12 +108,10 @@ def _pass2(task: tuple[frozenset[int], list[dict]]) -> list[dict]:
         for k, piece in enumerate(pieces):
             part = doc if len(pieces) == 1 else {"id": f"{doc['id']}#part{k}", "text": piece,
                                                  "meta": {**doc["meta"], "part": k, "parent": doc["id"]}}
-            item["parts"].append(len(parts))
             parts.append(part)
-    processed = _process_parts(parts)
-    for item in out:
-        if item["parts"] and isinstance(item["parts"][0], int):
-            item["parts"] = [processed[i] for i in item["parts"]]
+            owners.append(item)
+    for item, processed in zip(owners, _process_parts(parts)):
+        item["parts"].append(processed)
     return out
 
 
@@ -372,7 +370,8 @@ class _Pipeline:
 
 
 def _hashing_records(sources: list, cfg: PrepareConfig, quarantine: Any, builtin: dict) -> Iterator[dict]:
-    """Documents of every source; a built-in source is hashed as it streams (it has no file)."""
+    """Documents of every source; a built-in source (it has no file to hash) comes with its manifest
+    digest, both from the snapshot next to its cache (`sources.python_docs_snapshot`)."""
     from lmforge.data.readers import iter_records
 
     for s in sources:
@@ -390,7 +389,7 @@ _BUILTIN_DIGEST = "manifest-input-v1: sha256 of each document's sort_keys JSON (
 
 def _builtin_digest(docs: Iterable[dict]) -> dict:
     """The manifest's input entry of a built-in source: over each document as sorted-keys JSON.
-    Change `_BUILTIN_DIGEST` with it (saved digests are looked up by that tag)."""
+    Change `_BUILTIN_DIGEST` with it (a saved digest is used only under that tag)."""
     h, size = hashlib.sha256(), 0
     for doc in docs:
         data = _dumps(doc, sort_keys=True).encode("utf-8")

@@ -9,8 +9,8 @@ Python version, the stdlib path and the size and mtime of every file read: a cha
 reinstalled library is a new key. A cache file appears only once an extraction ran to its end
 (atomic rename), so a partial read never leaves a truncated cache behind. Delete the folder to
 drop it. Next to it, `python_docs_snapshot` keeps a `marshal` file (same name, `.marshal`) of the
-documents and of digests the caller computed over them, tied to the JSONL's size and mtime: a
-warm `lmforge data prepare python-docs` loads it in ~1 ms instead of parsing 2 MB of JSON and
+documents and of a digest the caller computed over them (named by a tag), tied to the JSONL's size
+and mtime: a warm `lmforge data prepare python-docs` loads it instead of parsing 2 MB of JSON and
 re-hashing every document for the manifest. This module knows nothing about tokenizers or models.
 
     from lmforge.data.sources import iter_python_docs
@@ -115,12 +115,20 @@ def _write_through(docs: Iterable[dict], cache: Path) -> Iterator[dict]:
         Path(tmp).unlink(missing_ok=True)
 
 
-def iter_python_docs() -> Iterator[dict]:
-    """Yield the standard library's documentation as `{id, text, meta}` documents, in a fixed order."""
+def _locate() -> tuple[list[tuple[str, str]], str, Path]:
+    """(stdlib files, Python version, cache path) of this interpreter."""
     stdlib = sysconfig.get_paths()["stdlib"]
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     files = _stdlib_files(stdlib)
-    cache = _cache_path(stdlib, files, version)
+    return files, version, _cache_path(stdlib, files, version)
+
+
+def iter_python_docs() -> Iterator[dict]:
+    """Yield the standard library's documentation as `{id, text, meta}` documents, in a fixed order."""
+    yield from _iter_python_docs(*_locate())
+
+
+def _iter_python_docs(files: list[tuple[str, str]], version: str, cache: Path) -> Iterator[dict]:
     if cache.is_file():
         with open(cache, encoding="utf-8") as f:
             yield from map(json.loads, f)
@@ -136,8 +144,8 @@ def _load_snapshot(path: Path, stamp: list[int], tag: str) -> tuple[list[dict], 
     try:
         with open(path, "rb") as f:
             saved = marshal.load(f)
-        if saved["stamp"] == stamp and tag in saved["digests"] and isinstance(saved["docs"], list):
-            return saved["docs"], saved["digests"][tag]
+        if saved["stamp"] == stamp and saved["tag"] == tag and isinstance(saved["docs"], list):
+            return saved["docs"], saved["digest"]
     except (OSError, EOFError, ValueError, TypeError, KeyError):
         pass
     return None
@@ -150,7 +158,7 @@ def _save_snapshot(path: Path, stamp: list[int], tag: str, docs: list[dict], dig
         return
     try:
         with os.fdopen(fd, "wb") as f:
-            marshal.dump({"stamp": stamp, "docs": docs, "digests": {tag: digest}}, f)
+            marshal.dump({"stamp": stamp, "tag": tag, "docs": docs, "digest": digest}, f)
         os.replace(tmp, path)
     except (OSError, ValueError):
         pass
@@ -162,9 +170,7 @@ def python_docs_snapshot(tag: str, digest: Callable[[list[dict]], Any]) -> tuple
     """(every document of `iter_python_docs()`, `digest(documents)`), from the `.marshal` file next to
     the JSONL cache when it was written from that very cache file (its size and mtime) with a digest
     named `tag`; else computed, and saved there. `tag` must change whenever `digest` does."""
-    stdlib = sysconfig.get_paths()["stdlib"]
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    cache = _cache_path(stdlib, _stdlib_files(stdlib), version)
+    files, version, cache = _locate()
     path = _snapshot_path(cache)
     try:
         st = os.stat(cache)
@@ -174,7 +180,7 @@ def python_docs_snapshot(tag: str, digest: Callable[[list[dict]], Any]) -> tuple
             return loaded
     except OSError:
         pass
-    docs = list(iter_python_docs())
+    docs = list(_iter_python_docs(files, version, cache))
     value = digest(docs)
     try:
         st = os.stat(cache)  # written by the call above when it was missing
