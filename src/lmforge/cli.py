@@ -18,6 +18,7 @@ import typer
 
 from lmforge.data.commands import app as data_app
 from lmforge.eval.commands import app as eval_app
+from lmforge.parallel.commands import app as parallel_app
 from lmforge.perf import bench_engine
 from lmforge.serve import commands as serve_commands
 from lmforge.tokenizer.commands import app as tokenizer_app
@@ -41,6 +42,7 @@ app.command("export", help="Export a run's checkpoint as a Hugging Face model fo
                            "with its tokenizer.")(train_commands.export)
 app.add_typer(runs_app, name="runs", help="List, show and compare run directories (record.json, metrics.jsonl).")
 app.add_typer(eval_app, name="eval", help="Evaluate a model on frozen suites; compare two eval runs.")
+app.add_typer(parallel_app, name="parallel", help="Pipeline-schedule simulator and parallelism strategy scan.")
 app.command("serve", help="Serve MODEL_DIR over an OpenAI-compatible HTTP API with Prometheus /metrics.")(
     serve_commands.serve)
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that write bench.json and a Markdown table.")

@@ -1,0 +1,73 @@
+"""`lmforge parallel ...` (and `lmforge bench parallel`): the command-line face of `lmforge.parallel`.
+
+    lmforge parallel simulate --schedule 1f1b --stages 4 --microbatches 8 --fwd 1 --bwd 2 --out runs/sim
+    lmforge parallel simulate --stages 4 --microbatches 1 --microbatches 8 --fwd 1,1,1,1.5 --bwd 2 --send 0.1
+    lmforge bench parallel --out runs/bench-parallel
+
+Parses options and calls one function; torch loads only when a verb that needs it runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, help="Pipeline-schedule simulator, strategy scan.")
+
+
+@app.callback()
+def _group() -> None:
+    """Pipeline-schedule simulator and parallelism strategy scan."""
+
+
+def _floats(text: str, name: str) -> float | list[float]:
+    try:
+        vals = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: give one number or comma-separated numbers, one per stage",
+                                 param_hint=name) from None
+    return vals[0] if len(vals) == 1 else vals
+
+
+@app.command("simulate")
+def simulate_cmd(
+    schedule: Annotated[list[str], typer.Option("--schedule", help="gpipe and/or 1f1b; repeat.")] = ["gpipe", "1f1b"],
+    stages: Annotated[int, typer.Option("--stages", "-p", help="Pipeline stages P.")] = 4,
+    microbatches: Annotated[list[int], typer.Option("--microbatches", "-m", help="Micro-batches M; repeat.")] = [8],
+    fwd: Annotated[str, typer.Option(help="Forward time of one micro-batch per stage (one value or P values).")] = "1",
+    bwd: Annotated[str, typer.Option(help="Backward time per stage (one value or P values).")] = "2",
+    send: Annotated[float, typer.Option(help="Time of one activation/gradient hop between stages.")] = 0.0,
+    act_bytes: Annotated[str, typer.Option(help="Activation bytes one micro-batch holds per stage.")] = "0",
+    out: Annotated[Optional[Path], typer.Option(help="Run directory for simulate.json/.md and timelines.")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace a finished run in --out.")] = False,
+) -> None:
+    """Predict bubble fraction, step time and peak activation memory of GPipe and 1F1B with a
+    discrete-event simulation; prints a table beside the (P-1)/(M+P-1) formula."""
+    from .simulate import simulate, to_markdown
+
+    try:
+        results = [simulate(s, stages, m, _floats(fwd, "--fwd"), _floats(bwd, "--bwd"), send,
+                            _floats(act_bytes, "--act-bytes")) for s in schedule for m in microbatches]
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    md = to_markdown(results)
+    print(md)
+    if out is None:
+        return
+    from lmforge.track.io import atomic_write_json, atomic_write_text
+    from lmforge.track.run import RunDir
+
+    from .plots import plot_timeline
+
+    run = RunDir(out, overwrite=overwrite)
+    run.write_config({"schedule": schedule, "stages": stages, "microbatches": microbatches, "fwd": fwd,
+                      "bwd": bwd, "send": send, "act_bytes": act_bytes})
+    atomic_write_json(run.path / "simulate.json", [r.to_dict(events=True) for r in results])
+    atomic_write_text(run.path / "simulate.md", md)
+    for r in results:
+        plot_timeline(r.events, run.path / f"timeline-{r.schedule}-P{r.stages}-M{r.microbatches}.png",
+                      title=f"{r.schedule} P={r.stages} M={r.microbatches} (simulated)", unit="units")
+    run.finish(cells=[r.to_dict() for r in results])
+    print(f"wrote {run.path}")
