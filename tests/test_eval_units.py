@@ -79,7 +79,7 @@ def test_answer_extraction_and_exact_match():
 def test_frozen_suites_match_the_lock():
     assert verify_builtin_suites() == []
     lock = json.loads((BUILTIN_DIR / LOCK_FILE).read_text())
-    assert set(lock) == {"arith", "arith-stability", "choice-basics", "tiny-text"}
+    assert set(lock) == {"arith", "arith-stability", "choice-basics", "tiny-text", "arith-cot"}
 
 
 def test_generators_reproduce_the_frozen_files(tmp_path):
@@ -171,7 +171,7 @@ def test_mock_models_score_one_and_zero(tmp_path, suites, correct):
     samples = (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
     bad = (tmp_path / "run" / "bad_cases.jsonl").read_text().splitlines()
     assert len(samples) == sum(s.n for s in suites)
-    assert len(bad) == (0 if correct else 200 + 120 + 40)
+    assert len(bad) == (0 if correct else 200 + 120 + 40 + 320)  # arith, choice-basics, arith-stability, arith-cot
     record = json.loads((tmp_path / "run" / "record.json").read_text())
     assert record["status"] == "finished"
     assert record["inputs"]["suites"]["arith"]["sha256"] == t["arith"]["suite_sha256"] == load_suite("arith").sha256

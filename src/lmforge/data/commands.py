@@ -1,10 +1,11 @@
-"""`lmforge data ...`: the command-line face of `lmforge.data` (verbs `prepare` and `pack`).
+"""`lmforge data ...`: the command-line face of `lmforge.data` (verbs `prepare`, `pack`, `synth`).
 
-Parses arguments, calls `prepare_dataset` / `pack_dataset`, prints a summary. No logic of its
+Parses arguments, calls `prepare_dataset` / `pack_dataset` / `write_synth`, prints a summary. No logic of its
 own lives here; heavy libraries load only when a verb runs, so `lmforge --help` stays fast.
 
     lmforge data prepare python-docs --out runs/data
     lmforge data pack runs/data --tokenizer runs/tok --seq-len 512 --out runs/packed
+    lmforge data synth mix --n 20000 --seed 1 --out runs/reasoning/train.jsonl
 """
 
 from __future__ import annotations
@@ -117,3 +118,27 @@ def pack(
     for split, s in manifest["splits"].items():
         table.add_row(split, f"{s['documents']:,}", f"{s['tokens']:,}", f"{s['rows']:,}", str(len(s["files"])))
     Console().print(table)
+
+
+@app.command(help="Write N synthetic tasks with verifiable answers and written-out steps to --out (JSONL rows "
+                  "prompt, answer, reasoning, category, difficulty, text) and OUT.record.json (seed, counts, "
+                  "and the proof that no arith-cot eval prompt is in the file). TASK: add, sub, mul, word, mix.")
+def synth(
+    task: str = typer.Argument(..., help="add | sub | mul | word | mix (all categories)."),
+    n: int = typer.Option(..., "--n", help="Rows to write."),
+    seed: int = typer.Option(..., "--seed", help="Generator seed (any but arith-cot's eval seed)."),
+    out: Path = typer.Option(..., "--out", "-o", help="JSONL file to write."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out."),
+) -> None:
+    from rich.console import Console
+
+    from lmforge.data.synth import write_synth
+
+    try:
+        rec = write_synth(task, n, seed, out, overwrite=overwrite)
+    except (FileExistsError, ValueError) as e:
+        Console(stderr=True).print(f"[red]error:[/red] {e}")
+        raise typer.Exit(code=2) from None
+    Console().print(f"{rec['rows']} rows ({', '.join(f'{k} {v}' for k, v in rec['categories'].items())}) -> {out}; "
+                    f"{rec['dropped_eval_overlap']} eval prompts dropped, overlap with arith-cot "
+                    f"{rec['eval_overlap_after']}", highlight=False)

@@ -4,7 +4,11 @@ A backend answers three questions, all in text, so tasks never see token ids:
 
     loglikelihood([(context, continuation), ...]) -> [sum log p(continuation | context), ...]
     rolling_nll([text, ...])                      -> [(NLL in nats of the whole text, tokens), ...]
-    generate([prompt, ...], max_tokens=, stop=, temperature=, n=, seed=) -> [[n texts], ...]
+    generate([prompt, ...], max_tokens=, stop=, temperature=, n=, seed=, chat=) -> [[n texts], ...]
+
+With `chat=True` a prompt is the user turn of a conversation, rendered with the model's chat
+template and the generation prompt (no `<|begin_of_text|>`: SFT trains on the template alone);
+a model without a template gets the plain prompt.
 
 `TransformerBackend` scores log-likelihoods with `lmforge.model.Transformer` (batched, one
 forward per batch) and generates with the engine (`lmforge.engine.LLM`) when it is installed,
@@ -34,7 +38,7 @@ class Backend(Protocol):
     def rolling_nll(self, texts: list[str]) -> list[tuple[float, int]]: ...
 
     def generate(self, prompts: list[str], *, max_tokens: int, stop: list[str], temperature: float = 0.0,
-                 n: int = 1, seed: int | None = None) -> list[list[str]]: ...
+                 n: int = 1, seed: int | None = None, chat: bool = False) -> list[list[str]]: ...
 
     def info(self) -> dict[str, Any]: ...
 
@@ -171,9 +175,17 @@ class TransformerBackend:
 
     # ---- generation -------------------------------------------------------------------------------
 
+    def prompt_ids(self, prompt: str, chat: bool = False) -> list[int]:
+        """BOS + the prompt, or (chat, with a template) the rendered user turn + generation prompt."""
+        if chat and getattr(self.tok, "chat_template", None):
+            text = self.tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                add_generation_prompt=True)
+            return self._encode(text)
+        return self._prefix() + self._encode(prompt)
+
     def generate(self, prompts: list[str], *, max_tokens: int, stop: list[str], temperature: float = 0.0,
-                 n: int = 1, seed: int | None = None) -> list[list[str]]:
-        ids = [self._prefix() + self._encode(p) for p in prompts]
+                 n: int = 1, seed: int | None = None, chat: bool = False) -> list[list[str]]:
+        ids = [self.prompt_ids(p, chat) for p in prompts]
         if self.engine == "llm":
             return self._generate_llm(ids, max_tokens, stop, temperature, n, seed)
         return [self._generate_one(p, max_tokens, stop, temperature, n, None if seed is None else seed + i)
@@ -185,6 +197,7 @@ class TransformerBackend:
 
         if self._llm is None:
             self._llm = LLM(str(self.model_dir), dtype=self.dtype, device=str(self.device))
+        max_tokens = min(max_tokens, self.max_len - max(len(i) for i in ids))  # long outputs: cut to the context
         params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, stop=list(stop), n=n,
                                  seed=None if seed is None else seed + i) for i in range(len(ids))]
         outputs = self._llm.generate(ids, params, use_tqdm=False)
@@ -241,5 +254,10 @@ class MockBackend:
         return [(len(t.encode()) * math.log(2), len(t.encode())) for t in texts]
 
     def generate(self, prompts: list[str], *, max_tokens: int, stop: list[str], temperature: float = 0.0,
-                 n: int = 1, seed: int | None = None) -> list[list[str]]:
-        return [[f" {self.answers[p]}" if self.correct else " I do not know"] * n for p in prompts]
+                 n: int = 1, seed: int | None = None, chat: bool = False) -> list[list[str]]:
+        from lmforge.eval.reasoning import DEFAULT_FORMAT
+
+        def right(p: str) -> str:  # chat suites score the reasoning format's answer line
+            return DEFAULT_FORMAT.render("", self.answers[p]) if chat else f" {self.answers[p]}"
+
+        return [[right(p) if self.correct else " I do not know"] * n for p in prompts]

@@ -4,6 +4,9 @@
     arith-stability  stability   the first 40 of them, 5 samples each at temperature 0.8
     choice-basics    choice      120 four-way questions (next day/month, sums, opposites, plurals, ...)
     tiny-text        perplexity  40 short synthetic English paragraphs from a fixed grammar
+    arith-cot        generate    320 reasoning problems (40 per category: add/sub 2-3 digits, mul 2x1,
+                                 3x1, 2x2, word problems) from `lmforge.data.synth` with its eval seed;
+                                 chat template, up to 320 new tokens, scored on the `Answer:` line
 
 Randomness comes from our own SplitMix64 generator, not `random`, and the perplexity text from
 a grammar in this file, not `pydoc_data` (whose text changes with the interpreter): the same
@@ -23,7 +26,8 @@ from typing import Any
 from lmforge.eval.suites import BUILTIN_DIR, Suite, load_suite, write_lock, write_suite
 
 # Bump a suite's version whenever its generator changes; the lock test enforces it.
-VERSIONS = {"arith": 1, "arith-stability": 1, "choice-basics": 1, "tiny-text": 1}
+VERSIONS = {"arith": 1, "arith-stability": 1, "choice-basics": 1, "tiny-text": 1, "arith-cot": 1}
+ARITH_COT_PER_CATEGORY = 40
 
 
 class SplitMix64:
@@ -170,6 +174,16 @@ def tiny_text_items(n: int = 40, seed: int = 3) -> list[dict[str, Any]]:
             for i in range(n)]
 
 
+def arith_cot_items() -> list[dict[str, Any]]:
+    """40 items per category of `synth.TASKS['mix']`, drawn with the eval seed (training seeds differ)."""
+    from lmforge.data.synth import EVAL_SEED, TASKS, synth_rows
+
+    cats = TASKS["mix"]
+    rows, _ = synth_rows("mix", ARITH_COT_PER_CATEGORY * len(cats), EVAL_SEED)
+    return [{"id": f"arith-cot-{i:04d}", "prompt": r["prompt"], "answer": r["answer"], "category": r["category"],
+             "difficulty": r["difficulty"]} for i, r in enumerate(rows)]
+
+
 def builtin_suites() -> dict[str, tuple[dict[str, Any], list[dict[str, Any]]]]:
     """name -> (header, items) for every built-in suite."""
     arith = arith_items()
@@ -192,6 +206,10 @@ def builtin_suites() -> dict[str, tuple[dict[str, Any], list[dict[str, Any]]]]:
         "tiny-text": ({"suite": "tiny-text", "version": VERSIONS["tiny-text"], "kind": "perplexity",
                        "metric": "bits_per_byte", "description": "synthetic English paragraphs from a fixed "
                        "grammar (interpreter-independent); a smoke test, not a benchmark"}, tiny_text_items()),
+        "arith-cot": ({"suite": "arith-cot", "version": VERSIONS["arith-cot"], "kind": "generate", "metric": "answer",
+                       "description": "arithmetic with written-out steps (8 categories x 40); greedy, chat "
+                       "template, the one 'Answer:' line after </think> must equal the answer",
+                       "max_tokens": 320, "stop": [], "chat": True}, arith_cot_items()),
     }
 
 

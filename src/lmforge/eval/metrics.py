@@ -84,9 +84,22 @@ def extract_answer(output: str, pattern: str) -> str | None:
 
 
 def score_output(output: str, answer: str, metric: str, pattern: str) -> tuple[float, str | None]:
-    """(1.0 or 0.0, the answer the output gives) under `exact_match` or `regex`."""
+    """(1.0 or 0.0, the answer the output gives) under `exact_match`, `regex` or `answer` (the
+    reasoning format's one answer line, `lmforge.eval.reasoning`: the extractor rewards use too)."""
+    if metric == "answer":
+        from lmforge.eval import reasoning
+
+        given = reasoning.extract_answer(output)
+        return float(reasoning.answers_match(given, answer)), given
     given = normalize_answer(output) if metric == "exact_match" else extract_answer(output, pattern)
     return float(given is not None and given == normalize_answer(answer)), given
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Chen et al. (2021)'s unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def choice_predictions(loglikelihoods: Sequence[float], choices: Sequence[str]) -> tuple[int, int]:

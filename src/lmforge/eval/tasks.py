@@ -43,16 +43,44 @@ def run_perplexity(suite: Suite, backend: Backend) -> TaskResult:
 
 
 def run_generate(suite: Suite, backend: Backend) -> TaskResult:
-    cfg = suite.settings
-    outputs = backend.generate([it["prompt"] for it in suite.items], max_tokens=cfg["max_tokens"],
-                               stop=cfg["stop"], temperature=0.0)
+    """Greedy (samples 1) or k samples at `temperature` per item. Metrics: the primary accuracy (greedy:
+    the one output; k samples: pass@1, the mean over samples), `pass@k` and `maj@k` (the most common
+    extracted answer is right) when k > 1, and `acc/<category>` for items that carry a category."""
+    cfg, k = suite.settings, suite.settings["samples"]
+    extra = {"chat": True} if cfg["chat"] else {}  # backends without chat support keep working
+    sampled = k > 1 or cfg["temperature"] > 0
+    outputs = backend.generate([it["prompt"] for it in suite.items], max_tokens=cfg["max_tokens"], stop=cfg["stop"],
+                               temperature=cfg["temperature"] if sampled else 0.0, n=k,
+                               **({"seed": cfg["seed"]} if sampled else {}), **extra)
     samples = []
-    for it, (out, *_) in zip(suite.items, outputs):
-        score, given = M.score_output(out, it["answer"], suite.metric, cfg["answer_regex"])
-        samples.append({"id": it["id"], "prompt": it["prompt"], "target": it["answer"], "output": out,
-                        "extracted": given, "score": score, "failed": score < 1})
+    for it, outs in zip(suite.items, outputs):
+        scored = [M.score_output(o, it["answer"], suite.metric, cfg["answer_regex"]) for o in outs]
+        s = {"id": it["id"], "prompt": it["prompt"], "target": it["answer"], "output": outs[0],
+             "extracted": scored[0][1], "score": M.mean([x for x, _ in scored]), "category": it.get("category")}
+        if k > 1:
+            _, majority = M.agreement([g for _, g in scored])
+            s.update(outputs=outs, extracted_all=[g for _, g in scored],
+                     pass_at_k=M.pass_at_k(k, int(sum(x for x, _ in scored)), k),
+                     maj_at_k=float(majority is not None and majority == _target(suite, it["answer"])))
+        s["failed"] = s["score"] < 1
+        samples.append(s)
     name = "exact_match" if suite.metric == "exact_match" else "acc"
-    return TaskResult({name: _stat([s["score"] for s in samples])}, name, samples)
+    metrics = {name: _stat([s["score"] for s in samples])}
+    if k > 1:
+        metrics[f"pass@{k}"] = _stat([s["pass_at_k"] for s in samples])
+        metrics[f"maj@{k}"] = _stat([s["maj_at_k"] for s in samples])
+    for cat in sorted({s["category"] for s in samples if s["category"] is not None}):
+        metrics[f"{name}/{cat}"] = _stat([s["score"] for s in samples if s["category"] == cat])
+    return TaskResult(metrics, name, samples)
+
+
+def _target(suite: Suite, answer: str) -> str:
+    """The answer key in the form the suite's extractor returns answers."""
+    if suite.metric == "answer":
+        from lmforge.eval.reasoning import normalize_answer
+
+        return normalize_answer(answer)
+    return M.normalize_answer(answer)
 
 
 def run_choice(suite: Suite, backend: Backend) -> TaskResult:

@@ -1,11 +1,11 @@
 """Train a byte-level BPE tokenizer and write it in Hugging Face layout.
 
-What is trained: GPT-4's pre-tokenization regex splits text into words, numbers (up to three
-digits), punctuation runs and whitespace; each piece is mapped to bytes (GPT-2 `ByteLevel`,
-so all 256 bytes are in the vocabulary from the start) and BPE merges are learned on those
-bytes. No normalizer: `decode(encode(s)) == s` for every Unicode string. The five special
-tokens of `special.py` take ids 0..4; `<|reserved_N|>` pad the vocabulary to the exact size
-when the corpus is too small for that many merges.
+What is trained: GPT-4's pre-tokenization regex splits text into words, single digits (GPT-4
+groups up to three; see GPT4_SPLIT_PATTERN), punctuation runs and whitespace; each piece is
+mapped to bytes (GPT-2 `ByteLevel`, so all 256 bytes are in the vocabulary from the start)
+and BPE merges are learned on those bytes. No normalizer: `decode(encode(s)) == s` for every
+Unicode string. The five special tokens of `special.py` take ids 0..4; `<|reserved_N|>` pad
+the vocabulary to the exact size when the corpus is too small for that many merges.
 
 The output folder holds `tokenizer.json`, `tokenizer_config.json` (with the ChatML chat
 template), `special_tokens_map.json`, `config.yaml` (resolved settings) and `record.json`
@@ -33,11 +33,15 @@ from lmforge.tokenizer.chat import CHAT_TEMPLATE
 from lmforge.tokenizer.special import (EOS, IM_END, SPECIAL_TOKENS, SPECIAL_TOKENS_MAP, STOP_TOKENS,
                                        min_vocab_size, reserved_token, round_vocab_size)
 
-# GPT-4's (cl100k_base) split pattern: contractions, letter runs with one leading non-letter,
-# numbers of at most 3 digits (so "2026" is "202"+"6", keeping digit merges few and regular),
-# punctuation runs, newlines, and whitespace that leaves the last space to the next word.
+# GPT-4's (cl100k_base) split pattern with one change: every digit is its own piece (`\p{N}`, as
+# Qwen2's and Llama-1/2's tokenizers do; GPT-4 and Llama-3 group up to 3). Contractions, letter runs
+# with one leading non-letter, punctuation runs, newlines, and whitespace that leaves the last space
+# to the next word are GPT-4's. Why single digits: with groups, "347" and "85" are arbitrary merged
+# tokens whose digits the model never sees, so column arithmetic ("7+5+0=12") cannot be learned from
+# a few thousand examples; with one token per digit every number is spelled the same way and the
+# same digit always has the same id (docs/tokenizer.md, docs/reasoning.md).
 GPT4_SPLIT_PATTERN = (
-    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
     r"""|\s*[\r\n]|\s+(?!\S)|\s+"""
 )
 

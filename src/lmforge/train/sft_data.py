@@ -1,6 +1,9 @@
 """Supervised fine-tuning batches from a chat JSONL file, with loss on assistant tokens only.
 
-Input: one conversation per line, `{"messages": [{"role": ..., "content": ...}, ...]}`. Each
+Input: one conversation per line, `{"messages": [{"role": ..., "content": ...}, ...]}` (an
+assistant message may carry `reasoning_content`, rendered as the chat template does), or one task
+row per line (`prompt`/`answer`/`reasoning`, GSM8K's `question`/`answer` with `#### N`), which
+becomes a user turn and an assistant turn in the reasoning format. Each
 message is tokenized piece by piece in the shape of the ChatML template
 (`<|im_start|>{role}\\n` + content + `<|im_end|>` + `\\n`), so we know exactly which ids are the
 assistant's: its content tokens and its closing `<|im_end|>` carry loss; the header, the `\\n`
@@ -48,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lmforge.tokenizer.chat import message_text
 from lmforge.tokenizer.special import IM_END, IM_START, PAD
 from lmforge.track.io import sha256_file
 
@@ -92,9 +96,11 @@ def parse_messages(line: str, path: str, lineno: int) -> list[dict[str, str]]:
     except json.JSONDecodeError as e:
         raise SFTDataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno}); "
                            'each line must be {"messages": [{"role": ..., "content": ...}, ...]}') from e
+    if isinstance(record, dict) and "messages" not in record and ("prompt" in record or "question" in record):
+        return task_messages(record, f"{path}:{lineno}")
     if not isinstance(record, dict) or "messages" not in record:
         raise _fail(path, lineno, "messages", "missing; each line must be an object with a "
-                    '"messages" list')
+                    '"messages" list (or a task row with prompt/answer)')
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
         raise _fail(path, lineno, "messages", f"must be a non-empty list, got {type(messages).__name__}")
@@ -109,6 +115,8 @@ def parse_messages(line: str, path: str, lineno: int) -> list[dict[str, str]]:
                             f"must be a string, got {type(m[key]).__name__}")
         if not m["role"]:
             raise _fail(path, lineno, f"messages[{i}].role", "is empty")
+        if not isinstance(m.get("reasoning_content", ""), str):
+            raise _fail(path, lineno, f"messages[{i}].reasoning_content", "must be a string")
         for marker in (IM_START, IM_END):
             # Inside content it would be encoded as the control token itself and end the
             # message early (an assistant trained on it would learn to stop mid-reply).
@@ -116,6 +124,23 @@ def parse_messages(line: str, path: str, lineno: int) -> list[dict[str, str]]:
                 raise _fail(path, lineno, f"messages[{i}]", f"contains the control token {marker}; "
                             "remove or escape it")
     return messages
+
+
+def task_messages(record: dict, where: str) -> list[dict[str, str]]:
+    """A task row (prompt/answer + reasoning, or GSM8K's question/'#### N') as a user turn and an
+    assistant turn in the reasoning format (`lmforge.eval.reasoning`)."""
+    from lmforge.data.synth import TaskFileError, parse_task
+    from lmforge.eval.reasoning import DEFAULT_FORMAT
+
+    try:
+        task = parse_task(record, where)
+    except TaskFileError as e:
+        raise SFTDataError(str(e)) from None
+    if not task["reasoning"]:
+        raise SFTDataError(f"{where}: field 'reasoning' is missing or empty; SFT on a task row needs the "
+                           "steps (GSM8K: the text before '####')")
+    content = DEFAULT_FORMAT.render(task["reasoning"], task["answer"])
+    return [{"role": "user", "content": task["prompt"]}, {"role": "assistant", "content": content}]
 
 
 def _encode_conversation(messages: list[dict[str, str]], encode, im_start: int, im_end: int) -> _Conversation:
@@ -126,7 +151,7 @@ def _encode_conversation(messages: list[dict[str, str]], encode, im_start: int, 
     newline = encode("\n")
     for m in messages:
         header = [im_start] + encode(m["role"] + "\n")
-        body = encode(m["content"]) + [im_end]
+        body = encode(message_text(m)) + [im_end]
         learn = m["role"] == LOSS_ROLE
         ids += header + body + newline
         mask += [False] * len(header) + [learn] * len(body) + [False] * len(newline)
