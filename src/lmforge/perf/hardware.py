@@ -65,6 +65,59 @@ DATASHEET_TFLOPS: dict[str, tuple[float, float | None, float | None, float | Non
 }
 _DTYPE_COLUMN = {"float32": 0, "tf32": 1, "bfloat16": 2, "float16": 3}
 
+# Memory bandwidth (GB/s), memory (GB) and GPU-to-GPU interconnect (GB/s per direction: NVLink
+# where the part has it, else PCIe) per GPU, with the document each row comes from. NVLink
+# figures in datasheets are bidirectional totals and are halved here; PCIe Gen4 x16 is 32 GB/s
+# per direction, Gen5 x16 64 GB/s (PCI-SIG).
+DATASHEET_MEMORY: dict[str, tuple[float, float, float, str]] = {
+    "A100": (2039, 80, 300, "A100 datasheet (r4), SXM4 80GB: 2,039 GB/s HBM2e, NVLink 600 GB/s"),
+    "A100 SXM4 40GB": (1555, 40, 300, "A100 datasheet (r4), SXM4 40GB: 1,555 GB/s HBM2"),
+    "A100 PCIE 40GB": (1555, 40, 32, "A100 datasheet (r4), PCIe 40GB: 1,555 GB/s; PCIe Gen4"),
+    "A100 80GB PCIE": (1935, 80, 32, "A100 datasheet (r4), PCIe 80GB: 1,935 GB/s; PCIe Gen4"),
+    "A100 PCIE": (1935, 80, 32, "A100 datasheet (r4), PCIe 80GB: 1,935 GB/s; PCIe Gen4"),
+    "H100": (3350, 80, 450, "H100 datasheet, SXM: 3.35 TB/s HBM3, NVLink 900 GB/s"),
+    "H100 SXM": (3350, 80, 450, "H100 datasheet, SXM: 3.35 TB/s HBM3, NVLink 900 GB/s"),
+    "H100 PCIE": (2000, 80, 64, "H100 datasheet, PCIe: 2 TB/s HBM2e; PCIe Gen5"),
+    "H100 NVL": (3900, 94, 300, "H100 datasheet, NVL: 3.9 TB/s, NVLink bridge 600 GB/s"),
+    "H200": (4800, 141, 450, "H200 datasheet, SXM: 4.8 TB/s HBM3e, 141 GB, NVLink 900 GB/s"),
+    "H200 NVL": (4800, 141, 450, "H200 datasheet, NVL: 4.8 TB/s, NVLink bridge 900 GB/s"),
+    "GH200": (4000, 96, 450, "GH200 datasheet: 4 TB/s HBM3 96 GB, NVLink 900 GB/s"),
+    "L4": (300, 24, 32, "L4 datasheet: 300 GB/s GDDR6; PCIe Gen4"),
+    "L40": (864, 48, 32, "L40 datasheet: 864 GB/s GDDR6; PCIe Gen4"),
+    "L40S": (864, 48, 32, "L40S datasheet: 864 GB/s GDDR6; PCIe Gen4"),
+    "A10": (600, 24, 32, "A10 datasheet: 600 GB/s GDDR6; PCIe Gen4"),
+    "A10G": (600, 24, 32, "A10 datasheet (A10G: AWS part, A10 figures as upper bound)"),
+    "T4": (320, 16, 16, "T4 datasheet: 320 GB/s GDDR6; PCIe Gen3 x16"),
+    "V100": (900, 32, 150, "V100 datasheet, SXM2: 900 GB/s HBM2, NVLink 300 GB/s"),
+    "V100 PCIE": (900, 32, 16, "V100 datasheet, PCIe: 900 GB/s; PCIe Gen3"),
+    "V100S": (1134, 32, 16, "V100S datasheet: 1,134 GB/s; PCIe Gen3"),
+    "RTX 3090": (936, 24, 32, "GA102 whitepaper, RTX 3090: 936 GB/s GDDR6X; PCIe Gen4"),
+    "RTX 4090": (1008, 24, 32, "Ada whitepaper, RTX 4090: 1,008 GB/s GDDR6X; PCIe Gen4"),
+    "RTX A6000": (768, 48, 56, "GA102 whitepaper, RTX A6000: 768 GB/s; NVLink bridge 112 GB/s"),
+    "RTX 6000 ADA": (960, 48, 32, "Ada whitepaper, RTX 6000 Ada: 960 GB/s; PCIe Gen4"),
+    "B200": (8000, 180, 900, "HGX B200 spec sheet ÷ 8: 8 TB/s HBM3e, 180 GB, NVLink 1.8 TB/s"),
+}
+
+
+def _longest_key(gpu_name: str, table: dict) -> str | None:
+    words = _normalize_gpu_name(gpu_name).split()
+    hits = [k for k in table if _contains_tokens(words, k.split())]
+    return max(hits, key=len) if hits else None
+
+
+def datasheet_spec(gpu_name: str) -> dict | None:
+    """Peaks, bandwidth, memory and interconnect of a GPU from the datasheet tables (the fields of
+    `perf.estimate.Device`), or None when the GPU is not in them."""
+    key = _longest_key(gpu_name, DATASHEET_TFLOPS)
+    mem_key = _longest_key(gpu_name, DATASHEET_MEMORY)
+    if key is None:
+        return None
+    peaks = {d: (t * 1e12 if t else None) for d, t in zip(_DTYPE_COLUMN, DATASHEET_TFLOPS[key])}
+    bw, mem, link, source = DATASHEET_MEMORY[mem_key] if mem_key else (None, None, None, "")
+    return {"name": key, "peaks": peaks, "bandwidth": bw * 1e9 if bw else None, "memory": mem * 1e9 if mem else None,
+            "interconnect": link * 1e9 if link else None,
+            "source": source or "NVIDIA datasheet (peaks only)", "kind": "cuda"}
+
 
 class NoPeakError(RuntimeError):
     """No trustworthy peak for this device/dtype; the message says what to run."""
