@@ -33,6 +33,10 @@ def test_doctor_exits_zero_prints_table_and_writes_profile(doctor_run):
     assert "engine cpu kernels" in proc.stdout
     profile = json.loads(out.read_text())
     assert profile["devices"]["cpu"]["peak_flops"]["float32"] > 0
+    bw = profile["devices"]["cpu"]["mem_bandwidth"]
+    # STREAM triad moves 3 arrays and copy 2: both measured, and a plausible DRAM figure (> 0.1 GB/s).
+    assert bw["copy"] > 1e8 and bw["triad"] > 1e8 and "bandwidth cpu" in proc.stdout
+    assert profile["devices"]["cpu"]["memory_bytes"] > 2**30
     assert profile["cpu_count"] >= 1 and profile["torch_threads"] >= 1 and profile["torch_version"]
     assert profile["measured_at"] and profile["how"]
 

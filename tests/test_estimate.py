@@ -157,3 +157,37 @@ def test_device_spec_from_profile_and_errors():
     with pytest.raises(ValueError, match="unknown device"):
         E.device_spec("TPU v9")
     assert E.device_spec("NVIDIA A100-SXM4-40GB").bandwidth == 1555e9
+
+
+def test_cli_estimate_prints_arithmetic_and_json(tmp_path):
+    """As users run it: the console script, one subprocess; the other verbs in process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from lmforge.cli import app
+
+    exe = str(Path(sys.executable).with_name("lmforge"))
+    proc = subprocess.run([exe, "estimate", "memory", "llama-7b", "--mode", "full", "--json", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    terms = {t["name"]: t for t in json.loads(proc.stdout)["terms"]}
+    assert terms["optimizer state"]["formula"].endswith("× 8 B (adamw)")
+    assert (tmp_path / "estimate.json").is_file() and "model states" in (tmp_path / "estimate.md").read_text()
+    runner = CliRunner()
+    for args in (["kv", "llama3-8b", "--budget-gb", "40"], ["intensity", "qwen2.5-1.5b"],
+                 ["roofline", "llama3-8b", "--device", "A100"], ["throughput", "llama3-8b", "--device", "H100"],
+                 ["mfu", "llama3-8b", "--tokens-per-s", "3000", "--device", "A100"],
+                 ["comm", "llama3-8b", "--dp", "8", "--tp", "2"], ["quant", "qwen2.5-7b"],
+                 ["memory", "llama-7b", "--mode", "lora", "--batch", "4", "--grad-ckpt", "--device", "RTX 4090"]):
+        res = runner.invoke(app, ["estimate", *args])
+        assert res.exit_code == 0, (args, res.output)
+        assert "×" in res.output or "/" in res.output, args  # the arithmetic is printed
+    res = runner.invoke(app, ["estimate", "memory", "llama-7b", "--mode", "lora", "--grad-ckpt", "--device", "RTX 4090"])
+    assert "- fits: needs" in res.output
+    res = runner.invoke(app, ["estimate", "memory", "llama-7b", "--mode", "lora", "--device", "RTX 4090"])
+    assert "does NOT fit" in res.output
+    res = runner.invoke(app, ["estimate", "memory", "no-such-model"])
+    assert res.exit_code == 2 and "not a preset" in res.output

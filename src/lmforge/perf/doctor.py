@@ -3,8 +3,9 @@
 It checks the Python stack (torch, transformers, tokenizers, safetensors, numpy), the
 accelerator (CUDA; MPS when present) and bf16 support, then *measures* the dense matmul peak
 per dtype (square matmuls, FLOPs = 2·n³, warm-up, best of several timed runs, CUDA
-synchronized) and saves it as the hardware profile that `perf.hardware.peak_flops` and every
-MFU figure read on CPU. It knows nothing about models, data or runs.
+synchronized) and the memory bandwidth (STREAM-like copy and triad on arrays far larger than
+the caches), and saves them as the hardware profile that `perf.hardware.peak_flops`, every MFU
+figure and the roofline of `lmforge estimate` read on CPU. It knows nothing about models, data or runs.
 
     python -m lmforge.perf.doctor [--quick] [--out PATH]
 """
@@ -128,6 +129,59 @@ def measure_matmul_flops(device: str, dtype: str, sizes: tuple[int, ...],
     return {"flops": best, "n": best_n}
 
 
+def measure_bandwidth(device: str = "cpu", n: int = 64 * 2**20, repeats: int = 5) -> dict:
+    """Best bytes/s of STREAM's copy (b = a: 2 arrays moved) and triad (a = b + s·c: 3 arrays)
+    over float32 arrays of `n` elements (64 Mi = 256 MB each by default: far past any L3).
+
+    As in McCalpin's STREAM, bytes count what the kernel must read and write, not the
+    write-allocate reads a CPU adds, so the figure is the bandwidth a streaming kernel sees.
+    """
+    import torch
+
+    kind = device.split(":")[0]
+    sync = torch.cuda.synchronize if kind == "cuda" else (lambda: None)
+    a = torch.ones(n, device=device)
+    b = torch.full((n,), 2.0, device=device)
+    c = torch.full((n,), 0.5, device=device)
+    kernels = {"copy": (lambda: b.copy_(a), 2), "triad": (lambda: torch.add(b, c, alpha=3.0, out=a), 3)}
+    out: dict = {"n": n, "dtype": "float32"}
+    for name, (fn, arrays) in kernels.items():
+        fn()  # warm-up: page faults, thread pool
+        sync()
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            best = min(best, time.perf_counter() - t0)
+        out[name] = arrays * n * 4 / best
+    del a, b, c
+    return out
+
+
+def memory_total() -> int | None:
+    """Physical memory in bytes (/proc/meminfo MemTotal), None where unreadable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _measure_bandwidth(r: DoctorResult, kind: str, quick: bool) -> dict | None:
+    try:
+        bw = measure_bandwidth(kind, n=(8 if quick else 64) * 2**20, repeats=3 if quick else 5)
+    except Exception as e:  # noqa: BLE001 - out of memory on a small box: the roofline loses an axis, no more
+        r.add(f"bandwidth {kind}", f"failed: {e}"[:80], "warn", "the roofline in `lmforge estimate` needs it")
+        return None
+    r.add(f"bandwidth {kind}", f"copy {bw['copy'] / 1e9:,.1f} GB/s, triad {bw['triad'] / 1e9:,.1f} GB/s "
+                              f"({bw['n'] * 4 / 1e6:.0f} MB arrays)")
+    return bw
+
+
 def _check_stack(r: DoctorResult) -> dict[str, str | None]:
     from importlib import metadata
 
@@ -231,6 +285,9 @@ def run_checks(quick: bool = False) -> DoctorResult:
     for kind, info in devices.items():
         info["peak_flops"] = _measure(r, kind, quick)
         info["sizes"] = list(QUICK_SIZES[kind] if quick else SIZES[kind])
+        if kind in ("cpu", "cuda"):
+            info["mem_bandwidth"] = _measure_bandwidth(r, kind, quick)
+    devices["cpu"]["memory_bytes"] = memory_total()
     primary = "cuda" if cuda else "mps" if "mps" in devices else "cpu"
     r.profile = {
         "schema": 1,
@@ -245,7 +302,8 @@ def run_checks(quick: bool = False) -> DoctorResult:
         "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "quick": quick,
         "how": "best of several timed runs of torch.matmul(n×n, n×n) after a warm-up, FLOPs = 2·n³, "
-               "CUDA synchronized; float32 on CUDA with TF32 off, tf32 with it on",
+               "CUDA synchronized; float32 on CUDA with TF32 off, tf32 with it on; mem_bandwidth: best of "
+               "STREAM copy (2 arrays) and triad (3 arrays) over float32 arrays, bytes = arrays × n × 4",
     }
     return r
 
