@@ -20,7 +20,7 @@ from lmforge.data.commands import app as data_app
 from lmforge.eval.commands import app as eval_app
 from lmforge.parallel.commands import app as parallel_app
 from lmforge.perf import bench_engine
-from lmforge.perf.commands import app as estimate_app
+from lmforge.quant import commands as quant_commands
 from lmforge.serve import commands as serve_commands
 from lmforge.tokenizer.commands import app as tokenizer_app
 from lmforge.track.commands import app as runs_app
@@ -41,6 +41,7 @@ app.add_typer(tokenizer_app, name="tokenizer",
 app.command("train", help=train_commands._TRAIN_HELP)(train_commands.train)
 app.command("export", help="Export a run's checkpoint as a Hugging Face model folder (LoRA merged) "
                            "with its tokenizer.")(train_commands.export)
+app.command("quantize", help=quant_commands.QUANTIZE_HELP)(quant_commands.quantize)
 app.add_typer(runs_app, name="runs", help="List, show and compare run directories (record.json, metrics.jsonl).")
 app.add_typer(eval_app, name="eval", help="Evaluate a model on frozen suites; compare two eval runs.")
 app.add_typer(parallel_app, name="parallel", help="Pipeline-schedule simulator and parallelism strategy scan.")
@@ -67,8 +68,6 @@ def bench_data_cmd(
 
 bench_app.command("engine")(bench_engine.bench_engine)
 app.add_typer(bench_app, name="bench")
-app.add_typer(estimate_app, name="estimate", help="Estimate before measuring: memory, KV cache, intensity, roofline, "
-                                                 "throughput ceiling, MFU, communication, quantized sizes.")
 
 
 @app.command("doctor")

@@ -86,6 +86,14 @@ def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto",
     device = resolve_device(device)
     with torch.device("meta"):
         model = Transformer(config)
+    quantized, stored = [], {}
+    if hf.get("quantization_config"):  # compressed-tensors W8A16/W4A16 (refused otherwise, naming the field)
+        from lmforge.quant.compressed_tensors import (SUFFIXES, decompress_names, install_quantized_linears,
+                                                      read_scheme)
+
+        scheme, ignore = read_scheme(hf)
+        quantized = install_quantized_linears(model, scheme, ignore, torch_dtype)
+        stored = {f"{m}.{s}" for m in quantized for s in SUFFIXES}
     expected = set(model.state_dict())
     state: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
@@ -93,18 +101,23 @@ def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto",
             for name in f.keys():
                 if name.endswith("rotary_emb.inv_freq"):
                     continue  # some old exports saved the RoPE table; we compute it
-                if name not in expected:
+                if name not in expected and name not in stored:
                     raise ValueError(f"{file.name}: unexpected tensor {name!r}; "
                                      f"the checkpoint does not match its config.json")
-                state[name] = f.get_tensor(name).to(device=device, dtype=torch_dtype)
+                t = f.get_tensor(name)
+                cast = t.is_floating_point() and name not in stored  # codes and scales stay as stored
+                state[name] = t.to(device=device, dtype=torch_dtype if cast else None)
+    if quantized:
+        state = decompress_names(state, quantized, scheme, str(path))
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # some exporters save the tied copy as well
         expected.discard("lm_head.weight")
     missing = sorted(expected - set(state))
     if missing:
         raise ValueError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
     for name, t in state.items():
-        want = model.get_parameter(name).shape
+        want = shapes[name]
         if t.shape != want:
             raise ValueError(f"{path}: tensor {name} has shape {tuple(t.shape)}, config implies {tuple(want)}")
     model.load_state_dict(state, strict=False, assign=True)

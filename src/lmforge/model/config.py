@@ -120,7 +120,8 @@ class ModelConfig:
         attention_bias = bool(hf.get("attention_bias", False))
         rope_theta, rope_scaling = _read_rope(hf)
         known = {f.name for f in dataclasses.fields(cls)} | {
-            "architectures", "rope_parameters", "attention_bias", "torch_dtype", "dtype", "layer_types"}
+            "architectures", "rope_parameters", "attention_bias", "torch_dtype", "dtype", "layer_types",
+            "quantization_config"}  # the weights' format, not the model's: a dequantized save must not carry it
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -234,10 +235,12 @@ def _refuse_unsupported(hf: dict) -> None:
     for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size"):
         if hf.get(key):
             raise UnsupportedConfigError(key, hf[key], "mixture-of-experts models are not implemented")
-    if hf.get("quantization_config"):
+    if hf.get("quantization_config"):  # the checkpoint loader validates compressed-tensors (lmforge.quant)
         method = hf["quantization_config"].get("quant_method", "?")
-        raise UnsupportedConfigError("quantization_config.quant_method", method,
-                                     "load an unquantized (bf16/fp16/fp32) checkpoint")
+        if method != "compressed-tensors":
+            raise UnsupportedConfigError("quantization_config.quant_method", method,
+                                         "lmforge loads compressed-tensors W8A16/W4A16 folders (`lmforge quantize` "
+                                         "writes them) or unquantized (bf16/fp16/fp32) checkpoints")
     scaling = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if scaling.get("rope_type", scaling.get("type", "default")) == "llama3" and \
             scaling.get("attention_factor") not in (None, 1.0):

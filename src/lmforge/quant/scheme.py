@@ -1,0 +1,117 @@
+"""Weight-only quantization schemes and their math: symmetric round-to-nearest (RTN) per output
+channel (int8) or per group of input columns (int4), and the dense int32 packing of the
+compressed-tensors `pack-quantized` format.
+
+Conventions follow compressed-tensors (so a folder we write dequantizes to the same numbers in
+`transformers` and vLLM): scale = absmax / ((qmax - qmin) / 2), i.e. absmax / 127.5 for int8 and
+absmax / 7.5 for int4; q = clamp(round(w / scale), qmin, qmax); w' = q * scale. Packing stores
+element i of a row at bits [i*b, (i+1)*b) of the row's int32 words, as the unsigned value q - qmin.
+This module knows nothing about files, models or kernels.
+
+Shape legend: N output features, K input features, G groups per row (K / group size), W packed
+int32 words per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SCHEME_NAMES = ("w8a16", "w4a16")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    num_bits: int  # 8 or 4
+    group_size: int | None  # None: one scale per output channel
+
+    @property
+    def name(self) -> str:
+        return f"w{self.num_bits}a16"
+
+    @property
+    def qmin(self) -> int:
+        return -(1 << (self.num_bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.num_bits - 1)) - 1
+
+    @property
+    def strategy(self) -> str:
+        return "channel" if self.group_size is None else "group"
+
+    def groups(self, in_features: int) -> int:
+        return 1 if self.group_size is None else in_features // self.group_size
+
+    def check_shape(self, name: str, in_features: int) -> None:
+        if self.group_size is not None and in_features % self.group_size:
+            raise ValueError(f"{name}: {in_features} input features are not a multiple of group size "
+                             f"{self.group_size}; pass --group-size that divides it (e.g. 32)")
+
+    @classmethod
+    def from_name(cls, name: str, group_size: int | None = 128) -> QuantScheme:
+        """w8a16: int8, one scale per output channel; w4a16: int4, one scale per `group_size` inputs."""
+        if name == "w8a16":
+            return cls(8, None)
+        if name == "w4a16":
+            if not group_size or group_size < 8 or group_size % 8:
+                raise ValueError(f"--group-size {group_size}: w4a16 needs a positive multiple of 8 (128 is usual)")
+            return cls(4, group_size)
+        raise ValueError(f"unknown scheme {name!r}; use one of {', '.join(SCHEME_NAMES)}")
+
+
+def compute_scales(w_NK: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype) -> torch.Tensor:
+    """Symmetric scales (N, G) in `scale_dtype`; an all-zero group gets the dtype's eps (no division by 0)."""
+    N, K = w_NK.shape
+    absmax_NG = w_NK.float().reshape(N, scheme.groups(K), -1).abs().amax(-1)
+    scale_NG = (absmax_NG / ((scheme.qmax - scheme.qmin) / 2)).to(scale_dtype)
+    return scale_NG.masked_fill(scale_NG == 0, torch.finfo(scale_dtype).eps)
+
+
+def quantize(w_NK: torch.Tensor, scale_NG: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """int8 codes (N, K) in [qmin, qmax] for given scales (the stored, already-rounded ones)."""
+    N, K = w_NK.shape
+    G = scale_NG.shape[1]
+    q_NGk = torch.round(w_NK.float().reshape(N, G, -1) / scale_NG.float()[..., None])
+    return q_NGk.clamp_(scheme.qmin, scheme.qmax).reshape(N, K).to(torch.int8)
+
+
+def quantize_rtn(w_NK: torch.Tensor, scheme: QuantScheme,
+                 scale_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest: (codes int8 (N, K), scales (N, G))."""
+    scheme.check_shape("weight", w_NK.shape[1])
+    scale_NG = compute_scales(w_NK, scheme, scale_dtype)
+    return quantize(w_NK, scale_NG, scheme), scale_NG
+
+
+def dequantize(q_NK: torch.Tensor, scale_NG: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q * scale in float32, then cast to `dtype`: the reference every kernel is checked against."""
+    N, K = q_NK.shape
+    w_NGk = q_NK.float().reshape(N, scale_NG.shape[1], -1) * scale_NG.float()[..., None]
+    return w_NGk.reshape(N, K).to(dtype)
+
+
+def pack_int32(q_NK: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """Dense packing along K: 32 / num_bits codes per int32 word, element i at bits i*num_bits, stored
+    unsigned (q - qmin); a ragged last word is zero-padded. (N, K) int8 -> (N, W) int32."""
+    per = 32 // num_bits
+    N, K = q_NK.shape
+    u_NK = q_NK.to(torch.int32) + (1 << (num_bits - 1))
+    pad = -K % per
+    if pad:
+        u_NK = torch.nn.functional.pad(u_NK, (0, pad))
+    u_NWp = u_NK.reshape(N, -1, per)
+    packed_NW = torch.zeros(u_NWp.shape[:2], dtype=torch.int32, device=q_NK.device)
+    for i in range(per):  # int32 shifts wrap at bit 31, which is exactly the two's-complement word we want
+        packed_NW |= u_NWp[:, :, i] << (i * num_bits)
+    return packed_NW
+
+
+def unpack_int32(packed_NW: torch.Tensor, num_bits: int, in_features: int) -> torch.Tensor:
+    """Inverse of `pack_int32`: (N, W) int32 -> (N, K) int8 codes."""
+    per, mask = 32 // num_bits, (1 << num_bits) - 1
+    parts = [(packed_NW >> (i * num_bits)) & mask for i in range(per)]  # arithmetic shift, then masked
+    u_NK = torch.stack(parts, dim=-1).reshape(packed_NW.shape[0], -1)[:, :in_features]
+    return (u_NK - (1 << (num_bits - 1))).to(torch.int8)
