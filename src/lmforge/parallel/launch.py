@@ -1,0 +1,73 @@
+"""Local multi-process runs for tests and benchmarks: `run_local(fn, world, *args)` starts `world`
+processes with `multiprocessing` (spawn), joins them in one gloo group, calls
+`fn(rank, world, *args)` in each and returns the values they returned, in rank order.
+
+Under torchrun nothing here is needed: `init_from_env()` joins the group torchrun describes.
+This is the test harness's launcher, not a training launcher (training always goes through
+torchrun). It knows nothing about models.
+
+    from lmforge.parallel.launch import run_local
+    results = run_local(my_module.worker, 4, config)    # worker must be importable (spawn pickles it)
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world: int, port: int, threads: int, out: str, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def run_local(fn: Callable, world: int, *args: Any, threads: int = 1, timeout: float = 600) -> list[Any]:
+    """Run `fn(rank, world, *args)` in `world` fresh processes (gloo, CPU, `threads` torch threads each)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # fork after torch has started its thread pools can hang
+    with tempfile.TemporaryDirectory(prefix="lmforge-launch-") as out:
+        # OMP_NUM_THREADS is read when the child imports torch: set it before the children start
+        old = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        try:
+            port = free_port()
+            procs = [ctx.Process(target=_entry, args=(r, fn, world, port, threads, out, args)) for r in range(world)]
+            for p in procs:
+                p.start()
+        finally:
+            if old is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = old
+        for p in procs:
+            p.join(timeout)
+        failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if failed:
+            raise RuntimeError(f"run_local({getattr(fn, '__name__', fn)}): ranks {failed} (rank, exit code) failed; "
+                               f"their traceback is on stderr above")
+        return [pickle.loads(Path(out, f"rank{r}.pkl").read_bytes()) for r in range(world)]
