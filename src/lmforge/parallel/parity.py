@@ -91,3 +91,20 @@ def pp_worker(rank: int, world: int, spec: Spec) -> dict:
         out[name] = {"loss": res.loss_sum, "events": res.events,
                      "grads": {k: p.grad.clone() for k, p in stage.full_named_parameters()}}
     return out
+
+
+def tp_worker(rank: int, world: int, spec: Spec, group=None) -> dict:
+    """Tensor parallelism over `group` (default: all ranks): logits, loss, unsharded gradients and the
+    all-reduce payload bytes per layer of one forward + backward of the whole batch."""
+    from .tensor import apply_tensor_parallel, full_grads
+
+    model, batch = make_model(spec), make_batch(spec)
+    counter = apply_tensor_parallel(model, group)
+    n = int((batch["labels"] != IGNORE).sum())
+    logits = model(batch["input_ids"], doc_ids=batch["doc_ids"])
+    fwd_bytes = counter.per_layer()
+    loss = loss_sum(logits, batch["labels"]) / n
+    loss.backward()
+    return {"loss": float(loss.detach()), "logits": logits.detach(), "grads": full_grads(model, group),
+            "fwd_bytes_per_layer": fwd_bytes, "bytes_per_layer": counter.per_layer(),
+            "bytes_by_kind": dict(counter.bytes), "calls_by_kind": dict(counter.calls)}
