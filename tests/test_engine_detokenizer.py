@@ -145,3 +145,43 @@ def test_prompt_context_does_not_leak_into_output(tok):
     ids = tok.encode(" writes 世界")
     deltas, _, detok = stream(tok, ids, SamplingParams(), prompt)
     assert "".join(deltas) == detok.text == " writes 世界"
+
+
+def _naive_first_match(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """(start, stop) of the earliest match, first listed on a tie: the specification."""
+    found = [(text.find(s), k, s) for k, s in enumerate(stops) if s in text]
+    return min(found)[::2] if found else None
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(st.text(alphabet="abc", max_size=6), max_size=8),
+       stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=5), min_size=1, max_size=4))
+def test_stop_matcher_equals_a_naive_search_over_the_whole_text(pieces, stops):
+    from lmforge.engine.detokenizer import StopMatcher
+
+    m, text = StopMatcher(stops), ""
+    for piece in pieces:
+        got = m.feed(piece)
+        before, text = text, text + piece
+        want = _naive_first_match(text, stops)
+        if got is not None:
+            end, stop = got
+            assert want is not None and (len(before) + end - len(stop), stop) == want
+            return
+        assert want is None  # nothing matched so far
+        held = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        assert m.held_back() == held
+
+
+def test_long_stop_strings_hold_back_their_longest_partial_match():
+    """64 stop strings of 2,000 characters fed one character at a time (the old window search and
+    prefix test did ~10^9 character comparisons here; KMP does ~64 x 400 state updates)."""
+    from lmforge.engine.detokenizer import StopMatcher
+
+    stops = [("ab" * 1000)[:-1] + chr(ord("c") + k % 20) for k in range(64)]
+    m = StopMatcher(stops)
+    for i in range(400):
+        assert m.feed("ab"[i % 2]) is None
+    assert m.held_back() == 400
+    assert m.feed("ab" * 800) is None and m.held_back() == 1998  # "abab...ab" vs "abab...a" + c
+    assert m.feed("ad") == (2, stops[1])  # 1999 characters of "abab...a", then stops[1]'s last one

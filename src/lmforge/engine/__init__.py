@@ -6,12 +6,12 @@
 See docs/engine.md for the design and the async API the server uses.
 """
 
-from .async_engine import AsyncLLMEngine
+from .async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError
 from .config import EngineConfig
 from .core_process import ProcessAsyncLLMEngine
 from .llm import LLM
 from .llm_engine import CompletionOutput, LLMEngine, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 
-__all__ = ["LLM", "AsyncLLMEngine", "CompletionOutput", "EngineConfig", "LLMEngine", "ProcessAsyncLLMEngine",
+__all__ = ["LLM", "AsyncLLMEngine", "CompletionOutput", "EngineConfig", "EngineDeadError", "EngineStepError", "LLMEngine", "ProcessAsyncLLMEngine",
            "RequestMetrics", "RequestOutput", "SamplingParams"]

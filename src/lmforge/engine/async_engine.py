@@ -6,8 +6,8 @@ waits for a step (it used to take a lock the stepping thread re-took right after
 a burst of requests stalled every stream). The thread sleeps on an event while there is no work.
 Outputs reach each request's `asyncio.Queue` through `loop.call_soon_threadsafe`; `stats()` is a
 snapshot the thread replaces after every step and command (a dict swap: no lock). If a step
-raises, every request that was in flight gets the exception (and is aborted, freeing its blocks);
-the loop keeps serving new ones. Knows nothing about HTTP.
+raises, every request that was in flight gets an `EngineStepError` (and is aborted, freeing its
+blocks; the traceback goes to the log, not to the clients); the loop keeps serving new ones. Knows nothing about HTTP.
 
     engine = AsyncLLMEngine(EngineConfig(model=...))
     async for out in engine.generate("Hello", SamplingParams(max_tokens=16), request_id="r1"):
@@ -18,6 +18,7 @@ the loop keeps serving new ones. Knows nothing about HTTP.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -29,6 +30,21 @@ from .llm_engine import LLMEngine, RequestOutput
 from .sampling_params import SamplingParams
 
 Sink = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
+log = logging.getLogger("lmforge.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine is gone (shut down, or its process exited): the message names the cause."""
+
+
+class EngineStepError(RuntimeError):
+    """A step raised. Requests are validated at admission, so this is a bug, not the client's fault:
+    every request in that step is aborted with this error, which says nothing about its internals
+    (the traceback goes to the log)."""
+
+    def __init__(self, message: str = "internal error: the engine step failed and this request was aborted; "
+                                      "the server log has the details"):
+        super().__init__(message)
 
 
 class AsyncLLMEngine:
@@ -110,7 +126,7 @@ class AsyncLLMEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
-        error = RuntimeError("AsyncLLMEngine shut down")
+        error = EngineDeadError("AsyncLLMEngine shut down")
         for rid in list(self._sinks):
             self.engine.abort_request(rid)
         self._fail(list(self._sinks), error)
@@ -120,7 +136,7 @@ class AsyncLLMEngine:
 
     def _submit(self, kind: str, request_id: str, payload: Any, done: asyncio.Future | None) -> None:
         if self._stopped:
-            raise RuntimeError("AsyncLLMEngine is shut down")
+            raise EngineDeadError("AsyncLLMEngine is shut down")
         self._inbox.put((kind, request_id, payload, done))
         self._wake.set()
 
@@ -162,12 +178,13 @@ class AsyncLLMEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as e:  # never wedge: fail the requests in flight, free their blocks
+        except Exception:  # never wedge: fail the requests in flight, free their blocks
+            log.exception("engine step failed; aborting the %d requests in flight", len(self.engine.requests))
             ids = list(self.engine.requests)
             for rid in ids:
                 self.engine.abort_request(rid)
             self._stats = self.engine.stats()
-            self._fail(ids, e)
+            self._fail(ids, EngineStepError())
             return
         self._stats = self.engine.stats()  # before delivering: a finished request sees its blocks freed
         batches: Batches = {}  # one wake-up per loop per step, not per request

@@ -15,7 +15,7 @@ Commands and their replies keep their order (one pipe each way); a batch carries
 commands applied since the last one, the outputs of one step and a stats snapshot taken after it,
 so `stats()` already shows an abort's blocks freed when `abort()` returns. The child ignores SIGINT
 (the parent decides when to stop), exits when the parent goes away, and if it dies every request
-in flight gets a RuntimeError. The public surface is `AsyncLLMEngine`'s; `generate()` and `abort()`
+in flight gets an `EngineDeadError` naming the cause (exit code or signal). The public surface is `AsyncLLMEngine`'s; `generate()` and `abort()`
 are inherited unchanged. Knows nothing about HTTP.
 """
 
@@ -31,11 +31,13 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 from typing import Any
 
-from .async_engine import AsyncLLMEngine, Batches, Sink, _resolve, post_batches, route_outputs
+from .async_engine import (AsyncLLMEngine, Batches, EngineDeadError, EngineStepError, Sink, _resolve, post_batches,
+                           route_outputs)
 from .config import EngineConfig
 from .llm_engine import load_tokenizer
 
@@ -89,7 +91,7 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
             if self._proc.poll() is not None:
                 break
         self._kill()
-        return "error", RuntimeError(f"the engine process exited while loading (exit code {self._proc.returncode})")
+        return "error", EngineDeadError(f"the engine process exited while loading ({exit_cause(self._proc.returncode)})")
 
     def _kill(self) -> None:
         if self._proc.poll() is None:
@@ -126,9 +128,9 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
 
     def _submit(self, kind: str, request_id: str, payload: Any, done: asyncio.Future | None) -> None:
         if self._stopped:
-            raise RuntimeError("AsyncLLMEngine is shut down")
+            raise EngineDeadError("AsyncLLMEngine is shut down")
         if self._dead is not None:
-            raise RuntimeError(f"the engine process is gone: {self._dead}")
+            raise EngineDeadError(str(self._dead))
         cid = next(self._ids)
         with self._lock:
             self._pending[cid] = done
@@ -190,8 +192,8 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
             self._proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
-        error = RuntimeError("AsyncLLMEngine shut down" if self._stopped else
-                             f"the engine process exited (exit code {self._proc.returncode})")
+        error = EngineDeadError("AsyncLLMEngine shut down" if self._stopped else
+                                f"the engine process exited ({exit_cause(self._proc.returncode)})")
         self._dead = error
         with self._lock:
             sinks, pending = list(self._sinks.values()), list(self._pending.values())
@@ -218,6 +220,16 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
             self._kill()
         self._receiver.join(timeout=10)
         self._cmd_send.close()
+
+
+def exit_cause(returncode: int | None) -> str:
+    """'exit code 3' or 'killed by SIGKILL' (a negative return code is the signal's number)."""
+    if returncode is not None and returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
 
 
 def _pythonpath() -> str:
@@ -290,11 +302,12 @@ def _core_main(config: EngineConfig, cmd_conn, out_conn, parent_pid: int) -> Non
         if engine.has_unfinished_requests():
             try:
                 outputs = engine.step()
-            except Exception as e:  # never wedge: fail the requests in flight, free their blocks
+            except Exception:  # never wedge: fail the requests in flight, free their blocks
+                traceback.print_exc()  # the server's stderr; the clients get no internals
                 ids = list(engine.requests)
                 for r in ids:
                     engine.abort_request(r)
-                replies.append(("failed", -1, ids, _picklable(e)))
+                replies.append(("failed", -1, ids, EngineStepError()))
         if replies or outputs:
             try:
                 out_conn.send(("batch", replies, outputs, engine.stats()))

@@ -39,6 +39,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._emitted = 0  # characters of self.text already returned by step/flush
         self._finished = False
+        self._stops = StopMatcher(sampling_params.stop) if sampling_params.stop else None
 
     def step(self, new_token_ids: list[int]) -> tuple[str, bool]:
         """Add tokens; return (text safe to stream now, whether a stop string matched)."""
@@ -83,30 +84,73 @@ class IncrementalDetokenizer:
             return False
         start = len(self.text)
         self.text += new_text
-        best: tuple[int, str] | None = None
-        for stop in self.params.stop:
-            # A match must end inside the new text; earlier ones would have been caught before.
-            i = self.text.find(stop, max(start - len(stop) + 1, 0))
-            if i != -1 and (best is None or i < best[0]):
-                best = (i, stop)
-        if best is None:
+        match = self._stops.feed(new_text) if self._stops else None
+        if match is None:
             return False
-        i, self.stop_str = best
+        end, self.stop_str = match  # end: where the match ends, counted from the start of new_text
+        i = start + end - len(self.stop_str)
         self.text = self.text[: i + len(self.stop_str) if self.params.include_stop_str_in_output else i]
         self._finished = True
         return True
 
     def _held_back(self) -> int:
         """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        held = 0
-        for stop in self.params.stop:
-            for k in range(min(len(stop) - 1, len(self.text)), held, -1):
-                if self.text.endswith(stop[:k]):
-                    held = k
-                    break
-        return held
+        return self._stops.held_back() if self._stops else 0
 
     def _take(self, end: int) -> str:
         end = max(end, self._emitted)
         delta, self._emitted = self.text[self._emitted:end], end
         return delta
+
+
+class StopMatcher:
+    """Finds stop strings in text that arrives in pieces, in time linear in the text.
+
+    One Knuth-Morris-Pratt automaton per stop string: its state is the length of the longest
+    suffix of the text so far that is a prefix of that stop string, updated per character in
+    amortized O(1). So a new piece of c characters costs O(c * number of stops), whatever the
+    lengths of the stops, and `held_back` (how much to withhold from a stream because it may yet
+    become a stop) is a max over the states. Re-searching a window and testing every prefix of
+    every stop at each token instead costs O(sum of len(stop)**2) per token, which a request with
+    many long stop strings turned into seconds per step for everyone sharing the batch.
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = list(stops)
+        self._fail = [_failure(s) for s in self.stops]
+        self._state = [0] * len(self.stops)
+
+    def feed(self, text: str) -> tuple[int, str] | None:
+        """Consume `text`; return (end offset within `text`, stop) of the match that starts first
+        among those completing inside it (the first listed on a tie), or None."""
+        best: tuple[int, int, str] | None = None  # (start, end, stop)
+        for k, stop in enumerate(self.stops):
+            fail, q, n = self._fail[k], self._state[k], len(stop)
+            for j, ch in enumerate(text):
+                while q and stop[q] != ch:
+                    q = fail[q - 1]
+                if stop[q] == ch:
+                    q += 1
+                if q == n:
+                    begin = j + 1 - n
+                    if best is None or begin < best[0]:
+                        best = (begin, j + 1, stop)
+                    q = fail[q - 1]
+                    break
+            self._state[k] = q
+        return None if best is None else (best[1], best[2])
+
+    def held_back(self) -> int:
+        return max(self._state, default=0)
+
+
+def _failure(pattern: str) -> list[int]:
+    """KMP failure function: fail[i] = length of the longest proper border of pattern[:i + 1]."""
+    fail, q = [0] * len(pattern), 0
+    for i in range(1, len(pattern)):
+        while q and pattern[i] != pattern[q]:
+            q = fail[q - 1]
+        if pattern[i] == pattern[q]:
+            q += 1
+        fail[i] = q
+    return fail

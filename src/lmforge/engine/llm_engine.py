@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,6 +107,16 @@ def _eos_token_ids(model_dir: Path, model: Transformer, tokenizer) -> set[int]:
     return ids
 
 
+def _token_ids(prompt) -> list[int]:
+    """Python ints from a list of ints (numpy's and torch's integers too); a bool or a float is refused."""
+    try:
+        if any(isinstance(t, bool) for t in prompt):
+            raise TypeError
+        return [operator.index(t) for t in prompt]
+    except TypeError:
+        raise ValueError("prompt token ids must be integers") from None
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -120,11 +131,9 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(model_dir, self.model, self.tokenizer)
         num_blocks = config.num_kv_blocks or self._num_blocks_from_budget()
         self.model_runner = ModelRunner(self.model, num_blocks, config.block_size, config.attention == "reference",
-                                        config.pack_weights, config.cpu_kernels)
-        # the torch attention on CPU reads a sequence whose blocks are one run in place: allocate for
-        # that (the C decode kernel reads any block table, so it needs no such scan per admission)
-        runs = (self.model_runner_device().type == "cpu" and config.attention == "fast"
-                and self.model_runner.attn.kernels is None)
+                                        config.pack_weights, config.cpu_kernels, config.kv_cache_dtype)
+        # the attention backend says which allocation it reads fastest (one run of blocks per sequence)
+        runs = config.attention == "fast" and self.model_runner.attn.contiguous_runs
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, runs)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(sorted(self.eos_token_ids))
@@ -132,13 +141,15 @@ class LLMEngine:
         self.counters = dict(steps=0, tokens_processed=0, kv_util_sum=0.0)
         self.timings = dict.fromkeys(("schedule", "sample", "postprocess", "detokenize"), 0.0)  # seconds
         r = self.model_runner
-        log.info("engine ready: %s, %s on %s; %d KV blocks of %d tokens (%.1f MiB); attention: %s; "
-                 "%d packed linears, %d fused modules", model_dir, r.dtype, r.device, num_blocks, config.block_size,
-                 num_blocks * kv_bytes_per_block(self.model, config.block_size) / 2**20, r.attention_backend,
-                 r.packed_linears, r.fused_modules)
+        log.info("engine ready: %s, %s on %s; weights %.1f MiB (linear: %s); %d KV blocks of %d tokens "
+                 "(%.1f MiB, %d B/token, %s, %d tokens); attention: %s; %d packed linears, %d fused modules",
+                 model_dir, r.dtype, r.device, r.weight_bytes / 2**20, r.linear_backend, num_blocks, config.block_size,
+                 num_blocks * r.attn.bytes_per_block / 2**20, r.attn.bytes_per_block // config.block_size,
+                 config.kv_cache_dtype, num_blocks * config.block_size, r.attention_backend, r.packed_linears,
+                 r.fused_modules)
 
     def _num_blocks_from_budget(self) -> int:
-        per_block = kv_bytes_per_block(self.model, self.config.block_size)
+        per_block = kv_bytes_per_block(self.model, self.config.block_size, self.config.kv_cache_dtype)
         budget = self.config.kv_cache_memory_bytes
         if budget is None and self.model_runner_device().type == "cuda":
             budget = int(torch.cuda.mem_get_info()[0] * 0.9)
@@ -164,6 +175,10 @@ class LLMEngine:
             raise ValueError("prompt_logprobs is not supported by lmforge's engine yet (it would need the logits "
                              "of every prompt position, which chunked prefill and the prefix cache skip); "
                              "omit it, or score the prompt with lmforge.model.Transformer directly")
+        V = self.vocab_size
+        if any(t >= V for t in params.stop_token_ids):  # they index the logits (min_tokens masks them)
+            raise ValueError(f"SamplingParams.stop_token_ids={[t for t in params.stop_token_ids if t >= V][:5]}: "
+                             f"token ids must be below the vocabulary size ({V})")
         text, ids = self._tokenize(prompt)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         if len(ids) + max_tokens > self.max_model_len:
@@ -191,7 +206,7 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt)
             text = prompt
         else:
-            ids, text = [int(t) for t in prompt], None
+            ids, text = _token_ids(prompt), None
             V = self.model.config.vocab_size
             if any(not 0 <= t < V for t in ids):
                 raise ValueError(f"prompt token ids must be in [0, {V}): got {[t for t in ids if not 0 <= t < V][:5]}")
@@ -338,8 +353,16 @@ class LLMEngine:
                     kv_util_sum=c["kv_util_sum"], tokens_processed=c["tokens_processed"],
                     running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                     num_requests_running=len({s.request_id for s in self.scheduler.running}),
+                    **self.memory_stats(),
                     num_requests_waiting=len({s.request_id for s in self.scheduler.waiting}
                                              - {s.request_id for s in self.scheduler.running}))
+
+    def memory_stats(self) -> dict:
+        """What the chosen schemes cost: weight bytes, KV bytes per token, pool capacity in tokens."""
+        r, bs = self.model_runner, self.config.block_size
+        return dict(weight_bytes=r.weight_bytes, linear_backend=r.linear_backend, attention_backend=r.attention_backend,
+                    kv_cache_dtype=self.config.kv_cache_dtype, kv_bytes_per_token=r.attn.bytes_per_block // bs,
+                    kv_pool_tokens=self.block_manager.num_blocks * bs)
 
     # ---- what callers may read -------------------------------------------------------------------
 

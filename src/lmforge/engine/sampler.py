@@ -46,6 +46,7 @@ def make_generator(seed: int | None, index: int, device: torch.device | str) -> 
     """
     if seed is None:
         return None
+    # a 64-bit signed seed (SamplingParams checks it) plus index < n stays in torch's range
     return torch.Generator(device=device).manual_seed(seed + index)
 
 

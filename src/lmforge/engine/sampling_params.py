@@ -1,14 +1,23 @@
 """`SamplingParams`: how one request is decoded. Field names and defaults follow vLLM's.
 
 Validation happens here, once, with messages that name the field, so the server can turn a
-`ValueError` into an OpenAI-style 400 and the engine never sees an invalid request.
+`ValueError` into an OpenAI-style 400 and the engine never sees an invalid request: types (a bool
+is not a token id), finiteness (no NaN or inf penalty), ranges (a seed fits 64 bits). What needs
+the model (token ids below the vocabulary size) is checked by `LLMEngine.add_request`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+# Below this a temperature is greedy, as in vLLM (_SAMPLING_EPS): logits / 1e-46 overflow float32
+# to inf and the softmax turns into NaN, so "almost zero" must mean "zero", not garbage.
+GREEDY_EPS = 1e-5
+INT64 = (-(2**63), 2**63 - 1)
+_INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 @dataclass
@@ -41,9 +50,26 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check_types()
         if self.top_k == -1:
             self.top_k = 0
+        if 0 < self.temperature < GREEDY_EPS:
+            self.temperature = 0.0
         self._validate()
+
+    def _check_types(self) -> None:
+        """Integers are ints (not bools, which Python counts as ints), floats are finite numbers: a
+        value that passes here can never overflow or poison a batched tensor in the engine step."""
+        for name in _INT_FIELDS:
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"SamplingParams.{name}={v!r}: must be an integer")
+        for name in _FLOAT_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"SamplingParams.{name}={v!r}: must be a finite number")
+        if self.seed is not None and not INT64[0] <= self.seed <= INT64[1]:
+            raise ValueError(f"SamplingParams.seed={self.seed!r}: must be a 64-bit signed integer")
 
     def _validate(self) -> None:
         checks = [
@@ -64,8 +90,8 @@ class SamplingParams:
              "must be in [0, 20]"),
             ("output_kind", self.output_kind in OUTPUT_KINDS, f"must be one of {', '.join(OUTPUT_KINDS)}"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-             "must be non-negative token ids"),
+            ("stop_token_ids", all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64[1]
+                                   for t in self.stop_token_ids), "must be non-negative token ids"),
         ]
         for name, ok, why in checks:
             if not ok:
