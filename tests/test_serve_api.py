@@ -283,8 +283,10 @@ def test_api_key_and_full_queue(engine):
         assert httpx.get(srv.url + "/health").status_code == 200  # probes need no key
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekrit", max_retries=0)
         assert [m.id for m in c.models.list().data] == [MODEL]
-        with pytest.raises(openai.RateLimitError):
+        # --max-waiting 0 admits nothing: a request that can never fit is a 400, not "retry later"
+        with pytest.raises(openai.BadRequestError) as e:
             c.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert e.value.code == "too_many_sequences"
 
 
 def test_503_until_the_engine_is_loaded(engine):

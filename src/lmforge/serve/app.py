@@ -12,8 +12,16 @@ What the HTTP layer does, and why it is here rather than in the engine:
 * it aborts a request whose client went away: Starlette cancels a stream's body iterator on
   disconnect, and leaving `AsyncLLMEngine.generate` early aborts the request and frees its KV
   blocks; non-streamed requests are watched for a disconnect the same way (`_unless_disconnected`);
-* admission control: with `max_waiting`, a request is refused with 429 while that many engine
-  requests are submitted but have not produced a token yet (counted here).
+* admission control: with `max_waiting`, a request is refused with 429 while that many sequences
+  (prompts x n) are admitted but have not produced a token yet, and with 400 when it alone needs
+  more (counted here, checked and reserved in one synchronous step: `guard.Admission`);
+* limits before work (`guard.py`): the API key from the headers before the body is read, a body
+  size limit and a read timeout, a length check that refuses an oversized prompt without
+  tokenizing it; tokenization and chat rendering run on a worker thread, never on the event loop;
+* failure: an engine that dies is restarted (up to `max_engine_restarts`, counted in /metrics),
+  then the server stops with a non-zero exit; `/health/live` and `/health/ready` answer the two
+  probes a supervisor asks; at shutdown every request still running is aborted before the
+  listener's grace period ends, so each stream ends with `finish_reason: "abort"` and `[DONE]`.
 
 It knows nothing about scheduling, sampling or KV paging. Run: `lmforge serve MODEL_DIR`.
 """
@@ -24,17 +32,21 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lmforge.engine import AsyncLLMEngine, RequestOutput, SamplingParams
+from lmforge.engine import AsyncLLMEngine, EngineDeadError, EngineStepError, RequestOutput, SamplingParams
 
-from .errors import OpenAIError, bad_request, from_value_error, install_error_handlers
+from .errors import OpenAIError, bad_request, document_errors, from_value_error, install_error_handlers
+from .guard import Admission, GuardMiddleware, ServerLimits, Ticket, check_text, max_chars_per_token, min_tokens_for
 from .metrics import LoadLogger, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 
@@ -51,16 +63,25 @@ def _sse(obj: Any) -> str:
 
 
 class ServerState:
-    """The engine (None while loading) and what the handlers derive from it once."""
+    """The engine (None while loading or restarting) and what the handlers derive from it once."""
 
-    def __init__(self, served_model_name: str, api_key: str | None, max_waiting: int | None):
-        self.served_model_name, self.api_key, self.max_waiting = served_model_name, api_key, max_waiting
+    def __init__(self, served_model_name: str, api_key: str | None, limits: ServerLimits):
+        self.served_model_name, self.api_key, self.limits = served_model_name, api_key, limits
         self.engine: AsyncLLMEngine | None = None
         self.load_error: BaseException | None = None
+        self.down: str | None = None  # why the engine is not serving (restarting after a crash)
+        self.fatal: str | None = None  # the engine died more often than allowed: the server stops
+        self.closing = False  # shutdown began: no restarts
+        self.restarts = 0
         self.metrics: ServerMetrics | None = None
-        self.num_waiting = 0  # submitted engine requests without a first token yet
+        self.admission = Admission(limits.max_waiting)
+        self.inflight: set[str] = set()  # engine request ids being served, for aborts at shutdown
         self.created = int(time.time())
+        self.max_model_len = 0
         self._token_text: dict[int, str] = {}
+        # one worker: tokenization and template rendering leave the event loop, and a burst of them
+        # queues here instead of multiplying memory
+        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="lmforge-tokenize")
 
     def attach(self, engine: AsyncLLMEngine) -> None:
         self.engine = engine
@@ -68,14 +89,41 @@ class ServerState:
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.vocab_size
         self.model_dir = engine.model_path
-        self.metrics = ServerMetrics(self.served_model_name, self.max_model_len, self.stats)
+        if self.tokenizer is not None:
+            self.chars_per_token = max_chars_per_token(self.tokenizer)
+            specials = sorted(set(getattr(self.tokenizer, "added_tokens_encoder", {}))
+                              | set(self.tokenizer.all_special_tokens), key=len, reverse=True)
+            self.specials = [t for t in specials if t]
+        if self.metrics is None:  # kept across engine restarts: counters go on
+            self.metrics = ServerMetrics(self.served_model_name, self.max_model_len, self.stats)
+        self.down = None
 
     def stats(self) -> dict | None:
         return self.engine.stats() if self.engine is not None else None
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.is_running
+        return self.engine is not None and self.engine.is_running and self.fatal is None
+
+    def not_ready_reason(self) -> str:
+        if self.fatal is not None:
+            return f"the engine failed and is not restarted any more: {self.fatal}"
+        if self.load_error is not None:
+            return f"the model failed to load: {type(self.load_error).__name__}: {self.load_error}"
+        if self.down is not None:
+            return f"the engine is restarting after: {self.down}"
+        if self.engine is not None and not self.engine.is_running:
+            return "the engine is not running"
+        return "the model is still loading"
+
+    async def abort_all(self) -> None:
+        """Abort every engine request being served: each stream then ends with finish_reason "abort"."""
+        eng, ids = self.engine, list(self.inflight)
+        if eng is None or not ids:
+            return
+        log.warning("aborting %d requests still running at shutdown", len(ids))
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*(eng.abort(rid) for rid in ids), return_exceptions=True)
 
     def token_text(self, token_id: int) -> str:
         """Decoded text of one token, for logprobs (cached: the same ids recur constantly)."""
@@ -89,49 +137,64 @@ class ServerState:
 
 
 def build_app(engine: EngineOrLoader, served_model_name: str, api_key: str | None = None,
-              max_waiting: int | None = None, log_interval_s: float = 5.0) -> FastAPI:
+              max_waiting: int | None = None, log_interval_s: float = 5.0,
+              limits: ServerLimits | None = None) -> FastAPI:
     """An app over `engine`. Pass a loader (a callable returning the engine) to answer 503 while the
-    model loads; the app then owns the engine and shuts it down on exit. A ready engine passed in
-    stays the caller's."""
-    state = ServerState(served_model_name, api_key, max_waiting)
+    model loads; the app then owns the engine, restarts it if it dies (`limits.max_engine_restarts`
+    times) and shuts it down on exit. A ready engine passed in stays the caller's."""
+    limits = limits or ServerLimits()
+    if max_waiting is not None:
+        limits.max_waiting = max_waiting
+    state = ServerState(served_model_name, api_key, limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        tasks = [asyncio.create_task(_log_load(state, log_interval_s))]
         loader = None
         if isinstance(engine, AsyncLLMEngine):
             state.attach(engine)
         else:
             loader = asyncio.create_task(_load(state, engine))
-        logger = asyncio.create_task(_log_load(state, log_interval_s))
+            tasks.append(asyncio.create_task(_watch(state, engine)))
         try:
             yield
         finally:
-            logger.cancel()
+            state.closing = True
+            for t in tasks:
+                t.cancel()
             if loader is not None:
                 await loader  # a load in progress cannot be interrupted; wait for it, then free it
                 if state.engine is not None:
                     await asyncio.to_thread(state.engine.shutdown)
+            state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="lmforge", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
-    install_error_handlers(app, on_error=lambda status: state.metrics and state.metrics.count_error(status))
+    count_error = lambda status: state.metrics and state.metrics.count_error(status)  # noqa: E731
+    install_error_handlers(app, on_error=count_error)
+    app.add_middleware(GuardMiddleware, api_key=api_key, limits=limits,
+                       max_model_len_fn=lambda: state.max_model_len or 2048, on_error=count_error)
 
-    async def ready_and_authorized(request: Request) -> ServerState:
-        if state.api_key is not None:
-            auth = request.headers.get("authorization", "")
-            if auth != f"Bearer {state.api_key}":
-                raise OpenAIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                  None, "invalid_api_key")
+    async def ready(request: Request) -> ServerState:
         if not state.ready:
-            raise OpenAIError(503, "the model is still loading" if state.engine is None and state.load_error is None
-                              else f"the engine is not running: {state.load_error}", None, "engine_not_ready")
+            raise OpenAIError(503, state.not_ready_reason(), None, "engine_not_ready")
         return state
 
-    @app.get("/health")
-    async def health() -> Response:
+    @app.get("/health", summary="Readiness (as /health/ready): 200 when the engine serves requests")
+    async def health() -> dict:
+        return await health_ready()
+
+    @app.get("/health/live", summary="Liveness: 200 while the process serves HTTP and is not stopping for good")
+    async def health_live() -> dict:
+        if state.fatal is not None or state.load_error is not None:
+            raise OpenAIError(503, state.not_ready_reason(), None, "engine_failed")
+        return {"status": "alive"}
+
+    @app.get("/health/ready", summary="Readiness: 200 when the engine serves requests, 503 with the reason")
+    async def health_ready() -> dict:
         if not state.ready:
-            raise OpenAIError(503, "the model is still loading", None, "engine_not_ready")
-        return Response(status_code=200)
+            raise OpenAIError(503, state.not_ready_reason(), None, "engine_not_ready")
+        return {"status": "ready"}
 
     @app.get("/version")
     async def version() -> dict:
@@ -147,20 +210,28 @@ def build_app(engine: EngineOrLoader, served_model_name: str, api_key: str | Non
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
-    async def models(st: ServerState = Depends(ready_and_authorized)) -> dict:
+    async def models(st: ServerState = Depends(ready)) -> dict:
+        # `root` is the served name, not the weights' path on this machine
         return {"object": "list", "data": [{"id": st.served_model_name, "object": "model", "created": st.created,
-                                            "owned_by": "lmforge", "root": st.model_dir, "parent": None,
+                                            "owned_by": "lmforge", "root": st.served_model_name, "parent": None,
                                             "max_model_len": st.max_model_len}]}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: Request, st: ServerState = Depends(ready_and_authorized)):
-        return await _serve(st, raw, _completion_job(st, req))
+    async def completions(req: CompletionRequest, raw: Request, st: ServerState = Depends(ready)):
+        _precheck_completion(st, req)
+        return await _serve(st, raw, await _off_loop(st, _completion_job, st, req))
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest, raw: Request, st: ServerState = Depends(ready_and_authorized)):
-        return await _serve(st, raw, _chat_job(st, req))
+    async def chat(req: ChatCompletionRequest, raw: Request, st: ServerState = Depends(ready)):
+        _precheck_chat(st, req)
+        return await _serve(st, raw, await _off_loop(st, _chat_job, st, req))
 
+    document_errors(app, auth=api_key is not None)
     return app
+
+
+async def _off_loop(st: ServerState, fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(st.tokenize_pool, fn, *args)
 
 
 async def _load(state: ServerState, loader: Callable[[], AsyncLLMEngine]) -> None:
@@ -185,6 +256,40 @@ async def _log_load(state: ServerState, interval: float) -> None:
             logger.tick(state.stats())
 
 
+async def _watch(state: ServerState, loader: Callable[[], AsyncLLMEngine], interval_s: float = 0.2) -> None:
+    """Restart an engine that died (its in-flight requests already failed with the cause), at most
+    `max_engine_restarts` times; after that mark the server fatal, which stops it with a non-zero exit."""
+    while True:
+        await asyncio.sleep(interval_s)
+        eng = state.engine
+        if eng is None or eng.is_running or state.closing:
+            continue
+        cause = str(getattr(eng, "_dead", None) or "the engine stopped")
+        state.engine, state.down = None, cause
+        log.error("engine stopped: %s", cause)
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(eng.shutdown)
+        if state.restarts >= state.limits.max_engine_restarts:
+            state.fatal = f"{cause} (after {state.restarts} restarts; --max-engine-restarts " \
+                          f"{state.limits.max_engine_restarts})"
+            log.error("not restarting the engine: %s", state.fatal)
+            return
+        state.restarts += 1
+        state.metrics.engine_restarts.inc()
+        log.warning("restarting the engine (%d of at most %d)", state.restarts, state.limits.max_engine_restarts)
+        try:
+            new = await asyncio.to_thread(loader)
+        except BaseException as e:
+            state.fatal = f"the engine could not be restarted: {type(e).__name__}: {e}"
+            log.exception("engine restart failed")
+            return
+        if state.closing:
+            await asyncio.to_thread(new.shutdown)
+            return
+        state.attach(new)
+        log.info("engine restarted: %s", state.model_dir)
+
+
 # ---- jobs: a validated request, ready to run ---------------------------------------------------------
 
 
@@ -192,6 +297,7 @@ class Job:
     """One HTTP request: its engine prompts (token ids), sampling params, and how to render outputs."""
 
     kind: str  # "text_completion" | "chat.completion"
+    ticket: Ticket  # its sequences' share of the admission count
 
     def __init__(self, st: ServerState, req: CompletionRequest | ChatCompletionRequest,
                  prompts: list[list[int]], params: SamplingParams, prefix: str):
@@ -227,6 +333,56 @@ def _check_params(req, max_tokens: int | None, logprobs: int | None) -> Sampling
         raise from_value_error(e) from None
 
 
+def _precheck_completion(st: ServerState, req: CompletionRequest) -> None:
+    """On the event loop, before any work: valid text, and no prompt too long to tokenize."""
+    _check_stop(st, req)
+    for p in req.prompts():
+        if isinstance(p, str):
+            check_text(p, "prompt")
+            _check_length(st, min_tokens_for(p, st.chars_per_token) if st.tokenizer else 0, req.max_tokens, "prompt",
+                          f"{len(p)} characters")
+
+
+def _precheck_chat(st: ServerState, req: ChatCompletionRequest) -> None:
+    _check_stop(st, req)
+    chars = 0
+    for m in req.messages:
+        text = m.text()
+        check_text(text, "messages")
+        chars += len(text)
+    if st.tokenizer is not None:
+        _check_length(st, -(-chars // st.chars_per_token), req.resolved_max_tokens(), "messages",
+                      f"{chars} characters of content")
+
+
+def _check_stop(st: ServerState, req) -> None:
+    lim = st.limits
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > lim.max_stop_strings:
+        raise bad_request(f"stop: at most {lim.max_stop_strings} stop strings, got {len(stops)}", "stop")
+    for s in stops:
+        check_text(s, "stop")
+        if len(s) > lim.max_stop_len:
+            raise bad_request(f"stop: each stop string has at most {lim.max_stop_len} characters, got one of "
+                              f"{len(s)}", "stop")
+
+
+def _check_length(st: ServerState, at_least: int, max_tokens: int | None, param: str, what: str) -> None:
+    need = at_least + (max_tokens or 1)
+    if need > st.max_model_len:
+        raise bad_request(f"this model's maximum context length is {st.max_model_len} tokens; the {param} has "
+                          f"{what}, so at least {at_least} tokens, and asks for {max_tokens or 1} more",
+                          "max_tokens" if max_tokens else param, "context_length_exceeded")
+
+
+def _encode(st: ServerState, text: str, param: str, **kw) -> list[int]:
+    try:
+        return st.tokenizer.encode(text, **kw)
+    except Exception as e:  # check_text ran, so this is text this tokenizer cannot represent
+        raise bad_request(f"the tokenizer could not encode the {param} ({type(e).__name__})", param,
+                          "invalid_text") from None
+
+
 def _completion_job(st: ServerState, req: CompletionRequest) -> Job:
     _check_model(st, req.model)
     prompts = req.prompts()
@@ -243,13 +399,41 @@ def _completion_job(st: ServerState, req: CompletionRequest) -> Job:
         if isinstance(p, str):
             if st.tokenizer is None:
                 raise bad_request("this model has no tokenizer: send prompts as token ids", "prompt")
-            p = st.tokenizer.encode(p)  # the same call the engine makes, so outputs match offline LLM.generate
+            p = _encode(st, p, "prompt")  # the same call the engine makes, so outputs match offline LLM.generate
         _check_prompt(st, list(p), req.max_tokens, "prompt")
         ids.append(list(p))
     job = Job(st, req, ids, params, "cmpl")
     job.kind = "text_completion"
     job.texts = [p if isinstance(p, str) else None for p in prompts]
     return job
+
+
+_PLACEHOLDER = "\ue000lmforge{}\ue001"  # private-use characters: no template alters or emits them
+_PLACEHOLDER_RE = re.compile("\ue000lmforge(\\d+)\ue001")
+
+
+def _encode_chat(st: ServerState, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    """Token ids of the rendered conversation. Control tokens come from the template only: text a user
+    typed that looks like one (`<|im_start|>system`) is encoded as plain text, so no turn can be spoofed.
+    Messages without such text are encoded in one piece, exactly as before (and as offline chat)."""
+    tok = st.tokenizer
+    render = lambda msgs: tok.apply_chat_template(msgs, tokenize=False,  # noqa: E731
+                                                  add_generation_prompt=add_generation_prompt)
+    try:
+        if not any(sp in m["content"] for m in messages for sp in st.specials):
+            return _encode(st, render(messages), "messages", add_special_tokens=False)
+        text = render([{**m, "content": _PLACEHOLDER.format(i)} for i, m in enumerate(messages)])
+    except OpenAIError:
+        raise
+    except Exception as e:  # a template that raises on these messages (e.g. role order) is the client's 400
+        raise bad_request(f"messages could not be rendered with the chat template: {e}", "messages") from None
+    ids, pos = [], 0
+    for m in _PLACEHOLDER_RE.finditer(text):
+        ids += _encode(st, text[pos:m.start()], "messages", add_special_tokens=False)
+        ids += _encode(st, messages[int(m.group(1))]["content"], "messages", add_special_tokens=False,
+                       split_special_tokens=True)
+        pos = m.end()
+    return ids + _encode(st, text[pos:], "messages", add_special_tokens=False)
 
 
 def _chat_job(st: ServerState, req: ChatCompletionRequest) -> Job:
@@ -260,12 +444,8 @@ def _chat_job(st: ServerState, req: ChatCompletionRequest) -> Job:
     if tok is None or not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages", "unsupported")
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt)
-    except Exception as e:  # a template that raises on these messages (e.g. role order) is the client's 400
-        raise bad_request(f"messages could not be rendered with the chat template: {e}", "messages") from None
     # The template writes every special token itself; do not let the tokenizer add a BOS on top.
-    ids = tok.encode(text, add_special_tokens=False)
+    ids = _encode_chat(st, messages, req.add_generation_prompt)
     max_tokens = req.resolved_max_tokens()
     params = _check_params(req, max_tokens, req.resolved_logprobs())
     _check_prompt(st, ids, max_tokens, "messages")
@@ -278,13 +458,18 @@ def _chat_job(st: ServerState, req: ChatCompletionRequest) -> Job:
 
 
 async def _serve(st: ServerState, raw: Request, job: Job):
-    if st.max_waiting is not None and st.num_waiting + len(job.prompts) > st.max_waiting:
-        raise OpenAIError(429, f"the server's waiting queue is full ({st.num_waiting} requests waiting, "
-                          f"--max-waiting {st.max_waiting}); retry later", None, "queue_full")
+    if not st.ready:  # the engine may have died while the request was tokenized
+        raise OpenAIError(503, st.not_ready_reason(), None, "engine_not_ready")
+    job.ticket = st.admission.reserve(len(job.prompts) * job.n)  # no await since the check: atomic
     if job.req.stream:
-        return StreamingResponse(_stream(job), media_type="text/event-stream",
+        body = _stream(job)
+        weakref.finalize(body, job.ticket.release)  # a stream that never started still gives its share back
+        return StreamingResponse(body, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return JSONResponse(await _unless_disconnected(raw, _complete(job)))
+    try:
+        return JSONResponse(await _unless_disconnected(raw, _complete(job)))
+    finally:
+        job.ticket.release()
 
 
 async def _unless_disconnected(raw: Request, coro):
@@ -311,13 +496,13 @@ async def _unless_disconnected(raw: Request, coro):
 class _Tracker:
     """Per engine request: what was already sent (text, tokens) and the timing bookkeeping."""
 
-    __slots__ = ("sent_text", "sent_tokens", "done", "last", "last_token_time", "waiting")
+    __slots__ = ("sent_text", "sent_tokens", "done", "last", "last_token_time", "started")
 
     def __init__(self, n: int):
         self.sent_text, self.sent_tokens, self.done = [0] * n, [0] * n, [False] * n
         self.last: RequestOutput | None = None
         self.last_token_time: float | None = None
-        self.waiting = True
+        self.started = 0  # samples with a first token (or finished): no longer waiting
 
 
 async def _outputs(job: Job, trackers: list[_Tracker]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -326,12 +511,13 @@ async def _outputs(job: Job, trackers: list[_Tracker]) -> AsyncIterator[tuple[in
     Leaving early (a disconnect cancels us, or an error) aborts every engine request still running:
     `AsyncLLMEngine.generate` aborts when its consumer goes away, and pumps are cancelled."""
     st, engine = job.st, job.st.engine
-    gens = [engine.generate(ids, job.params, f"{job.id}-{i}") for i, ids in enumerate(job.prompts)]
-    st.num_waiting += len(gens)
+    rids = [f"{job.id}-{i}" for i in range(len(job.prompts))]
+    gens = [engine.generate(ids, job.params, rid) for rid, ids in zip(rids, job.prompts)]
+    st.inflight.update(rids)
     try:
         if len(gens) == 1:
             async for out in gens[0]:
-                _on_output(st, trackers[0], out)
+                _on_output(job, trackers[0], out)
                 yield 0, out
             return
         queue: asyncio.Queue = asyncio.Queue()
@@ -355,25 +541,26 @@ async def _outputs(job: Job, trackers: list[_Tracker]) -> AsyncIterator[tuple[in
                 elif isinstance(item, Exception):
                     raise item
                 else:
-                    _on_output(st, trackers[i], item)
+                    _on_output(job, trackers[i], item)
                     yield i, item
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
     finally:
+        st.inflight.difference_update(rids)
+        job.ticket.release()
         for t in trackers:
-            if t.waiting:
-                t.waiting = False
-                st.num_waiting -= 1
             if t.last is not None and not t.last.finished:  # aborted: count it, as vLLM does
                 st.metrics.observe_finished(t.last, "abort")
 
 
-def _on_output(st: ServerState, t: _Tracker, out: RequestOutput) -> None:
-    if t.waiting:
-        t.waiting = False
-        st.num_waiting -= 1
+def _on_output(job: Job, t: _Tracker, out: RequestOutput) -> None:
+    st = job.st
+    started = sum(1 for c in out.outputs if c.token_ids or c.finish_reason is not None)
+    if started > t.started:
+        job.ticket.release(started - t.started)
+        t.started = started
     ltt = out.metrics.last_token_time
     if t.last_token_time is not None and ltt is not None and ltt > t.last_token_time:
         st.metrics.observe_itl(ltt - t.last_token_time)
@@ -393,11 +580,18 @@ def _usage(job: Job, trackers: list[_Tracker]) -> dict:
 
 
 def _engine_error(e: Exception) -> OpenAIError:
+    """ValueErrors are the engine's admission checks (the client's 400); a failed step or a dead engine
+    say so without internals; anything else is a bug: logged with its traceback, 500 to the client."""
     if isinstance(e, OpenAIError):
         return e
     if isinstance(e, ValueError):
         return from_value_error(e)
-    return OpenAIError(500, f"the engine failed on this request: {type(e).__name__}: {e}", None, "engine_error")
+    if isinstance(e, EngineStepError):
+        return OpenAIError(500, str(e), None, "engine_error")
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(503, f"the engine stopped while serving this request: {e}", None, "engine_not_ready")
+    log.error("request failed", exc_info=e)
+    return OpenAIError(500, "internal error; the server log has the details", None, "internal_error")
 
 
 async def _complete(job: Job) -> dict:

@@ -2,9 +2,10 @@
 
 `serve` opens the port at once and answers 503 while the model loads, then serves the
 OpenAI API (see `app.py`). SIGTERM or SIGINT: uvicorn stops accepting connections, in-flight
-requests get `--shutdown-timeout` seconds to finish (then they are cancelled, which aborts them
-in the engine), the engine shuts down, and the process exits 0. A model that fails to load
-exits 1 with the reason. Heavy imports happen inside the verbs.
+requests get `--shutdown-timeout` seconds to finish (then they are aborted in the engine, so each
+stream still ends with finish_reason "abort" and [DONE]), the engine shuts down, and the process
+exits 0. A model that fails to load exits 1 with the reason; an engine that dies more often than
+`--max-engine-restarts` exits 3. Heavy imports happen inside the verbs.
 
     lmforge serve runs/model --port 8000 --served-model-name tiny
     lmforge bench serve --base-url http://127.0.0.1:8000 --max-concurrency 32 --out runs/bench
@@ -52,6 +53,12 @@ def serve(
     log_level: Annotated[str, typer.Option(help="debug | info | warning.")] = "info",
     engine_process: Annotated[bool, typer.Option(
         help="Run the engine in its own process (no GIL shared with the HTTP event loop), as vLLM does.")] = True,
+    max_body_bytes: Annotated[Optional[int], typer.Option(
+        help="Largest request body; 413 above (default: 1 MiB + 128 bytes per token of context).")] = None,
+    read_timeout: Annotated[float, typer.Option(
+        help="Seconds to wait for the next piece of a request body; 408 after.")] = 30.0,
+    max_engine_restarts: Annotated[int, typer.Option(
+        help="Restart a dead engine this many times; then exit 3 so a supervisor learns.")] = 3,
 ) -> None:
     """Serve MODEL_DIR over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
     with /health, /metrics (Prometheus, vLLM's names) and /version."""
@@ -70,18 +77,36 @@ def serve(
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    if max_waiting is not None and max_waiting < 0:
-        typer.echo("error: --max-waiting must be >= 0", err=True)
-        raise typer.Exit(2)
+    from .guard import ServerLimits
+
+    for name, value, low in (("--max-waiting", max_waiting, 0), ("--max-body-bytes", max_body_bytes, 1024),
+                             ("--read-timeout", read_timeout, 0.001), ("--max-engine-restarts", max_engine_restarts, 0),
+                             ("--shutdown-timeout", shutdown_timeout, 0)):
+        if value is not None and value < low:
+            typer.echo(f"error: {name} must be >= {low}", err=True)
+            raise typer.Exit(2)
+    limits = ServerLimits(max_body_bytes=max_body_bytes, read_timeout_s=read_timeout, max_waiting=max_waiting,
+                          max_engine_restarts=max_engine_restarts)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise typer.Exit(run_server(config, served_model_name or model_dir.name, host, port, api_key, max_waiting,
-                                shutdown_timeout, log_level, engine_process))
+                                shutdown_timeout, log_level, engine_process, limits))
+
+
+# Exit codes (docs/deploy.md): 0 clean shutdown, 1 the model failed to load, 2 bad arguments,
+# 3 the engine died more often than --max-engine-restarts allows.
+EXIT_LOAD_FAILED, EXIT_ENGINE_FAILED = 1, 3
+ABORT_GRACE_S = 5.0  # after aborting what still runs, the time streams get to send their last chunk
 
 
 def run_server(config, served_model_name: str, host: str, port: int, api_key: str | None,
                max_waiting: int | None, shutdown_timeout: float, log_level: str = "info",
-               engine_process: bool = True) -> int:
-    """Block serving until SIGTERM/SIGINT; 0 after a clean shutdown, 1 if the model failed to load."""
+               engine_process: bool = True, limits=None) -> int:
+    """Block serving until SIGTERM/SIGINT (see the exit codes above).
+
+    Shutdown: uvicorn stops accepting first, then in-flight requests get `shutdown_timeout` seconds to
+    finish; whatever still runs then is aborted in the engine, so every stream still ends with
+    `finish_reason: "abort"` and `[DONE]` (not a cut connection), within `ABORT_GRACE_S` more."""
+    import asyncio
     import contextlib
     import signal
     import threading
@@ -93,7 +118,7 @@ def run_server(config, served_model_name: str, host: str, port: int, api_key: st
     from .app import build_app
 
     engine_cls = ProcessAsyncLLMEngine if engine_process else AsyncLLMEngine
-    fastapi_app = build_app(lambda: engine_cls(config), served_model_name, api_key, max_waiting)
+    fastapi_app = build_app(lambda: engine_cls(config), served_model_name, api_key, max_waiting, limits=limits)
     state = fastapi_app.state.server
 
     class Server(uvicorn.Server):
@@ -112,12 +137,23 @@ def run_server(config, served_model_name: str, host: str, port: int, api_key: st
                     signal.signal(s, h)
 
         async def on_tick(self, counter: int) -> bool:
-            return state.load_error is not None or await super().on_tick(counter)
+            return state.load_error is not None or state.fatal is not None or await super().on_tick(counter)
+
+        async def shutdown(self, sockets=None) -> None:
+            state.closing = True
+            loop = asyncio.get_running_loop()
+            timer = loop.call_later(shutdown_timeout, lambda: loop.create_task(state.abort_all()))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
 
     server = Server(uvicorn.Config(fastapi_app, host=host, port=port, log_level=log_level, access_log=False,
-                                   timeout_graceful_shutdown=shutdown_timeout))
+                                   timeout_graceful_shutdown=shutdown_timeout + ABORT_GRACE_S))
     server.run()
-    return 1 if state.load_error is not None else 0
+    if state.load_error is not None:
+        return EXIT_LOAD_FAILED
+    return EXIT_ENGINE_FAILED if state.fatal is not None else 0
 
 
 app.command("serve")(serve)

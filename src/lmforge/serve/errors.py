@@ -9,6 +9,7 @@ This module knows nothing about the engine or sampling.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -19,8 +20,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 # status -> OpenAI's error `type` for that status
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-               500: "internal_error", 503: "service_unavailable"}
+               405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+               429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
+log = logging.getLogger("lmforge.serve")
 
 
 class OpenAIError(Exception):
@@ -92,8 +94,57 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return answer(OpenAIError(exc.status_code, str(exc.detail), None, code))
+        response = answer(OpenAIError(exc.status_code, str(exc.detail), None, code))
+        response.headers.update(exc.headers or {})  # 405 carries `Allow`
+        return response
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return answer(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error"))
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # a bug: the traceback goes to the log, the client learns nothing about the internals
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return answer(OpenAIError(500, "internal error; the server log has the details", None, "internal_error"))
+
+
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+_WHY = {400: "Invalid request (OpenAI error JSON; FastAPI's 422 is answered as 400)", 401: "Missing or invalid API key",
+        404: "Unknown model", 408: "The request body did not arrive in time", 413: "Request body too large",
+        429: "Waiting queue full; retry later", 500: "Internal error (no internals in the body)",
+        503: "Engine loading, restarting or stopped"}
+
+
+def document_errors(app: FastAPI, auth: bool) -> None:
+    """Make /openapi.json say what the server really answers: each operation's error statuses with
+    OpenAI's error schema, and no 422 (validation errors are 400s here)."""
+    default_openapi = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = default_openapi()
+        schema.setdefault("components", {}).setdefault("schemas", {})["OpenAIError"] = _ERROR_SCHEMA
+        ref = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/OpenAIError"}}}}
+        for path, ops in schema.get("paths", {}).items():
+            for method, op in ops.items():
+                responses = op.setdefault("responses", {})
+                responses.pop("422", None)
+                statuses = {500}
+                if method == "post":
+                    statuses |= {400, 408, 413, 503}
+                if path.startswith("/v1/"):
+                    statuses |= {503} | ({401} if auth else set())
+                if path.startswith("/v1/") and method == "post":
+                    statuses |= {404, 429}
+                if path.startswith("/health"):
+                    statuses |= {503}
+                for status in sorted(statuses):
+                    responses[str(status)] = {"description": _WHY[status], **ref}
+                if path == "/metrics":
+                    responses["200"] = {"description": "Prometheus text format",
+                                        "content": {"text/plain": {"schema": {"type": "string"}}}}
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi

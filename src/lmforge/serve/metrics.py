@@ -107,6 +107,8 @@ class ServerMetrics:
                                  registry=r)
         self.http_errors = Counter("lmforge:http_errors", "HTTP error responses by status.", lab + ["status"],
                                    registry=r)
+        self.engine_restarts = Counter("lmforge:engine_restarts", "Times the engine died and was restarted.",
+                                       registry=r)
         r.register(EngineCollector(stats_fn, model_name))
         # Label children resolved once: `.labels()` takes a lock and a dict lookup per call.
         m = model_name

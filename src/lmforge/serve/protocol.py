@@ -1,7 +1,8 @@
 """Request bodies of OpenAI's `/v1/completions` and `/v1/chat/completions`, as pydantic models.
 
 Field names, defaults and ranges are OpenAI's (vLLM's extras `top_k`, `min_tokens`,
-`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens` too). Type and range
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens` too). Integers are
+strict and 64-bit, so `true` is never token id 1 and no value overflows the engine's tensors. Type and range
 errors become 400s through FastAPI's validation (see `errors.py`); the rest is checked once, by
 `SamplingParams`. Unknown fields are ignored, as OpenAI's clients send some we do not use.
 
@@ -13,13 +14,25 @@ tests through the official `openai` client. This module knows nothing about the 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
 
 from lmforge.engine import SamplingParams
 
 MAX_N = 16  # samples per prompt: each holds a sequence slot and its own KV blocks
+INT64 = 2**63
+
+
+def _not_bool(v):
+    if isinstance(v, bool):  # JSON true is not 1.0 here (pydantic's lax mode would say it is)
+        raise ValueError("a number is required, not a boolean")
+    return v
+
+
+# Integers are strict (no `true` as token id 1, no 3.0); numbers accept ints but not booleans.
+Int = StrictInt
+Number = Annotated[float, BeforeValidator(_not_bool)]
 
 
 class StreamOptions(BaseModel):
@@ -30,19 +43,19 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None  # None = the served model
-    n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
-    seed: int | None = None
+    n: Int = Field(1, ge=1, le=MAX_N)
+    temperature: Number | None = Field(None, ge=0, le=2)
+    top_p: Number | None = Field(None, gt=0, le=1)
+    top_k: Int | None = Field(None, ge=-1, lt=INT64)
+    min_p: Number | None = Field(None, ge=0, le=1)
+    presence_penalty: Number | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(None, ge=-2, le=2)
+    repetition_penalty: Number | None = Field(None, gt=0, le=100)
+    seed: Int | None = Field(None, ge=-INT64, lt=INT64)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[Int, Field(ge=0, lt=INT64)]] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Int = Field(0, ge=0, lt=INT64)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -66,9 +79,9 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     # a string, token ids, or a list of either (a batch: choices are numbered prompt * n + sample)
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
-    logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's limit for the legacy endpoint
+    prompt: str | list[Int] | list[str] | list[list[Int]]
+    max_tokens: Int | None = Field(16, ge=1, lt=INT64)  # OpenAI's default for completions
+    logprobs: Int | None = Field(None, ge=0, le=5)  # OpenAI's limit for the legacy endpoint
     echo: bool = False
     suffix: str | None = None
 
@@ -99,10 +112,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)  # None = what the context leaves
-    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name; wins when both are set
+    max_tokens: Int | None = Field(None, ge=1, lt=INT64)  # None = what the context leaves
+    max_completion_tokens: Int | None = Field(None, ge=1, lt=INT64)  # OpenAI's newer name; wins when both are set
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
 
     def resolved_max_tokens(self) -> int | None:
