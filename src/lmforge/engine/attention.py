@@ -16,6 +16,12 @@ Two implementations of one contract, selected by `EngineConfig.attention`:
 Tests check they agree. This module knows nothing about scheduling, sampling or the model beyond
 the attention callable's signature `(layer_idx, q_BTNH, k_BTKH, v_BTKH) -> out_BTNH` with B = 1.
 
+KV cache dtype int8 (`kv_cache_dtype="int8"`): each token's K and V are stored per head as int8 codes
+plus one bfloat16 scale (absmax / 127, symmetric), written by the K/V write and dequantized where the
+cache is read (the gather, the reference loop, the C decode kernel). A prefill chunk with nothing
+cached before it attends over its own fresh K/V, as vLLM's quantized caches do. Bytes per token per
+layer: 2 * K * (H + 2) instead of 2 * K * H * 2 for bf16 (1.94x the tokens at H = 64).
+
 Shape legend: T flat tokens this step, N query heads, K kv heads, H head dim, P pool blocks,
 B block size, S sequences in a group, Q query tokens of a group's sequence, C context length
 (padded), M blocks per sequence (padded), X = B*K*H one block's values.
@@ -31,6 +37,22 @@ import torch.nn.functional as F
 from .kernels import CpuKernels
 
 MAX_PADDING = 1.25  # a decode bucket's padded context area may exceed its real one by this factor
+KV_SCALE_DTYPE = torch.bfloat16  # one per token per head: 2 bytes next to H int8 codes
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       kv_int8: bool = False) -> int:
+    """2 (k and v) x layers x kv heads x (head dim x dtype size, or head dim int8 codes + a 2-byte scale)."""
+    per_head = head_dim + KV_SCALE_DTYPE.itemsize if kv_int8 else head_dim * dtype.itemsize
+    return 2 * num_layers * num_kv_heads * per_head
+
+
+def quantize_kv(x_TKH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per token per head: codes (T, K, H) int8, scales (T, K) = absmax / 127."""
+    x = x_TKH.float()
+    scale_TK = (x.abs().amax(-1) / 127).clamp_min(1e-8).to(KV_SCALE_DTYPE)
+    q_TKH = torch.round(x / scale_TK.float()[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q_TKH, scale_TK
 
 
 @dataclass
@@ -87,9 +109,12 @@ def _gather_group(rows, block_tables: list[list[int]], lens: list[int], q_len: i
 
 
 def build_metadata(block_tables: list[list[int]], computed: list[int], q_lens: list[int], block_size: int,
-                   device: torch.device, reference: bool = False, kernel: bool = False) -> AttentionMetadata:
+                   device: torch.device, reference: bool = False, kernel: bool = False,
+                   read_in_place: bool = True) -> AttentionMetadata:
     """Indices for one step. Sequence s computes tokens [computed[s], computed[s] + q_lens[s]).
-    `kernel`: every decoding sequence goes to the compiled paged-decode kernel (CPU, in place)."""
+    `kernel`: every decoding sequence goes to the compiled paged-decode kernel (CPU, in place).
+    `read_in_place`: on CPU, a decoding sequence whose blocks are one run is read in place (not with int8 K/V,
+    which must be dequantized: those are gathered)."""
     q_starts, slot_mapping, start = [], [], 0
     for bt, c, q in zip(block_tables, computed, q_lens):
         q_starts.append(start)
@@ -101,7 +126,7 @@ def build_metadata(block_tables: list[list[int]], computed: list[int], q_lens: l
                    for bt, c, q, s in zip(block_tables, computed, q_lens, q_starts)]
         return AttentionMetadata(slot_mapping_T, [], per_seq)
     groups, views, decode = [], [], []
-    in_place = device.type == "cpu"  # a call per sequence: cheap on CPU, a launch-bound loop on a GPU
+    in_place = read_in_place and device.type == "cpu"  # a call per sequence: cheap on CPU, launch-bound on a GPU
     kernel_meta = None
     decoding = [i for i, q in enumerate(q_lens) if q == 1]
     if kernel and decoding:  # all of them go to the kernel; no views, no buckets
@@ -142,13 +167,32 @@ class PagedAttention:
     gather buffers every layer reuses."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None = None):
+                 dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None = None, kv_int8: bool = False):
         self.kernels = kernels  # compiled CPU bf16 decode attention + K/V write; None: torch only
+        self.kv_int8, self.dtype = kv_int8, dtype
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_pools_PBKH = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_pools_PBKH = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        pool_dtype = torch.int8 if kv_int8 else dtype
+        self.k_pools_PBKH = [torch.zeros(shape, dtype=pool_dtype, device=device) for _ in range(num_layers)]
+        self.v_pools_PBKH = [torch.zeros(shape, dtype=pool_dtype, device=device) for _ in range(num_layers)]
+        scales = (num_blocks, block_size, num_kv_heads)
+        self.k_scales_PBK = [torch.ones(scales, dtype=KV_SCALE_DTYPE, device=device) if kv_int8 else None
+                             for _ in range(num_layers)]
+        self.v_scales_PBK = [torch.ones(scales, dtype=KV_SCALE_DTYPE, device=device) if kv_int8 else None
+                             for _ in range(num_layers)]
         self.meta: AttentionMetadata | None = None  # set by the model runner before each forward
         self._k_buf_X = self._v_buf_X = torch.empty(0, dtype=dtype, device=device)
+        self.bytes_per_block = block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, kv_int8)
+
+    @property
+    def name(self) -> str:
+        base = "paged-decode kernel (C)" if self.kernels is not None else "torch"
+        return base + (", int8 KV" if self.kv_int8 else "")
+
+    @property
+    def contiguous_runs(self) -> bool:
+        """The allocation this backend wants from the block manager: the torch path on CPU reads a
+        sequence whose blocks are one run in place (no gather); the C kernel and int8 K/V read any table."""
+        return self.kernels is None and not self.kv_int8 and self.k_pools_PBKH[0].device.type == "cpu"
 
     def set_metadata(self, meta: AttentionMetadata | None) -> None:
         self.meta = meta
@@ -166,6 +210,8 @@ class PagedAttention:
         K, H = k_BTKH.shape[2:]
         k_pool_PBKH, v_pool_PBKH = self.k_pools_PBKH[layer_idx], self.v_pools_PBKH[layer_idx]
         k_cache, v_cache = k_pool_PBKH.view(-1, K, H), v_pool_PBKH.view(-1, K, H)  # (P*B, K, H): a row per slot
+        if self.kv_int8:
+            return self._call_int8(layer_idx, q_BTNH, k_BTKH, v_BTKH, k_cache, v_cache)
         if self.kernels is not None:
             k_TKH, v_TKH = k_BTKH[0].contiguous(), v_BTKH[0].contiguous()
             self.kernels.write_kv(k_TKH.data_ptr(), v_TKH.data_ptr(), meta.slot_mapping_T.data_ptr(), k_TKH.shape[0],
@@ -211,6 +257,46 @@ class PagedAttention:
             out_TNH[g.rows] = o_SNQH.transpose(1, 2).reshape(-1, *q_TNH.shape[1:])
         return out_TNH.unsqueeze(0)
 
+    def _call_int8(self, layer_idx: int, q_BTNH, k_BTKH, v_BTKH, k_cache, v_cache) -> torch.Tensor:
+        """The int8 cache's torch path: quantize and write this step's K/V, then the reference loop or the
+        gather groups (which dequantize what they gather); no in-place views."""
+        meta, (K, H) = self.meta, k_BTKH.shape[2:]
+        k_scale, v_scale = self.k_scales_PBK[layer_idx].view(-1, K), self.v_scales_PBK[layer_idx].view(-1, K)
+        for x_TKH, cache, scale in ((k_BTKH[0], k_cache, k_scale), (v_BTKH[0], v_cache, v_scale)):
+            q_TKH, s_TK = quantize_kv(x_TKH)
+            cache.index_copy_(0, meta.slot_mapping_T, q_TKH)
+            scale.index_copy_(0, meta.slot_mapping_T, s_TK)
+        if meta.per_seq:
+            return reference_attention(q_BTNH[0], k_cache, v_cache, meta.per_seq, k_scale, v_scale).unsqueeze(0)
+        q_TNH = q_BTNH[0]
+        out_TNH = torch.empty(q_TNH.shape, dtype=q_TNH.dtype, device=q_TNH.device)
+        gqa = q_TNH.shape[1] != K
+        for g in meta.groups:
+            if g.blocks_SM is None:  # a fresh prefill chunk attends over its own unquantized K/V
+                q_1NQH, k_1KQH, v_1KQH = (t[0, g.rows].transpose(0, 1).unsqueeze(0) for t in (q_BTNH, k_BTKH, v_BTKH))
+                o_1NQH = F.scaled_dot_product_attention(q_1NQH, k_1KQH, v_1KQH, is_causal=True, enable_gqa=gqa)
+                out_TNH[g.rows] = o_1NQH[0].transpose(0, 1)
+                continue
+            k_SKCH, v_SKCH = (self._gather_int8(pool, scale, buf, g, K, H) for pool, scale, buf in
+                              ((self.k_pools_PBKH[layer_idx], self.k_scales_PBK[layer_idx], self._k_buf_X),
+                               (self.v_pools_PBKH[layer_idx], self.v_scales_PBK[layer_idx], self._v_buf_X)))
+            q_SQNH = q_TNH[g.rows].view(g.num_seqs, -1, *q_TNH.shape[1:])
+            o_SNQH = F.scaled_dot_product_attention(q_SQNH.transpose(1, 2), k_SKCH, v_SKCH, attn_mask=g.mask_S1QC,
+                                                    enable_gqa=gqa)
+            out_TNH[g.rows] = o_SNQH.transpose(1, 2).reshape(-1, *q_TNH.shape[1:])
+        return out_TNH.unsqueeze(0)
+
+    def _gather_int8(self, pool_PBKH, scale_PBK, buf_X, g: Group, K: int, H: int) -> torch.Tensor:
+        """The group's int8 blocks and their scales, dequantized (q * scale, in the activation dtype) into
+        the reusable buffer: a (S, K, C, H) view."""
+        P, B = pool_PBKH.shape[:2]
+        n = g.num_seqs * g.num_blocks
+        q_nBKH = pool_PBKH.view(P, -1).index_select(0, g.blocks_SM).view(n, B, K, H)
+        s_nBK = scale_PBK.view(P, -1).index_select(0, g.blocks_SM).view(n, B, K).to(self.dtype)
+        out_nBKH = buf_X[:n * B * K * H].view(n, B, K, H)
+        torch.mul(q_nBKH, s_nBK.unsqueeze(-1), out=out_nBKH)
+        return out_nBKH.view(g.num_seqs, g.num_blocks * B, K, H)[:, :g.context_len].transpose(1, 2)
+
     @staticmethod
     def _gather(pool_PBKH: torch.Tensor, buf_X: torch.Tensor, g: Group, K: int, H: int) -> torch.Tensor:
         """The group's blocks, copied whole into the reusable buffer: a (S, K, C, H) view."""
@@ -222,15 +308,20 @@ class PagedAttention:
 
 
 def reference_attention(q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        per_seq: list[tuple[int, int, int, torch.Tensor]]) -> torch.Tensor:
-    """softmax(q k^T / sqrt(H) + causal mask) v, one sequence at a time, in at least float32."""
+                        per_seq: list[tuple[int, int, int, torch.Tensor]], k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(H) + causal mask) v, one sequence at a time, in at least float32. With
+    scales (rows, K), the caches hold int8 codes: K/V = codes * scale."""
     N, H = q_TNH.shape[1:]
     acc = torch.promote_types(q_TNH.dtype, torch.float32)
     out_TNH = torch.empty_like(q_TNH)
     for start, q_len, computed, slots_C in per_seq:
         q_NQH = q_TNH[start:start + q_len].transpose(0, 1).to(acc)
-        k_NCH = k_cache[slots_C].to(acc).repeat_interleave(N // k_cache.shape[1], dim=1).transpose(0, 1)
-        v_NCH = v_cache[slots_C].to(acc).repeat_interleave(N // k_cache.shape[1], dim=1).transpose(0, 1)
+        k_CKH, v_CKH = k_cache[slots_C].to(acc), v_cache[slots_C].to(acc)
+        if k_scale is not None:
+            k_CKH, v_CKH = k_CKH * k_scale[slots_C].to(acc)[..., None], v_CKH * v_scale[slots_C].to(acc)[..., None]
+        k_NCH = k_CKH.repeat_interleave(N // k_cache.shape[1], dim=1).transpose(0, 1)
+        v_NCH = v_CKH.repeat_interleave(N // k_cache.shape[1], dim=1).transpose(0, 1)
         scores_NQC = q_NQH @ k_NCH.transpose(1, 2) / H ** 0.5
         qpos_Q = computed + torch.arange(q_len, device=q_TNH.device)
         visible_QC = torch.arange(len(slots_C), device=q_TNH.device)[None, :] <= qpos_Q[:, None]

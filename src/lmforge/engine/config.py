@@ -25,6 +25,7 @@ class EngineConfig:
     attention: str = "fast"  # fast (batched gather + SDPA) | reference (per-sequence loop, plain math)
     pack_weights: bool = True  # CPU bfloat16: linear weights reordered once into oneDNN's layout (fast path)
     cpu_kernels: bool = True  # CPU bfloat16: compiled C paged-decode attention (torch path if no compiler)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (codes + a bf16 scale per token per head)
 
     def __post_init__(self) -> None:
         checks = [
@@ -36,6 +37,7 @@ class EngineConfig:
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, "must be >= 1"),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 1, "must be >= 1"),
             ("attention", self.attention in ("fast", "reference"), "must be 'fast' or 'reference'"),
+            ("kv_cache_dtype", self.kv_cache_dtype in ("auto", "int8"), "must be 'auto' or 'int8'"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -17,18 +17,30 @@ import torch
 from torch import nn
 
 from lmforge.model import Transformer
+from lmforge.quant.linear import select_backend, swap_backend
 
 from . import kernels
-from .attention import PagedAttention, build_metadata
+from .attention import PagedAttention, build_metadata, kv_bytes_per_token
 from .fused import fuse_elementwise
 from .scheduler import ScheduledSeq
 
 
-def kv_bytes_per_block(model: Transformer, block_size: int) -> int:
-    """2 (k and v) x layers x kv heads x head dim x block size x dtype size."""
+def kv_bytes_per_block(model: Transformer, block_size: int, kv_cache_dtype: str = "auto") -> int:
+    """2 (k and v) x layers x kv heads x head dim x block size x dtype size (int8: codes + a scale per head)."""
     c = model.config
-    itemsize = next(model.parameters()).element_size()
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * block_size * itemsize
+    dtype = next(model.parameters()).dtype
+    return block_size * kv_bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype,
+                                           kv_cache_dtype == "int8")
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer the model holds (a tied lm_head counted once)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
 
 
 class PackedLinear(nn.Module):
@@ -67,11 +79,16 @@ def pack_linear_weights(model: nn.Module) -> int:
 
 class ModelRunner:
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, reference: bool = False,
-                 pack_weights: bool = True, cpu_kernels: bool = True):
+                 pack_weights: bool = True, cpu_kernels: bool = True, kv_cache_dtype: str = "auto"):
         c = model.config
         self.model, self.block_size, self.reference = model.eval(), block_size, reference
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        # one linear backend for every quantized layer, chosen once (lmforge.quant.linear)
+        backend = select_backend(model, p.device, reference)
+        self.linear_backend = backend.name if backend is not None else "dense"
+        self.quantized_linears = swap_backend(model, backend, p.dtype) if backend is not None else 0
+        self.weight_bytes = weight_bytes(model)
         self.packed_linears = 0
         if pack_weights and not reference and can_pack_linear(p.device, p.dtype):
             with torch.no_grad():
@@ -80,11 +97,12 @@ class ModelRunner:
         if cpu_kernels and not reference and p.device.type == "cpu" and p.dtype == torch.bfloat16:
             lib = kernels.load()  # None without a compiler: the torch path, same contract
         self.fused_modules = fuse_elementwise(model, lib) if lib is not None else 0
-        attn_lib = lib if lib is not None and kernels.supports(c.num_attention_heads, c.num_key_value_heads,
-                                                               c.head_dim) else None
-        self.attention_backend = "paged-decode kernel (C)" if attn_lib is not None else "torch"
+        kv_int8 = kv_cache_dtype == "int8"
+        attn_lib = lib if lib is not None and not kv_int8 and kernels.supports(
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim) else None
         self.attn = PagedAttention(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
-                                   c.head_dim, p.dtype, p.device, kernels=attn_lib)
+                                   c.head_dim, p.dtype, p.device, kernels=attn_lib, kv_int8=kv_int8)
+        self.attention_backend = self.attn.name
         self.timings = {"prepare": 0.0, "forward": 0.0}  # seconds, cumulative
 
     @torch.inference_mode()
@@ -103,7 +121,8 @@ class ModelRunner:
         self.attn.set_metadata(build_metadata([s.seq.block_table for s in scheduled],
                                               [s.seq.num_computed_tokens for s in scheduled],
                                               [s.num_new_tokens for s in scheduled], self.block_size, self.device,
-                                              self.reference, kernel=self.attn.kernels is not None))
+                                              self.reference, kernel=self.attn.kernels is not None,
+                                              read_in_place=not self.attn.kv_int8))
         to_dev = dict(dtype=torch.long, device=self.device)
         input_ids_1T, positions_1T = torch.tensor([input_ids], **to_dev), torch.tensor([positions], **to_dev)
         last_rows_S = torch.tensor(last_rows, **to_dev)

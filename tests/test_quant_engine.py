@@ -1,0 +1,168 @@
+"""Quantized weights and an int8 KV cache in the engine: each CPU kernel against the dequantized
+float32 matmul, greedy tokens against a plain model holding the dequantized weights, the int8 cache
+against a float32 reference, and the pool capacity at a fixed KV byte budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lmforge.engine import LLM, SamplingParams
+from lmforge.engine.attention import PagedAttention, build_metadata, quantize_kv
+from lmforge.model import Transformer
+from lmforge.model.reference import save_hf_model
+from lmforge.quant import QuantScheme, quantize_rtn
+from lmforge.quant.linear import DequantLinear, Int4Linear, Int8Linear, QuantizedLinear, quantized_linears
+from lmforge.quant.quantize import QuantizeConfig, quantize_model
+
+PROMPTS = [[1, 5, 9, 33, 100, 7, 8, 9], [3, 4, 5], list(range(10, 200, 9)), [42] * 5]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _quantized_linear(scheme: QuantScheme, N: int = 48, K: int = 128, bias: bool = True) -> QuantizedLinear:
+    g = torch.Generator().manual_seed(scheme.num_bits)
+    q = QuantizedLinear(K, N, scheme, bias=bias, scale_dtype=torch.float32)
+    qw, s = quantize_rtn(torch.randn(N, K, generator=g), scheme, torch.float32)
+    q.qweight.copy_(qw)
+    q.weight_scale.copy_(s)
+    if bias:
+        q.bias.data.normal_(generator=g)
+    return q
+
+
+@pytest.mark.parametrize("cls,scheme", [(Int8Linear, QuantScheme(8, None)), (Int4Linear, QuantScheme(4, 32)),
+                                        (Int4Linear, QuantScheme(4, 128))], ids=["int8", "int4-g32", "int4-g128"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_dequantized_float32_matmul(cls, scheme, dtype):
+    q = _quantized_linear(scheme)
+    assert cls.supports(q, torch.device("cpu"))
+    layer = cls(q, dtype)
+    for M in (1, 5, 33):
+        x = torch.randn(2, M, 128, generator=torch.Generator().manual_seed(M)).to(dtype)
+        ref = x.float() @ q.dequantized_weight().t() + q.bias
+        got = layer(x)
+        assert got.dtype == dtype and got.shape == (2, M, 48)
+        # the kernels take bf16 activations: error of one bf16 rounding of x and of the output
+        err = (got.float() - ref).abs().max() / ref.abs().max()
+        assert err < 2e-2, err
+
+
+def _dense_copy(quant_dir, out_dir) -> None:
+    """The same model with every quantized linear replaced by an nn.Linear holding its dequantized weight."""
+    model = Transformer.from_pretrained(quant_dir, dtype="float32", device="cpu")
+    for parent, name, q in quantized_linears(model):
+        lin = nn.Linear(q.in_features, q.out_features, bias=q.bias is not None)
+        lin.weight.data = q.dequantized_weight()
+        if q.bias is not None:
+            lin.bias.data = q.bias.data.float()
+        setattr(parent, name, lin)
+    model.save_pretrained(out_dir)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qengine")
+    src = save_hf_model("llama", root / "src", seed=5, hidden_size=128)
+    out = {"src": src}
+    for name, scheme, gs in (("w8", "w8a16", 128), ("w4", "w4a16", 32)):
+        quantize_model(QuantizeConfig(model=str(src), out=str(root / name), scheme=scheme, group_size=gs))
+        _dense_copy(root / name, root / f"{name}-dense")
+        out[name], out[f"{name}-dense"] = root / name, root / f"{name}-dense"
+    return out
+
+
+def _greedy(path, **kw) -> list[list[int]]:
+    llm = LLM(str(path), dtype="float32", device="cpu", **kw)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("name", ["w8", "w4"])
+def test_greedy_equals_plain_model_with_dequantized_weights(models, name):
+    """The reference linear backend is the same math as the dense copy: identical tokens."""
+    assert _greedy(models[name], attention="reference") == _greedy(models[f"{name}-dense"], attention="reference")
+
+
+@pytest.mark.parametrize("name,backend", [("w8", Int8Linear), ("w4", Int4Linear)])
+def test_fast_engine_picks_the_cpu_kernel_and_agrees(models, name, backend):
+    llm = LLM(str(models[name]), dtype="float32", device="cpu")
+    st = llm.stats()
+    assert st["linear_backend"] == backend.name
+    assert llm.llm_engine.model_runner.quantized_linears == 7 * 2
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    want = _greedy(models[f"{name}-dense"])
+    same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) / sum(len(w) for w in want)
+    assert same >= 0.75, same  # bf16 activations in the kernels: rare near-ties may flip (measured: 1.0)
+    assert st["weight_bytes"] < 0.8 * LLM(str(models["src"]), dtype="float32", device="cpu").stats()["weight_bytes"]
+
+
+def test_dequant_backend_when_a_kernel_does_not_fit():
+    q = _quantized_linear(QuantScheme(4, 16))  # torch's int4 kernel takes groups of 32..256
+    assert not Int4Linear.supports(q, torch.device("cpu"))
+    m = nn.Sequential(q)
+    from lmforge.quant.linear import select_backend
+
+    assert select_backend(m, torch.device("cpu")) is DequantLinear
+
+
+def test_int8_kv_decode_matches_float32_reference():
+    """Paged decode over an int8 cache (fast gather path) against plain attention over the float32 K/V."""
+    L, P, B, K, N, H = 1, 32, 4, 2, 4, 16
+    g = torch.Generator().manual_seed(0)
+    attn = PagedAttention(L, P, B, K, H, torch.float32, torch.device("cpu"), kv_int8=True)
+    ref = PagedAttention(L, P, B, K, H, torch.float32, torch.device("cpu"))
+    tables, computed = [[3, 7, 1], [10, 11, 12, 13, 14], [20]], [9, 17, 2]
+    # fill the cache: one prefill per sequence of its computed tokens
+    kv = {i: (torch.randn(1, c, K, H, generator=g), torch.randn(1, c, K, H, generator=g))
+          for i, c in enumerate(computed)}
+    for a in (attn, ref):
+        for i, c in enumerate(computed):
+            a.set_metadata(build_metadata([tables[i]], [0], [c], B, torch.device("cpu")))
+            a(0, torch.randn(1, c, N, H, generator=g), *kv[i])
+    q = torch.randn(1, 3, N, H, generator=g)
+    k, v = torch.randn(1, 3, K, H, generator=g), torch.randn(1, 3, K, H, generator=g)
+    outs = []
+    for a, reference in ((attn, False), (attn, True), (ref, True)):
+        a.set_metadata(build_metadata(tables, computed, [1, 1, 1], B, torch.device("cpu"), reference,
+                                      read_in_place=False))
+        outs.append(a(0, q, k, v))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)  # fast == reference over the same codes
+    err = (outs[0] - outs[2]).abs().max().item()
+    assert 0 < err < 0.03, err  # int8 K/V: ~1/254 of each head's absmax per element
+
+
+def test_quantize_kv_error_bound():
+    x = torch.randn(50, 2, 64) * torch.rand(50, 2, 1) * 10
+    q, s = quantize_kv(x)
+    assert q.dtype == torch.int8 and s.shape == (50, 2)
+    err = (q.float() * s.float()[..., None] - x).abs()
+    assert bool((err <= s.float()[..., None] * 0.5 + 1e-6 + x.abs().amax(-1, keepdim=True) * 4e-3).all())
+
+
+def test_int8_kv_doubles_the_pool_at_a_fixed_budget(tmp_path):
+    path = save_hf_model("llama", tmp_path / "m", seed=1, hidden_size=256, num_attention_heads=4,
+                         num_key_value_heads=2)  # head dim 64
+    budget = 4 * 2**20
+    base = LLM(str(path), dtype="bfloat16", device="cpu", kv_cache_memory_bytes=budget)
+    int8 = LLM(str(path), dtype="bfloat16", device="cpu", kv_cache_memory_bytes=budget, kv_cache_dtype="int8")
+    b, i = base.stats(), int8.stats()
+    assert b["kv_bytes_per_token"] == 2 * 2 * 2 * 64 * 2 and i["kv_bytes_per_token"] == 2 * 2 * 2 * (64 + 2)
+    assert i["kv_pool_tokens"] / b["kv_pool_tokens"] >= 1.9
+    assert i["attention_backend"].endswith("int8 KV")
+    outs = [LLM_out.outputs[0].token_ids for LLM_out in int8.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in base.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    same = sum(a == c for g, w in zip(outs, want) for a, c in zip(g, w)) / sum(len(w) for w in want)
+    assert same >= 0.75, same
+
+
+def test_kv_cache_dtype_is_validated(models):
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(str(models["src"]), device="cpu", kv_cache_dtype="fp8")
