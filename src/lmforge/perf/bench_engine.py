@@ -64,6 +64,8 @@ class BenchEngineConfig:
     threads: int = 1
     seed: int = 0
     out: str = "runs/bench-engine"
+    kv_cache_dtype: str = "auto"  # lmforge: auto | int8
+    kv_cache_memory_bytes: int | None = None  # lmforge: a fixed KV budget (None: the engine's default)
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
@@ -353,7 +355,8 @@ def run_lmforge(model_dir: Path, dtype: str, reqs: list[Request], cfg: BenchEngi
 
     llm = LLM(str(model_dir), dtype=dtype, device="cpu", max_num_seqs=cfg.max_num_seqs,
               max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_model_len,
-              enable_prefix_caching=enable_prefix_caching)
+              enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=cfg.kv_cache_dtype,
+              kv_cache_memory_bytes=cfg.kv_cache_memory_bytes)
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True, output_kind="final_only")
               for r in reqs]
     llm.generate([[5] * 16], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
@@ -368,7 +371,8 @@ def run_lmforge(model_dir: Path, dtype: str, reqs: list[Request], cfg: BenchEngi
                      note=f"max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens {cfg.max_num_batched_tokens}, "
                           f"prefix cache {'on' if enable_prefix_caching else 'off'}, "
                           f"attention {llm.llm_engine.model_runner.attention_backend}, "
-                          f"{llm.llm_engine.model_runner.fused_modules} fused modules",
+                          f"{llm.llm_engine.model_runner.fused_modules} fused modules, "
+                          f"KV {cfg.kv_cache_dtype} ({s['kv_pool_tokens']} tokens)",
                      kv_utilization=(s["kv_util_sum"] - before["kv_util_sum"]) / max(steps, 1), steps=steps,
                      preemptions=s["preemptions"] - before["preemptions"],
                      prefix_cache_hit_rate=((s["prefix_cache_hits"] - before["prefix_cache_hits"]) /
@@ -526,6 +530,8 @@ def bench_engine(
     threads: Annotated[int, typer.Option(help="torch.set_num_threads (1 is fastest on a shared CPU).")] = 1,
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
     out: Annotated[Path, typer.Option(help="Where bench.json and bench.md go.")] = Path("runs/bench-engine"),
+    kv_cache_dtype: Annotated[str, typer.Option(help="lmforge: auto (the model's dtype) | int8.")] = "auto",
+    kv_cache_memory_bytes: Annotated[Optional[int], typer.Option(help="lmforge: KV pool budget in bytes.")] = None,
 ) -> None:
     """Engine throughput and latency against transformers (one at a time, continuous batching) and
     static batching, on the same requests; KV utilization; prefix-cache TTFT. Writes bench.json, bench.md."""
@@ -534,7 +540,8 @@ def bench_engine(
                                 dtype=dtype, baselines=tuple(b.strip() for b in baselines.split(",") if b.strip()),
                                 hf_sequential_requests=hf_sequential_requests, static_batch_size=static_batch_size,
                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                threads=threads, seed=seed, out=str(out))
+                                threads=threads, seed=seed, out=str(out), kv_cache_dtype=kv_cache_dtype,
+                                kv_cache_memory_bytes=kv_cache_memory_bytes)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
