@@ -218,6 +218,8 @@ def grad_norm(model: nn.Module, group=None) -> torch.Tensor:
                 continue
             seen.add(id(p))
             sq = p.grad.detach().double().pow(2).sum()
+            if hasattr(sq, "full_tensor"):  # an FSDP DTensor: the sum over its shards
+                sq = sq.full_tensor()
             if is_sharded(module) and not (isinstance(module, RowParallelLinear) and pname == "bias"):
                 sharded += sq
             else:

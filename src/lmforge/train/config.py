@@ -1,4 +1,5 @@
-"""The training stage's typed config: sections `run`, `data`, `model`, `train`, `lora`, `sft`.
+"""The training stage's typed config: sections `run`, `data`, `model`, `train` (with
+`train.parallel`), `lora`, `sft`.
 
 Loaded with `lmforge.config.load_config(TrainConfig, path, ["train.lr=3e-4", ...])`, validated
 once in `TrainConfig.validate()`, and saved resolved as the run's `config.yaml`. The `model`
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lmforge.config import ConfigError
+
+from .grpo.config import GRPOSection
 
 
 @dataclass
@@ -50,8 +53,21 @@ class ModelSection:
 
 
 @dataclass
+class ParallelSection:
+    """Model parallelism under torchrun (`lmforge.parallel`); data parallelism is what is left:
+    world size / tp ranks, DDP or (fsdp) FSDP over them. Pipeline parallelism: `lmforge bench parallel`."""
+
+    tp: int = 1  # tensor-parallel degree (Megatron column/row split of attention and MLP)
+    fsdp: bool = False  # shard parameters, gradients and optimizer state (fully_shard) over the data ranks
+
+    @property
+    def active(self) -> bool:
+        return self.tp > 1 or self.fsdp
+
+
+@dataclass
 class TrainSection:
-    stage: Literal["pretrain", "sft"] = "pretrain"
+    stage: Literal["pretrain", "sft", "grpo"] = "pretrain"  # grpo: train/grpo/ (the `grpo` section)
     method: Literal["full", "lora"] = "full"
     max_steps: int = 100
     batch_size: int = 8  # sequences per micro-batch per process
@@ -80,6 +96,7 @@ class TrainSection:
     compile: bool = False
     fused_loss: bool = True  # LM head + cross-entropy in chunks of tokens, no full logits (fused_ce.py)
     seq_len: int = 256  # sft only: rendered chats are packed/padded to this (pretrain: the data's)
+    parallel: ParallelSection = field(default_factory=ParallelSection)  # train.parallel.tp=2 under torchrun
 
 
 # nn.Linear names in the model (Hugging Face's), the only modules adapters can target.
@@ -126,12 +143,18 @@ class TrainConfig:
     train: TrainSection = field(default_factory=TrainSection)
     lora: LoraConfig = field(default_factory=LoraConfig)
     sft: SFTSection = field(default_factory=SFTSection)
+    grpo: GRPOSection = field(default_factory=GRPOSection)
 
     def validate(self) -> TrainConfig:
         t = self.train
         if not self.data.path:
             hint = "a packed dir from `lmforge data pack`" if t.stage == "pretrain" else "a chat JSONL file"
             raise ConfigError(f"data.path is required: {hint} (e.g. data.path=runs/packed)")
+        if t.stage == "grpo":
+            if not self.model.init or t.method != "full":
+                raise ConfigError("grpo needs model.init=MODEL_DIR (an HF folder with a chat template, e.g. an "
+                                  "exported SFT run) and train.method=full")
+            self.grpo.validate()
         if t.stage == "sft" and not (self.data.tokenizer or self.model.init):
             raise ConfigError("sft needs a tokenizer: set data.tokenizer=DIR (or model.init to a dir holding one)")
         for key in ("max_steps", "batch_size", "grad_accum", "seq_len"):
@@ -147,6 +170,8 @@ class TrainConfig:
             raise ConfigError(f"train.target_val_loss must be > 0 (nats/token) or null, got {t.target_val_loss}")
         if not 0 <= t.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+        if t.parallel.tp < 1:
+            raise ConfigError(f"train.parallel.tp must be >= 1, got {t.parallel.tp}")
         if t.method == "lora" and (self.lora.rank < 1 or not self.lora.target_modules):
             raise ConfigError("lora.rank must be >= 1 and lora.target_modules non-empty")
         return self

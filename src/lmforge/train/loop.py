@@ -231,7 +231,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, out: Path, resume: bool = False, overwrite: bool = False):
         self.cfg, self.out = cfg.validate(), Path(out)
         t = cfg.train
-        self.d, self.device = init_distributed(t.device)
+        self.d, self.device = self.setup_distributed(t.device)
         self.warnings: list[str] = []
         self.mfu_error: str | None = None
         if self.device.type == "cuda" and t.dtype == "float32":
@@ -244,7 +244,7 @@ class Trainer:
             self.warn(note)
         self.raw_model = build_model(cfg, self.data)
         self.model_config = self.raw_model.config
-        self.model = apply_method(cfg, self.raw_model).to(self.device)
+        self.model = self.parallelize(apply_method(cfg, self.raw_model).to(self.device))
         if t.gradient_checkpointing:
             self.raw_model.model.gradient_checkpointing = True
         self.opt = build_optimizer(self.model, t, self.device)
@@ -257,14 +257,28 @@ class Trainer:
         if resume:
             self._restore()
         self.fused = t.fused_loss and can_fuse(self.model)
-        self.fwd = TrainLoss(self.model) if self.fused else self.model
-        if self.d.world_size > 1:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            self.fwd = torch.nn.parallel.DistributedDataParallel(self.fwd, device_ids=ids)
+        self.fwd = self.wrap_data_parallel(TrainLoss(self.model) if self.fused else self.model)
         if t.compile:
             self.fwd = torch.compile(self.fwd)
         self.train_iter = iter(self.data.train)
         self.flops_per_token, self.peak = self._flops()
+
+    # ---- parallelism hooks (lmforge.parallel.trainer overrides them for TP and FSDP) ----------
+
+    def setup_distributed(self, device_name: str) -> tuple[Dist, torch.device]:
+        return init_distributed(device_name)
+
+    def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    def wrap_data_parallel(self, fwd: torch.nn.Module) -> torch.nn.Module:
+        if self.d.world_size == 1:
+            return fwd
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(fwd, device_ids=ids)
+
+    def clip_gradients(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     # ---- setup helpers ----------------------------------------------------------------------
 
@@ -359,7 +373,7 @@ class Trainer:
                                    f"Lower train.lr, raise train.warmup_steps or use train.dtype=bfloat16/float32")
         self.scaler.unscale_(self.opt)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+        grad_norm = self.clip_gradients(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
         lr = self.opt.param_groups[0]["lr"]
         self.scaler.step(self.opt)
         self.scaler.update()
@@ -579,7 +593,15 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Train `cfg` into run directory `out`; returns the final record (rank 0) or {} (other ranks)."""
-    trainer = Trainer(cfg, Path(out), resume=resume, overwrite=overwrite)
+    if cfg.train.stage == "grpo":  # its own stage (rollouts, rewards, policy loss): train/grpo/
+        from .grpo.trainer import train_grpo
+
+        return train_grpo(cfg, out, resume=resume, overwrite=overwrite)
+    if cfg.train.parallel.active:  # tensor parallel / FSDP: the same loop with its hooks overridden
+        from lmforge.parallel.trainer import ParallelTrainer as trainer_cls
+    else:
+        trainer_cls = Trainer
+    trainer = trainer_cls(cfg, Path(out), resume=resume, overwrite=overwrite)
     try:
         return trainer.fit()
     except BaseException as e:
