@@ -49,6 +49,28 @@ class LLM:
     def stats(self) -> dict:
         return self.llm_engine.stats()
 
+    def load_weights(self, state_dict: dict) -> None:
+        """Copy a trainer's weights (a `Transformer.state_dict()`, same names) into the engine's model in
+        place, and forget the prefix cache (its K/V came from the old weights). For RL rollouts that must
+        follow the policy every step (vLLM's `load_weights` / TRL's weight sync, in-process). Needs an
+        engine whose modules were not swapped for inference-only ones: float32, or bf16 with
+        `pack_weights=False, cpu_kernels=False`. Call it between `generate` calls."""
+        import torch
+
+        engine = self.llm_engine
+        runner = engine.model_runner
+        if engine.has_unfinished_requests():
+            raise RuntimeError("load_weights while requests are running; call it between generate() calls")
+        if runner.packed_linears or runner.fused_modules:
+            raise ValueError("load_weights needs the model's own modules: create the LLM with pack_weights=False "
+                             "and cpu_kernels=False (or dtype float32), which keep every weight under its name")
+        with torch.no_grad():
+            engine.model.load_state_dict(state_dict, strict=True)  # copies into the existing tensors
+        bm = engine.block_manager
+        bm.hash_to_block.clear()
+        for block in bm.blocks:  # every block is free between generate() calls: drop what they cached
+            block.reset()
+
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
