@@ -113,7 +113,7 @@ class ServerState:
         if self.down is not None:
             return f"the engine is restarting after: {self.down}"
         if self.engine is not None and not self.engine.is_running:
-            return "the engine is not running"
+            return f"the engine stopped: {getattr(self.engine, '_dead', None) or 'its thread is gone'}"
         return "the model is still loading"
 
     async def abort_all(self) -> None:
