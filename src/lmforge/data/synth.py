@@ -37,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lmforge.config import ConfigError
 from lmforge.eval.reasoning import DEFAULT_FORMAT
 
 EVAL_SEED = 1_000_003  # arith-cot's seed; training seeds must differ
@@ -45,7 +46,7 @@ THINGS = ("apples", "marbles", "pencils", "stickers", "cookies", "books", "coins
 CONTAINERS = (("box", "boxes"), ("bag", "bags"), ("jar", "jars"), ("crate", "crates"))
 
 
-class TaskFileError(ValueError):
+class TaskFileError(ConfigError):
     """A task file line a person must fix; the message names the file, line and field."""
 
 
@@ -200,23 +201,27 @@ def synth_rows(task: str, n: int, seed: int, exclude: set[str] | None = None,
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
     rng, rows, seen, dropped = _rng(seed), [], set(), Counter()
-    exclude = exclude or set()
-    attempts = 0
+    exclude, live, misses, exhausted = exclude or set(), list(cats), Counter(), []
     while len(rows) < n:
-        attempts += 1
-        if attempts > 50 * n + 1000:
+        if not live:
             raise ValueError(f"task {task!r}: could not find {n} distinct prompts (got {len(rows)}); "
                              f"the categories {cats} are too small for that many rows")
-        row = make_row(cats[len(rows) % len(cats)], rng)
+        cat = live[len(rows) % len(live)]
+        row = make_row(cat, rng)
         if row["prompt"] in exclude:
             dropped["eval_overlap"] += 1
         elif row["prompt"] in seen:
             dropped["duplicate"] += 1
+            misses[cat] += 1
+            if misses[cat] >= 200:  # (nearly) every prompt of this category is taken: go on without it
+                live.remove(cat)
+                exhausted.append(cat)
         else:
             seen.add(row["prompt"])
             rows.append(row)
+            misses[cat] = 0
     return rows, {"rows": len(rows), "dropped_eval_overlap": dropped["eval_overlap"],
-                  "dropped_duplicate": dropped["duplicate"]}
+                  "dropped_duplicate": dropped["duplicate"], "exhausted_categories": exhausted}
 
 
 def eval_prompts() -> tuple[set[str], str | None]:

@@ -1,11 +1,13 @@
-"""`lmforge train` and `lmforge export`: the command-line face of `lmforge.train`.
+"""`lmforge train`, `lmforge export` and `lmforge distill`: the command-line face of `lmforge.train`.
 
-Parses arguments and calls `loop.main` / `export.export_run`; no logic of its own. Heavy
+Parses arguments and calls `loop.main` / `export.export_run` / `distill.distill`; no logic of its own. Heavy
 imports (torch) happen only when a verb runs, so `lmforge --help` stays fast.
 
     lmforge train configs/tiny.yaml data.path=runs/packed train.max_steps=50 --out runs/tiny
     lmforge train configs/tiny.yaml --out runs/tiny --resume
     lmforge export runs/tiny --out models/tiny
+    lmforge train configs/grpo.yaml model.init=runs/reasoning/sft-model data.path=tasks.jsonl --out runs/grpo
+    lmforge distill TEACHER --tasks tasks.jsonl --n 4 --out runs/distill
     torchrun --nproc-per-node 2 -m lmforge.train configs/tiny.yaml --out runs/ddp
 """
 
@@ -41,7 +43,12 @@ def train(
     except (ConfigError, CheckpointError, FileNotFoundError, FileExistsError, TrainingDiverged) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(code=2) from None
-    if record:
+    if record and record.get("stage") == "grpo":
+        res = record.get("results", {})
+        typer.echo(f"done: {res.get('steps')} GRPO steps, rollout accuracy {res.get('accuracy_first')} -> "
+                   f"{res.get('accuracy_last')}, reward {res.get('reward_first')} -> {res.get('reward_last')} "
+                   f"-> {record.get('experiment_id')}")
+    elif record:
         res = record.get("results", {})
         typer.echo(f"done: {res.get('steps')} steps, train loss {res.get('final_train_loss')}, "
                    f"val loss {res.get('final_val_loss')}, {res.get('tokens_per_s')} tok/s, "
@@ -69,3 +76,29 @@ def export(
 # `python -m lmforge.train CONFIG ...` (and torchrun): the train verb alone, no sub-command name.
 train_app = typer.Typer(add_completion=False)
 train_app.command(help=_TRAIN_HELP)(train)
+
+
+def distill(
+    teacher: Path = typer.Argument(..., help="Teacher model folder (HF layout with a chat template)."),
+    tasks: Path = typer.Option(..., "--tasks", help="Task JSONL: prompt/answer rows or GSM8K question/'#### N'."),
+    n: int = typer.Option(4, "--n", help="Traces sampled per task."),
+    out: Path = typer.Option(..., "--out", "-o", help="Run folder: sft.jsonl, record.json, metrics.jsonl."),
+    temperature: float = typer.Option(0.8, "--temperature", help="Sampling temperature."),
+    max_tokens: int = typer.Option(320, "--max-tokens", help="New tokens per trace."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed (per task: seed * 1000003 + task index)."),
+    limit: int = typer.Option(None, "--limit", help="Only the first N tasks."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto, float32, bfloat16."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished run in --out."),
+) -> None:
+    """Rejection-sample reasoning traces from TEACHER: K per task through the engine, keep the well-formed
+    ones with the right answer as SFT chat rows (then `lmforge train ... train.stage=sft data.path=OUT/sft.jsonl`)."""
+    from .distill import distill as run_distill
+
+    try:
+        res = run_distill(teacher, tasks, n, out, temperature=temperature, max_tokens=max_tokens, seed=seed,
+                          limit=limit, dtype=dtype, overwrite=overwrite)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(code=2) from None
+    typer.echo(f"teacher accuracy {res['teacher_accuracy']:.3f} (pass@{n} {res[f'teacher_pass@{n}']:.3f}); kept "
+               f"{res['kept']}/{res['samples']} traces ({res['kept_fraction']:.3f}) -> {out / 'sft.jsonl'}")
