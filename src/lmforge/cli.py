@@ -19,7 +19,7 @@ import typer
 from lmforge.data.commands import app as data_app
 from lmforge.eval.commands import app as eval_app
 from lmforge.parallel.commands import app as parallel_app
-from lmforge.perf import bench_engine
+from lmforge.perf import bench_engine, bench_quant
 from lmforge.perf.commands import app as estimate_app
 from lmforge.quant import commands as quant_commands
 from lmforge.serve import commands as serve_commands
@@ -69,6 +69,7 @@ def bench_data_cmd(
 
 
 bench_app.command("engine")(bench_engine.bench_engine)
+bench_app.command("quant")(bench_quant.bench_quant)
 app.add_typer(bench_app, name="bench")
 app.add_typer(estimate_app, name="estimate", help="Estimate before measuring: memory, KV cache, intensity, roofline, "
                                                  "throughput ceiling, MFU, communication, quantized sizes.")

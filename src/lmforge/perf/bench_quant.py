@@ -1,0 +1,331 @@
+"""`lmforge bench quant`: one run, the same weights, the dense model against its W8A16 and W4A16
+quantizations and against an int8 KV cache.
+
+Measured, in this order (each variant loads through `LLM`, as users run it):
+  * weight bytes (what the engine holds after it picked its linear backend) and their ratio to the
+    dense model's bytes at bf16 (2 bytes a parameter, whatever dtype this CPU runs);
+  * batch-1 decode tokens/s (one 32-token prompt, `--decode-tokens` greedy tokens; first token excluded)
+    and batch-32 output tokens/s (32 prompts x 32 tokens), each the best of `--repeats`;
+  * quality against the dense model: greedy agreement over the first 32 tokens of 16 prompts
+    (mean common-prefix length / 32, and position-wise match);
+  * KV int8 at a fixed `--kv-budget-tokens` (the dense cache's capacity in tokens): pool tokens, the
+    most sequences running at once and output tokens/s on a high-variance workload (lmforge's
+    `bench engine` generator), for auto and int8;
+  * `--linears`: each linear backend alone on one projection shape at M = 1 and 32 (the figures behind
+    `lmforge.quant.linear`'s choice of bf16 activations for the CPU kernels).
+Without `--model` a random Llama is built under `--out` (`--hidden/--layers/--intermediate/--vocab`;
+random weights are fine for speed and bytes; quality needs a trained model: pass `--model`). The
+activation dtype is bf16 where the CPU has native bf16, else float32. Every figure is taken under the
+load recorded in the report (`os.getloadavg()` at start and end); compare within one run only.
+
+    lmforge bench quant --out runs/bench-quant
+    python -m lmforge.perf.bench_quant --model models/quickstart --out runs/bench-quant-qs
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+
+@dataclass
+class BenchQuantConfig:
+    model: str | None = None
+    out: str = "runs/bench-quant"
+    hidden: int = 768
+    layers: int = 8
+    intermediate: int = 2048
+    vocab: int = 8192
+    group_size: int = 128
+    decode_tokens: int = 48
+    repeats: int = 2
+    kv_budget_tokens: int = 4096
+    kv_requests: int = 48
+    threads: int = 1  # under contention, intra-op threads are catastrophically slow (see bench engine)
+    dtype: str = "auto"  # auto: bfloat16 with native bf16, else float32
+    linears: bool = True
+
+
+def _activation_dtype(name: str) -> str:
+    import torch
+
+    if name != "auto":
+        return name
+    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return "bfloat16" if native else "float32"
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def _decode_tok_s(llm, prompt: list[int], n: int, repeats: int) -> float:
+    from lmforge.engine import SamplingParams
+
+    best = 0.0
+    for _ in range(repeats):
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0]
+        t = out.outputs[0].token_times
+        best = max(best, (len(t) - 1) / (t[-1] - t[0]))
+    return best
+
+
+def _batch_tok_s(llm, prompts: list[list[int]], n: int, repeats: int) -> float:
+    from lmforge.engine import SamplingParams
+
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        best = max(best, len(prompts) * n / (time.perf_counter() - t0))
+    return best
+
+
+def _greedy(llm, prompts: list[list[int]], n: int = 32) -> list[list[int]]:
+    from lmforge.engine import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def agreement(got: list[list[int]], want: list[list[int]]) -> dict[str, float]:
+    """Mean common-prefix length / length, and the share of positions with the same token."""
+    prefix, same, total = 0.0, 0, 0
+    for g, w in zip(got, want):
+        k = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+        prefix += k / len(w)
+        same += sum(a == b for a, b in zip(g, w))
+        total += len(w)
+    return {"prefix": round(prefix / len(want), 4), "positions": round(same / total, 4)}
+
+
+def _kv_run(model_dir: Path, dtype: str, kv_cache_dtype: str, budget_bytes: int, reqs) -> dict[str, Any]:
+    """The high-variance requests through one engine at a fixed KV byte budget; the most sequences
+    running at once, output tokens/s, preemptions."""
+    from lmforge.engine import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype=dtype, device="cpu", kv_cache_memory_bytes=budget_bytes,
+              kv_cache_dtype=kv_cache_dtype, max_num_seqs=256)
+    eng = llm.llm_engine
+    for i, r in enumerate(reqs):
+        eng.add_request(str(i), r.prompt, SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True,
+                                                         output_kind="final_only"))
+    most, t0 = 0, time.perf_counter()
+    while eng.has_unfinished_requests():
+        eng.step()
+        most = max(most, len(eng.scheduler.running))
+    dt = time.perf_counter() - t0
+    st = llm.stats()
+    return {"kv_cache_dtype": kv_cache_dtype, "kv_bytes_per_token": st["kv_bytes_per_token"],
+            "kv_pool_tokens": st["kv_pool_tokens"], "max_running_seqs": most, "preemptions": st["preemptions"],
+            "output_tok_s": round(sum(r.output_len for r in reqs) / dt, 1), "seconds": round(dt, 2),
+            "attention_backend": st["attention_backend"]}
+
+
+def bench_linears(K: int, N: int, group_size: int) -> list[dict[str, Any]]:
+    import torch
+    import torch.nn.functional as F
+
+    from lmforge.quant import QuantScheme, quantize_rtn
+    from lmforge.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
+
+    from .bench_linear import best_seconds
+
+    w = torch.randn(N, K)
+    rows = []
+    layers = {}
+    for scheme, cls in ((QuantScheme(8, None), Int8Linear), (QuantScheme(4, group_size), Int4Linear)):
+        q = QuantizedLinear(K, N, scheme, scale_dtype=torch.bfloat16)
+        qw, s = quantize_rtn(w, scheme, torch.bfloat16)
+        q.qweight.copy_(qw)
+        q.weight_scale.copy_(s)
+        layers[cls.__name__] = (cls(q, torch.float32), q)
+    for M in (1, 32):
+        x32 = torch.randn(M, K)
+        xbf = x32.bfloat16()
+        wbf = w.bfloat16()
+        cands = {"dense float32 (F.linear)": lambda: F.linear(x32, w),
+                 "dense bf16 (F.linear)": lambda: F.linear(xbf, wbf)}
+        for name, (layer, q) in layers.items():
+            cands[f"{name} (bf16 activations)"] = lambda layer=layer: layer(x32)
+        i8 = layers["Int8Linear"][0]
+        cands["int8 kernel on float32 activations"] = lambda: torch.ops.aten._weight_int8pack_mm(
+            x32, i8.qweight, i8.scale.float())
+        i4 = layers["Int4Linear"][0]
+        cands["int4 kernel on float32 activations"] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x32, i4.packed, i4.group_size, i4.scale_zeros.float())
+        base = None
+        for name, fn in cands.items():
+            us = best_seconds(fn, calls=10, repeats=3) * 1e6
+            base = base or us
+            rows.append({"M": M, "N": N, "K": K, "backend": name, "us": round(us, 1),
+                         "vs_dense_float32": round(base / us, 2)})
+    return rows
+
+
+def bench_quant_run(cfg: BenchQuantConfig) -> dict[str, Any]:
+    import torch
+
+    from lmforge.engine import LLM
+    from lmforge.quant.quantize import QuantizeConfig, quantize_model
+    from lmforge.track.provenance import git_info, hardware_info, package_versions
+
+    from .bench_engine import _cpu_name, _loadavg, make_requests
+
+    torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = _activation_dtype(cfg.dtype)
+    if cfg.model:
+        base = Path(cfg.model)
+    else:
+        from lmforge.model.reference import save_hf_model
+
+        base = out / f"random-llama-h{cfg.hidden}-l{cfg.layers}"
+        if not (base / "config.json").exists():
+            print(f"[bench quant] building {base}", file=sys.stderr, flush=True)
+            save_hf_model("llama", base, vocab_size=cfg.vocab, hidden_size=cfg.hidden, layers=cfg.layers,
+                          intermediate_size=cfg.intermediate, num_attention_heads=cfg.hidden // 64,
+                          num_key_value_heads=max(1, cfg.hidden // 256), max_position_embeddings=2048,
+                          dtype=torch.bfloat16)
+    report: dict[str, Any] = {
+        "config": asdict(cfg), "command": " ".join(["lmforge bench quant"] + sys.argv[1:]), "model": str(base),
+        "provenance": {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "threads": torch.get_num_threads(),
+                       "dtype": dtype, "machine": f"{platform.node()}, {_cpu_name()}, {os.cpu_count()} cores",
+                       "load_average": _loadavg(), "hardware": hardware_info(), "packages": package_versions(),
+                       "git": git_info()},
+        "variants": [], "kv": [],
+    }
+
+    def save() -> None:
+        from .bench_linear import emit
+
+        emit(report, to_markdown, out, "bench_quant")
+
+    folders = {"dense": base}
+    for scheme in ("w8a16", "w4a16"):
+        folders[scheme] = out / f"{base.name}-{scheme}"
+        if not (folders[scheme] / "record.json").exists():
+            print(f"[bench quant] quantizing {scheme}", file=sys.stderr, flush=True)
+            quantize_model(QuantizeConfig(model=str(base), out=str(folders[scheme]), scheme=scheme,
+                                          group_size=cfg.group_size), overwrite=True)
+    import json
+
+    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
+    one, batch, quality = _prompts(1, 32, vocab, 1)[0], _prompts(32, 32, vocab, 2), _prompts(16, 16, vocab, 3)
+    n_params = None
+    reference = None
+    for name, path in folders.items():
+        print(f"[bench quant] {name}", file=sys.stderr, flush=True)
+        llm = LLM(str(path), dtype=dtype, device="cpu", max_num_seqs=64)
+        st = llm.stats()
+        if n_params is None:
+            n_params = sum(p.numel() for p in llm.llm_engine.model.parameters())
+        greedy = _greedy(llm, quality)
+        reference = reference or greedy
+        rec = json.loads((path / "record.json").read_text())["results"] if name != "dense" else {}
+        row = {"variant": name, "linear_backend": st["linear_backend"], "weight_bytes": st["weight_bytes"],
+               "weight_bytes_vs_bf16": round(st["weight_bytes"] / (2 * n_params), 4),
+               "checkpoint_bytes_ratio": rec.get("weight_bytes_ratio", 1.0),
+               "decode_tok_s_batch1": round(_decode_tok_s(llm, one, cfg.decode_tokens, cfg.repeats), 2),
+               "output_tok_s_batch32": round(_batch_tok_s(llm, batch, 32, cfg.repeats), 1),
+               "greedy_agreement_32": agreement(greedy, reference)}
+        report["variants"].append(row)
+        save()
+        del llm
+    d = report["variants"][0]
+    for row in report["variants"]:
+        row["decode_speedup"] = round(row["decode_tok_s_batch1"] / d["decode_tok_s_batch1"], 2)
+        row["batch32_speedup"] = round(row["output_tok_s_batch32"] / d["output_tok_s_batch32"], 2)
+    # KV int8 at the dense cache's budget for kv_budget_tokens tokens
+    probe = LLM(str(base), dtype=dtype, device="cpu", num_kv_blocks=1)
+    budget = cfg.kv_budget_tokens * probe.stats()["kv_bytes_per_token"]
+    del probe
+    reqs = make_requests("high-variance", cfg.kv_requests, 0, vocab, 1024)
+    for kv in ("auto", "int8"):
+        print(f"[bench quant] KV {kv} at {budget} bytes", file=sys.stderr, flush=True)
+        report["kv"].append(_kv_run(base, dtype, kv, budget, reqs))
+        save()
+    llm = LLM(str(base), dtype=dtype, device="cpu", kv_cache_dtype="int8")
+    report["kv_int8_greedy_agreement_32"] = agreement(_greedy(llm, quality), reference)
+    del llm
+    a, b = report["kv"]
+    report["kv_ratios"] = {"pool_tokens": round(b["kv_pool_tokens"] / a["kv_pool_tokens"], 3),
+                           "max_running_seqs": round(b["max_running_seqs"] / max(a["max_running_seqs"], 1), 3),
+                           "output_tok_s": round(b["output_tok_s"] / a["output_tok_s"], 3)}
+    if cfg.linears:
+        print("[bench quant] linears", file=sys.stderr, flush=True)
+        report["linears"] = bench_linears(cfg.hidden, cfg.intermediate, cfg.group_size)
+    report["provenance"]["load_average_end"] = _loadavg()
+    save()
+    return report
+
+
+def to_markdown(r: dict[str, Any]) -> str:
+    p = r["provenance"]
+    lines = [f"# bench quant: `{r['model']}`", "", f"`{r['command']}`", "",
+             f"{p['date']} on {p['machine']}, {p['dtype']} activations, {p['threads']} thread(s), load average at "
+             f"start {p['load_average']}, at end {p.get('load_average_end')}.", "",
+             "| variant | linear backend | weight MiB held | vs bf16 bytes | checkpoint bytes vs dense | "
+             "batch-1 decode tok/s | x dense | batch-32 tok/s | x dense | greedy agreement (prefix / positions) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for v in r["variants"]:
+        ag = v["greedy_agreement_32"]
+        lines.append(f"| {v['variant']} | {v['linear_backend']} | {v['weight_bytes'] / 2**20:.1f} | "
+                     f"{v['weight_bytes_vs_bf16']:.3f} | {v['checkpoint_bytes_ratio']:.3f} | "
+                     f"{v['decode_tok_s_batch1']} | {v.get('decode_speedup', '')} | {v['output_tok_s_batch32']} | "
+                     f"{v.get('batch32_speedup', '')} | {ag['prefix']} / {ag['positions']} |")
+    if r["kv"]:
+        lines += ["", "KV cache at a fixed byte budget (high-variance requests):", "",
+                  "| KV dtype | bytes/token | pool tokens | most running | preemptions | output tok/s |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {k['kv_cache_dtype']} | {k['kv_bytes_per_token']} | {k['kv_pool_tokens']} | "
+                  f"{k['max_running_seqs']} | {k['preemptions']} | {k['output_tok_s']} |" for k in r["kv"]]
+        if "kv_ratios" in r:
+            lines += ["", f"int8 / auto: {r['kv_ratios']}; KV int8 greedy agreement: "
+                          f"{r.get('kv_int8_greedy_agreement_32')}"]
+    if r.get("linears"):
+        lines += ["", "One projection alone (best of 3 x 10 calls):", "",
+                  "| M | N x K | backend | us | x dense fp32 |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {x['M']} | {x['N']} x {x['K']} | {x['backend']} | {x['us']} | {x['vs_dense_float32']} |"
+                  for x in r["linears"]]
+    return "\n".join(lines) + "\n"
+
+
+def bench_quant(
+    model: Annotated[Optional[Path], typer.Option(help="A dense HF model folder (default: a random Llama).")] = None,
+    out: Annotated[Path, typer.Option(help="Where bench_quant.json/.md and the quantized folders go.")] = Path(
+        "runs/bench-quant"),
+    hidden: Annotated[int, typer.Option(help="Random model: hidden size (heads of 64).")] = 768,
+    layers: Annotated[int, typer.Option(help="Random model: layers.")] = 8,
+    intermediate: Annotated[int, typer.Option(help="Random model: MLP width.")] = 2048,
+    vocab: Annotated[int, typer.Option(help="Random model: vocabulary.")] = 8192,
+    group_size: Annotated[int, typer.Option(help="W4A16 group size.")] = 128,
+    decode_tokens: Annotated[int, typer.Option(help="Batch-1 decode length.")] = 48,
+    repeats: Annotated[int, typer.Option(help="Timed repeats (best kept).")] = 2,
+    kv_budget_tokens: Annotated[int, typer.Option(help="KV budget, in tokens of the dense cache.")] = 4096,
+    kv_requests: Annotated[int, typer.Option(help="High-variance requests for the KV comparison.")] = 48,
+    threads: Annotated[int, typer.Option(help="torch.set_num_threads (1 is fastest on a shared CPU).")] = 1,
+    dtype: Annotated[str, typer.Option(help="auto (bf16 with native bf16, else float32) | float32 | bfloat16.")]
+    = "auto",
+    linears: Annotated[bool, typer.Option(help="Also time each linear backend alone.")] = True,
+) -> None:
+    """Dense vs W8A16 vs W4A16 (weight bytes, batch-1 and batch-32 decode, greedy agreement) and KV int8
+    at a fixed budget, one run, same weights. Writes bench_quant.json and bench_quant.md."""
+    bench_quant_run(BenchQuantConfig(str(model) if model else None, str(out), hidden, layers, intermediate, vocab,
+                                     group_size, decode_tokens, repeats, kv_budget_tokens, kv_requests, threads, dtype,
+                                     linears))
+
+
+if __name__ == "__main__":
+    typer.run(bench_quant)
