@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from lmforge.parallel.commands import app
+from lmforge.parallel.pipeline import split_layers
 from lmforge.parallel.schedules import bubble_formula, schedule
 from lmforge.parallel.simulate import simulate
 
@@ -80,3 +81,10 @@ def test_cli_writes_run_directory(tmp_path):
     assert json.loads((out / "record.json").read_text())["status"] == "finished"
     bad = CliRunner().invoke(app, ["simulate", "--stages", "3", "--fwd", "1,x"])
     assert bad.exit_code != 0 and "--fwd" in bad.output
+
+
+def test_split_layers_balanced_and_refuses_too_many_stages():
+    assert split_layers(5, 2) == [range(0, 3), range(3, 5)]
+    assert split_layers(4, 4) == [range(i, i + 1) for i in range(4)]
+    with pytest.raises(ValueError, match="num_hidden_layers=2"):
+        split_layers(2, 3)

@@ -26,24 +26,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable, world: int, port: int, threads: int, out: str, args: tuple) -> None:
+def _entry(rank: int, fn: Callable, world: int, port: int, threads: int, out: str, args: tuple,
+           backend: str = "gloo") -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
-        dist.barrier()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # fn may have ended the group itself (the trainer does)
+            dist.destroy_process_group()
     Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
-def run_local(fn: Callable, world: int, *args: Any, threads: int = 1, timeout: float = 600) -> list[Any]:
-    """Run `fn(rank, world, *args)` in `world` fresh processes (gloo, CPU, `threads` torch threads each)."""
+def run_local(fn: Callable, world: int, *args: Any, threads: int = 1, timeout: float = 600,
+              backend: str = "gloo") -> list[Any]:
+    """Run `fn(rank, world, *args)` in `world` fresh processes (`backend`, `threads` torch threads each)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # fork after torch has started its thread pools can hang
@@ -53,7 +57,8 @@ def run_local(fn: Callable, world: int, *args: Any, threads: int = 1, timeout: f
         os.environ["OMP_NUM_THREADS"] = str(threads)
         try:
             port = free_port()
-            procs = [ctx.Process(target=_entry, args=(r, fn, world, port, threads, out, args)) for r in range(world)]
+            procs = [ctx.Process(target=_entry, args=(r, fn, world, port, threads, out, args, backend))
+                     for r in range(world)]
             for p in procs:
                 p.start()
         finally:

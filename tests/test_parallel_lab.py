@@ -1,0 +1,147 @@
+"""Two gloo CPU processes, started once for the whole module (each start costs seconds of imports):
+pipeline (GPipe, 1F1B) and tensor parallelism against the single-process run in float64 and float32,
+TP's all-reduce bytes per layer equal to TP=1's, the pipeline bench's cells, the comm benchmark, and
+the trainer with `train.parallel.fsdp=true`: losses equal to one process, a resume from its sharded
+`torch.distributed.checkpoint` checkpoint identical to the uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lmforge.parallel.launch import run_local
+from lmforge.parallel.parity import Spec, pp_worker, reference, tp_worker
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+SEQ, VOCAB = 32, 128
+
+
+def write_random_packed(path: Path, train_tokens: int = 4001, val_tokens: int = 641) -> Path:
+    """A packed folder in `lmforge-packed-v1` layout with random tokens (no tokenizer: no bits per byte)."""
+    rng = np.random.default_rng(0)
+    path.mkdir(parents=True)
+    splits = {}
+    for split, n in (("train", train_tokens), ("val", val_tokens)):
+        toks = rng.integers(3, VOCAB, n).astype(np.uint16)
+        toks[::40] = 1  # a document boundary (eos) every 40 tokens
+        toks.tofile(path / f"{split}_00000.bin")
+        splits[split] = {"files": [f"{split}_00000.bin"], "file_tokens": [n], "rows": (n - 1) // SEQ, "tokens": n}
+    (path / "manifest.json").write_text(json.dumps({
+        "format": "lmforge-packed-v1", "seq_len": SEQ, "dtype": "uint16", "vocab_size": VOCAB, "eos_token_id": 1,
+        "bos_token_id": 0, "splits": splits, "data_hash": "random-test-data"}))
+    return path
+
+
+def train_cfg(packed: Path, *extra: str):
+    from lmforge.config import load_config
+    from lmforge.train.config import TrainConfig
+
+    return load_config(TrainConfig, TINY, [f"data.path={packed}", "train.max_steps=3", "train.ckpt_every=2",
+                                           "train.eval_every=2", "train.eval_batches=1", "train.log_every=0",
+                                           "train.warmup_steps=1", *extra])
+
+
+def _lab_worker(rank: int, world: int, packed: str, root: str) -> dict:
+    import torch.distributed as dist
+
+    from lmforge.parallel.bench import BenchSpec, bench_worker
+    from lmforge.parallel.comm_bench import QUICK_SIZES, comm_worker
+    from lmforge.parallel.trainer import ParallelTrainer
+
+    out = {f"pp_{d}": pp_worker(rank, world, Spec(dtype=d)) for d in ("float64", "float32")}
+    out.update({f"tp_{d}": tp_worker(rank, world, Spec(dtype=d)) for d in ("float64", "float32")})
+    out["bench"] = bench_worker(rank, world, BenchSpec(stages=(2,), microbatches=(1, 4), hidden_size=32,
+                                                       intermediate_size=64, num_hidden_layers=2, vocab_size=64,
+                                                       seq_len=16, steps=1, calib_reps=1))
+    out["comm"] = comm_worker(rank, world, QUICK_SIZES, 2)
+    # the trainer itself, not loop.train(), which would end the process group after the first run
+    cfg = train_cfg(Path(packed), "train.batch_size=1", "train.parallel.fsdp=true")
+    ParallelTrainer(cfg, Path(root) / "fsdp").fit()
+    if rank == 0:  # the same run, interrupted after the step-2 checkpoint
+        shutil.copytree(Path(root) / "fsdp", Path(root) / "resumed")
+        shutil.rmtree(Path(root) / "resumed" / "checkpoints" / "step-00000003")
+    dist.barrier()
+    cfg = train_cfg(Path(packed), "train.batch_size=1", "train.parallel.fsdp=true")
+    ParallelTrainer(cfg, Path(root) / "resumed", resume=True).fit()
+    return out
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lab")
+    packed = write_random_packed(root / "packed")
+    return root, packed, run_local(_lab_worker, 2, str(packed), str(root))
+
+
+def _close(got: dict, want: dict, tol: float) -> None:
+    assert set(got) == set(want)
+    for k, g in got.items():
+        assert (g - want[k]).abs().max() <= tol, k
+
+
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-12), ("float32", 1e-5)])
+def test_pipeline_gpipe_and_1f1b_match_one_process(lab, dtype, tol):
+    got, want = lab[2], reference(Spec(dtype=dtype))
+    for name in ("gpipe", "1f1b"):
+        stage0, stage1 = got[0][f"pp_{dtype}"][name], got[1][f"pp_{dtype}"][name]
+        assert stage0["loss"] is None and stage1["loss"] == pytest.approx(want["loss"], abs=tol)
+        _close({**stage0["grads"], **stage1["grads"]}, want["grads"], tol)  # tied lm_head on both stages
+        for stage in (stage0, stage1):  # stage 0 receives 4 gradients, stage 1 four activations; as many sends
+            ops = sorted((e.op, e.mb) for e in stage["events"])
+            assert ops == sorted((op, m) for op in ("F", "B", "recv", "send") for m in range(4))
+            assert all(e.end >= e.start for e in stage["events"])
+
+
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-12), ("float32", 1e-5)])
+def test_tensor_parallel_matches_one_process_and_bytes_do_not_depend_on_tp(lab, dtype, tol):
+    spec = Spec(dtype=dtype)
+    want, tp1 = reference(spec), tp_worker(0, 1, spec)  # tp_worker without a process group: TP=1
+    for r in lab[2]:
+        got = r[f"tp_{dtype}"]
+        assert got["loss"] == pytest.approx(want["loss"], abs=tol)
+        assert torch.allclose(got["logits"], tp1["logits"], atol=tol, rtol=0)
+        _close(got["grads"], want["grads"], tol)
+        # 2 all-reduces of (b, T, D) forward and 2 backward per layer, whatever the TP degree
+        bTD = spec.batch * spec.seq_len * spec.hidden_size * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        assert got["bytes_per_layer"] == tp1["bytes_per_layer"] == {i: 4 * bTD for i in range(spec.num_hidden_layers)}
+        assert got["fwd_bytes_per_layer"] == {i: 2 * bTD for i in range(spec.num_hidden_layers)}
+
+
+def test_bench_cells_and_comm_rows(lab):
+    bench, comm = lab[2][0]["bench"], lab[2][0]["comm"]
+    calib, *cells = bench
+    assert len(calib["calibration"]["fwd_s"]) == 2 and calib["calibration"]["send_s"] > 0
+    assert [(c["schedule"], c["microbatches"]) for c in cells] == [("gpipe", 1), ("gpipe", 4), ("1f1b", 1), ("1f1b", 4)]
+    for c in cells:
+        assert 0 < c["bubble_measured"] < 1 and c["bubble_formula"] == (2 - 1) / (c["microbatches"] + 1)
+        assert c["in_target"] is None or c["microbatches"] >= 2
+    assert [r["bytes"] for r in comm] == [8, 4096, 262144]
+    assert all(r["all_reduce_s"] > 0 and r["p2p_one_way_s"] > 0 for r in comm)
+    assert lab[2][1]["comm"] is None and lab[2][1]["bench"] is None
+
+
+def _losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_fsdp_trainer_matches_one_process_and_resumes_exactly(lab, one_thread):
+    from lmforge.train.loop import train
+
+    root, packed, _ = lab
+    train(train_cfg(packed, "train.batch_size=2"), root / "single")
+    fsdp, resumed, single = _losses(root / "fsdp"), _losses(root / "resumed"), _losses(root / "single")
+    assert len(fsdp) == 3 and fsdp == pytest.approx(single, abs=1e-5)
+    assert resumed == fsdp  # bit for bit after the sharded-checkpoint resume
+    rec = json.loads((root / "resumed" / "record.json").read_text())
+    assert rec["status"] == "finished" and rec["parallel"]["fsdp"] is True and rec["world_size"] == 2
+    ck = root / "fsdp" / "checkpoints" / "step-00000003"
+    assert (ck / "dcp" / ".metadata").is_file() and json.loads((ck / "meta.json").read_text())["dcp_sha256"]
+    a = torch.load(ck / "state.pt", weights_only=False)["model"]
+    b = torch.load(root / "resumed" / "checkpoints" / "step-00000003" / "state.pt", weights_only=False)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
