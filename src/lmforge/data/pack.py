@@ -113,20 +113,44 @@ class _ShardWriter:
 
 
 def _prepared_data_hash(prepared: Path) -> str:
-    """The prepared dir's `data_hash` (manifest.json), else a hash of its split files."""
-    manifest = prepared / "manifest.json"
-    if manifest.is_file():
-        value = json.loads(manifest.read_text()).get("data_hash")
-        if value:
-            return value
+    """The prepared dir's `data_hash`, after checking the hand-off: a folder written by `data prepare`
+    (it has a record.json) is read only when its record says finished and every split's sha256
+    matches its manifest, so the output of a killed or still-running prepare is refused, naming the
+    file. A folder of splits a user made by hand (no record, no manifest) is hashed as it is."""
     from lmforge.track.io import sha256_file
 
+    record, manifest = prepared / "record.json", prepared / "manifest.json"
+    if record.is_file() or manifest.is_file():
+        status = _json(record).get("status") if record.is_file() else None
+        if status != "finished":
+            raise ValueError(f"{record}: status {status!r}, not 'finished': the prepare run that wrote {prepared} "
+                             f"did not complete (killed, failed or still running); rerun `lmforge data prepare ... "
+                             f"--out {prepared} --overwrite`")
+        if not manifest.is_file():
+            raise ValueError(f"{manifest}: missing although {record} says finished; rerun `lmforge data prepare "
+                             f"... --out {prepared} --overwrite`")
+        m = _json(manifest)
+        for split in SPLITS:
+            name, path = f"splits/{split}.jsonl", prepared / "splits" / f"{split}.jsonl"
+            want = m.get("outputs", {}).get(name)
+            if want is None or not path.is_file() or sha256_file(path) != want:
+                raise ValueError(f"{path}: {'missing' if not path.is_file() else 'does not match'} its sha256 in "
+                                 f"{manifest}; the splits changed after prepare finished: rerun `lmforge data "
+                                 f"prepare ... --out {prepared} --overwrite`")
+        return m["data_hash"]
     h = hashlib.sha256()
     for split in SPLITS:
         path = prepared / "splits" / f"{split}.jsonl"
         if path.is_file():
             h.update(f"{split}\0{sha256_file(path)}\n".encode())
     return h.hexdigest()
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: unreadable ({type(e).__name__}: {e}); rerun the stage that wrote it") from None
 
 
 def _pack_split(src: Path, writer: _ShardWriter, pool: Any, tokenizer_dir: str, bos: int, eos: int,
@@ -173,6 +197,7 @@ def pack_dataset(prepared_dir: str | os.PathLike, tokenizer_dir: str | os.PathLi
     if not sources:
         raise FileNotFoundError(f"{prepared}: no splits/train.jsonl, val.jsonl or test.jsonl; "
                                 f"run `lmforge data prepare INPUT... --out {prepared}` first")
+    data_hash = _prepared_data_hash(prepared)  # before any work: refuses an unfinished prepare
     tok = _load_raw_tokenizer(tokenizer_dir)  # raises naming the folder when tokenizer.json is missing
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
@@ -219,7 +244,7 @@ def pack_dataset(prepared_dir: str | os.PathLike, tokenizer_dir: str | os.PathLi
         "format": FORMAT, "seq_len": seq_len, "dtype": dtype, "vocab_size": vocab_size,
         "eos_token_id": eos, "bos_token_id": bos, "bos_per_document": True,
         "row_layout": "stream: row i = tokens[i*seq_len : i*seq_len + seq_len + 1]",
-        "tokenizer_hash": tokenizer_hash(tokenizer_dir), "data_hash": _prepared_data_hash(prepared),
+        "tokenizer_hash": tokenizer_hash(tokenizer_dir), "data_hash": data_hash,
         "prepared_dir": os.fspath(prepared), "splits": splits,
     }
     from lmforge.track.io import sha256_file

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -42,6 +43,8 @@ from lmforge.data.normalize import normalize_text
 from lmforge.data.pii import mask_pii_many
 from lmforge.data.quality import quality_reasons, split_long
 from lmforge.data.split import SPLITS, assign_split
+
+log = logging.getLogger("lmforge.data")
 
 CHUNK_DOCS = 64
 MIN_BYTES_PER_WORKER = 16_000_000  # input bytes that pay for starting one worker process (~0.3 s CPU) 10x over
@@ -369,19 +372,27 @@ class _Pipeline:
         st["hits"] = st["dropped"].get("contamination", 0)
 
 
-def _hashing_records(sources: list, cfg: PrepareConfig, quarantine: Any, builtin: dict) -> Iterator[dict]:
+def _hashing_records(sources: list, cfg: PrepareConfig, quarantine: Any, builtin: dict,
+                     warnings: list[str]) -> Iterator[dict]:
     """Documents of every source; a built-in source (it has no file to hash) comes with its manifest
     digest, both from the snapshot next to its cache (`sources.python_docs_snapshot`)."""
     from lmforge.data.readers import iter_records
 
     for s in sources:
+        n = 0
         if s.kind == "builtin":  # the only one, python-docs: documents and digest kept next to its cache
             from lmforge.data.sources import python_docs_snapshot
 
             docs, builtin[s.location] = python_docs_snapshot(_BUILTIN_DIGEST, _builtin_digest)
+            n = len(docs)
             yield from docs
         else:
-            yield from iter_records([s], cfg.read.text_field, cfg.read.txt_mode, quarantine=quarantine)
+            for doc in iter_records([s], cfg.read.text_field, cfg.read.txt_mode, quarantine=quarantine):
+                n += 1
+                yield doc
+        if n == 0:
+            warnings.append(f"{s.location}: no usable documents (empty, or every line quarantined)")
+            log.warning(warnings[-1])
 
 
 _BUILTIN_DIGEST = "manifest-input-v1: sha256 of each document's sort_keys JSON (prepare._dumps), bytes"
@@ -481,6 +492,11 @@ def prepare_dataset(inputs: list[str] | tuple[str, ...] | str, out_dir: str | os
     workers = _pool_workers(requested, sources)
     out = Path(out_dir)
     run = RunDir(out, overwrite=overwrite)
+    # A previous run's manifest must not outlive its splits: until this run writes its own, the
+    # folder has none, so `data pack` refuses it (instead of stamping new partial splits with an
+    # old data_hash after a killed --overwrite).
+    for stale in ("manifest.json", "stats.json", "report.md"):
+        (out / stale).unlink(missing_ok=True)
     run.write_config(cfg)
     for stale in ("splits", ".work"):
         shutil.rmtree(out / stale, ignore_errors=True)
@@ -497,7 +513,8 @@ def prepare_dataset(inputs: list[str] | tuple[str, ...] | str, out_dir: str | os
     try:
         pipe = _Pipeline(cfg, out, pool, progress)
         builtin: dict[str, dict] = {}
-        records = _hashing_records(sources, cfg, pipe.quarantine.write, builtin)
+        warnings: list[str] = []
+        records = _hashing_records(sources, cfg, pipe.quarantine.write, builtin, warnings)
         counts = pipe.pass1(records)
         n_docs = pipe.stats.steps["normalize"]["out"]
         bp_keys = boilerplate_keys(counts, n_docs, cfg.boilerplate) if cfg.boilerplate.enabled else frozenset()
@@ -518,9 +535,12 @@ def prepare_dataset(inputs: list[str] | tuple[str, ...] | str, out_dir: str | os
     kept = steps["contamination"]["out"] + steps["split"]["sizes"]["val"] + steps["split"]["sizes"]["test"]
     totals = {"read": steps["read"]["in"], "kept": kept, "rejected": pipe.rejected.count,
               "quarantined": pipe.quarantine.count, "parts_added": pipe.parts_added}
+    if kept == 0:
+        warnings.append("no document survived prepare: every split is empty; see rejected.jsonl and stats.json")
+        log.warning(warnings[-1])
     stats = {"steps": steps, "totals": totals, "bytes_read": pipe.bytes_read, "seconds": round(seconds, 3),
              "mb_per_s": round(pipe.bytes_read / 1e6 / max(seconds, 1e-9), 3), "workers": workers,
-             "workers_requested": requested}
+             "workers_requested": requested, "warnings": warnings}
     atomic_write_json(out / "stats.json", stats)
     if totals["read"] + totals["parts_added"] != kept + totals["rejected"] + totals["quarantined"]:
         raise RuntimeError(f"counts do not reconcile: read {totals['read']} + parts {totals['parts_added']} != "

@@ -21,9 +21,11 @@ A document's id is its `id` field when present, else `path:line` (`path:row` for
 
 from __future__ import annotations
 
+import errno
 import glob
 import gzip
 import json
+import logging
 import os
 import re
 import zlib
@@ -32,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmforge.data.sources import BUILTIN_SOURCES, PYTHON_DOCS, iter_python_docs
+
+log = logging.getLogger("lmforge.data")
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
@@ -67,8 +71,32 @@ def _files_under(directory: str) -> list[str]:
     for root, dirs, files in os.walk(directory):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # skip .git, .cache and friends
         found += [os.path.join(root, f) for f in sorted(files)
-                  if not f.startswith(".") and _kind_of(f)]
+                  if not f.startswith(".") and _kind_of(f) and _resolves(os.path.join(root, f))]
     return found
+
+
+def _resolves(path: str) -> bool:
+    """False (with a warning) for a symlink that leads nowhere: a loop or a missing target. Such an
+    entry in a directory or glob is skipped and reported, not taken for a permissions problem."""
+    if os.path.exists(path):
+        return True
+    why = "a symlink loop" if os.path.islink(path) and _is_loop(path) else "a symlink to a missing file"
+    log.warning("skipping %s: %s", path, why)
+    return False
+
+
+def _is_loop(path: str) -> bool:
+    try:
+        os.stat(path)
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
+
+
+def canonical_path(path: str) -> str:
+    """The one form a file's path takes in ids, `meta.path` and manifests: absolute, symlinks resolved,
+    so `data/x.jsonl`, `./data/x.jsonl` and a link to it give the same documents and `data_hash`."""
+    return os.path.realpath(path)
 
 
 def _file_source(path: str) -> Source:
@@ -76,7 +104,7 @@ def _file_source(path: str) -> Source:
     if kind is None:
         raise ReaderError(f"{path}: unsupported file type; expected one of "
                           f"{', '.join(SUPPORTED_SUFFIXES)} (or a directory, glob or '{PYTHON_DOCS}')")
-    return Source(kind, path)
+    return Source(kind, canonical_path(path))
 
 
 def _resolve_one(item: str) -> list[Source]:
@@ -86,15 +114,18 @@ def _resolve_one(item: str) -> list[Source]:
         files = _files_under(item)
         if not files:
             raise FileNotFoundError(f"{item}: directory holds no {', '.join(SUPPORTED_SUFFIXES)} files")
-        return [Source(_kind_of(f) or "text", f) for f in files]
+        return [Source(_kind_of(f) or "text", canonical_path(f)) for f in files]
     if os.path.isfile(item):
         return [_file_source(item)]
+    if os.path.islink(item):
+        raise ReaderError(f"{item}: {'a symlink loop' if _is_loop(item) else 'a symlink to a missing file'} "
+                          f"(it points at {os.readlink(item)}); fix the link or leave it out")
     if glob.has_magic(item):
-        matches = sorted(m for m in glob.glob(item, recursive=True) if os.path.isfile(m))
-        files = [m for m in matches if _kind_of(m)]
+        matches = sorted(m for m in glob.glob(item, recursive=True) if os.path.isfile(m) or os.path.islink(m))
+        files = [m for m in matches if _kind_of(m) and _resolves(m)]
         if not files:
             raise FileNotFoundError(f"{item}: glob matches no {', '.join(SUPPORTED_SUFFIXES)} files")
-        return [Source(_kind_of(f) or "text", f) for f in files]
+        return [Source(_kind_of(f) or "text", canonical_path(f)) for f in files]
     raise FileNotFoundError(f"{item}: no such file or directory (and not a built-in source: "
                             f"{', '.join(BUILTIN_SOURCES)})")
 
