@@ -405,13 +405,20 @@ def memory(shape: ModelShape | Any, mode: str = "full", dtype: str = "bfloat16",
     else:
         loss_b = est.add("logits / loss", tokens * shape.vocab * (2 + 4 + 4) / tp, "B",
                          f"{fmt_num(tokens)} tokens × {shape.vocab} vocab × (2 logits + 4 fp32 log-softmax + 4 its grad)")
+    # Backward starts with every activation alive and adds the gradients of one layer's saved
+    # tensors before the layer's inputs are freed; a checkpointed layer is freed as it goes.
+    if not grad_ckpt:
+        est.add("backward transient", per_layer * tokens, "B",
+                f"one layer's activation gradients: {fmt_num(per_layer)} B × {fmt_num(tokens)} tokens")
     # Autocast keeps a 16-bit copy of each fp32 weight it casts, for the backward's matmuls.
     if mode == "full" and wb == 4 and act_b == 2:
         est.add("autocast weight copies", n_here * 2 / dp_shard, "B", f"{fmt_num(n_here)} × 2 B (bf16 casts, kept for backward)")
+    transient = est.get("backward transient", 0.0)
     states = sum(t.value for t in est.terms if t.unit == "B" and not t.name.startswith("activations")
-                 and t.name != "logits / loss")
+                 and t.name not in ("logits / loss", "backward transient"))
     est.add("model states", states, "B", "weights + gradients + optimizer (+ master, adapters, casts)")
-    total = est.add("total", states + acts + loss_b, "B", "model states + activations + logits/loss")
+    total = est.add("total", states + acts + loss_b + transient, "B",
+                    "model states + activations + logits/loss" + (" + backward transient" if transient else ""))
     est.add("framework overhead", OVERHEAD_BYTES[device_kind] + FRAGMENTATION * total, "B",
             f"{fmt_bytes(OVERHEAD_BYTES[device_kind])} {device_kind} runtime + {FRAGMENTATION:.0%} allocator fragmentation")
     est.assumptions += [
