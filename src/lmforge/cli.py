@@ -18,6 +18,7 @@ import typer
 
 from lmforge.data.commands import app as data_app
 from lmforge.eval.commands import app as eval_app
+from lmforge.parallel import commands as parallel_commands
 from lmforge.parallel.commands import app as parallel_app
 from lmforge.perf import bench_engine, bench_quant
 from lmforge.perf.commands import app as estimate_app
@@ -69,6 +70,7 @@ def bench_data_cmd(
 
 
 bench_app.command("engine")(bench_engine.bench_engine)
+bench_app.command("parallel")(parallel_commands.bench_parallel)
 bench_app.command("quant")(bench_quant.bench_quant)
 app.add_typer(bench_app, name="bench")
 app.add_typer(estimate_app, name="estimate", help="Estimate before measuring: memory, KV cache, intensity, roofline, "
@@ -81,13 +83,21 @@ def doctor_cmd(
         "--out", help="Where to write the hardware profile JSON [default: $LMFORGE_HOME/hardware.json].")] = None,
     quick: Annotated[bool, typer.Option(
         "--quick", help="Small matrices and short timing (tests); still measured.")] = False,
+    comm: Annotated[bool, typer.Option(
+        "--comm", help="Also measure all-reduce and point-to-point bandwidth/latency between 2 local processes "
+                       "(gloo; NCCL on GPUs); writes comm.json beside the profile.")] = False,
 ) -> None:
     """Check Python, torch, transformers and the accelerator; measure matmul peaks (GFLOP/s) for
     float32 and bfloat16; write the hardware profile that MFU figures use. Exits non-zero with a
     reason when something is broken."""
     from lmforge.perf.doctor import doctor
 
-    raise typer.Exit(doctor(out, quick))
+    code = doctor(out, quick)
+    if comm:
+        from lmforge.parallel.comm_bench import comm_doctor
+
+        code = code or comm_doctor(out.parent if out else None, quick)
+    raise typer.Exit(code)
 
 
 @app.command("quickstart")

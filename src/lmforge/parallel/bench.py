@@ -228,3 +228,34 @@ def to_markdown(report: dict) -> str:
                      f"{c['err_sim']:.0%} | {c['step_sim_s'] * 1e3:.1f} | {c['step_measured_s'] * 1e3:.1f} | "
                      f"{c['cpu_over_wall']:.2f} | {target} |")
     return "\n".join(lines) + "\n"
+
+
+def tp_bytes(degrees: tuple[int, ...] = (1, 2, 4), dtype: str = "float32") -> list[dict]:
+    """All-reduce payload bytes per layer (forward + backward of one batch) and the largest logit and
+    gradient differences from one process, per TP degree (N > 1 runs N processes)."""
+    from .launch import run_local
+    from .parity import reference, tp_worker
+
+    spec = Spec(dtype=dtype, num_attention_heads=4, num_key_value_heads=4)
+    want = reference(spec)
+    rows = []
+    for n in degrees:
+        got = tp_worker(0, 1, spec) if n == 1 else run_local(tp_worker, n, spec)[0]
+        per_layer = sorted(set(got["bytes_per_layer"].values()))
+        rows.append({"tp": n, "bytes_per_layer": per_layer[0] if len(per_layer) == 1 else per_layer,
+                     "ring_wire_bytes_per_rank": round(per_layer[0] * 2 * (n - 1) / n) if n > 1 else 0,
+                     "all_reduces_per_layer": sum(got["calls_by_kind"].values()) // spec.num_hidden_layers,
+                     "loss_diff": abs(got["loss"] - want["loss"]),
+                     "max_grad_diff": max(float((got["grads"][k] - want["grads"][k]).abs().max()) for k in want["grads"]),
+                     "b_T_D": [spec.batch, spec.seq_len, spec.hidden_size]})
+    return rows
+
+
+def tp_markdown(rows: list[dict], dtype: str = "float32") -> str:
+    b, T, D = rows[0]["b_T_D"]
+    lines = [f"## tensor parallelism: all-reduce bytes per layer ({dtype}, b={b} T={T} D={D}; fwd + bwd)", "",
+             "| TP | payload bytes / layer | all-reduces / layer | ring wire bytes / rank | loss diff vs 1 process | "
+             "max grad diff |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['tp']} | {r['bytes_per_layer']:,} | {r['all_reduces_per_layer']} | {r['ring_wire_bytes_per_rank']:,} | "
+              f"{r['loss_diff']:.1e} | {r['max_grad_diff']:.1e} |" for r in rows]
+    return "\n".join(lines) + "\n"
