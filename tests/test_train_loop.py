@@ -113,6 +113,25 @@ def test_exact_resume_after_sigkill(packed, home, run_a, tmp_path):
     assert reached[0]["step"] == reached[1]["step"] == N and reached[0]["tokens"] == reached[1]["tokens"]
 
 
+def test_resume_tolerates_a_torn_metrics_line_and_a_fallback_to_step_0(packed, home, tmp_path):
+    """A kill mid-write leaves half a JSON line; a resume that finds no valid checkpoint starts over.
+    Neither may crash the resume or log a step twice."""
+    import shutil
+
+    out = tmp_path / "c"
+    args = [TINY, f"data.path={packed}", "train.max_steps=4", "train.ckpt_every=2", "train.eval_every=0",
+            "--out", out]
+    env = {"LMFORGE_HOME": str(home)}
+    killed = lmforge_train(*args, env={**env, "LMFORGE_TEST_SIGKILL_AT_STEP": "3"}, check=False)
+    assert killed.returncode == -9, killed.stderr
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "loss": 3.1')  # torn: no closing brace, no newline
+    shutil.rmtree(out / "checkpoints")  # nothing valid to resume from: back to step 0
+    resumed = lmforge_train(*args, "--resume", env=env)
+    assert "starting from step 0" in resumed.stderr and "torn" in resumed.stderr
+    assert [m["step"] for m in metrics(out) if "loss" in m] == [1, 2, 3, 4]
+
+
 def test_record_and_metrics(packed, run_a):
     from lmforge.train.loop import RECORD_FIELDS
 

@@ -116,12 +116,13 @@ def _prepared_data_hash(prepared: Path) -> str:
     """The prepared dir's `data_hash`, after checking the hand-off: a folder written by `data prepare`
     (it has a record.json) is read only when its record says finished and every split's sha256
     matches its manifest, so the output of a killed or still-running prepare is refused, naming the
-    file. A folder of splits a user made by hand (no record, no manifest) is hashed as it is."""
+    file. A folder of splits a user made by hand (no record) uses its manifest's `data_hash` when it
+has one, else a hash of its split files."""
     from lmforge.track.io import sha256_file
 
     record, manifest = prepared / "record.json", prepared / "manifest.json"
-    if record.is_file() or manifest.is_file():
-        status = _json(record).get("status") if record.is_file() else None
+    if record.is_file():  # `data prepare` writes it first thing, so even a killed run leaves one
+        status = _json(record).get("status")
         if status != "finished":
             raise ValueError(f"{record}: status {status!r}, not 'finished': the prepare run that wrote {prepared} "
                              f"did not complete (killed, failed or still running); rerun `lmforge data prepare ... "
@@ -138,6 +139,8 @@ def _prepared_data_hash(prepared: Path) -> str:
                                  f"{manifest}; the splits changed after prepare finished: rerun `lmforge data "
                                  f"prepare ... --out {prepared} --overwrite`")
         return m["data_hash"]
+    if manifest.is_file() and _json(manifest).get("data_hash"):  # a hand-made folder that names its hash
+        return _json(manifest)["data_hash"]
     h = hashlib.sha256()
     for split in SPLITS:
         path = prepared / "splits" / f"{split}.jsonl"

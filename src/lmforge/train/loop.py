@@ -315,6 +315,8 @@ class Trainer:
         found = ckpt.latest_valid(self.out)
         if found is None:
             self.warn(f"--resume: no valid checkpoint in {self.out / ckpt.CKPT_DIR}; starting from step 0")
+            if self.d.main:  # every logged step runs again: none may appear twice
+                _truncate_metrics(self.out / "metrics.jsonl", 0)
             return
         path, meta = found
         state = ckpt.load_state(path, map_location="cpu")  # RNG states must stay CPU tensors; load_state_dict moves the rest
@@ -578,9 +580,19 @@ def _format_row(row: dict, max_steps: int) -> str:
 
 
 def _read_metrics(path: Path) -> list[dict]:
+    """The rows of metrics.jsonl. A line that does not parse (the torn last line of a process killed
+    mid-write) is skipped, with a warning: `_truncate_metrics` then rewrites the file without it."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            print(f"warning: {path}:{n}: not a JSON line (torn by a kill?); dropped", file=sys.stderr, flush=True)
+    return rows
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
