@@ -61,12 +61,14 @@ def export(
     out: Path = typer.Option(..., "--out", "-o", help="Folder to write the model into."),
     checkpoint: str = typer.Option("last", "--checkpoint", help="last, best, or a folder name like step-00000100."),
     dtype: str = typer.Option("float32", "--dtype", help="Weights dtype: float32, bfloat16 or float16."),
+    fmt: str = typer.Option("hf", "--format", help="hf (the folder) | gguf (the folder plus OUT/model-TYPE.gguf)."),
+    gguf_type: str = typer.Option("bf16", "--type", help="GGUF matrices: bf16 | q8_0 | q4_0 | f32."),
 ) -> None:
     from .checkpoint import CheckpointError
     from .export import export_run
 
     try:
-        path = export_run(run, out, checkpoint=checkpoint, dtype=dtype)
+        path = export_run(run, out, checkpoint=checkpoint, dtype=dtype, fmt=fmt, gguf_type=gguf_type)
     except (CheckpointError, FileNotFoundError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(code=2) from None

@@ -8,6 +8,7 @@ and `<|im_end|>`: `eos_token_id: [1, 4]`) and the tokenizer files, so the folder
 nothing about the training loop.
 
     lmforge export runs/tiny --out models/tiny
+    lmforge export runs/tiny --out models/tiny --format gguf --type q8_0   # + models/tiny/model-q8_0.gguf
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ def load_run_model(run: str | os.PathLike, checkpoint: str = "last") -> tuple[Tr
 
 
 def export_run(run: str | os.PathLike, out: str | os.PathLike, checkpoint: str = "last",
-               dtype: str = "float32") -> Path:
+               dtype: str = "float32", fmt: str = "hf", gguf_type: str = "bf16") -> Path:
+    """The HF folder in `out`; with `fmt="gguf"` also `out/model-<gguf_type>.gguf` (`lmforge.quant.gguf_export`)."""
+    if fmt not in ("hf", "gguf"):
+        raise ValueError(f"--format {fmt!r}: use hf or gguf")
     run, out = Path(run), Path(out)
     model, meta = load_run_model(run, checkpoint)
     model = model.to(resolve_dtype(dtype))
@@ -66,4 +70,9 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, checkpoint: str =
     atomic_write_json(out / "export.json", {
         "run": str(run), "checkpoint": f"step-{meta['step']:08d}", "step": meta["step"], "method": meta.get("method"),
         "git": meta.get("git"), "val_loss": meta.get("val_loss"), "weights_sha256": sha256_dir(out, "*.safetensors")})
+    if fmt == "gguf":
+        from lmforge.quant.gguf_export import export_gguf
+
+        info = export_gguf(out, out / f"model-{gguf_type}.gguf", gguf_type)
+        print(f"gguf: {info['file']} ({info['bytes'] / 2**20:.1f} MiB, {info['tensors']})", flush=True)
     return out
