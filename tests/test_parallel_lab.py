@@ -7,14 +7,17 @@ the trainer with `train.parallel.fsdp=true`: losses equal to one process, a resu
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from lmforge.parallel.launch import run_local
+from lmforge.parallel.launch import free_port, run_local
 from lmforge.parallel.parity import Spec, pp_worker, reference, tp_worker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,13 +133,19 @@ def _losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_fsdp_trainer_matches_one_process_and_resumes_exactly(lab, one_thread):
+@pytest.fixture(scope="module")
+def single(lab, one_thread) -> Path:
+    """The same training in this process, without any parallelism: the reference."""
     from lmforge.train.loop import train
 
-    root, packed, _ = lab
-    train(train_cfg(packed, "train.batch_size=2"), root / "single")
-    fsdp, resumed, single = _losses(root / "fsdp"), _losses(root / "resumed"), _losses(root / "single")
-    assert len(fsdp) == 3 and fsdp == pytest.approx(single, abs=1e-5)
+    train(train_cfg(lab[1], "train.batch_size=2"), lab[0] / "single")
+    return lab[0] / "single"
+
+
+def test_fsdp_trainer_matches_one_process_and_resumes_exactly(lab, single):
+    root = lab[0]
+    fsdp, resumed = _losses(root / "fsdp"), _losses(root / "resumed")
+    assert len(fsdp) == 3 and fsdp == pytest.approx(_losses(single), abs=1e-5)
     assert resumed == fsdp  # bit for bit after the sharded-checkpoint resume
     rec = json.loads((root / "resumed" / "record.json").read_text())
     assert rec["status"] == "finished" and rec["parallel"]["fsdp"] is True and rec["world_size"] == 2
@@ -145,3 +154,23 @@ def test_fsdp_trainer_matches_one_process_and_resumes_exactly(lab, one_thread):
     a = torch.load(ck / "state.pt", weights_only=False)["model"]
     b = torch.load(root / "resumed" / "checkpoints" / "step-00000003" / "state.pt", weights_only=False)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_tensor_parallel_training_under_torchrun_rendezvous(lab, single, tmp_path):
+    """`train.parallel.tp=2` through the single-node form of docs/parallelism.md's multi-node torchrun line."""
+    port = free_port()
+    cfg = train_cfg(lab[1], "train.batch_size=2", "train.parallel.tp=2")
+    overrides = [f"data.path={lab[1]}", "train.max_steps=3", "train.ckpt_every=2", "train.eval_every=2",
+                 "train.eval_batches=1", "train.log_every=0", "train.warmup_steps=1", "train.batch_size=2",
+                 "train.parallel.tp=2"]
+    assert cfg.train.parallel.tp == 2
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "lmforge-test",
+           "-m", "lmforge.train", str(TINY), *overrides, "--out", str(tmp_path / "tp")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _losses(tmp_path / "tp") == pytest.approx(_losses(single), abs=1e-5)
+    rec = json.loads((tmp_path / "tp" / "record.json").read_text())
+    assert rec["parallel"] == {"tp": 2, "fsdp": False, "dp": 1} and rec["world_size"] == 2
+    shards = sorted(p.name for p in (tmp_path / "tp" / "checkpoints" / "step-00000003").iterdir())
+    assert shards == ["meta.json", "state.pt", "tp-rank0.pt", "tp-rank1.pt"]
