@@ -88,3 +88,40 @@ def test_split_layers_balanced_and_refuses_too_many_stages():
     assert split_layers(4, 4) == [range(i, i + 1) for i in range(4)]
     with pytest.raises(ValueError, match="num_hidden_layers=2"):
         split_layers(2, 3)
+
+
+def test_scan_uses_the_shared_memory_model_and_ranks_fitting_layouts():
+    from lmforge.perf import estimate as E
+    from lmforge.parallel.scan import ScanSpec, scan
+
+    r = scan(ScanSpec(model="llama-7b", gpus=8, nodes=1))
+    ranked = r["ranked"]
+    assert ranked and all(x["fits"] for x in ranked) and all(not x["fits"] for x in r["oom"])
+    assert [x["step_s"] for x in ranked] == sorted(x["step_s"] for x in ranked)
+    assert all(x["dp"] * x["tp"] * x["pp"] == 8 and x["dp"] * x["micro_batch"] * x["microbatches"] == 64
+               for x in ranked)
+    x = ranked[0]
+    mem = E.memory("llama-7b", "full", dtype="bfloat16", batch=x["micro_batch"], seq_len=2048,
+                   grad_ckpt=x["grad_ckpt"], dp_shard=x["dp"] if x["fsdp"] else 1, tp=x["tp"], pp=x["pp"])
+    assert x["memory_GB"] == pytest.approx((mem.total + mem.overhead) / 1e9)
+    assert r["naive"]["pure DP (DDP)"] is None  # 7B full fine-tuning with AdamW does not fit one 80 GB card
+
+
+def test_scan_tp_across_nodes_pays_the_inter_node_link():
+    from lmforge.parallel.scan import ScanSpec, scan
+
+    one, two = scan(ScanSpec(gpus=8, nodes=1)), scan(ScanSpec(gpus=8, nodes=2, inter_bw_GBps=25))
+    tp8 = [next(x for x in rep["ranked"] if x["name"] == "dp1 tp8 pp1 b8") for rep in (one, two)]
+    assert tp8[0]["tp_link"] == "intra" and tp8[1]["tp_link"] == "inter"
+    assert tp8[1]["tp_s"] > 10 * tp8[0]["tp_s"]  # 450 GB/s NVLink vs 25 GB/s per GPU between nodes
+    assert two["tp_across_nodes"]["across"]["step_s"] > two["tp_across_nodes"]["inside"]["step_s"]
+    assert two["gain_over_best_naive"] > 0.3
+
+
+def test_scan_cli_writes_table_and_heatmap(tmp_path):
+    r = CliRunner().invoke(app, ["scan", "--gpus", "8", "--nodes", "2", "--out", str(tmp_path / "scan")])
+    assert r.exit_code == 0, r.output
+    assert "tensor parallelism across nodes" in (tmp_path / "scan" / "scan.md").read_text()
+    assert (tmp_path / "scan" / "heatmap.png").stat().st_size > 0
+    bad = CliRunner().invoke(app, ["scan", "--gpus", "6", "--nodes", "4"])
+    assert bad.exit_code != 0 and "multiple of --nodes" in bad.output

@@ -73,6 +73,52 @@ def simulate_cmd(
     print(f"wrote {run.path}")
 
 
+@app.command("scan")
+def scan_cmd(
+    model: Annotated[str, typer.Option(help="Preset (llama-7b, llama3-8b, ...), config.json or HF folder.")] = "llama-7b",
+    gpus: Annotated[int, typer.Option(help="GPUs in all.")] = 8,
+    nodes: Annotated[int, typer.Option(help="Nodes they sit in (GPUs per node = gpus / nodes).")] = 1,
+    gpu: Annotated[str, typer.Option(help="GPU from the datasheet table (peaks, memory, NVLink).")] = "H100 SXM",
+    intra_bw: Annotated[Optional[float], typer.Option(help="GB/s per GPU inside a node [default: datasheet].")] = None,
+    inter_bw: Annotated[float, typer.Option(help="GB/s per GPU between nodes.")] = 25.0,
+    global_batch: Annotated[int, typer.Option(help="Sequences per optimizer step.")] = 64,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 2048,
+    efficiency: Annotated[float, typer.Option(help="Achieved fraction of peak FLOP/s.")] = 0.5,
+    out: Annotated[Optional[Path], typer.Option(help="Run directory for scan.json/.md and heatmap.png.")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace a finished run in --out.")] = False,
+) -> None:
+    """Enumerate DP x TP x PP x micro-batch x sharding (DDP/FSDP) x activation checkpointing, drop what
+    does not fit (perf/estimate.py's memory), predict step time (roofline + communication model +
+    pipeline simulator), rank; show the gain over the naive layouts and why TP across nodes loses."""
+    from .scan import ScanSpec, heatmap_grid, scan, to_markdown
+
+    spec = ScanSpec(model=model, gpus=gpus, nodes=nodes, gpu=gpu, intra_bw_GBps=intra_bw, inter_bw_GBps=inter_bw,
+                    global_batch=global_batch, seq_len=seq_len, efficiency=efficiency)
+    try:
+        report = scan(spec)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    md = to_markdown(report)
+    print(md)
+    if out is None:
+        return
+    from lmforge.track.io import atomic_write_json, atomic_write_text
+    from lmforge.track.run import RunDir
+
+    from .plots import plot_heatmap
+
+    run = RunDir(out, overwrite=overwrite)
+    run.write_config(spec)
+    atomic_write_json(run.path / "scan.json", report)
+    atomic_write_text(run.path / "scan.md", md)
+    rows, cols, grid = heatmap_grid(report)
+    plot_heatmap(rows, cols, grid, run.path / "heatmap.png", label="predicted step (s), best over b/sharding/ckpt",
+                 title=f"{model} on {gpus} GPUs in {nodes} node(s); dp = gpus / (tp x pp)")
+    run.finish(best=report["best"]["name"] if report["best"] else None,
+               gain_over_best_naive=report["gain_over_best_naive"])
+    print(f"wrote {run.path}")
+
+
 def bench_parallel(
     stages: Annotated[list[int], typer.Option("--stages", "-p", help="Pipeline stages; repeat.")] = [2, 4],
     microbatches: Annotated[list[int], typer.Option("--microbatches", "-m", help="Micro-batches; repeat.")] = [

@@ -35,23 +35,24 @@ def plot_timeline(events: list[tuple[int, str, int, float, float]], out: str | o
     return Path(out)
 
 
-def plot_heatmap(rows: list[str], cols: list[str], values: list[list[float | None]], out: str | os.PathLike,
+def plot_heatmap(rows: list[str], cols: list[str], values: list[list[float | str | None]], out: str | os.PathLike,
                  title: str = "", label: str = "") -> Path:
-    """A labelled heatmap; None cells (configurations that do not fit) are grey and marked 'OOM'."""
+    """A labelled heatmap; None cells (configurations that do not fit) are grey and marked 'OOM',
+    string cells (configurations that do not exist) grey with that text."""
     import numpy as np
 
     plt = _pyplot()
-    data = np.array([[np.nan if v is None else v for v in r] for r in values], dtype=float)
+    data = np.array([[np.nan if v is None or isinstance(v, str) else v for v in r] for r in values], dtype=float)
     fig, ax = plt.subplots(figsize=(1.1 * len(cols) + 2.5, 0.5 * len(rows) + 1.8), dpi=110)
-    cmap = plt.get_cmap("viridis_r").copy()
-    cmap.set_bad("#dddddd")
+    cmap = plt.get_cmap("viridis_r").with_extremes(bad="#dddddd")
     im = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, aspect="auto")
     ax.set_xticks(range(len(cols)), cols, rotation=30, ha="right", fontsize=8)
     ax.set_yticks(range(len(rows)), rows, fontsize=8)
     for i in range(len(rows)):
         for j in range(len(cols)):
             v = data[i, j]
-            ax.text(j, i, "OOM" if np.isnan(v) else f"{v:.3g}", ha="center", va="center", fontsize=7)
+            text = values[i][j] if isinstance(values[i][j], str) else "OOM" if np.isnan(v) else f"{v:.3g}"
+            ax.text(j, i, text, ha="center", va="center", fontsize=7)
     fig.colorbar(im, ax=ax, label=label)
     ax.set_title(title)
     fig.tight_layout()
