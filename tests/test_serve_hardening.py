@@ -399,3 +399,17 @@ def test_engine_dying_past_the_restart_limit_exits_3(model_dir):
         assert "killed by SIGKILL" in proc.stderr.read()
     finally:
         proc.kill()
+
+
+def test_dockerfile_runs_unprivileged_probes_a_real_route_and_pins_the_locked_torch(server):
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "Dockerfile").read_text()
+    users = [line.split()[1] for line in text.splitlines() if line.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0")
+    probe = next(line for line in text.splitlines() if "urlopen(" in line)
+    path = probe.split("127.0.0.1:8000")[1].split("'")[0]
+    assert httpx.get(server.url + path).status_code == 200  # the health check asks a route that exists
+    torch_pin = next(line for line in (root / "requirements.lock").read_text().splitlines()
+                     if line.startswith("torch=="))
+    assert torch_pin in text
+    assert '"lmforge", "serve"' in text and "--host" in text
