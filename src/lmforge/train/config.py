@@ -55,14 +55,18 @@ class ModelSection:
 @dataclass
 class ParallelSection:
     """Model parallelism under torchrun (`lmforge.parallel`); data parallelism is what is left:
-    world size / tp ranks, DDP or (fsdp) FSDP over them. Pipeline parallelism: `lmforge bench parallel`."""
+    world size / tp ranks, DDP or (fsdp) FSDP over them. With pp > 1 every process is one pipeline
+    stage (world size = pp) and each batch is cut into `microbatches`."""
 
     tp: int = 1  # tensor-parallel degree (Megatron column/row split of attention and MLP)
     fsdp: bool = False  # shard parameters, gradients and optimizer state (fully_shard) over the data ranks
+    pp: int = 1  # pipeline stages (consecutive layers per process)
+    microbatches: int = 1  # pipeline micro-batches per batch (must divide train.batch_size)
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"
 
     @property
     def active(self) -> bool:
-        return self.tp > 1 or self.fsdp
+        return self.tp > 1 or self.fsdp or self.pp > 1
 
 
 @dataclass
@@ -96,6 +100,10 @@ class TrainSection:
     compile: bool = False
     fused_loss: bool = True  # LM head + cross-entropy in chunks of tokens, no full logits (fused_ce.py)
     seq_len: int = 256  # sft only: rendered chats are packed/padded to this (pretrain: the data's)
+    preflight: bool = True  # refuse before allocating when the memory estimate exceeds the free memory
+    deterministic: bool = False  # deterministic kernels + cuDNN flags + CUBLAS_WORKSPACE_CONFIG, recorded
+    spike_zscore: float = 6.0  # warn when loss/grad_norm exceeds the trailing mean by this many std; 0 = off
+    skip_spikes: bool = False  # also skip the optimizer update of such a batch
     parallel: ParallelSection = field(default_factory=ParallelSection)  # train.parallel.tp=2 under torchrun
 
 
@@ -170,8 +178,12 @@ class TrainConfig:
             raise ConfigError(f"train.target_val_loss must be > 0 (nats/token) or null, got {t.target_val_loss}")
         if not 0 <= t.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
-        if t.parallel.tp < 1:
-            raise ConfigError(f"train.parallel.tp must be >= 1, got {t.parallel.tp}")
+        for key in ("tp", "pp", "microbatches"):
+            if getattr(t.parallel, key) < 1:
+                raise ConfigError(f"train.parallel.{key} must be >= 1, got {getattr(t.parallel, key)}")
+        if t.batch_size % t.parallel.microbatches:
+            raise ConfigError(f"train.parallel.microbatches={t.parallel.microbatches} must divide "
+                              f"train.batch_size={t.batch_size}")
         if t.method == "lora" and (self.lora.rank < 1 or not self.lora.target_modules):
             raise ConfigError("lora.rank must be >= 1 and lora.target_modules non-empty")
         return self

@@ -41,9 +41,11 @@ import torch.nn.functional as F
 from lmforge.config import ConfigError, load_config, to_dict
 from lmforge.model import ModelConfig, Transformer, resolve_device
 from lmforge.model.checkpoint import DTYPES
+from lmforge.model.config import alignment_warnings
 from lmforge.track.run import RunDir, peak_memory
 
 from . import checkpoint as ckpt
+from . import guards
 from .config import TrainConfig
 from .fused_ce import TrainLoss, can_fuse
 from .optim import build_optimizer, build_scheduler
@@ -231,6 +233,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, out: Path, resume: bool = False, overwrite: bool = False):
         self.cfg, self.out = cfg.validate(), Path(out)
         t = cfg.train
+        self.determinism = guards.set_deterministic(t.deterministic)  # before CUDA initialises
         self.d, self.device = self.setup_distributed(t.device)
         self.warnings: list[str] = []
         self.mfu_error: str | None = None
@@ -242,8 +245,14 @@ class Trainer:
         self.data = build_data(cfg, self.d, self.device)
         for note in self.data.notes:
             self.warn(note)
+        self.shape = guards.shape_for(cfg, self.data.vocab_size)
+        if t.preflight and not t.parallel.active:  # sharded runs: the parallel scan estimates per rank
+            guards.preflight_train(cfg, self.shape, self.data.seq_len, self.device)
+        self.spikes = guards.SpikeDetector(t.spike_zscore) if t.spike_zscore > 0 else None
         self.raw_model = build_model(cfg, self.data)
         self.model_config = self.raw_model.config
+        for msg in alignment_warnings(self.model_config):
+            self.warn(msg)
         self.model = self.parallelize(apply_method(cfg, self.raw_model).to(self.device))
         if t.gradient_checkpointing:
             self.raw_model.model.gradient_checkpointing = True
@@ -355,6 +364,7 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         t = self.cfg.train
         t0 = time.perf_counter()
+        loader_state = self.data.train.state_dict() if self.spikes else None
         batches = [next(self.train_iter) for _ in range(t.grad_accum)]
         local_tokens = sum(int((b["labels"] != IGNORE).sum()) for b in batches)
         (n_tokens,) = self.d.all_sum(local_tokens)
@@ -377,7 +387,9 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = self.clip_gradients(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
         lr = self.opt.param_groups[0]["lr"]
-        self.scaler.step(self.opt)
+        spikes = self.check_spikes(loss, float(grad_norm), loader_state)
+        if not (spikes and t.skip_spikes):
+            self.scaler.step(self.opt)
         self.scaler.update()
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
@@ -391,7 +403,15 @@ class Trainer:
         tps = step_tokens / dt
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                 "tokens": self.tokens_seen, "dt_s": round(dt, 6), "tokens_per_s": round(tps, 2),
-                "mfu": self.mfu(tps), "mem_bytes": _mem_bytes(self.device)}
+                "mfu": self.mfu(tps), "mem_bytes": _mem_bytes(self.device),
+                **({"spike": [s.metric for s in spikes], "skipped": t.skip_spikes} if spikes else {})}
+
+    def check_spikes(self, loss: float, grad_norm: float, loader_state: dict | None) -> list:
+        spikes = self.spikes.check(self.step + 1, loss=loss, grad_norm=grad_norm) if self.spikes else []
+        for s in spikes:
+            s.rows = guards.batch_rows(self.data.train, loader_state)
+            self.warn(s.message() + (": update skipped (train.skip_spikes=true)" if self.cfg.train.skip_spikes else ""))
+        return spikes
 
     def mfu(self, tokens_per_s: float) -> float | None:
         from lmforge.perf.mfu import mfu
@@ -463,7 +483,20 @@ class Trainer:
         kill_at = int(os.environ.get(KILL_ENV, "0") or 0)
         last_train_loss, last_eval = None, None
         while self.step < t.max_steps:
-            row = self.train_step()
+            try:
+                row = self.train_step()
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                if not guards.is_oom(e):
+                    raise
+                mem = peak_memory()
+                raise guards.TrainingOOM(guards.oom_message(
+                    e, self.cfg, self.shape, self.data.seq_len, self.device.type,
+                    mem.get("cuda_max_allocated_bytes", mem["cpu_max_rss_bytes"]), self.step)) from e
+            if t.compile and self.step == 1 and d.main:  # dynamo has traced the step: what broke the graph
+                breaks = guards.graph_breaks()
+                self.run.write_record({"compile": breaks})
+                if breaks["count"]:
+                    self.warn(f"torch.compile: {breaks['count']} graph break(s): {'; '.join(breaks['reasons'][:3])}")
             last_train_loss = row["loss"]
             done = self.step == t.max_steps
             val_loss = None
@@ -503,7 +536,8 @@ class Trainer:
                 "model_config": self.model_config.to_hf(dtype="float32"),
                 "num_parameters": self.raw_model.num_parameters(),
                 "trainable_parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
-                "flops_per_token": self.flops_per_token, "peak_flops": self.peak}
+                "flops_per_token": self.flops_per_token, "peak_flops": self.peak,
+                "determinism": self.determinism}
 
     def _finish(self, train_loss: float | None, last_eval: dict | None) -> dict[str, Any]:
         if not self.d.main:

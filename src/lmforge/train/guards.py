@@ -1,0 +1,309 @@
+"""Guard rails around a training run: refuse what cannot fit, explain what broke, warn on what drifts.
+
+- `preflight_train`: the memory estimate of the run (`perf.estimate.memory`) against the memory
+  the device has free, before the model is built; refuses with the remedies that would fit, in
+  order (checkpointing, LoRA, a smaller micro-batch with more accumulation).
+- `preflight_inference`: the same for serving (weights + KV pool for max_num_seqs × max_model_len).
+- `oom_message`: a `torch.OutOfMemoryError` (or CPU "can't allocate memory") answered with the
+  estimate, the measured peak and the remedies.
+- `SpikeDetector`: z-score of the loss and the gradient norm over a trailing window; a spike
+  names the step and the packed rows of its batch, and may skip the update.
+- `graph_breaks`: what dynamo recorded after `torch.compile` ran (count and reasons).
+- `set_deterministic`: `torch.use_deterministic_algorithms`, the cuDNN flags and
+  `CUBLAS_WORKSPACE_CONFIG`, returned as a record.
+
+It knows the config and the estimates, not the loop: `train/loop.py` calls each with a few lines.
+
+    from lmforge.train.guards import preflight_train
+    preflight_train(cfg, shape, seq_len=256, device=torch.device("cpu"))  # raises PreflightError
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lmforge.config import ConfigError
+from lmforge.perf.estimate import Estimate, ModelShape, fmt_bytes, memory
+
+
+class PreflightError(ConfigError):
+    """The run cannot fit the device; the message has the estimate and what would fit."""
+
+
+# ---- memory available ------------------------------------------------------------------------
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        text = Path(path).read_text().strip()
+        return None if text == "max" else int(text)
+    except (OSError, ValueError):
+        return None
+
+
+def available_memory(device: Any) -> tuple[int | None, str]:
+    """(bytes free for this process, where the figure comes from) on `device`.
+
+    CUDA: `torch.cuda.mem_get_info` (free on the device). CPU: /proc/meminfo MemAvailable,
+    lowered to the cgroup's limit minus its usage when the process runs in a container.
+    """
+    kind = getattr(device, "type", str(device).split(":")[0])
+    if kind == "cuda":
+        import torch
+
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), f"torch.cuda.mem_get_info ({fmt_bytes(total)} total)"
+    avail, source = None, "/proc/meminfo MemAvailable"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        return None, "unknown (no /proc/meminfo)"
+    limit, used = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
+    if limit is not None and used is not None and (avail is None or limit - used < avail):
+        avail, source = limit - used, "cgroup memory.max − memory.current"
+    return avail, source
+
+
+# ---- pre-flight ------------------------------------------------------------------------------
+
+
+def shape_for(cfg: Any, vocab_size: int) -> ModelShape:
+    """The model the config will build, without building it (`model.init` folder or the fields)."""
+    m = cfg.model
+    if m.init:
+        return ModelShape.from_config(m.init)
+    heads = m.num_attention_heads
+    return ModelShape(hidden=m.hidden_size, layers=m.num_hidden_layers, heads=heads,
+                      kv_heads=m.num_key_value_heads or heads, head_dim=m.head_dim or m.hidden_size // heads,
+                      intermediate=m.intermediate_size, vocab=m.vocab_size or vocab_size,
+                      tied=m.tie_word_embeddings, name=cfg.run.name or "model")
+
+
+def train_estimate(cfg: Any, shape: ModelShape, seq_len: int, device_kind: str, **changes: Any) -> Estimate:
+    """`perf.estimate.memory` for this run as lmforge trains it: fp32 master weights, AdamW, autocast
+    in train.dtype, the fused loss; `changes` override train fields (method, batch_size, ...)."""
+    t = {**vars(cfg.train), **changes}
+    return memory(shape, mode=t["method"], dtype="float32", optimizer="adamw", batch=t["batch_size"],
+                  seq_len=seq_len, grad_ckpt=t["gradient_checkpointing"], lora_rank=cfg.lora.rank,
+                  lora_targets=tuple(cfg.lora.target_modules), fused_loss=t["fused_loss"],
+                  compute_dtype=t["dtype"], device_kind=device_kind)
+
+
+def _need(est: Estimate) -> float:
+    return est.total + est.overhead
+
+
+def remedies(cfg: Any, shape: ModelShape, seq_len: int, device_kind: str, budget: float | None) -> list[str]:
+    """What to change, in the order a practitioner tries it, each with its estimate; when `budget`
+    is given, only the changes (cumulative) up to the first that fits."""
+    t, tried, out = cfg.train, {}, []
+    steps: list[tuple[str, dict]] = []
+    if not t.gradient_checkpointing:
+        steps.append(("train.gradient_checkpointing=true", {"gradient_checkpointing": True}))
+    if t.method == "full":
+        steps.append(("train.method=lora", {"method": "lora"}))
+    batch = t.batch_size
+    while batch > 1:
+        batch //= 2
+        accum = t.grad_accum * (t.batch_size // batch)
+        steps.append((f"train.batch_size={batch} train.grad_accum={accum} (same tokens per step)",
+                      {"batch_size": batch}))
+    for text, change in steps:
+        tried.update(change)
+        need = _need(train_estimate(cfg, shape, seq_len, device_kind, **tried))
+        out.append(f"{text}: ~{fmt_bytes(need)}")
+        if budget is not None and need <= budget:
+            return out
+    if budget is not None:
+        out.append("a device with more memory, or train.parallel.fsdp under torchrun to shard the states")
+    return out
+
+
+def preflight_train(cfg: Any, shape: ModelShape, seq_len: int, device: Any, world_size: int = 1,
+                    available: int | None = None) -> Estimate:
+    """The run's estimate; raises `PreflightError` when it exceeds the free memory of `device`."""
+    kind = getattr(device, "type", str(device).split(":")[0])
+    est = train_estimate(cfg, shape, seq_len, kind)
+    source = "given"
+    if available is None:
+        available, source = available_memory(device)
+    if available is None:
+        return est
+    need = _need(est)
+    est.add("available", available, "B", source)
+    if need > available:
+        fixes = remedies(cfg, shape, seq_len, kind, available)
+        raise PreflightError(
+            f"pre-flight: this run needs ~{fmt_bytes(need)} ({fmt_bytes(est.total)} model states + activations, "
+            f"{fmt_bytes(est.overhead)} framework overhead) but {kind} has {fmt_bytes(available)} free ({source}). "
+            f"Try, in order: {'; '.join(fixes)}. `lmforge estimate memory` shows the arithmetic; "
+            f"train.preflight=false skips this check.")
+    return est
+
+
+def preflight_inference(model: Any, dtype: str = "bfloat16", max_num_seqs: int = 128, max_model_len: int = 2048,
+                        device: Any = "cpu", kv_cache_memory_bytes: int | None = None, quant_bits: int | None = None,
+                        available: int | None = None) -> Estimate:
+    """For `serve`: weights + the KV pool (`kv_cache_memory_bytes`, or max_num_seqs full sequences)
+    against the device's free memory; raises `PreflightError` with what would fit."""
+    shape = ModelShape.from_config(model)
+    kind = getattr(device, "type", str(device).split(":")[0])
+    est = memory(shape, mode="inference", dtype=dtype, batch=max_num_seqs, seq_len=max_model_len,
+                 quant_bits=quant_bits, device_kind=kind)
+    if kv_cache_memory_bytes is not None:  # the pool is sized by bytes, not by sequences
+        weights = est["weights"]
+        est = Estimate(est.title, [t for t in est.terms if t.name in ("parameters", "weights")], est.assumptions)
+        est.add("kv cache", kv_cache_memory_bytes, "B", "kv_cache_memory_bytes")
+        est.add("total", weights + kv_cache_memory_bytes, "B", "weights + kv cache")
+        est.add("framework overhead", memory(shape, mode="inference", dtype=dtype, device_kind=kind).overhead, "B",
+                "runtime + fragmentation")
+    source = "given"
+    if available is None:
+        available, source = available_memory(device)
+    if available is None or _need(est) <= available:
+        return est
+    from lmforge.perf.estimate import kv_cache
+
+    per_seq = kv_cache(shape, max_model_len, 1, dtype)["per sequence"]
+    room = available - est["weights"] - est.overhead
+    fits = max(0, int(room // per_seq))
+    raise PreflightError(
+        f"pre-flight: serving needs ~{fmt_bytes(_need(est))} (weights {fmt_bytes(est['weights'])}, KV cache "
+        f"{fmt_bytes(est['kv cache'])}) but {kind} has {fmt_bytes(available)} free ({source}). "
+        + (f"Try max_num_seqs={fits} at max_model_len={max_model_len}, a shorter max_model_len, "
+           if fits else "The weights alone do not fit: ")
+        + "int8/int4 weights (`lmforge quantize`), or an int8 KV cache.")
+
+
+# ---- out of memory ---------------------------------------------------------------------------
+
+
+def is_oom(err: BaseException) -> bool:
+    """torch.OutOfMemoryError (CUDA) or the CPU allocator's failure, which is a plain RuntimeError."""
+    import torch
+
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and "can't allocate memory" in str(err))
+
+
+def oom_message(err: BaseException, cfg: Any, shape: ModelShape, seq_len: int, device_kind: str,
+                measured_peak: int | None, step: int) -> str:
+    est = train_estimate(cfg, shape, seq_len, device_kind)
+    fixes = remedies(cfg, shape, seq_len, device_kind, None)
+    first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+    return (f"out of memory at step {step + 1}: {first}. Estimated ~{fmt_bytes(_need(est))} "
+            f"({fmt_bytes(est.total)} + {fmt_bytes(est.overhead)} overhead; `lmforge estimate memory`), measured peak "
+            f"{fmt_bytes(measured_peak) if measured_peak else 'unknown'}. Remedies, in order: {'; '.join(fixes)}.")
+
+
+# ---- loss and gradient-norm spikes -----------------------------------------------------------
+
+
+@dataclass
+class Spike:
+    step: int
+    metric: str
+    value: float
+    zscore: float
+    mean: float
+    std: float
+    rows: list[int] = field(default_factory=list)
+
+    def message(self) -> str:
+        rows = f"; packed rows of the batch: {self.rows}" if self.rows else ""
+        return (f"{self.metric} spike at step {self.step}: {self.value:.4g} is {self.zscore:.1f} standard deviations "
+                f"above the last window's mean {self.mean:.4g} (std {self.std:.3g}){rows}")
+
+
+class SpikeDetector:
+    """z = (x − mean) / std over the trailing `window` values of each metric, after `min_history`
+    values; a non-finite value is always a spike. Spikes are kept out of the window, so one bad
+    batch does not raise the bar for the next."""
+
+    def __init__(self, zscore: float = 6.0, window: int = 50, min_history: int = 10):
+        self.zscore, self.min_history = zscore, min_history
+        self.history: dict[str, deque] = {}
+        self.window = window
+
+    def check(self, step: int, rows: list[int] | None = None, **values: float) -> list[Spike]:
+        spikes = []
+        for name, x in values.items():
+            hist = self.history.setdefault(name, deque(maxlen=self.window))
+            if not math.isfinite(x):
+                spikes.append(Spike(step, name, x, math.inf, math.nan, math.nan, list(rows or [])))
+                continue
+            if len(hist) >= self.min_history:
+                mean, std = statistics.fmean(hist), statistics.pstdev(hist)
+                z = (x - mean) / std if std > 0 else (math.inf if x > mean * (1 + 1e-6) + 1e-12 else 0.0)
+                if z > self.zscore:
+                    spikes.append(Spike(step, name, x, z, mean, std, list(rows or [])))
+                    continue
+            hist.append(x)
+        return spikes
+
+
+def batch_rows(loader: Any, state: dict | None) -> list[int]:
+    """Packed-split row indices of the batch a `PackedLoader` drew from `state` (its state_dict
+    before `next`); [] for loaders that cannot say (SFT)."""
+    order = getattr(loader, "_epoch_order", None)
+    if state is None or order is None or "step" not in state:
+        return []
+    try:
+        saved = loader.epoch
+        loader.epoch = state["epoch"]
+        rows = order()
+        loader.epoch = saved
+        lo = state["step"] * loader.global_batch
+        return [int(i) for i in rows[lo:lo + loader.global_batch][loader.rank::loader.world_size]]
+    except (AttributeError, TypeError, IndexError):
+        return []
+
+
+# ---- torch.compile graph breaks --------------------------------------------------------------
+
+
+def graph_breaks() -> dict[str, Any]:
+    """Graph breaks dynamo counted in this process so far: {"count", "reasons"} (most frequent first)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return {"count": 0, "reasons": []}
+    breaks = counters.get("graph_break", {})
+    reasons = sorted(breaks.items(), key=lambda kv: -kv[1])
+    return {"count": int(sum(breaks.values())), "reasons": [f"{n}× {r}" for r, n in reasons[:10]]}
+
+
+# ---- deterministic mode ----------------------------------------------------------------------
+
+
+def set_deterministic(enabled: bool) -> dict[str, Any]:
+    """Deterministic kernels (or not), returned as the record the run keeps.
+
+    CUBLAS_WORKSPACE_CONFIG must be set before cuBLAS initialises (PyTorch's reproducibility
+    notes), so this runs first in the trainer; ":4096:8" is the value those notes give.
+    """
+    import torch
+
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    return {"deterministic": bool(enabled),
+            "use_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+            "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+            "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+
+
+class TrainingOOM(ConfigError):
+    """Out of memory during a step; the message has the estimate, the measured peak and the remedies
+    (a ConfigError: what fixes it is a config change, and `lmforge train` prints it as one)."""
