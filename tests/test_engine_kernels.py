@@ -256,3 +256,115 @@ def test_bench_attention_reports_both_paths(tmp_path):
     for r in report["rows"]:
         assert r["ms_per_step"] > 0 and r["gb_per_s"] > 0 and r["max_abs_diff_vs_sdpa"] < 0.02
     assert "paged-decode kernel (C)" in to_markdown(report)
+
+
+# ---- float32 activations and the int8 KV cache (lmf_paged_decode_any, lmf_write_kv_int8, *_f32) ------
+
+
+def _run_decode_any(lib, q, k_pool, v_pool, tables, rows, lens, B, k_scale=None, v_scale=None, threads=1):
+    N, H = q.shape[1:]
+    K = k_pool.shape[1]
+    M = max(len(t) for t in tables)
+    tables_SM = torch.tensor([t + [0] * (M - len(t)) for t in tables], dtype=torch.int32)
+    lens_S, rows_S = torch.tensor(lens, dtype=torch.int32), torch.tensor(rows, dtype=torch.long)
+    out = torch.full_like(q, 7.0)
+    kv = 2 if k_scale is not None else int(k_pool.dtype == torch.float32)
+    rc = lib.decode_any(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+                        None if k_scale is None else k_scale.data_ptr(), None if v_scale is None else v_scale.data_ptr(),
+                        tables_SM.data_ptr(), M, lens_S.data_ptr(), rows_S.data_ptr(), len(lens), N, K, H, B,
+                        H ** -0.5, out.data_ptr(), threads, int(q.dtype == torch.float32), kv)
+    return rc, out
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+@pytest.mark.parametrize("N,K,H,B", [(8, 2, 64, 4), (6, 3, 32, 5)])
+def test_paged_decode_any_float32_and_int8(kv, N, K, H, B):
+    """float32 q and K/V: the float32 reference to float32 rounding; int8 K/V (codes * scale): the same
+    reference over the dequantized cache, and within int8 error of the float32 one."""
+    from lmforge.engine.attention import quantize_kv
+
+    lib = kernels.load()
+    rng = random.Random(1)
+    lens = [1, 7, 33, 64, 5]
+    q, k_pool, v_pool, tables, rows, ref = _case(rng, N, K, H, B, lens)
+    q, k_pool, v_pool = q.float(), k_pool.float(), v_pool.float()
+    if kv == "float32":
+        rc, out = _run_decode_any(lib, q, k_pool, v_pool, tables, rows, lens, B)
+        assert rc == 0
+        torch.testing.assert_close(out[rows], ref[rows], rtol=1e-5, atol=1e-5)
+        return
+    (kq, ks), (vq, vs) = quantize_kv(k_pool), quantize_kv(v_pool)
+    rc, out = _run_decode_any(lib, q, kq, vq, tables, rows, lens, B, ks, vs)
+    assert rc == 0
+    assert torch.equal(out[[r for r in range(len(q)) if r not in rows]], torch.full((2, N, H), 7.0))
+    err = (out[rows] - ref[rows]).abs().max().item()
+    assert 0 < err < 0.03, err
+    # the same kernel over the dequantized cache in float32 gives the same numbers
+    rc, out_deq = _run_decode_any(lib, q, kq.float() * ks.float()[..., None], vq.float() * vs.float()[..., None],
+                                  tables, rows, lens, B)
+    torch.testing.assert_close(out[rows], out_deq[rows], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_int8_equals_torch_quantize(dtype):
+    from lmforge.engine.attention import quantize_kv
+
+    lib = kernels.load()
+    T, K, H, rows = 9, 2, 64, 40
+    k, v = (torch.randn(T, K, H) * torch.rand(T, K, 1) * 8).to(dtype), torch.randn(T, K, H).to(dtype)
+    k[0, 0] = 0  # an all-zero head: the scale's floor
+    slots = torch.tensor(random.Random(0).sample(range(rows), T), dtype=torch.long)
+    pools = [torch.zeros(rows, K, H, dtype=torch.int8) for _ in range(2)]
+    scales = [torch.zeros(rows, K, dtype=torch.bfloat16) for _ in range(2)]
+    assert lib.write_kv_int8(k.data_ptr(), v.data_ptr(), slots.data_ptr(), T, K, H, int(dtype == torch.float32),
+                             pools[0].data_ptr(), pools[1].data_ptr(), scales[0].data_ptr(), scales[1].data_ptr()) == 0
+    for x, pool, scale in ((k, pools[0], scales[0]), (v, pools[1], scales[1])):
+        q, s = quantize_kv(x)
+        assert torch.equal(pool[slots], q) and torch.equal(scale[slots], s)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_elementwise_float32_bodies_match_torch():
+    from lmforge.model.transformer import RMSNorm, apply_rope
+
+    lib = kernels.load()
+    torch.manual_seed(0)
+    T, N, H, D = 13, 3, 64, 200
+    x = torch.randn(1, T, N, H) * 3
+    emb = torch.cat([torch.arange(T)[None, :, None].float() * (1.0 / 10000 ** (torch.arange(0, H, 2) / H))] * 2, -1)
+    got, cos, sin = x.clone(), emb.cos(), emb.sin()  # named: a temporary's memory could be freed before the call
+    lib.rope_f32(got.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, N, H)
+    torch.testing.assert_close(got, apply_rope(x, cos, sin), rtol=1e-6, atol=1e-6)
+    norm = RMSNorm(D)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(D))
+    h = torch.randn(T, D) * 5
+    got = torch.empty_like(h)
+    lib.rmsnorm_f32(h.data_ptr(), norm.weight.data_ptr(), got.data_ptr(), T, D, norm.variance_epsilon)
+    torch.testing.assert_close(got, norm(h).detach(), rtol=1e-5, atol=1e-5)
+    g, u = torch.randn(T, 999) * 4, torch.randn(T, 999)
+    got = torch.empty_like(g)
+    lib.silu_mul_f32(g.data_ptr(), u.data_ptr(), got.data_ptr(), g.numel())
+    torch.testing.assert_close(got, torch.nn.functional.silu(g) * u, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_float32_engine_uses_kernels_and_matches_torch_path(tmp_path, monkeypatch, kv_cache_dtype):
+    """float32 on CPU: decode kernel + fused float32 elementwise ops, greedy tokens equal to the torch
+    path's (float32 summation-order noise only); the int8 cache's C write/decode equals its torch path."""
+    model_dir = save_hf_model("llama", tmp_path / "m", hidden_size=128)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[3, 7, 11, 13, 17, 19, 23, 29, 31, 37][:n] for n in (1, 4, 10)]
+    results = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("LMFORGE_KERNELS", flag)
+        monkeypatch.setattr(kernels, "_cache", {})
+        llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4, kv_cache_dtype=kv_cache_dtype)
+        runner = llm.llm_engine.model_runner
+        if flag == "1":
+            assert runner.attention_backend.startswith("paged-decode kernel (C)") and runner.fused_modules > 0
+        results[flag] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert results["1"] == results["0"]

@@ -214,8 +214,9 @@ class PagedAttention:
             return self._call_int8(layer_idx, q_BTNH, k_BTKH, v_BTKH, k_cache, v_cache)
         if self.kernels is not None:
             k_TKH, v_TKH = k_BTKH[0].contiguous(), v_BTKH[0].contiguous()
-            self.kernels.write_kv(k_TKH.data_ptr(), v_TKH.data_ptr(), meta.slot_mapping_T.data_ptr(), k_TKH.shape[0],
-                                  K * H, k_cache.data_ptr(), v_cache.data_ptr())
+            self.kernels.write_kv_bytes(k_TKH.data_ptr(), v_TKH.data_ptr(), meta.slot_mapping_T.data_ptr(),
+                                        k_TKH.shape[0], K * H * k_TKH.element_size(), k_cache.data_ptr(),
+                                        v_cache.data_ptr())
         else:
             k_cache.index_copy_(0, meta.slot_mapping_T, k_BTKH[0])
             v_cache.index_copy_(0, meta.slot_mapping_T, v_BTKH[0])
@@ -225,13 +226,7 @@ class PagedAttention:
         out_TNH = torch.empty(q_TNH.shape, dtype=q_TNH.dtype, device=q_TNH.device)
         gqa = q_TNH.shape[1] != K
         if meta.kernel is not None:  # every decoding sequence in one call, K/V read in place
-            rows_S, lens_S, tables_SM = meta.kernel
-            rc = self.kernels.decode(q_TNH.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables_SM.data_ptr(),
-                                     tables_SM.shape[1], lens_S.data_ptr(), rows_S.data_ptr(), len(rows_S),
-                                     q_TNH.shape[1], K, H, k_pool_PBKH.shape[1], H ** -0.5, out_TNH.data_ptr(),
-                                     torch.get_num_threads())
-            if rc != 0:
-                raise RuntimeError(f"paged decode kernel refused heads={q_TNH.shape[1]} kv_heads={K} head_dim={H}")
+            self._decode_kernel(q_TNH, k_cache, v_cache, None, None, out_TNH, k_pool_PBKH.shape[1])
         if meta.views:  # no copy: SDPA reads the pool rows in place; one slice per tensor per sequence
             q_1NTH = q_TNH.transpose(0, 1).unsqueeze(0)
             k_1KRH, v_1KRH = k_cache.transpose(0, 1).unsqueeze(0), v_cache.transpose(0, 1).unsqueeze(0)
@@ -257,19 +252,45 @@ class PagedAttention:
             out_TNH[g.rows] = o_SNQH.transpose(1, 2).reshape(-1, *q_TNH.shape[1:])
         return out_TNH.unsqueeze(0)
 
+    def _decode_kernel(self, q_TNH, k_cache, v_cache, k_scale, v_scale, out_TNH, block_size: int) -> None:
+        """Every decoding sequence in one C call: bf16 (the tuned body) or float32 / int8 K/V (`_any`)."""
+        rows_S, lens_S, tables_SM = self.meta.kernel
+        N, (K, H) = q_TNH.shape[1], k_cache.shape[1:]
+        common = (tables_SM.data_ptr(), tables_SM.shape[1], lens_S.data_ptr(), rows_S.data_ptr(), len(rows_S), N, K, H,
+                  block_size, H ** -0.5, out_TNH.data_ptr(), torch.get_num_threads())
+        if q_TNH.dtype == torch.bfloat16 and k_scale is None:
+            rc = self.kernels.decode(q_TNH.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *common)
+        else:
+            rc = self.kernels.decode_any(q_TNH.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                         None if k_scale is None else k_scale.data_ptr(),
+                                         None if v_scale is None else v_scale.data_ptr(), *common,
+                                         int(q_TNH.dtype == torch.float32), 2 if k_scale is not None else
+                                         int(k_cache.dtype == torch.float32))
+        if rc != 0:
+            raise RuntimeError(f"paged decode kernel refused heads={N} kv_heads={K} head_dim={H}")
+
     def _call_int8(self, layer_idx: int, q_BTNH, k_BTKH, v_BTKH, k_cache, v_cache) -> torch.Tensor:
-        """The int8 cache's torch path: quantize and write this step's K/V, then the reference loop or the
-        gather groups (which dequantize what they gather); no in-place views."""
+        """The int8 cache: quantize and write this step's K/V (C or torch, same bits), then the reference
+        loop, or the C decode kernel (codes read in place) and gather groups that dequantize what they
+        gather; no in-place views."""
         meta, (K, H) = self.meta, k_BTKH.shape[2:]
         k_scale, v_scale = self.k_scales_PBK[layer_idx].view(-1, K), self.v_scales_PBK[layer_idx].view(-1, K)
-        for x_TKH, cache, scale in ((k_BTKH[0], k_cache, k_scale), (v_BTKH[0], v_cache, v_scale)):
-            q_TKH, s_TK = quantize_kv(x_TKH)
-            cache.index_copy_(0, meta.slot_mapping_T, q_TKH)
-            scale.index_copy_(0, meta.slot_mapping_T, s_TK)
+        if self.kernels is not None and q_BTNH.dtype in (torch.bfloat16, torch.float32):
+            k_TKH, v_TKH = k_BTKH[0].contiguous(), v_BTKH[0].contiguous()
+            self.kernels.write_kv_int8(k_TKH.data_ptr(), v_TKH.data_ptr(), meta.slot_mapping_T.data_ptr(),
+                                       k_TKH.shape[0], K, H, int(k_TKH.dtype == torch.float32), k_cache.data_ptr(),
+                                       v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr())
+        else:
+            for x_TKH, cache, scale in ((k_BTKH[0], k_cache, k_scale), (v_BTKH[0], v_cache, v_scale)):
+                q_TKH, s_TK = quantize_kv(x_TKH)
+                cache.index_copy_(0, meta.slot_mapping_T, q_TKH)
+                scale.index_copy_(0, meta.slot_mapping_T, s_TK)
         if meta.per_seq:
             return reference_attention(q_BTNH[0], k_cache, v_cache, meta.per_seq, k_scale, v_scale).unsqueeze(0)
-        q_TNH = q_BTNH[0]
+        q_TNH = q_BTNH[0] if meta.kernel is None else q_BTNH[0].contiguous()
         out_TNH = torch.empty(q_TNH.shape, dtype=q_TNH.dtype, device=q_TNH.device)
+        if meta.kernel is not None:
+            self._decode_kernel(q_TNH, k_cache, v_cache, k_scale, v_scale, out_TNH, self.k_pools_PBKH[0].shape[1])
         gqa = q_TNH.shape[1] != K
         for g in meta.groups:
             if g.blocks_SM is None:  # a fresh prefill chunk attends over its own unquantized K/V

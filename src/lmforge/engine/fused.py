@@ -1,5 +1,5 @@
 """Engine-only stand-ins for a loaded model's RMSNorm, attention block and MLP that run their
-elementwise work through the compiled CPU kernels (`lmforge.engine.kernels`), bfloat16 only.
+elementwise work through the compiled CPU kernels (`lmforge.engine.kernels`), bfloat16 or float32 (the `_f32` bodies, for CPUs without native bf16).
 
 Why: at a decode step's few rows, each torch op costs microseconds of dispatch whatever its size,
 and at a 2,048-token prefill chunk the bf16 elementwise ops (RoPE's four products and the cat,
@@ -22,18 +22,22 @@ from lmforge.model.transformer import MLP, Attention, RMSNorm
 from .kernels import MAX_H, CpuKernels
 
 
+def _kernel(lib: CpuKernels, name: str, dtype: torch.dtype):
+    return getattr(lib, name if dtype == torch.bfloat16 else f"{name}_f32")
+
+
 class FusedRMSNorm(nn.Module):
     def __init__(self, norm: RMSNorm, lib: CpuKernels):
         super().__init__()
         self.weight = norm.weight.detach().contiguous()
         self.variance_epsilon, self.lib = norm.variance_epsilon, lib
+        self.fn = _kernel(lib, "rmsnorm", self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         out = torch.empty_like(x)
         D = x.shape[-1]
-        self.lib.rmsnorm(x.data_ptr(), self.weight.data_ptr(), out.data_ptr(), x.numel() // D, D,
-                         self.variance_epsilon)
+        self.fn(x.data_ptr(), self.weight.data_ptr(), out.data_ptr(), x.numel() // D, D, self.variance_epsilon)
         return out
 
 
@@ -54,8 +58,9 @@ class FusedAttention(Attention):
         q_BTNH, k_BTKH = q_BTNH.contiguous(), k_BTKH.contiguous()  # fresh projections: no copy
         cos_BTH, sin_BTH = cos_BTH.contiguous(), sin_BTH.contiguous()
         rows = q_BTNH.shape[0] * q_BTNH.shape[1]
+        rope = _kernel(self.lib, "rope", q_BTNH.dtype)
         for t, heads in ((q_BTNH, self.n_heads), (k_BTKH, self.n_kv_heads)):  # in place: nothing else holds them
-            self.lib.rope(t.data_ptr(), cos_BTH.data_ptr(), sin_BTH.data_ptr(), rows, heads, self.head_dim)
+            rope(t.data_ptr(), cos_BTH.data_ptr(), sin_BTH.data_ptr(), rows, heads, self.head_dim)
         return q_BTNH, k_BTKH
 
 
@@ -69,17 +74,17 @@ class FusedMLP(nn.Module):
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         g, u = self.gate_proj(x_BTD).contiguous(), self.up_proj(x_BTD).contiguous()
         h = torch.empty_like(g)
-        self.lib.silu_mul(g.data_ptr(), u.data_ptr(), h.data_ptr(), g.numel())
+        _kernel(self.lib, "silu_mul", g.dtype)(g.data_ptr(), u.data_ptr(), h.data_ptr(), g.numel())
         return self.down_proj(h)
 
 
 def fuse_elementwise(model: nn.Module, lib: CpuKernels) -> int:
-    """Swap every RMSNorm, Attention and MLP of a bfloat16 model for its fused stand-in; returns how
-    many were swapped. Attention blocks whose head size the RoPE kernel does not take stay as they are."""
+    """Swap every RMSNorm, Attention and MLP of a bfloat16 or float32 model for its fused stand-in; returns
+    how many were swapped. Attention blocks whose head size the RoPE kernel does not take stay as they are."""
     todo = []
     for parent in model.modules():
         for name, child in parent.named_children():
-            if isinstance(child, RMSNorm) and child.weight.dtype == torch.bfloat16:
+            if isinstance(child, RMSNorm) and child.weight.dtype in (torch.bfloat16, torch.float32):
                 todo.append((parent, name, FusedRMSNorm))
             elif (isinstance(child, Attention) and not isinstance(child, FusedAttention)
                   and child.head_dim % 2 == 0 and child.head_dim <= MAX_H):

@@ -94,11 +94,11 @@ class ModelRunner:
             with torch.no_grad():
                 self.packed_linears = pack_linear_weights(model)
         lib = None
-        if cpu_kernels and not reference and p.device.type == "cpu" and p.dtype == torch.bfloat16:
+        if cpu_kernels and not reference and p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float32):
             lib = kernels.load()  # None without a compiler: the torch path, same contract
         self.fused_modules = fuse_elementwise(model, lib) if lib is not None else 0
         kv_int8 = kv_cache_dtype == "int8"
-        attn_lib = lib if lib is not None and not kv_int8 and kernels.supports(
+        attn_lib = lib if lib is not None and kernels.supports(
             c.num_attention_heads, c.num_key_value_heads, c.head_dim) else None
         self.attn = PagedAttention(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
                                    c.head_dim, p.dtype, p.device, kernels=attn_lib, kv_int8=kv_int8)

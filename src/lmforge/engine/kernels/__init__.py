@@ -1,6 +1,7 @@
 """Native CPU kernels for the engine's hot path, compiled on first use and called through ctypes.
 
-`cpu_ops.c` holds, all on bfloat16:
+`cpu_ops.c` holds, on bfloat16 (and, `*_any` / `*_f32` / `*_int8`, on float32 activations and an int8
+KV cache, for CPUs without native bf16 and for `kv_cache_dtype=int8`):
   * `lmf_paged_decode_bf16`: decode attention for every one-token query of a step in one call,
     reading each sequence's blocks in place (no gather, no padding, no per-sequence Python);
   * `lmf_write_kv_bf16`: this step's K/V rows into their pool slots (vLLM's `reshape_and_cache`);
@@ -53,6 +54,12 @@ class CpuKernels:
     rmsnorm: ctypes._CFuncPtr  # lmf_rmsnorm_bf16(x, w, out, rows, D, eps)
     rope: ctypes._CFuncPtr  # lmf_rope_bf16(x, cos, sin, T, heads, H), in place
     silu_mul: ctypes._CFuncPtr  # lmf_silu_mul_bf16(g, u, out, n)
+    decode_any: ctypes._CFuncPtr  # lmf_paged_decode_any(q, k, v, k_scales, v_scales, ..., threads, act, kv)
+    write_kv_bytes: ctypes._CFuncPtr  # lmf_write_kv_bytes(k, v, slots, T, row_bytes, k_pool, v_pool)
+    write_kv_int8: ctypes._CFuncPtr  # lmf_write_kv_int8(k, v, slots, T, K, H, act, k_pool, v_pool, k_sc, v_sc)
+    rmsnorm_f32: ctypes._CFuncPtr
+    rope_f32: ctypes._CFuncPtr
+    silu_mul_f32: ctypes._CFuncPtr
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -123,10 +130,22 @@ def _bind(path: Path) -> CpuKernels:
     fns = {}
     for name, argtypes in (("write_kv", [P, P, P, I64, I64, P, P]), ("rmsnorm", [P, P, P, I64, I64, ctypes.c_float]),
                            ("rope", [P, P, P, I64, I64, I64]), ("silu_mul", [P, P, P, I64])):
-        fn = getattr(lib, f"lmf_{name}_bf16")
-        fn.restype, fn.argtypes = None, argtypes
-        fns[name] = fn
-    return CpuKernels(path, decode, **fns)
+        for suffix in ("bf16", "f32"):
+            fn = getattr(lib, f"lmf_{name}_{suffix}", None)
+            if fn is None:
+                continue
+            fn.restype, fn.argtypes = None, argtypes
+            fns[name if suffix == "bf16" else f"{name}_f32"] = fn
+    fns.pop("write_kv_f32", None)
+    decode_any = lib.lmf_paged_decode_any
+    decode_any.restype = ctypes.c_int
+    decode_any.argtypes = [P, P, P, P, P, P, I64, P, P, I64, I64, I64, I64, I64, ctypes.c_float, P, I64, I64, I64]
+    write_bytes = lib.lmf_write_kv_bytes
+    write_bytes.restype, write_bytes.argtypes = None, [P, P, P, I64, I64, P, P]
+    write_int8 = lib.lmf_write_kv_int8
+    write_int8.restype, write_int8.argtypes = ctypes.c_int, [P, P, P, I64, I64, I64, I64, P, P, P, P]
+    return CpuKernels(path, decode, decode_any=decode_any, write_kv_bytes=write_bytes, write_kv_int8=write_int8,
+                      **fns)
 
 
 def load(extra_flags: tuple[str, ...] = ()) -> CpuKernels | None:

@@ -410,3 +410,229 @@ void lmf_silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, int6
         out[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(gv / (1.0f + expf(-gv)))) * bf16_to_f32(u[i]));
     }
 }
+
+/* ---- float32 activations and an int8 KV cache ------------------------------------------------------
+ * CPUs without native bf16 (AVX2-only) run the engine in float32, and `kv_cache_dtype=int8` stores
+ * K/V as int8 codes with one bfloat16 scale per token per kv head (value = code * scale). One portable
+ * body serves every combination: each K or V row's head vector is first widened to float32 (a loop
+ * the compiler vectorizes for the target), then the same online softmax as above. act: 0 bf16, 1 f32;
+ * kv: 0 bf16, 1 f32, 2 int8. */
+
+static inline float load_act(const void *p, int act, int64_t i) {
+    return act ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+static inline void store_act(void *p, int act, int64_t i, float x) {
+    if (act) ((float *)p)[i] = x;
+    else ((uint16_t *)p)[i] = f32_to_bf16(x);
+}
+
+/* the head vector at pool row `row` (an index into (P * B * K) head rows), widened to float32 */
+static inline void load_head(const void *pool, const uint16_t *scales, int kv, int64_t row, int64_t H, float *dst) {
+    if (kv == 1) {
+        memcpy(dst, (const float *)pool + row * H, (size_t)H * 4);
+    } else if (kv == 2) {
+        const int8_t *c = (const int8_t *)pool + row * H;
+        const float s = bf16_to_f32(scales[row]);
+        for (int64_t h = 0; h < H; h++) dst[h] = (float)c[h] * s;
+    } else {
+        const uint16_t *b = (const uint16_t *)pool + row * H;
+        for (int64_t h = 0; h < H; h++) dst[h] = bf16_to_f32(b[h]);
+    }
+}
+
+static void decode_one_any(const void *q, const void *k_pool, const void *v_pool, const uint16_t *k_scales,
+                           const uint16_t *v_scales, const int32_t *table, int64_t len, int64_t g, int64_t G,
+                           int64_t K, int64_t H, int64_t B, float scale, void *out, int act, int kv) {
+    float qf[MAX_G][MAX_H], acc[MAX_G][MAX_H], p[MAX_G][TILE], mx[MAX_G], sum[MAX_G], row_f[MAX_H];
+    for (int64_t n = 0; n < G; n++) {
+        for (int64_t h = 0; h < H; h++) {
+            qf[n][h] = load_act(q, act, n * H + h);
+            acc[n][h] = 0.0f;
+        }
+        mx[n] = -INFINITY;
+        sum[n] = 0.0f;
+    }
+    for (int64_t t0 = 0; t0 < len; t0 += TILE) {
+        const int64_t nt = len - t0 < TILE ? len - t0 : TILE;
+        int64_t row[TILE];
+        for (int64_t i = 0; i < nt; i++) {
+            const int64_t j = t0 + i;
+            row[i] = ((int64_t)table[j / B] * B + j % B) * K + g;
+        }
+        for (int64_t i = 0; i < nt; i++) {  /* scores: each K row widened once, dotted with every query head */
+            load_head(k_pool, k_scales, kv, row[i], H, row_f);
+            for (int64_t n = 0; n < G; n++) {
+                float d = 0.0f;
+                for (int64_t h = 0; h < H; h++) d += qf[n][h] * row_f[h];
+                p[n][i] = d * scale;
+            }
+        }
+        for (int64_t n = 0; n < G; n++) {
+            float m = mx[n];
+            for (int64_t i = 0; i < nt; i++) m = p[n][i] > m ? p[n][i] : m;
+            const float alpha = expf(mx[n] - m);
+            float tile_sum = 0.0f;
+            for (int64_t i = 0; i < nt; i++) {
+                p[n][i] = expf(p[n][i] - m);
+                tile_sum += p[n][i];
+            }
+            sum[n] = sum[n] * alpha + tile_sum;
+            mx[n] = m;
+            for (int64_t h = 0; h < H; h++) acc[n][h] *= alpha;
+        }
+        for (int64_t i = 0; i < nt; i++) {
+            load_head(v_pool, v_scales, kv, row[i], H, row_f);
+            for (int64_t n = 0; n < G; n++)
+                for (int64_t h = 0; h < H; h++) acc[n][h] += p[n][i] * row_f[h];
+        }
+    }
+    for (int64_t n = 0; n < G; n++)
+        for (int64_t h = 0; h < H; h++) store_act(out, act, n * H + h, acc[n][h] / sum[n]);
+}
+
+typedef struct {
+    const void *q, *k_pool, *v_pool;
+    const uint16_t *k_scales, *v_scales;
+    const int32_t *block_tables, *lens;
+    const int64_t *rows;
+    int64_t M, first, last, N, K, H, B;
+    float scale;
+    void *out;
+    int act, kv;
+} decode_any_job;
+
+static void decode_any_range(const decode_any_job *j) {
+    const int64_t N = j->N, H = j->H, G = N / j->K, es = j->act ? 4 : 2;
+    for (int64_t s = j->first; s < j->last; s++)
+        for (int64_t g = 0; g < j->K; g++) {
+            const int64_t off = (j->rows[s] * N + g * G) * H * es;
+            decode_one_any((const char *)j->q + off, j->k_pool, j->v_pool, j->k_scales, j->v_scales,
+                           j->block_tables + s * j->M, j->lens[s], g, G, j->K, H, j->B, j->scale,
+                           (char *)j->out + off, j->act, j->kv);
+        }
+}
+
+#ifndef _OPENMP
+static void *decode_any_thread(void *arg) {
+    decode_any_range((const decode_any_job *)arg);
+    return NULL;
+}
+#endif
+
+/* As lmf_paged_decode_bf16, for any act/kv pair; scales are (P * B * K) bfloat16 (NULL unless kv = 2). */
+int lmf_paged_decode_any(const void *q, const void *k_pool, const void *v_pool, const uint16_t *k_scales,
+                         const uint16_t *v_scales, const int32_t *block_tables, int64_t M, const int32_t *lens,
+                         const int64_t *rows, int64_t S, int64_t N, int64_t K, int64_t H, int64_t B, float scale,
+                         void *out, int64_t threads, int64_t act, int64_t kv) {
+    if (K < 1 || N % K != 0 || N / K > MAX_G || H > MAX_H || B < 1 || act < 0 || act > 1 || kv < 0 || kv > 2)
+        return -1;
+    if (kv == 2 && (k_scales == NULL || v_scales == NULL)) return -1;
+    int64_t total = 0;
+    for (int64_t s = 0; s < S; s++) {
+        if (lens[s] < 1) return -1;
+        total += lens[s];
+    }
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > S) threads = S;
+    if (threads < 1 || total < 4096) threads = 1;
+    decode_any_job jobs[MAX_THREADS];
+    int64_t s = 0, acc = 0;
+    for (int64_t t = 0; t < threads; t++) {
+        const int64_t first = s;
+        const int64_t goal = total * (t + 1) / threads;
+        while (s < S && (t == threads - 1 || acc + lens[s] / 2 < goal)) acc += lens[s++];
+        jobs[t] = (decode_any_job){q, k_pool, v_pool, k_scales, v_scales, block_tables, lens, rows, M, first, s,
+                                   N, K, H, B, scale, out, (int)act, (int)kv};
+    }
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int64_t t = 0; t < threads; t++) decode_any_range(&jobs[t]);
+#else
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int64_t t = 1; t < threads; t++)
+        started[t] = pthread_create(&tids[t], NULL, decode_any_thread, &jobs[t]) == 0;
+    decode_any_range(&jobs[0]);
+    for (int64_t t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(tids[t], NULL);
+        else
+            decode_any_range(&jobs[t]);
+    }
+#endif
+    return 0;
+}
+
+/* K/V rows of any element size into their pool rows: row_bytes = K * H * sizeof(element). */
+void lmf_write_kv_bytes(const void *k, const void *v, const int64_t *slots, int64_t T, int64_t row_bytes,
+                        void *k_pool, void *v_pool) {
+    for (int64_t t = 0; t < T; t++) {
+        memcpy((char *)k_pool + slots[t] * row_bytes, (const char *)k + t * row_bytes, (size_t)row_bytes);
+        memcpy((char *)v_pool + slots[t] * row_bytes, (const char *)v + t * row_bytes, (size_t)row_bytes);
+    }
+}
+
+/* Quantize and write: per token and kv head, scale = bf16(max(absmax / 127, 1e-8)), code =
+ * clamp(rint(x / scale), -127, 127) (ties to even, as torch.round): the same bits as the torch path
+ * (`lmforge.engine.attention.quantize_kv`). x (T, K, H) in act dtype; pools (rows, K, H) int8; scales
+ * (rows, K) bfloat16. */
+static void quantize_rows(const void *x, int act, const int64_t *slots, int64_t T, int64_t K, int64_t H,
+                          int8_t *pool, uint16_t *scales) {
+    float row_f[MAX_H];
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t g = 0; g < K; g++) {
+            float amax = 0.0f;
+            for (int64_t h = 0; h < H; h++) {
+                row_f[h] = load_act(x, act, (t * K + g) * H + h);
+                amax = fmaxf(amax, fabsf(row_f[h]));
+            }
+            const float sc = fmaxf(amax / 127.0f, 1e-8f);
+            const uint16_t sb = f32_to_bf16(sc);
+            const float s = bf16_to_f32(sb);
+            int8_t *dst = pool + (slots[t] * K + g) * H;
+            for (int64_t h = 0; h < H; h++) {
+                float c = nearbyintf(row_f[h] / s);
+                dst[h] = (int8_t)(c > 127.0f ? 127.0f : (c < -127.0f ? -127.0f : c));
+            }
+            scales[slots[t] * K + g] = sb;
+        }
+}
+
+int lmf_write_kv_int8(const void *k, const void *v, const int64_t *slots, int64_t T, int64_t K, int64_t H,
+                      int64_t act, int8_t *k_pool, int8_t *v_pool, uint16_t *k_scales, uint16_t *v_scales) {
+    if (H > MAX_H || act < 0 || act > 1) return -1;
+    quantize_rows(k, (int)act, slots, T, K, H, k_pool, k_scales);
+    quantize_rows(v, (int)act, slots, T, K, H, v_pool, v_scales);
+    return 0;
+}
+
+/* Float32 bodies of the elementwise ops, in torch's float32 order (plain loops; -O3 vectorizes them). */
+void lmf_rmsnorm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t D, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * D;
+        float ss = 0.0f;
+        for (int64_t h = 0; h < D; h++) ss += xr[h] * xr[h];
+        const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+        for (int64_t h = 0; h < D; h++) out[r * D + h] = w[h] * (xr[h] * inv);
+    }
+}
+
+void lmf_rope_f32(float *x, const float *cos, const float *sin, int64_t T, int64_t heads, int64_t H) {
+    const int64_t half = H / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * H, *s = sin + t * H;
+        for (int64_t n = 0; n < heads; n++) {
+            float *lo = x + (t * heads + n) * H, *hi = lo + half;
+            for (int64_t h = 0; h < half; h++) {
+                const float l = lo[h], u = hi[h];
+                lo[h] = l * c[h] + (-u) * s[h];
+                hi[h] = u * c[h + half] + l * s[h + half];
+            }
+        }
+    }
+}
+
+void lmf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
