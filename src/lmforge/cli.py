@@ -27,6 +27,7 @@ from lmforge.serve import commands as serve_commands
 from lmforge.tokenizer.commands import app as tokenizer_app
 from lmforge.track.commands import app as runs_app
 from lmforge.train import commands as train_commands
+from lmforge.train.grpo import bench as grpo_bench
 
 app = typer.Typer(
     name="lmforge",
@@ -70,6 +71,7 @@ def bench_data_cmd(
 
 
 bench_app.command("engine")(bench_engine.bench_engine)
+bench_app.command("grpo")(grpo_bench.bench_grpo)
 bench_app.command("parallel")(parallel_commands.bench_parallel)
 bench_app.command("quant")(bench_quant.bench_quant)
 app.add_typer(bench_app, name="bench")
