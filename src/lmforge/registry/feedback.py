@@ -1,0 +1,253 @@
+"""The feedback store: served exchanges (PII masked before anything is written) and users' scores.
+
+Its own SQLite file (WAL, so the server writes while `lmforge flywheel build` reads), apart from
+the registry: exchanges arrive at serving rate and are not registry state. Two tables:
+
+    exchanges (id, created, model, model_version, user, kind, prompt, response, pii)
+    feedback  (seq, exchange_id, created, score, scale, normalized, comment, correction)
+
+`log_exchanges` masks the prompt, the response and the `user` field with the data package's
+scrubber (`lmforge.data.pii.mask_pii_many`, every PII type on) inside the call, before the
+transaction starts; `pii` keeps the per-type counts. One transaction per call: the server batches.
+`add_feedback` appends a row (a user may change their vote; the latest counts) and returns False
+for an unknown id.
+
+Scores: -1 / +1 are thumbs, 1..5 stars. 1 is both a thumbs-up and one star, so it reads as a
+thumbs-up unless `scale="stars"` says otherwise. Each score maps to `normalized` in [0, 1]
+(thumbs 0 / 1, stars (s - 1) / 4); `normalized < 0.5` is a low score (thumbs down, 1-2 stars)
+and `>= 0.75` a high one (thumbs up, 4-5 stars). It knows nothing about HTTP or training.
+
+    store = FeedbackStore("runs/serve/feedback.db")
+    store.log_exchanges([{"id": "cmpl-1", "created": "...", "model": "tiny", "model_version": "3",
+                          "user": "u1", "kind": "chat", "prompt": "hi", "response": "hello"}])
+    store.add_feedback("cmpl-1", -1, correction="Hello! How can I help?")
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sqlite3
+import threading
+from contextlib import contextmanager
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from lmforge.data.config import PiiConfig
+from lmforge.data.pii import mask_pii_many
+from lmforge.registry.store import BUSY_TIMEOUT_MS, RegistryError, now
+
+LOW, HIGH = 0.5, 0.75  # normalized score: below LOW is low, at or above HIGH is high
+KINDS = ("completion", "chat")
+FIELDS = ("id", "created", "model", "model_version", "user", "kind", "prompt", "response")
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS exchanges (
+    id TEXT PRIMARY KEY,
+    created TEXT NOT NULL,
+    model TEXT NOT NULL,
+    model_version TEXT,
+    user TEXT,
+    kind TEXT NOT NULL,
+    prompt TEXT NOT NULL,
+    response TEXT NOT NULL,
+    pii TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS feedback (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    exchange_id TEXT NOT NULL REFERENCES exchanges(id),
+    created TEXT NOT NULL,
+    score REAL NOT NULL,
+    scale TEXT NOT NULL,
+    normalized REAL NOT NULL,
+    comment TEXT,
+    correction TEXT,
+    pii TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS feedback_by_exchange ON feedback(exchange_id, seq);
+CREATE INDEX IF NOT EXISTS exchanges_by_version ON exchanges(model_version);
+"""
+_PII = PiiConfig()
+
+
+def normalize_score(score: float, scale: str | None = None) -> tuple[float, str, float]:
+    """(score, "thumbs" | "stars", normalized in [0, 1]); ValueError naming the allowed values."""
+    if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+        raise RegistryError(f"score {score!r}: must be -1 or +1 (thumbs) or 1..5 (stars)")
+    if scale not in (None, "thumbs", "stars"):
+        raise RegistryError(f"scale {scale!r}: must be 'thumbs', 'stars' or omitted")
+    if scale is None:
+        scale = "thumbs" if score in (-1, 1) else "stars"
+    if scale == "thumbs":
+        if score not in (-1, 1):
+            raise RegistryError(f"score {score!r}: a thumbs score is -1 (down) or +1 (up)")
+        return float(score), scale, float(score > 0)
+    if score != int(score) or not 1 <= score <= 5:
+        raise RegistryError(f"score {score!r}: a star score is an integer 1..5")
+    return float(score), scale, (score - 1) / 4
+
+
+def histogram_key(score: float, scale: str) -> str:
+    return ("thumbs_up" if score > 0 else "thumbs_down") if scale == "thumbs" else f"stars_{int(score)}"
+
+
+class FeedbackStore:
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if self.path.is_dir():
+            raise RegistryError(f"{self.path}: is a folder; the feedback store is a file (e.g. "
+                                f"{self.path / 'feedback.db'})")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._local = threading.local()  # one connection per thread (and per process: see _db)
+        db = self._db()
+        if db.execute("PRAGMA journal_mode=WAL").fetchone()[0].lower() != "wal":
+            raise RegistryError(f"{self.path}: SQLite refused WAL mode; put the store on a local file system")
+        with self._tx() as db:
+            for statement in filter(str.strip, SCHEMA.split(";")):
+                db.execute(statement)
+
+    def _db(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None or getattr(self._local, "pid", None) != os.getpid():  # never share one across fork
+            try:
+                db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
+                                     check_same_thread=False)
+                db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+                # NORMAL under WAL: a commit is durable once the WAL is checkpointed; a power cut may lose
+                # the last few feedback rows but never corrupts the file (SQLite's documented trade-off).
+                db.execute("PRAGMA synchronous=NORMAL")
+                db.execute("PRAGMA foreign_keys=ON")
+            except sqlite3.DatabaseError as e:
+                raise RegistryError(f"{self.path}: cannot open the feedback store ({e})") from None
+            db.row_factory = sqlite3.Row
+            self._local.db, self._local.pid = db, os.getpid()
+        return db
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE ... COMMIT on this thread's connection; ROLLBACK when the body raises."""
+        db = self._db()
+        try:
+            db.execute("BEGIN IMMEDIATE")
+        except sqlite3.DatabaseError as e:
+            raise RegistryError(f"{self.path}: not a feedback store, or not writable ({e})") from None
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    def close(self) -> None:
+        db = getattr(self._local, "db", None)
+        if db is not None:
+            db.close()
+            self._local.db = None
+
+    # -- writing
+
+    def log_exchanges(self, rows: list[dict]) -> None:
+        """Store served exchanges, PII masked first; one transaction for the whole batch. An id already
+        stored is kept as it was (a retried batch does not duplicate)."""
+        if not rows:
+            return
+        for i, row in enumerate(rows):
+            missing = [f for f in FIELDS if f not in row]
+            if missing:
+                raise RegistryError(f"log_exchanges row {i}: missing field(s) {', '.join(missing)} "
+                                    f"(need {', '.join(FIELDS)})")
+            if row["kind"] not in KINDS:
+                raise RegistryError(f"log_exchanges row {i} ({row['id']}): kind {row['kind']!r} must be "
+                                    f"'completion' or 'chat'")
+            for f in ("id", "prompt", "response"):
+                if not isinstance(row[f], str):
+                    raise RegistryError(f"log_exchanges row {i}: field {f!r} must be a string, got "
+                                        f"{type(row[f]).__name__}")
+        users = [r["user"] if isinstance(r["user"], str) else "" for r in rows]
+        masked = mask_pii_many([r["prompt"] for r in rows] + [r["response"] for r in rows] + users, _PII)
+        n = len(rows)
+        values = []
+        for i, r in enumerate(rows):
+            (prompt, c1), (response, c2), (user, c3) = masked[i], masked[n + i], masked[2 * n + i]
+            counts: dict[str, int] = {}
+            for c in (c1, c2, c3):
+                for k, v in c.items():
+                    counts[k] = counts.get(k, 0) + v
+            values.append((r["id"], str(r["created"]), str(r["model"]),
+                           None if r["model_version"] is None else str(r["model_version"]),
+                           user if isinstance(r["user"], str) else None, r["kind"], prompt, response,
+                           json.dumps(counts, sort_keys=True)))
+        with self._tx() as db:
+            db.executemany("INSERT INTO exchanges (id, created, model, model_version, user, kind, prompt, response, "
+                           "pii) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING", values)
+
+    def add_feedback(self, id: str, score: float, comment: str | None = None, correction: str | None = None,
+                     scale: str | None = None) -> bool:
+        """Append a score (and optional comment / corrected answer, PII masked) to exchange `id`;
+        False when no exchange has that id. The latest feedback of an exchange is the one that counts."""
+        score, scale, normalized = normalize_score(score, scale)
+        for f, v in (("comment", comment), ("correction", correction)):
+            if v is not None and not isinstance(v, str):
+                raise RegistryError(f"feedback {f}: must be a string or null, got {type(v).__name__}")
+        texts = [t for t in (comment, correction) if t]
+        masked = iter(mask_pii_many(texts, _PII))
+        counts: dict[str, int] = {}
+        out = []
+        for t in (comment, correction):
+            if not t:
+                out.append(t)
+                continue
+            text, c = next(masked)
+            out.append(text)
+            for k, v in c.items():
+                counts[k] = counts.get(k, 0) + v
+        with self._tx() as db:
+            cur = db.execute("INSERT INTO feedback (exchange_id, created, score, scale, normalized, comment, correction, "
+                             "pii) SELECT ?, ?, ?, ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM exchanges WHERE id = ?)",
+                             (id, now(), score, scale, normalized, out[0], out[1], json.dumps(counts), id))
+            return cur.rowcount == 1
+
+    # -- reading
+
+    _LATEST = ("SELECT f.* FROM feedback f JOIN (SELECT exchange_id, MAX(seq) AS seq FROM feedback "
+               "GROUP BY exchange_id) last ON f.seq = last.seq")
+
+    def stats(self, model_version: str | None = None) -> dict:
+        """Counts over exchanges (of one version when given) and their latest feedback: score histogram,
+        low/high counts, low-score ratio (low / exchanges with feedback; None without feedback)."""
+        where, args = ("WHERE e.model_version = ?", (str(model_version),)) if model_version is not None else ("", ())
+        db = self._db()
+        exchanges = db.execute(f"SELECT COUNT(*) FROM exchanges e {where}", args).fetchone()[0]
+        rows = db.execute(f"SELECT f.score, f.scale, f.normalized, f.correction IS NOT NULL AND f.correction != '' "
+                          f"AS corrected FROM ({self._LATEST}) f JOIN exchanges e ON e.id = f.exchange_id {where}",
+                          args).fetchall()
+        feedback_rows = db.execute(f"SELECT COUNT(*) FROM feedback f JOIN exchanges e ON e.id = f.exchange_id {where}",
+                                   args).fetchone()[0]
+        histogram: dict[str, int] = {}
+        for r in rows:
+            key = histogram_key(r["score"], r["scale"])
+            histogram[key] = histogram.get(key, 0) + 1
+        low = sum(r["normalized"] < LOW for r in rows)
+        return {"model_version": model_version, "exchanges": exchanges, "with_feedback": len(rows),
+                "feedback_rows": feedback_rows, "histogram": dict(sorted(histogram.items())), "low": low,
+                "high": sum(r["normalized"] >= HIGH for r in rows), "corrected": sum(r["corrected"] for r in rows),
+                "low_score_ratio": low / len(rows) if rows else None,
+                "mean_normalized": sum(r["normalized"] for r in rows) / len(rows) if rows else None}
+
+    def exchanges(self) -> Iterator[dict]:
+        """Every exchange in insertion order with its latest feedback (`feedback` None when it has none)."""
+        db = self._db()
+        cur = db.execute(f"SELECT e.*, f.score, f.scale, f.normalized, f.comment, f.correction, "
+                         f"f.created AS feedback_created FROM exchanges e LEFT JOIN ({self._LATEST}) f "
+                         f"ON f.exchange_id = e.id ORDER BY e.rowid")
+        while batch := cur.fetchmany(1024):
+            for r in batch:
+                d = dict(r)
+                fb = None if d["score"] is None else {k: d[k] for k in ("score", "scale", "normalized", "comment",
+                                                                      "correction", "feedback_created")}
+                for k in ("score", "scale", "normalized", "comment", "correction", "feedback_created"):
+                    d.pop(k)
+                d["pii"] = json.loads(d["pii"])
+                d["feedback"] = fb
+                yield d
