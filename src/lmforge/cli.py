@@ -23,6 +23,7 @@ from lmforge.parallel.commands import app as parallel_app
 from lmforge.perf import bench_engine, bench_quant
 from lmforge.perf.commands import app as estimate_app
 from lmforge.quant import commands as quant_commands
+from lmforge.registry import commands as registry_commands
 from lmforge.serve import commands as serve_commands
 from lmforge.tokenizer.commands import app as tokenizer_app
 from lmforge.track.commands import app as runs_app
@@ -49,6 +50,8 @@ app.command("distill")(train_commands.distill)
 app.add_typer(runs_app, name="runs", help="List, show and compare run directories (record.json, metrics.jsonl).")
 app.add_typer(eval_app, name="eval", help="Evaluate a model on frozen suites; compare two eval runs.")
 app.add_typer(parallel_app, name="parallel", help="Pipeline-schedule simulator and parallelism strategy scan.")
+app.add_typer(registry_commands.app, name="registry", help="Model versions, aliases, eval-gated promotion, rollback.")
+app.add_typer(registry_commands.flywheel_app, name="flywheel", help="Feedback -> scrubbed SFT and preference data.")
 app.command("serve", help="Serve MODEL_DIR over an OpenAI-compatible HTTP API with Prometheus /metrics.")(
     serve_commands.serve)
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that write bench.json and a Markdown table.")
