@@ -64,6 +64,8 @@ class PipelineStageModule(nn.Module):
         self.lm_head = model.lm_head if self.last else None
         self.rotary_emb = bb.rotary_emb
         self.tied = model.config.tie_word_embeddings and stages > 1
+        if self.tied and self.last:  # the head's matrix is an embedding: the optimizer must not decay it
+            self.tied_embedding = bb.embed_tokens
         self._names = [n for n, _ in model.named_parameters(remove_duplicate=False) if self._owns(n)]
         self._params = dict(model.named_parameters(remove_duplicate=False))
 
@@ -174,6 +176,18 @@ class PipelineExecutor:
             work.wait()
         self.sync_tied()
         return StepResult(total if m.last else None, events)
+
+    @torch.no_grad()
+    def forward_only(self, batch: dict, act_dtype: torch.dtype) -> torch.Tensor | None:
+        """One batch forward through the pipeline (evaluation): logits on the last stage, None elsewhere."""
+        m, events = self.m, []
+        b, T = batch["input_ids"].shape
+        x = batch["input_ids"] if m.first else self._recv((b, T, m.hidden_size), act_dtype, self.s - 1, 0, events)
+        out = m(x, batch.get("doc_ids"))
+        if m.last:
+            return out
+        dist.send(out.contiguous(), dst=self.ranks[self.s + 1])
+        return None
 
     def sync_tied(self) -> None:
         """Sum the tied embedding/LM-head gradient over the first and last stage."""

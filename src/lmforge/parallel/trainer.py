@@ -1,6 +1,6 @@
-"""The trainer with tensor parallelism and FSDP: `lmforge.train.loop.Trainer` with its four
-parallelism hooks and its checkpointing overridden. `loop.train()` picks it when
-`train.parallel.tp > 1` or `train.parallel.fsdp=true`.
+"""The trainer with tensor, pipeline and fully sharded data parallelism: `lmforge.train.loop.Trainer`
+with its four parallelism hooks, its checkpointing and (pipeline only) its step and evaluation
+overridden. `loop.train()` picks it when `train.parallel.tp > 1`, `pp > 1` or `fsdp=true`.
 
 Ranks form a grid: tensor-parallel groups of `tp` consecutive ranks (one node: TP all-reduces
 twice per layer and must stay on the fastest link), data-parallel groups of the ranks with the same
@@ -8,19 +8,26 @@ TP index. Data is sharded over the data-parallel ranks only (a TP group reads on
 token counts and evaluation sums are reduced over the data-parallel group. With `fsdp`, parameters,
 gradients and AdamW state are sharded over the data-parallel ranks by `fully_shard` (each decoder
 layer, then the root), and checkpoints are sharded through `torch.distributed.checkpoint`; under
-TP, each rank writes its own shard file. Either way `state.pt` also holds the unsharded model, so
+TP or PP, each rank writes its own shard file. With `pp`, each process is one stage
+(`pipeline.py`), every stage reads the same batch, each batch is cut into `microbatches` that the
+`schedule` (GPipe or 1F1B) runs, and each step logs its measured bubble. Either way `state.pt` also holds the unsharded model, so
 `lmforge export` reads these runs as any other, and `meta.json`, written last, carries the hashes
 of every file. It knows nothing about the model's internals (`tensor.py` does) or data loading.
 
     torchrun --nproc-per-node 2 -m lmforge.train configs/tiny.yaml data.path=runs/packed train.parallel.tp=2
     torchrun --nproc-per-node 2 -m lmforge.train configs/tiny.yaml data.path=runs/packed train.parallel.fsdp=true
+    torchrun --nproc-per-node 2 -m lmforge.train configs/tiny.yaml data.path=runs/packed train.parallel.pp=2 \
+        train.parallel.microbatches=4
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import shutil
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,9 +37,12 @@ import torch.distributed as dist
 
 from lmforge.config import ConfigError, to_dict
 from lmforge.train import checkpoint as ckpt
-from lmforge.train.loop import Dist, Trainer, _truncate_metrics, init_distributed
+from lmforge.train.loop import IGNORE, Dist, Trainer, TrainingDiverged, _mem_bytes, _truncate_metrics, init_distributed
 from lmforge.track.io import atomic_write_json, sha256_dir, sha256_file
 
+from .parity import split_microbatches
+from .pipeline import PipelineExecutor, PipelineStageModule, tied_group
+from .schedules import schedule
 from .tensor import apply_tensor_parallel, full_state_dict, grad_norm
 
 DCP_DIR = "dcp"
@@ -67,6 +77,9 @@ class ParallelTrainer(Trainer):
         if p.tp > 1 and (p.fsdp or t.method != "full"):
             raise ConfigError("train.parallel.tp > 1 runs full fine-tuning without fsdp for now "
                               "(2-D TP x FSDP and LoRA under TP are not built); drop train.parallel.fsdp or set tp=1")
+        if p.pp > 1 and (p.tp > 1 or p.fsdp or t.method != "full" or t.compile):
+            raise ConfigError("train.parallel.pp > 1 runs alone for now (full fine-tuning, no tp/fsdp/compile); "
+                              "set the others back to their defaults")
         self.fsdp_note = None
         if p.fsdp and t.fused_loss:  # the fused head reads lm_head.weight outside FSDP's forward (still sharded)
             t.fused_loss = False
@@ -85,6 +98,14 @@ class ParallelTrainer(Trainer):
             dist.init_process_group("gloo" if device.type == "cpu" else "nccl", store=dist.HashStore(),
                                     rank=0, world_size=1)
         W, r, tp = world.world_size, world.rank, self.tp
+        pp = self.cfg.train.parallel.pp
+        if pp > 1:  # one stage per process, every stage reads the same batches
+            if W != pp:
+                raise ConfigError(f"train.parallel.pp={pp} runs one stage per process: launch torchrun "
+                                  f"--nproc-per-node {pp} (data parallelism over pipelines is not built), now {W}")
+            self.tp_group = self.dp_group = None
+            self.pp_ranks = list(range(W))
+            return GroupDist(rank=0, world_size=1, local_rank=world.local_rank, global_rank=r), device
         if W % tp:
             raise ConfigError(f"train.parallel.tp={tp} must divide the number of processes ({W}); "
                               f"launch torchrun --nproc-per-node {tp * max(1, W // tp)}")
@@ -96,6 +117,12 @@ class ParallelTrainer(Trainer):
                          group=self.dp_group), device
 
     def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        pp = self.cfg.train.parallel.pp
+        if pp > 1:
+            self.stage = PipelineStageModule(self.raw_model, dist.get_rank(), pp)
+            self.executor = PipelineExecutor(self.stage, self.pp_ranks,
+                                             tied_group(pp, self.pp_ranks, self.stage.tied))
+            return self.stage
         if self.tp > 1:
             self.tp_counter = apply_tensor_parallel(self.raw_model, self.tp_group)
         if self.cfg.train.parallel.fsdp:
@@ -115,13 +142,106 @@ class ParallelTrainer(Trainer):
         return torch.nn.parallel.DistributedDataParallel(fwd, device_ids=ids, process_group=self.dp_group)
 
     def clip_gradients(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-        norm = grad_norm(self.model, self.tp_group)
+        norm = self._pp_grad_norm() if self.cfg.train.parallel.pp > 1 else grad_norm(self.model, self.tp_group)
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1:
             for p in params:
                 if p.grad is not None:
                     p.grad.mul_(coef)
         return norm
+
+    # ---- pipeline parallelism: the step and the evaluation run through the stages --------------
+
+    def _pp_grad_norm(self) -> torch.Tensor:
+        """L2 norm over every stage's gradients (a tied embedding/head counted once, on stage 0)."""
+        tied = self.stage.tied_weight() if not self.stage.first else None
+        sq = sum((p.grad.detach().double().pow(2).sum() for p in self.stage.parameters()
+                  if p.grad is not None and p is not tied), torch.zeros((), dtype=torch.float64))
+        dist.all_reduce(sq)
+        return sq.sqrt()
+
+    def train_step(self) -> dict[str, float]:
+        p = self.cfg.train.parallel
+        if p.pp == 1:
+            return super().train_step()
+        t = self.cfg.train
+        t0 = time.perf_counter()
+        batches = [next(self.train_iter) for _ in range(t.grad_accum)]
+        n_tokens = max(sum(int((b["labels"] != IGNORE).sum()) for b in batches), 1)
+        mbs = [mb for b in batches for mb in split_microbatches(b, p.microbatches)]
+        plan = schedule(p.schedule, p.pp, len(mbs))[dist.get_rank()]
+        with self.autocast():
+            res = self.executor.step(plan, mbs, 1.0 / n_tokens, torch.float32)
+        loss_t = torch.tensor([res.loss_sum or 0.0], dtype=torch.float64)
+        dist.broadcast(loss_t, src=self.pp_ranks[-1])
+        loss = float(loss_t)
+        if not math.isfinite(loss):
+            where = f"the last good checkpoint is {self.last_ckpt}" if self.last_ckpt else "no checkpoint was written yet"
+            raise TrainingDiverged(f"loss is {loss} at step {self.step + 1}; {where}. Lower train.lr")
+        params = [q for q in self.model.parameters() if q.requires_grad]
+        norm = self.clip_gradients(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+        lr = self.opt.param_groups[0]["lr"]
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.sched.step()
+        dt = time.perf_counter() - t0
+        step_tokens = sum(b["input_ids"].numel() for b in batches)
+        self.step += 1
+        self.tokens_seen += step_tokens
+        self.train_time += dt
+        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": float(norm), "tokens": self.tokens_seen,
+                "dt_s": round(dt, 6), "tokens_per_s": round(step_tokens / dt, 2), "mfu": self.mfu(step_tokens / dt),
+                "mem_bytes": _mem_bytes(self.device), "pp_bubble": round(self._bubble(res.events), 4)}
+
+    def _bubble(self, events: list) -> float:
+        """Measured bubble of the step: 1 - sum of the stages' compute time / (stages x step window)."""
+        compute = [e for e in events if e.op in ("F", "B")]
+        busy = torch.tensor([sum(e.end - e.start for e in compute)], dtype=torch.float64)
+        edges = torch.tensor([-min(e.start for e in compute), max(e.end for e in compute)], dtype=torch.float64)
+        dist.all_reduce(busy)
+        dist.all_reduce(edges, op=dist.ReduceOp.MAX)
+        return 1 - float(busy) / (len(self.pp_ranks) * float(edges.sum()))
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float] | None:
+        if self.cfg.train.parallel.pp == 1:
+            return super().evaluate()
+        if self.data.make_val is None:
+            return None
+        import torch.nn.functional as F
+
+        self.model.eval()
+        sums = torch.zeros(4, dtype=torch.float64)  # loss, tokens, loss over byte-bearing tokens, bytes
+        n = self.cfg.train.eval_batches
+        whole = self.cfg.train.stage == "pretrain" and n == 0
+        tb = self.data.token_bytes
+        for batch in itertools.islice(self.data.make_val(), None if whole else max(1, n)):
+            with self.autocast():
+                logits = self.executor.forward_only(batch, torch.float32)
+            if logits is None:
+                continue
+            labels = batch["labels"].flatten()
+            loss_N = F.cross_entropy(logits.float().flatten(0, 1), labels, ignore_index=IGNORE, reduction="none")
+            valid = labels != IGNORE
+            sums[0] += float(loss_N.sum())
+            sums[1] += float(valid.sum())
+            if tb is not None:
+                nb = tb[labels.clamp(min=0)] * valid
+                sums[2] += float((loss_N * (nb > 0)).sum())
+                sums[3] += float(nb.sum())
+        self.model.train()
+        dist.broadcast(sums, src=self.pp_ranks[-1])
+        val_loss = float(sums[0] / max(float(sums[1]), 1.0))
+        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0)),
+                "val_bpb": float(sums[2] / (math.log(2) * sums[3])) if sums[3] else None}
+
+    def _pp_full_state(self) -> dict[str, torch.Tensor]:
+        """The unsharded model state (HF names) from every stage (collective)."""
+        mine = {k: v.detach().cpu() for k, v in self.stage.full_named_parameters()}
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        full = {k: v for part in parts for k, v in part.items()}
+        return {k: full[k] for k in self.raw_model.state_dict()}
 
     # ---- sharded checkpoints --------------------------------------------------------------------
 
@@ -148,10 +268,10 @@ class ParallelTrainer(Trainer):
             msd, osd = self._model_optim_state()
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / DCP_DIR))
             full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        else:  # TP: shards are plain tensors, one file per rank
+        else:  # TP shards / pipeline stages are plain tensors: one file per rank
             torch.save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict()},
-                       tmp / f"tp-rank{dist.get_rank()}.pt")
-            full = full_state_dict(self.model, self.tp_group)
+                       tmp / f"rank{dist.get_rank()}.pt")
+            full = self._pp_full_state() if t.parallel.pp > 1 else full_state_dict(self.model, self.tp_group)
         dist.barrier()
         if d.main:
             if val_loss is not None and (self.best_val is None or val_loss < self.best_val):
@@ -170,7 +290,7 @@ class ParallelTrainer(Trainer):
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        shards = {p.name: sha256_file(p) for p in tmp.glob("tp-rank*.pt")}
+        shards = {p.name: sha256_file(p) for p in tmp.glob("rank*.pt")}
         meta = {"val_loss": val_loss, "best_val_loss": self.best_val, "tokens_seen": self.tokens_seen,
                 "method": t.method, "stage": t.stage, "config": to_dict(self.cfg),
                 "model_config": self.model_config.to_hf(dtype="float32"), "git": git_info(),
@@ -208,7 +328,7 @@ class ParallelTrainer(Trainer):
             dcp.load(sharded, checkpoint_id=str(path / DCP_DIR))
             set_state_dict(self.model, self.opt, model_state_dict=sharded["model"], optim_state_dict=sharded["optim"])
         else:
-            name = f"tp-rank{dist.get_rank()}.pt"
+            name = f"rank{dist.get_rank()}.pt"
             if sha256_file(path / name) != meta.get("shard_sha256", {}).get(name):
                 raise ckpt.CheckpointError(f"{path / name} does not match its sha256 in meta.json (corrupt)")
             shard = torch.load(path / name, map_location="cpu", weights_only=False)
