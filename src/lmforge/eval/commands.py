@@ -2,6 +2,7 @@
 
     lmforge eval MODEL_DIR [--suite arith --suite my.jsonl] [--out DIR] [--limit N]   # = eval run
     lmforge eval compare RUN_A RUN_B [--allow-changed-suite]
+    lmforge eval diff MODEL_A MODEL_B [--suite quant-check] --out DIR   # per sample: same/changed, ppl per category
     lmforge eval suites                                   # list the built-in suites, verify their lock
     lmforge eval make-suite perplexity PREPARED_DIR --out FILE
     lmforge eval make-suite builtins                      # regenerate the frozen built-ins (after a version bump)
@@ -104,6 +105,35 @@ def run(
     generated = any(t["kind"] in ("generate", "stability") for t in results["tasks"].values())
     if generated and results["engine"].get("generation", "").startswith("reference"):
         console.print("[yellow]note:[/yellow] generation used the reference loop (no KV cache; slow for large models)")
+
+
+@app.command(help="Per sample, two models on the same items (default: the frozen quant-check suite): same / "
+                  "changed greedy continuations, agreement over 32 tokens, newly wrong / right, perplexity per "
+                  "category. Writes per_sample.jsonl, diff.json, diff.md and a record to --out.")
+def diff(
+    model_a: Path = typer.Argument(..., help="The baseline model folder (e.g. the bf16 model)."),
+    model_b: Path = typer.Argument(..., help="The model to compare (e.g. its quantized folder)."),
+    suite: str = typer.Option("quant-check", "--suite", help="quant-check, or a perplexity suite (name or file)."),
+    out: Path = typer.Option(Path("runs/eval-diff"), "--out", "-o", help="Run folder to write."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    limit: int = typer.Option(None, "--limit", help="Only the first N items."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished run in --out."),
+) -> None:
+    from lmforge.eval.compare import diff_markdown, diff_models
+    from lmforge.eval.suites import SuiteError, load_suite
+    from lmforge.track.run import RunExistsError
+
+    try:
+        if suite == "quant-check":
+            from lmforge.quant.check_suite import load
+
+            s = load()
+        else:
+            s = load_suite(suite)
+        report = diff_models(model_a, model_b, s, out, dtype=dtype, limit=limit, overwrite=overwrite)
+    except (SuiteError, FileNotFoundError, RunExistsError, ValueError) as e:
+        _fail(e)
+    typer.echo(diff_markdown(report))
 
 
 @app.command(help="Print RUN_A and RUN_B (eval run folders) side by side. Refuses when a task's suite "

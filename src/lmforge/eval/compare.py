@@ -81,3 +81,119 @@ def _cell(task: dict[str, Any] | None, metric: str) -> dict[str, Any] | None:
     if task is None or metric not in task["metrics"]:
         return None
     return {**task["metrics"][metric], "n": task["n"]}
+
+
+# ---- two models on the same items, per sample (`lmforge eval diff`) ----------------------------------
+
+GREEDY_TOKENS = 32
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _nll(model, ids: list[int]) -> float:
+    """Summed next-token negative log-likelihood of ids[1:] given the prefix (float32 math)."""
+    import torch
+
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        logp = model(x)[0, :-1].float().log_softmax(-1)
+        return float(-logp.gather(1, x[0, 1:, None]).sum())
+
+
+def _prefix(item: dict[str, Any], ids: list[int], tok) -> list[int]:
+    """Where greedy continuation starts: a math item's prompt (up to 'Answer:'), else the first half (<= 64)."""
+    if "prompt" in item:
+        return tok.encode(item["prompt"])
+    return ids[:max(1, min(64, len(ids) // 2))]
+
+
+def diff_models(model_a: str | os.PathLike, model_b: str | os.PathLike, suite, out: str | os.PathLike,
+                dtype: str = "float32", limit: int | None = None, overwrite: bool = False) -> dict[str, Any]:
+    """Both models on every item of a perplexity suite: per item the summed NLL under each, the greedy
+    continuation of each for GREEDY_TOKENS tokens from the item's prefix (same / changed, agreement =
+    common-prefix length / GREEDY_TOKENS), and for items with an `answer`, whether each continuation
+    starts with it (newly wrong / newly right); per category: perplexity of each and its change,
+    mean agreement, counts. Writes per_sample.jsonl, diff.json, diff.md and a record into `out`."""
+    from lmforge.engine import LLM, SamplingParams
+    from lmforge.model import Transformer
+    from lmforge.track.io import atomic_write_json, atomic_write_text
+    from lmforge.track.run import RunDir
+
+    run = RunDir(out, overwrite=overwrite)
+    with run:
+        run.write_config({"model_a": str(model_a), "model_b": str(model_b), "suite": suite.name,
+                          "suite_sha256": suite.sha256, "dtype": dtype, "limit": limit,
+                          "greedy_tokens": GREEDY_TOKENS})
+        items = suite.items[:limit] if limit else suite.items
+        llms = [LLM(str(m), dtype=dtype, device="cpu") for m in (model_a, model_b)]
+        tok = llms[0].get_tokenizer()
+        if tok is None:
+            raise ValueError(f"{model_a}: no tokenizer files; eval diff needs a tokenizer")
+        ids = [tok.encode(it["text"]) for it in items]
+        prefixes = [_prefix(it, i, tok) for it, i in zip(items, ids)]
+        params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+        conts = [[o.outputs[0] for o in llm.generate(prefixes, params, use_tqdm=False)] for llm in llms]
+        del llms
+        nlls = []
+        for m in (model_a, model_b):
+            model = Transformer.from_pretrained(m, dtype=dtype, device="cpu")
+            nlls.append([_nll(model, i) for i in ids])
+            del model
+        rows = []
+        for k, it in enumerate(items):
+            ca, cb = conts[0][k], conts[1][k]
+            row = {"id": it["id"], "category": it.get("category", "all"), "tokens": len(ids[k]) - 1,
+                   "nll_a": round(nlls[0][k], 4), "nll_b": round(nlls[1][k], 4),
+                   "same": ca.token_ids == cb.token_ids,
+                   "agreement": _common_prefix(ca.token_ids, cb.token_ids) / GREEDY_TOKENS}
+            if "answer" in it:
+                row["correct_a"] = ca.text.strip().startswith(it["answer"])
+                row["correct_b"] = cb.text.strip().startswith(it["answer"])
+            rows.append(row)
+        report = {"model_a": str(model_a), "model_b": str(model_b), "suite": suite.name,
+                  "suite_sha256": suite.sha256, "categories": _summarize(rows)}
+        atomic_write_text(Path(out) / "per_sample.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+        atomic_write_json(Path(out) / "diff.json", report)
+        atomic_write_text(Path(out) / "diff.md", diff_markdown(report))
+        run.finish(**{c: {k: v for k, v in s.items()} for c, s in report["categories"].items()})
+    return report
+
+
+def _summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    cats: dict[str, list[dict]] = {}
+    for r in rows:
+        cats.setdefault(r["category"], []).append(r)
+    cats["all"] = rows
+    out = {}
+    for c, rs in cats.items():
+        n_tok = sum(r["tokens"] for r in rs)
+        ppl_a = math.exp(sum(r["nll_a"] for r in rs) / n_tok)
+        ppl_b = math.exp(sum(r["nll_b"] for r in rs) / n_tok)
+        s = {"n": len(rs), "same": sum(r["same"] for r in rs), "changed": sum(not r["same"] for r in rs),
+             "agreement": round(sum(r["agreement"] for r in rs) / len(rs), 4),
+             "perplexity_a": round(ppl_a, 4), "perplexity_b": round(ppl_b, 4),
+             "perplexity_change": round(ppl_b / ppl_a - 1, 5)}
+        scored = [r for r in rs if "correct_a" in r]
+        if scored:
+            s.update(correct_a=sum(r["correct_a"] for r in scored), correct_b=sum(r["correct_b"] for r in scored),
+                     newly_wrong=sum(r["correct_a"] and not r["correct_b"] for r in scored),
+                     newly_right=sum(r["correct_b"] and not r["correct_a"] for r in scored))
+        out[c] = s
+    return out
+
+
+def diff_markdown(report: dict[str, Any]) -> str:
+    lines = [f"# eval diff: `{report['model_a']}` (A) vs `{report['model_b']}` (B) on {report['suite']} "
+             f"({report['suite_sha256'][:12]})", "",
+             f"| category | n | same / changed | greedy agreement ({GREEDY_TOKENS} tok) | perplexity A | "
+             "perplexity B | change | correct A / B | newly wrong / right |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for c, s in report["categories"].items():
+        right = f"{s['correct_a']} / {s['correct_b']}" if "correct_a" in s else "—"
+        flips = f"{s['newly_wrong']} / {s['newly_right']}" if "correct_a" in s else "—"
+        lines.append(f"| {c} | {s['n']} | {s['same']} / {s['changed']} | {s['agreement']:.3f} | "
+                     f"{s['perplexity_a']:.3f} | {s['perplexity_b']:.3f} | {s['perplexity_change'] * 100:+.2f}% | "
+                     f"{right} | {flips} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,72 @@
+"""The frozen quant-check suite (three categories, >= 200 items, reproducible from its generator) and
+`lmforge eval diff`: a model against itself is all `same`; against its int4 quantization the per-sample
+records and per-category summaries reconcile."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from lmforge.model.reference import save_hf_model
+from lmforge.quant import check_suite
+from lmforge.quant.quantize import QuantizeConfig, quantize_model
+from lmforge.track.io import sha256_file
+
+
+def test_suite_is_frozen_and_reproducible(tmp_path):
+    suite = check_suite.load()
+    cats = Counter(it["category"] for it in suite.items)
+    assert suite.n >= 200 and set(cats) == {"prose", "code", "math"} and min(cats.values()) >= 60
+    code = [it["text"] for it in suite.items if it["category"] == "code"]
+    starts = ("def ", "return", "if ", "for ")
+    assert all('"""' not in t and sum(ln.lstrip().startswith(starts) for ln in t.splitlines()) >= 2 for t in code)
+    assert all(it["text"] == f"{it['prompt']} {it['answer']}" for it in suite.items if it["category"] == "math")
+    assert sha256_file(check_suite.write(tmp_path / "again.jsonl")) == check_suite.SHA256
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    root = tmp_path_factory.mktemp("diff")
+    src = save_hf_model("llama", root / "m", seed=4, hidden_size=64, vocab_size=512)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([it["text"] for it in check_suite.load().items],
+                            trainers.BpeTrainer(vocab_size=500, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(src / "tokenizer.json"))
+    quantize_model(QuantizeConfig(model=str(src), out=str(root / "w4"), scheme="w4a16", group_size=32))
+    suite = check_suite.load()
+    picked = [it for c in ("prose", "code", "math") for it in [i for i in suite.items if i["category"] == c][:2]]
+    return src, root / "w4", dataclasses.replace(suite, items=picked)
+
+
+def test_diff_against_itself_is_all_same(pair, tmp_path):
+    from lmforge.eval.compare import diff_models
+
+    src, _, suite = pair
+    report = diff_models(src, src, suite, tmp_path / "d")
+    for c, s in report["categories"].items():
+        assert s["same"] == s["n"] and s["agreement"] == 1.0 and s["perplexity_change"] == 0.0, c
+    assert report["categories"]["math"]["newly_wrong"] == report["categories"]["math"]["newly_right"] == 0
+
+
+def test_diff_cli_reconciles_per_sample_and_summary(pair, tmp_path):
+    src, w4, _ = pair
+    out = tmp_path / "cli"
+    proc = subprocess.run([sys.executable, "-m", "lmforge.cli", "eval", "diff", str(src), str(w4), "--limit", "3",
+                           "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "per_sample.jsonl").read_text().splitlines()]
+    report = json.loads((out / "diff.json").read_text())
+    assert len(rows) == 3 and report["categories"]["all"]["n"] == 3
+    s = report["categories"]["all"]
+    assert s["same"] + s["changed"] == 3 and s["same"] == sum(r["same"] for r in rows)
+    assert s["perplexity_a"] > 1 and s["perplexity_b"] > 1 and s["perplexity_a"] != s["perplexity_b"]
+    assert "| all | 3 |" in (out / "diff.md").read_text()
+    assert json.loads((out / "record.json").read_text())["status"] == "finished"
