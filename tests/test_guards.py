@@ -168,3 +168,18 @@ def test_trainer_refuses_records_determinism_and_flags_spikes(tmp_path):
     spiked = [r for r in rows if r.get("spike")]
     assert spiked and all(r["skipped"] for r in spiked) and all(r["step"] > 10 for r in spiked)
     assert any("spike at step" in w and "packed rows" in w for w in record["results"]["warnings"])
+
+
+def test_repetition_metrics_count_loops():
+    from lmforge.eval.metrics import distinct_n, repeated_ngram_rate, repetition_metrics
+
+    loop = "the cat sat " * 10
+    fresh = "one two three four five six seven eight nine ten"
+    assert repeated_ngram_rate(fresh) == 0.0
+    # 28 trigrams, only the first 3 are new
+    assert repeated_ngram_rate(loop) == pytest.approx(25 / 28)
+    assert distinct_n([fresh], 1) == 1.0 and distinct_n([loop], 1) == pytest.approx(3 / 30)
+    assert distinct_n(["a b", "a b"], 2) == 0.5 and distinct_n(["a"], 2) is None
+    m = repetition_metrics([loop, fresh, ""])
+    assert m["rep_3gram"]["value"] == pytest.approx((25 / 28 + 0 + 0) / 3)
+    assert m["distinct_1"]["value"] == pytest.approx(13 / 40) and m["distinct_2"]["value"] < 1

@@ -127,3 +127,45 @@ def sample_std(values: Sequence[float]) -> float | None:
         return None
     m = mean(values)
     return math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1))
+
+
+# ---- repetition in generated text ----------------------------------------------------------
+# The symptom "the model repeats itself" made countable (the training seed's troubleshooting row):
+# distinct-n (Li et al. 2016) over all outputs, and the repeated n-gram rate within each output
+# (the share of its n-grams that already occurred earlier in the same text). Words are
+# whitespace-separated, so the figures do not depend on a tokenizer.
+
+
+def ngrams(words: Sequence[str], n: int) -> list[tuple[str, ...]]:
+    return [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+
+
+def distinct_n(texts: Sequence[str], n: int) -> float | None:
+    """Unique n-grams / all n-grams, pooled over `texts` (1.0: nothing repeats); None without n-grams."""
+    grams = [g for t in texts for g in ngrams(t.split(), n)]
+    return len(set(grams)) / len(grams) if grams else None
+
+
+def repeated_ngram_rate(text: str, n: int = 3) -> float | None:
+    """Share of the text's n-grams seen earlier in the same text (0.0: none; → 1 for a loop)."""
+    grams = ngrams(text.split(), n)
+    if not grams:
+        return None
+    seen: set[tuple[str, ...]] = set()
+    repeats = 0
+    for g in grams:
+        repeats += g in seen
+        seen.add(g)
+    return repeats / len(grams)
+
+
+def repetition_metrics(texts: Sequence[str], n: int = 3) -> dict[str, dict]:
+    """distinct_1, distinct_2 and rep_{n}gram (the mean per-output repeated n-gram rate), in the metrics' shape.
+    Outputs too short for an n-gram repeat nothing: they count as distinct 1.0 and rate 0.0."""
+    rates = [r if r is not None else 0.0 for r in (repeated_ngram_rate(t, n) for t in texts)]
+    out = {}
+    for k in (1, 2):
+        d = distinct_n(texts, k)
+        out[f"distinct_{k}"] = {"value": 1.0 if d is None else d, "stderr": None}
+    out[f"rep_{n}gram"] = {"value": mean(rates) if rates else 0.0, "stderr": mean_stderr(rates)}
+    return out

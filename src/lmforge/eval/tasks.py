@@ -71,6 +71,7 @@ def run_generate(suite: Suite, backend: Backend) -> TaskResult:
         metrics[f"maj@{k}"] = _stat([s["maj_at_k"] for s in samples])
     for cat in sorted({s["category"] for s in samples if s["category"] is not None}):
         metrics[f"{name}/{cat}"] = _stat([s["score"] for s in samples if s["category"] == cat])
+    metrics.update(M.repetition_metrics([o for outs in outputs for o in outs]))  # "the model repeats itself"
     return TaskResult(metrics, name, samples)
 
 
