@@ -21,6 +21,7 @@ from lmforge.eval.commands import app as eval_app
 from lmforge.parallel import commands as parallel_commands
 from lmforge.parallel.commands import app as parallel_app
 from lmforge.perf import bench_engine, bench_quant
+from lmforge.perf import commands as perf_commands
 from lmforge.perf.commands import app as estimate_app
 from lmforge.quant import commands as quant_commands
 from lmforge.registry import commands as registry_commands
@@ -74,6 +75,7 @@ def bench_data_cmd(
 
 
 bench_app.command("engine")(bench_engine.bench_engine)
+bench_app.command("mfu")(perf_commands.bench_mfu_cmd)
 bench_app.command("grpo")(grpo_bench.bench_grpo)
 bench_app.command("parallel")(parallel_commands.bench_parallel)
 bench_app.command("quant")(bench_quant.bench_quant)
