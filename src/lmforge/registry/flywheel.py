@@ -209,6 +209,8 @@ def dedup(records: list[dict], train: Iterable[str], acc: Accounts, cfg: NearDed
 
     def flush() -> None:
         nonlocal n_docs
+        if not batch:
+            return
         for text, sig in zip(batch, signatures(batch, cfg)):
             key = f"train:{n_docs}"
             exact.setdefault(_key(text), key)
