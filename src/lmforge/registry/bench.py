@@ -5,7 +5,7 @@
 Measures, on fresh files in `OUT/work/`: `log_exchanges` in batches of `--batch` rows (PII masking
 included, as the server calls it), `add_feedback` one call = one transaction (the endpoint's
 path), `stats()`, and registry `add` / `get` / `set_alias` / `promote --force` / `rollback` on a
-small model folder. Writes `bench.json` and `bench.md` (with the machine and the date) plus the
+small model folder, then `flywheel build` over the stored exchanges. Writes `bench.json` and `bench.md` (with the machine and the date) plus the
 run-directory record. The target from issue 15 is add_feedback >= 1,000/s.
 It knows nothing about HTTP; the server's own overhead is measured by `lmforge bench serve`.
 """
@@ -88,6 +88,18 @@ def bench_registry(work: Path, repeats: int = 20) -> dict[str, Any]:
     return out
 
 
+def bench_flywheel(work: Path) -> dict[str, Any]:
+    """`flywheel build` over the exchanges `bench_feedback` stored (a third corrected, all near-duplicates
+    of each other after masking, as templated traffic is), against the champion `bench_registry` made."""
+    from lmforge.registry.flywheel import build
+
+    t0 = time.perf_counter()
+    stats = build(work / "feedback.db", Registry(work / "registry.db"), "bench", work / "flywheel", min_count=50)
+    seconds = time.perf_counter() - t0
+    return {"exchanges": stats["in"], "seconds": seconds, "exchanges_per_s": stats["in"] / seconds,
+            "kept": stats["kept"], "dropped": {k: v for k, v in stats["dropped"].items() if v}}
+
+
 def run_bench(out: str | os.PathLike, n: int = 5000, batch: int = 32) -> dict[str, Any]:
     with RunDir(out, overwrite=True) as run:
         run.write_config({"n": n, "batch": batch})
@@ -98,6 +110,7 @@ def run_bench(out: str | os.PathLike, n: int = 5000, batch: int = 32) -> dict[st
                   "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
                               "python": platform.python_version()},
                   "feedback": bench_feedback(work, n, batch), "registry": bench_registry(work)}
+        result["flywheel"] = bench_flywheel(work)
         result["target_add_feedback_per_s"] = TARGET_FEEDBACK_PER_S
         result["meets_target"] = result["feedback"]["add_feedback_per_s"] >= TARGET_FEEDBACK_PER_S
         shutil.rmtree(work, ignore_errors=True)
@@ -119,6 +132,9 @@ def _markdown(r: dict[str, Any]) -> str:
              f"| stats() over {f['exchanges']:,} exchanges | {f['stats_ms']:.1f} ms |"]
     for op, t in r["registry"].items():
         lines.append(f"| registry {op} | median {t['median_ms']:.2f} ms, max {t['max_ms']:.2f} ms |")
+    fw = r["flywheel"]
+    lines.append(f"| flywheel build over {fw['exchanges']:,} exchanges | {fw['seconds']:.2f} s "
+                 f"({fw['exchanges_per_s']:,.0f} exchanges/s; kept {fw['kept']}, dropped {fw['dropped']}) |")
     return "\n".join(lines) + "\n"
 
 
