@@ -223,10 +223,12 @@ def to_markdown(report: dict, top: int = 12) -> str:
         lines.append(_row(r) if r else f"| {k}: nothing fits | | | | | | | | |")
     lines.append("")
     for k, g in report["gain_over_naive"].items():
-        lines.append(f"- best vs {k}: " + (f"{g:+.0%} step time for the naive one" if g is not None else "does not fit"))
+        lines.append(f"- {k}: " + (f"takes {g:.0%} longer per step than the best ({1 + g:.2f}x its time)"
+                                    if g is not None else "does not fit"))
     if report["gain_over_best_naive"] is not None:
-        lines.append(f"- **best vs the best naive layout: {report['gain_over_best_naive']:.0%} faster "
-                     f"(predicted)**")
+        g = report["gain_over_best_naive"]
+        lines.append(f"- **predicted gain of the best layout over the best naive one: {1 + g:.2f}x the "
+                     f"throughput ({g:.0%} faster)**")
     tc = report.get("tp_across_nodes")
     if tc and tc["across"]:
         a, i = tc["across"], tc["inside"]
