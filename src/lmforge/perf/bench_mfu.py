@@ -209,8 +209,10 @@ def run_ladder(cfg: Any, steps: int = 6, max_batch: int | None = None, skip: tup
         # each rung changes one field of the best setting so far
         changed = {k: v for k, v in vars(rung.setting).items() if v != getattr(base, k)}
         rung.setting = replace(best.setting, **changed) if best else rung.setting
-        if rung.step in skip or (rung.step == "5" and not hasattr(torch, "compile")):
-            rung.note = "skipped (--skip)" if rung.step in skip else "torch.compile unavailable"
+        why_not = _not_applicable(rung, device)
+        if rung.step in skip or why_not:
+            rung.note = "skipped (--skip)" if rung.step in skip else why_not
+            progress(f"rung {rung.step}: {rung.note}")
             continue
         progress(f"rung {rung.step}: {rung.change} ...")
         try:
@@ -252,6 +254,19 @@ def _headroom(best: Rung, model_config: Any, device: str) -> dict[str, Any]:
     attainable = rl["prefill attainable"]
     return {"attainable_flops": attainable, "achieved_flops": achieved, "headroom": attainable / achieved,
             "ridge": rl["ridge point"], "intensity": rl["prefill intensity"], "device": dev.name}
+
+
+def _not_applicable(rung: Rung, device: str) -> str:
+    """Why a rung cannot help on this device, from measurements (the doctor's profile), or ""."""
+    from lmforge.perf.doctor import cpu_bf16_flags
+
+    if rung.step == "1" and device == "cpu" and not cpu_bf16_flags():
+        fp32, bf16 = _peak("cpu", "float32"), _peak("cpu", "bfloat16")
+        rates = f": doctor measured bf16 matmuls at {bf16 / 1e9:.2g} vs fp32 {fp32 / 1e9:.3g} GFLOP/s" if fp32 and bf16 else ""
+        return f"not applicable: this CPU has no AVX512-BF16/AMX, bf16 is emulated{rates}"
+    if rung.step == "5" and not hasattr(torch, "compile"):
+        return "not applicable: torch.compile unavailable"
+    return ""
 
 
 def _rung_dict(r: Rung, base_tps: float | None) -> dict[str, Any]:

@@ -171,3 +171,19 @@ def bench_mfu_cmd(
     except (ConfigError, FileNotFoundError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+
+
+def report_cmd(
+    items: Annotated[list[str], typer.Argument(help="Run directories and/or `bench mfu` folders, baseline first.")],
+    out: Annotated[Path, typer.Option("--out", help="Markdown file to write.")] = Path("report.md"),
+    goal: Annotated[str, typer.Option(help="The optimisation goal, the report's title.")] = "",
+) -> None:
+    """The optimisation report (the tutorial's template): baseline, steps with Δ and physical reason,
+    bottlenecks, "I expected ___, actually ___" from every estimate-vs-measurement gap > 15%, headroom."""
+    from lmforge.perf.report import report
+
+    try:
+        typer.echo(f"report -> {report(items, out, goal)}")
+    except FileNotFoundError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None

@@ -97,3 +97,26 @@ def compare(
         from lmforge.track.plots import plot_runs
 
         console.print(f"plot -> {plot_runs([a, b], plot)}")
+
+
+@app.command("diff", help="What differs between two runs: config, packages, git, data hashes, hardware, determinism.")
+def diff(
+    a: Path = typer.Argument(..., help="First run directory."),
+    b: Path = typer.Argument(..., help="Second run directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print the differences as JSON."),
+) -> None:
+    from lmforge.track.runs import provenance_diff
+
+    try:
+        sections = provenance_diff(a, b)
+    except FileNotFoundError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(code=2) from None
+    if as_json:
+        typer.echo(json.dumps({s: [{"key": k, "a": va, "b": vb} for k, va, vb in rows] for s, rows in sections.items()},
+                              indent=2, default=str))
+        return
+    for section, rows in sections.items():
+        typer.echo(f"{section}: " + ("identical" if not rows else f"{len(rows)} difference(s)"))
+        for key, va, vb in rows:
+            typer.echo(f"  {key}: {_fmt(va)}  ->  {_fmt(vb)}")

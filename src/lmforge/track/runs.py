@@ -96,3 +96,27 @@ def metrics_side_by_side(a: str | os.PathLike, b: str | os.PathLike, key: str = 
     steps = sorted(set(ma) | set(mb))
     last = steps[-1] if steps else None
     return [(s, ma.get(s), mb.get(s)) for s in steps if s % max(every, 1) == 0 or s == last]
+
+
+# What can make two runs of the same code differ, section by section (the seed's "works on their
+# machine, not on mine" row): the resolved config, the packages, the code, the data, the hardware.
+PROVENANCE = {"packages": ("packages",), "git": ("git",), "data": ("data_hash", "tokenizer_hash", "tokenizer_dir"),
+              "hardware": ("hardware",), "determinism": ("determinism", "seed", "dtype", "device")}
+
+
+def provenance_diff(a: str | os.PathLike, b: str | os.PathLike) -> dict[str, list[tuple[str, Any, Any]]]:
+    """{section: [(dotted key, a's value, b's value), ...]} for config, packages, git, data, hardware
+    and determinism, only the keys that differ."""
+    ra, rb = read_record(a), read_record(b)
+    out = {"config": config_diff(a, b)}
+    missing = object()
+    for section, keys in PROVENANCE.items():
+        fa = flatten({k: ra[k] for k in keys if k in ra})
+        fb = flatten({k: rb[k] for k in keys if k in rb})
+        rows = []
+        for key in sorted(set(fa) | set(fb)):
+            va, vb = fa.get(key, missing), fb.get(key, missing)
+            if va != vb:
+                rows.append((key, None if va is missing else va, None if vb is missing else vb))
+        out[section] = rows
+    return out
