@@ -76,6 +76,7 @@ def bench_data_cmd(
 
 bench_app.command("engine")(bench_engine.bench_engine)
 bench_app.command("mfu")(perf_commands.bench_mfu_cmd)
+app.command("report")(perf_commands.report_cmd)
 bench_app.command("grpo")(grpo_bench.bench_grpo)
 bench_app.command("parallel")(parallel_commands.bench_parallel)
 bench_app.command("quant")(bench_quant.bench_quant)
