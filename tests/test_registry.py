@@ -191,6 +191,13 @@ def test_refusals_name_what_to_fix(tmp_path: Path) -> None:
     (tmp_path / "junk.db").write_bytes(b"this is not sqlite" * 100)
     with pytest.raises(RegistryError, match="junk.db"):
         Registry(tmp_path / "junk.db")
+    with pytest.raises(RegistryError, match="junk.db"):
+        FeedbackStore(tmp_path / "junk.db")
+    with pytest.raises(RegistryError, match="tables aliases, events, names, versions, not a feedback store"):
+        FeedbackStore(reg.path)  # a registry passed as --feedback gains no tables
+    FeedbackStore(tmp_path / "fb.db")
+    with pytest.raises(RegistryError, match="not a registry database"):
+        Registry(tmp_path / "fb.db")
 
 
 def test_gc_drops_rows_never_files_and_never_reuses_numbers(tmp_path: Path) -> None:

@@ -109,7 +109,23 @@ def show_cmd(name: str = typer.Argument(...), ref: str = typer.Argument("champio
     out: dict[str, Any] = mv.as_dict()
     if events:
         out["events"] = _call(reg.events, name)
-    _echo_json(out) if as_json else typer.echo(json.dumps(out, indent=2, default=str))
+    if as_json:
+        _echo_json(out)
+        return
+    typer.echo(f"{mv.ref}  [{', '.join(mv.aliases) or 'no alias'}]  created {mv.created}")
+    typer.echo(f"  path     {mv.path}")
+    typer.echo(f"  sha256   {mv.sha256}  ({len(mv.files)} files: {', '.join(sorted(mv.files))})")
+    if mv.notes:
+        typer.echo(f"  notes    {mv.notes}")
+    for key, value in mv.lineage.items():
+        if value not in (None, {}, ""):
+            typer.echo(f"  lineage  {key}: {json.dumps(value, default=str) if isinstance(value, dict) else value}")
+    for task, e in sorted(mv.evals.items()):
+        se = "" if e.get("stderr") is None else f" ± {e['stderr']:.4g}"
+        typer.echo(f"  eval     {task} {e['metric']} = {e['value']:.4g}{se} (n {e['n']}, suite v{e.get('suite_version')} "
+                   f"{e['suite_sha256'][:12]}) from {e['run']}")
+    for ev in out.get("events", []):
+        typer.echo(f"  event    #{ev['id']} {ev['created']} {ev['kind']} {json.dumps(ev['details'], default=str)}")
 
 
 @app.command("alias")
@@ -178,7 +194,8 @@ def _print_gate(decision: dict) -> None:
     for col in ("task", "metric", "champion", "candidate", "delta", "z", "verdict"):
         table.add_column(col)
     for r in g["tasks"]:
-        table.add_row(r["task"], r["metric"] + ("" if r["higher_is_better"] else " (lower is better)"),
+        table.add_row(r["task"] + (" (frozen)" if r.get("frozen_builtin") else ""),
+                      r["metric"] + ("" if r["higher_is_better"] else " (lower is better)"),
                       f"{r['champion']:.4g}", f"{r['candidate']:.4g}", f"{r['delta']:+.4g}",
                       "—" if r["z"] is None else f"{r['z']:+.2f}", "REGRESSED" if r["regressed"] else "ok")
     Console(width=160).print(table)

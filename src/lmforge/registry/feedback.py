@@ -38,7 +38,7 @@ from typing import Any
 from lmforge.data.config import PiiConfig
 from lmforge.data import pii
 from lmforge.data.pii import mask_pii_many
-from lmforge.registry.store import BUSY_TIMEOUT_MS, RegistryError, now
+from lmforge.registry.store import BUSY_TIMEOUT_MS, RegistryError, now, refuse_foreign
 
 LOW, HIGH = 0.5, 0.75  # normalized score: below LOW is low, at or above HIGH is high
 KINDS = ("completion", "chat")
@@ -117,6 +117,7 @@ class FeedbackStore:
         if db.execute("PRAGMA journal_mode=WAL").fetchone()[0].lower() != "wal":
             raise RegistryError(f"{self.path}: SQLite refused WAL mode; put the store on a local file system")
         with self._tx() as db:
+            refuse_foreign(db, self.path, "exchanges", "a feedback store")
             for statement in filter(str.strip, SCHEMA.split(";")):
                 db.execute(statement)
 
@@ -131,6 +132,7 @@ class FeedbackStore:
                 # the last few feedback rows but never corrupts the file (SQLite's documented trade-off).
                 db.execute("PRAGMA synchronous=NORMAL")
                 db.execute("PRAGMA foreign_keys=ON")
+                db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()  # reads the header: junk fails here
             except sqlite3.DatabaseError as e:
                 raise RegistryError(f"{self.path}: cannot open the feedback store ({e})") from None
             db.row_factory = sqlite3.Row

@@ -132,6 +132,15 @@ def default_path() -> Path:
     return Path(home) / "registry.db"
 
 
+def refuse_foreign(db: sqlite3.Connection, path: Path, table: str, what: str) -> None:
+    """Stop before adding our tables to somebody else's database (a registry passed as --feedback)."""
+    tables = {t for (t,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table' "
+                                       "AND name NOT LIKE 'sqlite_%'")}
+    if tables and table not in tables:
+        raise RegistryError(f"{path}: a SQLite file with tables {', '.join(sorted(tables))}, not {what}; "
+                            f"check the path")
+
+
 # ---- content hashes ------------------------------------------------------------------------------
 
 def model_files(folder: str | os.PathLike) -> list[Path]:
@@ -189,7 +198,9 @@ def read_lineage(folder: str | os.PathLike) -> dict[str, Any]:
                         "training_run": export.get("run"), "git": export.get("git")})
         run = Path(export["run"]) if export.get("run") else None
         if run is not None and not run.is_absolute() and not run.exists():
-            run = root / run
+            run = root / run  # export.json names the run as given on export's command line
+        if run is not None and run.exists():
+            lineage["training_run"] = str(run.resolve())
         record = (_read_json(run / "record.json") if run else None) or record
     if record:
         cfg = record.get("config") if isinstance(record.get("config"), dict) else {}
@@ -232,10 +243,20 @@ def summarize_eval(eval_dir: str | os.PathLike) -> tuple[dict[str, Any], str | N
     return out, (results.get("model") or {}).get("hash")
 
 
+def builtin_suite_hashes() -> dict[str, str]:
+    """{suite name: sha256} of the frozen built-in suites (eval/suites/suites.lock.json)."""
+    from lmforge.eval.suites import BUILTIN_DIR, LOCK_FILE
+
+    lock = _read_json(BUILTIN_DIR / LOCK_FILE) or {}
+    return {name: entry.get("sha256") for name, entry in lock.items() if isinstance(entry, dict)}
+
+
 def gate(champion: dict[str, Any], candidate: dict[str, Any], max_regression: float) -> dict[str, Any]:
     """Compare two `evals` dicts task by task. A task counts when both scored the same suite bytes
-    with the same primary metric; `regression` is how much worse the candidate is (>= 0 = worse)."""
+    with the same primary metric; `regression` is how much worse the candidate is (> 0 = worse).
+    `frozen_builtin` marks tasks scored on a built-in suite that matches its lock."""
     rows, not_comparable = [], []
+    frozen = builtin_suite_hashes()
     for task in sorted(champion.keys() & candidate.keys()):
         a, b = champion[task], candidate[task]
         if a["suite_sha256"] != b["suite_sha256"] or a["metric"] != b["metric"]:
@@ -249,7 +270,8 @@ def gate(champion: dict[str, Any], candidate: dict[str, Any], max_regression: fl
         delta = b["value"] - a["value"]
         regression = -sign * delta
         se = math.hypot(a["stderr"], b["stderr"]) if a.get("stderr") is not None and b.get("stderr") is not None else None
-        rows.append({"task": task, "metric": a["metric"], "champion": a["value"], "candidate": b["value"],
+        rows.append({"task": task, "metric": a["metric"], "frozen_builtin": frozen.get(task) == a["suite_sha256"],
+                     "champion": a["value"], "candidate": b["value"],
                      "delta": delta, "regression": regression, "z": delta / se if se else None,
                      "higher_is_better": sign > 0, "regressed": regression > max_regression})
     only = sorted(champion.keys() ^ candidate.keys())
@@ -271,6 +293,7 @@ class Registry:
                 raise RegistryError(f"{self.path}: SQLite refused WAL mode (got {mode!r}); put the registry on a "
                                     f"local file system")
             with self._write(db):
+                refuse_foreign(db, self.path, "versions", "a registry database")
                 for statement in filter(str.strip, SCHEMA.split(";")):
                     db.execute(statement)
 
@@ -284,10 +307,15 @@ class Registry:
         except sqlite3.Error as e:
             raise RegistryError(f"{self.path}: cannot open the registry database ({e})") from None
         try:
-            db.row_factory = sqlite3.Row
-            db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-            db.execute("PRAGMA foreign_keys=ON")
-            db.execute("PRAGMA synchronous=FULL")  # registry writes are rare; each one survives power loss
+            try:
+                db.row_factory = sqlite3.Row
+                db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+                db.execute("PRAGMA foreign_keys=ON")
+                db.execute("PRAGMA synchronous=FULL")  # registry writes are rare; each one survives power loss
+                db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()  # reads the header: junk fails here
+            except sqlite3.DatabaseError as e:
+                raise RegistryError(f"{self.path}: cannot open as a registry database ({e}); pass another "
+                                    f"--registry, or move this file away") from None
             yield db
         except sqlite3.DatabaseError as e:
             if "not a database" in str(e) or "malformed" in str(e):
