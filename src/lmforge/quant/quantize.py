@@ -38,9 +38,7 @@ class QuantizeConfig:
     scheme: str = "w4a16"  # w8a16 | w4a16
     group_size: int = 128  # w4a16 only
     method: str = "rtn"  # rtn | gptq
-    calibration: str | None = None  # gptq: python-docs or a JSONL with a "text" field
-    calibration_samples: int = 64
-    calibration_seq_len: int = 256
+    calibration: str | None = None  # gptq (not implemented yet): python-docs or a JSONL with a "text" field
 
 
 def is_quantizable(name: str) -> bool:
@@ -62,9 +60,9 @@ def read_state(path: Path) -> dict[str, torch.Tensor]:
 
 def quantize_state(state: dict[str, torch.Tensor], scheme: QuantScheme, codes: dict | None = None,
                    progress=None) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Every quantizable weight replaced by its packed codes, scales and shape. `codes` maps a weight
-    name to precomputed (codes, scales) (GPTQ); the rest are RTN. Returns the new state and, per
-    projection kind, the worst relative Frobenius error ||W - W'|| / ||W||."""
+    """Every quantizable weight replaced by its packed codes, scales and shape. `codes` may map a weight
+    name to precomputed (codes, scales) (for a GPTQ pass); the rest are RTN. Returns the new state and,
+    per projection kind, the worst relative Frobenius error ||W - W'|| / ||W||."""
     out, worst = {}, {}
     names = list(state)
     for i, name in enumerate(names):
@@ -96,18 +94,16 @@ def quantize_model(cfg: QuantizeConfig, overwrite: bool = False) -> dict:
                          "quantize the unquantized model instead")
     ModelConfig.from_hf(hf)  # refuse architectures we cannot run before spending any time
     scheme = QuantScheme.from_name(cfg.scheme, cfg.group_size)
-    if cfg.method not in ("rtn", "gptq"):
-        raise ValueError(f"--method {cfg.method!r}: use rtn or gptq")
+    if cfg.method == "gptq":
+        raise ValueError("--method gptq is not implemented yet (GPTQ with a calibration set is the planned quality "
+                         "option); use --method rtn")
+    if cfg.method != "rtn":
+        raise ValueError(f"--method {cfg.method!r}: use rtn")
     run = RunDir(out, overwrite=overwrite)
     with run:
         run.write_config(cfg)
         state = read_state(src)
-        codes = None
-        if cfg.method == "gptq":
-            from .gptq import gptq_codes
-
-            codes = gptq_codes(src, state, scheme, cfg)
-        qstate, worst = quantize_state(state, scheme, codes)
+        qstate, worst = quantize_state(state, scheme)
         from safetensors.torch import save
 
         atomic_write_bytes(out / "model.safetensors", save(qstate, metadata={"format": "pt"}))
