@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.lmforge-installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean browser
 
 $(STAMP): requirements.lock pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/lmforge quickstart
 
-test: $(STAMP)
+# The console's browser test drives Debian's Chromium through Playwright (no browser download).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing Debian's chromium for the browser test"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
+
+test: $(STAMP) browser
 	$(PY) -m pytest -q
 
 clean:

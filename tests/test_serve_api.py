@@ -55,11 +55,12 @@ def client(server) -> openai.OpenAI:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Every sample of /metrics as 'name{label=value,...}' -> value (labels sorted, model_name dropped)."""
+    """Every sample of /metrics as 'name{label=value,...}' -> value (labels sorted; model_name and model_version
+    dropped: one version here)."""
     out = {}
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
         for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "model_version"))
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
 
@@ -306,7 +307,7 @@ def test_503_until_the_engine_is_loaded(engine):
         while httpx.get(srv.url + "/health").status_code != 200 and time.time() < deadline:
             time.sleep(0.02)
         assert httpx.post(srv.url + C, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
-        app.state.server.engine = None  # the engine is the fixture's: keep the app from shutting it down
+        app.state.server.router = None  # the engine is the fixture's: keep the app from shutting it down
 
 
 # ---- the benchmark client ----------------------------------------------------------------------------

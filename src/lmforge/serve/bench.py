@@ -201,9 +201,9 @@ def scrape(client: httpx.Client, model: str) -> dict[str, float]:
             if fam.name in SERVER_COUNTERS and s.name.endswith("_total"):
                 out[fam.name] = out.get(fam.name, 0.0) + s.value
             elif fam.name in SERVER_HISTOGRAMS and s.name.endswith(("_sum", "_count")):
-                out[s.name] = s.value
+                out[s.name] = out.get(s.name, 0.0) + s.value  # summed over model versions
             elif fam.name == "vllm:kv_cache_usage_perc":
-                out[fam.name] = s.value
+                out[fam.name] = max(out.get(fam.name, 0.0), s.value)
     return out
 
 

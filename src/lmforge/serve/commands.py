@@ -29,7 +29,17 @@ app.add_typer(bench_app, name="bench")
 
 
 def serve(
-    model_dir: Annotated[Path, typer.Argument(help="A Hugging Face layout model directory (with tokenizer files).")],
+    model_dir: Annotated[Optional[Path], typer.Argument(
+        help="A Hugging Face layout model directory (with tokenizer files); or use --registry/--model.")] = None,
+    registry: Annotated[Optional[Path], typer.Option(
+        help="Serve versions from this registry (SQLite file; `lmforge registry`) instead of MODEL_DIR.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="With --registry: the registered model's name.")] = None,
+    canary: Annotated[float, typer.Option(
+        help="With --registry: percent of requests for the `challenger` alias (sticky per `user`).")] = 0.0,
+    log_requests: Annotated[bool, typer.Option(
+        help="Store every exchange (PII masked) in --feedback-db, for /v1/feedback and the flywheel.")] = False,
+    feedback_db: Annotated[Optional[Path], typer.Option(
+        help="Feedback store (SQLite) [default: $LMFORGE_HOME/feedback.db]; enables POST /v1/feedback.")] = None,
     host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     served_model_name: Annotated[Optional[str], typer.Option(
@@ -64,6 +74,22 @@ def serve(
     with /health, /metrics (Prometheus, vLLM's names) and /version."""
     import logging
 
+    if (model_dir is None) == (registry is None) or (registry is not None and not model):
+        typer.echo("error: pass either MODEL_DIR or --registry R --model NAME", err=True)
+        raise typer.Exit(2)
+    if not 0 <= canary <= 100 or (canary and registry is None):
+        typer.echo("error: --canary is a percent in [0, 100] and needs --registry", err=True)
+        raise typer.Exit(2)
+    versions = None
+    if registry is not None:
+        from lmforge.registry import RegistryError
+
+        try:
+            versions = registry_versions(registry, model)
+        except RegistryError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        model_dir = Path(versions["champion"][1])
     if not (model_dir / "config.json").exists():  # before importing torch: a typo should fail fast
         typer.echo(f"error: {model_dir}: no config.json; pass a Hugging Face layout model directory", err=True)
         raise typer.Exit(2)
@@ -87,9 +113,36 @@ def serve(
             raise typer.Exit(2)
     limits = ServerLimits(max_body_bytes=max_body_bytes, read_timeout_s=read_timeout, max_waiting=max_waiting,
                           max_engine_restarts=max_engine_restarts)
+    feedback = None
+    if log_requests or feedback_db is not None or registry is not None:
+        from lmforge.registry import FeedbackStore
+        from lmforge.registry.store import default_path
+
+        feedback = FeedbackStore(feedback_db or default_path().with_name("feedback.db"))
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    raise typer.Exit(run_server(config, served_model_name or model_dir.name, host, port, api_key, max_waiting,
-                                shutdown_timeout, log_level, engine_process, limits))
+    raise typer.Exit(run_server(config, served_model_name or model or model_dir.name, host, port, api_key,
+                                max_waiting, shutdown_timeout, log_level, engine_process, limits,
+                                registry=(registry, model) if registry else None, canary=canary, feedback=feedback,
+                                log_requests=log_requests))
+
+
+def registry_versions(registry: Path, name: str) -> dict:
+    """role -> (label, path) of the registry's `champion` and `challenger` aliases, weights verified
+    against their hashes (a changed file is refused before anything loads)."""
+    from lmforge.registry import Registry, RegistryError
+
+    reg = Registry(registry)
+    out = {}
+    for role in ("champion", "challenger"):
+        try:
+            mv = reg.get(name, role)
+        except RegistryError:
+            if role == "champion":
+                raise
+            continue
+        reg.verify(mv)
+        out[role] = (str(mv.version), mv.path)
+    return out
 
 
 # Exit codes (docs/deploy.md): 0 clean shutdown, 1 the model failed to load, 2 bad arguments,
@@ -100,7 +153,8 @@ ABORT_GRACE_S = 5.0  # after aborting what still runs, the time streams get to s
 
 def run_server(config, served_model_name: str, host: str, port: int, api_key: str | None,
                max_waiting: int | None, shutdown_timeout: float, log_level: str = "info",
-               engine_process: bool = True, limits=None) -> int:
+               engine_process: bool = True, limits=None, registry: tuple[Path, str] | None = None,
+               canary: float = 0.0, feedback=None, log_requests: bool = False) -> int:
     """Block serving until SIGTERM/SIGINT (see the exit codes above).
 
     Shutdown: uvicorn stops accepting first, then in-flight requests get `shutdown_timeout` seconds to
@@ -117,8 +171,31 @@ def run_server(config, served_model_name: str, host: str, port: int, api_key: st
 
     from .app import build_app
 
+    import dataclasses
+
     engine_cls = ProcessAsyncLLMEngine if engine_process else AsyncLLMEngine
-    fastapi_app = build_app(lambda: engine_cls(config), served_model_name, api_key, max_waiting, limits=limits)
+
+    def loader(path: str):
+        return lambda: engine_cls(dataclasses.replace(config, model=path))
+
+    kw: dict = {}
+    if registry is not None:
+        from lmforge.registry import Registry
+
+        reg_path, name = registry
+        first = registry_versions(reg_path, name)
+        kw["version"] = first["champion"][0]
+        if "challenger" in first:
+            kw["challenger"] = (first["challenger"][0], loader(first["challenger"][1]))
+            kw["canary_percent"] = canary
+
+        def reloader() -> dict:
+            return {role: (label, loader(path), path) for role, (label, path) in registry_versions(reg_path, name).items()}
+
+        kw["reloader"] = reloader
+        kw["on_rollback"] = lambda kind, details: Registry(reg_path).record_event(name, kind, details)
+    fastapi_app = build_app(loader(config.model), served_model_name, api_key, max_waiting, limits=limits,
+                            feedback=feedback, log_requests=log_requests, **kw)
     state = fastapi_app.state.server
 
     class Server(uvicorn.Server):

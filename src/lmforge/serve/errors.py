@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 # status -> OpenAI's error `type` for that status
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+               403: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
                429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
 log = logging.getLogger("lmforge.serve")
 
@@ -110,7 +110,8 @@ _ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error"
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 _WHY = {400: "Invalid request (OpenAI error JSON; FastAPI's 422 is answered as 400)", 401: "Missing or invalid API key",
-        404: "Unknown model", 408: "The request body did not arrive in time", 413: "Request body too large",
+        403: "Admin endpoints need the server to run with --api-key",
+        404: "Unknown model or completion id, or a feature this server was not started with", 408: "The request body did not arrive in time", 413: "Request body too large",
         429: "Waiting queue full; retry later", 500: "Internal error (no internals in the body)",
         503: "Engine loading, restarting or stopped"}
 
@@ -137,6 +138,8 @@ def document_errors(app: FastAPI, auth: bool) -> None:
                     statuses |= {503} | ({401} if auth else set())
                 if path.startswith("/v1/") and method == "post":
                     statuses |= {404, 429}
+                if path.startswith("/admin/"):
+                    statuses |= {403, 404, 503} | ({401} if auth else set())
                 if path.startswith("/health"):
                     statuses |= {503}
                 for status in sorted(statuses):

@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from lmforge.engine import RequestOutput
@@ -50,43 +50,45 @@ def token_buckets(max_model_len: int) -> list[float]:
 
 
 class EngineCollector:
-    """Reads the engine's statistics at scrape time (a custom collector, so counters the engine
-    already accumulates are exposed as-is rather than mirrored)."""
+    """Reads each served version's engine statistics at scrape time (a custom collector, so counters the
+    engine already accumulates are exposed as-is rather than mirrored)."""
 
-    def __init__(self, stats_fn: Callable[[], dict | None], model_name: str):
+    def __init__(self, stats_fn: Callable[[], dict[str, dict]], model_name: str):
         self.stats_fn, self.model_name = stats_fn, model_name
 
     def collect(self):
-        s = self.stats_fn()
-        if s is None:  # engine still loading
+        per_version = self.stats_fn() or {}
+        specs = [
+            (GaugeMetricFamily, "vllm:num_requests_running", "Number of requests in the running batch.",
+             lambda s: s["num_requests_running"]),
+            (GaugeMetricFamily, "vllm:num_requests_waiting", "Number of requests waiting to be scheduled.",
+             lambda s: s["num_requests_waiting"]),
+            (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage: fraction of blocks in use (1 means 100 percent).",
+             lambda s: s["kv_blocks_in_use"] / (s["kv_blocks_total"] or 1)),
+            (CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemptions.", lambda s: s["preemptions"]),
+            (CounterMetricFamily, "vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.",
+             lambda s: s["prefix_cache_queries"]),
+            (CounterMetricFamily, "vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", lambda s: s["prefix_cache_hits"]),
+        ]
+        if not per_version:  # engine still loading
             return
-        label = [self.model_name]
+        for cls, name, doc, value in specs:
+            f = cls(name, doc, labels=["model_name", "model_version"])
+            for version, s in per_version.items():
+                f.add_metric([self.model_name, version], value(s))
+            yield f
 
-        def family(cls, name, doc, value):
-            f = cls(name, doc, labels=["model_name"])
-            f.add_metric(label, value)
-            return f
 
-        total = s["kv_blocks_total"] or 1
-        yield family(GaugeMetricFamily, "vllm:num_requests_running", "Number of requests in the running batch.",
-                     s["num_requests_running"])
-        yield family(GaugeMetricFamily, "vllm:num_requests_waiting", "Number of requests waiting to be scheduled.",
-                     s["num_requests_waiting"])
-        yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc",
-                     "KV-cache usage: fraction of blocks in use (1 means 100 percent).", s["kv_blocks_in_use"] / total)
-        yield family(CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemptions.",
-                     s["preemptions"])
-        yield family(CounterMetricFamily, "vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.",
-                     s["prefix_cache_queries"])
-        yield family(CounterMetricFamily, "vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.",
-                     s["prefix_cache_hits"])
+FEEDBACK_BUCKETS = (-1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0)
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, max_model_len: int, stats_fn: Callable[[], dict | None]):
+    """Request-level families carry `model_name` and `model_version` (the served version that answered)."""
+
+    def __init__(self, model_name: str, max_model_len: int, stats_fn: Callable[[], dict[str, dict]]):
         self.registry = r = CollectorRegistry()
         self.model_name = model_name
-        lab = ["model_name"]
+        lab = ["model_name", "model_version"]
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", lab, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", lab,
                                          registry=r)
@@ -105,30 +107,43 @@ class ServerMetrics:
                                     registry=r)
         self.req_gen = Histogram("vllm:request_generation_tokens", "Generation tokens per request.", lab, buckets=tb,
                                  registry=r)
-        self.http_errors = Counter("lmforge:http_errors", "HTTP error responses by status.", lab + ["status"],
+        self.http_errors = Counter("lmforge:http_errors", "HTTP error responses by status.", ["model_name", "status"],
                                    registry=r)
         self.engine_restarts = Counter("lmforge:engine_restarts", "Times the engine died and was restarted.",
                                        registry=r)
+        self.feedback_score = Histogram("lmforge:feedback_score", "Users' feedback scores (thumbs -1/+1, or 1-5).",
+                                        lab, buckets=FEEDBACK_BUCKETS, registry=r)
+        self.low_score_ratio = Gauge("lmforge:feedback_low_score_ratio",
+                                     "Fraction of feedback that is low (thumbs down, or 1-2 of 5).", lab, registry=r)
+        self.auto_rollbacks = Counter("lmforge:canary_rollbacks", "Automatic rollbacks of the challenger.", registry=r)
         r.register(EngineCollector(stats_fn, model_name))
-        # Label children resolved once: `.labels()` takes a lock and a dict lookup per call.
-        m = model_name
-        self._c = dict(prompt=self.prompt_tokens.labels(m), gen=self.generation_tokens.labels(m),
-                       ttft=self.ttft.labels(m), itl=self.itl.labels(m), e2e=self.e2e.labels(m),
-                       queue=self.queue.labels(m), req_prompt=self.req_prompt.labels(m), req_gen=self.req_gen.labels(m))
+        self._children: dict[str, dict] = {}
+        self._feedback: dict[str, list[int]] = {}  # version -> [low, total]
         self.totals = dict(prompt_tokens=0, generation_tokens=0, requests=0)  # plain ints for the load log
 
-    def observe_itl(self, seconds: float) -> None:
-        self._c["itl"].observe(seconds)
+    def _c(self, version: str) -> dict:
+        """Label children resolved once per version: `.labels()` takes a lock and a dict lookup per call."""
+        c = self._children.get(version)
+        if c is None:
+            m = (self.model_name, version)
+            c = self._children[version] = dict(
+                prompt=self.prompt_tokens.labels(*m), gen=self.generation_tokens.labels(*m),
+                ttft=self.ttft.labels(*m), itl=self.itl.labels(*m), e2e=self.e2e.labels(*m),
+                queue=self.queue.labels(*m), req_prompt=self.req_prompt.labels(*m), req_gen=self.req_gen.labels(*m))
+        return c
 
-    def observe_finished(self, out: RequestOutput, finish_reason: str | None = None) -> None:
+    def observe_itl(self, version: str, seconds: float) -> None:
+        self._c(version)["itl"].observe(seconds)
+
+    def observe_finished(self, version: str, out: RequestOutput, finish_reason: str | None = None) -> None:
         """Called once per engine request when it ends (finished, aborted or failed)."""
-        c, m = self._c, out.metrics
+        c, m = self._c(version), out.metrics
         n_prompt = len(out.prompt_token_ids)
         n_gen = sum(len(o.token_ids) for o in out.outputs)
         reason = finish_reason or (out.outputs[0].finish_reason if out.outputs else None) or "abort"
         c["prompt"].inc(n_prompt)
         c["gen"].inc(n_gen)
-        self.request_success.labels(self.model_name, reason).inc()
+        self.request_success.labels(self.model_name, version, reason).inc()
         c["req_prompt"].observe(n_prompt)
         c["req_gen"].observe(n_gen)
         if m.first_token_time is not None:
@@ -141,6 +156,13 @@ class ServerMetrics:
         t["prompt_tokens"] += n_prompt
         t["generation_tokens"] += n_gen
         t["requests"] += 1
+
+    def observe_feedback(self, version: str, score: float, low: bool) -> None:
+        self.feedback_score.labels(self.model_name, version).observe(score)
+        counts = self._feedback.setdefault(version, [0, 0])
+        counts[0] += int(low)
+        counts[1] += 1
+        self.low_score_ratio.labels(self.model_name, version).set(counts[0] / counts[1])
 
     def count_error(self, status: int) -> None:
         self.http_errors.labels(self.model_name, str(status)).inc()

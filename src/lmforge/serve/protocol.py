@@ -123,3 +123,13 @@ class ChatCompletionRequest(_SamplingFields):
 
     def resolved_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class FeedbackRequest(BaseModel):
+    """`POST /v1/feedback`: a user's verdict on one completion (by its `id`)."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str = Field(min_length=1, max_length=200)
+    score: Number = Field(ge=-1, le=5)  # thumbs -1 / +1, or a 1-5 rating
+    comment: str | None = Field(None, max_length=10_000)
+    correction: str | None = Field(None, max_length=100_000)  # the answer the user wanted

@@ -1,0 +1,172 @@
+"""Operations in `lmforge serve`: versions behind one API (canary split, sticky users, automatic
+rollback, hot reload without failed requests), user feedback with the request log (PII masked
+before anything is written), and the web console driven in headless Chromium. Through a real
+server on a loopback port, as users and operators meet it.
+
+    python -m pytest -q tests/test_serve_ops.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lmforge.engine import AsyncLLMEngine, EngineConfig
+from lmforge.registry import FeedbackStore
+from lmforge.serve.app import VERSION_HEADER, build_app
+from lmforge.serve.testing import ServerThread, make_model_with_tokenizer
+from lmforge.serve.versions import CanaryGuard, Router, Served
+
+MODEL = "tiny"
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+KEY = {"Authorization": "Bearer k"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("ops")
+    return make_model_with_tokenizer(d / "model", d / "tok")
+
+
+def loader(model_dir: Path):
+    return lambda: AsyncLLMEngine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=256))
+
+
+class _FakeEngine:
+    tokenizer, max_model_len, vocab_size, model_path, is_running = None, 64, 10, "x", True
+
+    def stats(self):
+        return {}
+
+
+def test_canary_split_is_on_target_and_users_are_sticky():
+    champ, chal = Served("champion", "1", _FakeEngine()), Served("challenger", "2", _FakeEngine())
+    r = Router(champ, chal, canary_percent=30, seed=1)
+    share = sum(r.route(None) is chal for _ in range(1000)) / 10
+    assert abs(share - 30) <= 3
+    users = [f"user-{i}" for i in range(1000)]
+    first = {u: r.route(u).label for u in users}
+    assert abs(sum(v == "2" for v in first.values()) / 10 - 30) <= 3  # sticky split is on target too
+    assert all(r.route(u).label == first[u] for u in users for _ in range(3))  # never switches mid-session
+
+
+def test_challenger_is_rolled_back_when_it_errs_more():
+    champ, chal = Served("champion", "1", _FakeEngine()), Served("challenger", "2", _FakeEngine())
+    r = Router(champ, chal, canary_percent=50)
+    events = []
+    g = CanaryGuard(r, margin=0.1, min_samples=20, on_rollback=lambda kind, d: events.append((kind, d)))
+    for i in range(40):
+        g.outcome("1", failed=False)
+        g.outcome("2", failed=i % 4 == 0)  # 25% errors vs 0%: past the 10-point margin once both have 20
+    assert r.canary_percent == 0 and events and events[0][0] == "auto_rollback"
+    assert events[0][1]["metric"] == "error_rate" and events[0][1]["challenger"] == "2"
+    assert all(r.route(f"u{i}") is champ for i in range(50))
+
+
+def test_feedback_is_stored_beside_a_pii_masked_exchange(model_dir, tmp_path):
+    store = FeedbackStore(tmp_path / "fb.db")
+    app = build_app(loader(model_dir), MODEL, feedback=store, log_requests=True, version="7")
+    with ServerThread(app) as srv:
+        _ready(srv)
+        r = httpx.post(srv.url + C, json={"prompt": "mail me at jane.doe@example.com", "max_tokens": 4})
+        assert r.status_code == 200 and r.headers[VERSION_HEADER] == "7"
+        body = r.json()
+        assert body["system_fingerprint"] == "lmforge-7"
+        ok = httpx.post(srv.url + "/v1/feedback", json={"id": body["id"], "score": -1, "comment": "wrong"})
+        assert ok.status_code == 200, ok.text
+        assert httpx.post(srv.url + "/v1/feedback", json={"id": "cmpl-nope", "score": 1}).status_code == 404
+        assert httpx.post(srv.url + "/v1/feedback", json={"id": body["id"], "score": 9}).status_code == 400
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert 'lmforge:feedback_score_count{model_name="tiny",model_version="7"} 1.0' in metrics
+        assert 'lmforge:feedback_low_score_ratio{model_name="tiny",model_version="7"} 1.0' in metrics
+        assert 'vllm:request_success_total{finished_reason="length",model_name="tiny",model_version="7"}' in metrics
+    raw = b"".join(p.read_bytes() for p in tmp_path.glob("fb.db*"))
+    assert b"jane.doe@example.com" not in raw and b"example.com" not in raw
+    rows = list(store.exchanges())
+    assert len(rows) == 1 and rows[0]["model_version"] == "7"
+
+
+def _ready(srv, timeout: float = 60) -> None:
+    import time
+
+    deadline = time.time() + timeout
+    while httpx.get(srv.url + "/health/ready").status_code != 200:
+        assert time.time() < deadline, "server never became ready"
+        time.sleep(0.05)
+
+
+def test_reload_swaps_versions_with_no_failed_request(model_dir, tmp_path):
+    other = tmp_path / "v2"
+    shutil.copytree(model_dir, other)
+    target = {"champion": ("1", loader(model_dir), str(model_dir))}
+    app = build_app(loader(model_dir), MODEL, api_key="k", version="1", reloader=lambda: dict(target))
+    with ServerThread(app) as srv:
+        _ready(srv)
+        assert httpx.post(srv.url + "/admin/reload").status_code == 401  # the key is required
+        old_engine = app.state.server.router.champion.engine
+
+        async def stream(c: httpx.AsyncClient, i: int) -> tuple[str, str]:
+            body = {"prompt": f"The city of {i}", "max_tokens": 48, "ignore_eos": True, "stream": True}
+            async with c.stream("POST", C, json=body, headers=KEY) as r:
+                lines = [line async for line in r.aiter_lines() if line]
+            assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+            assert not any('"error"' in line for line in lines)
+            return r.headers[VERSION_HEADER], json.loads(lines[-2][6:])["choices"][0]["finish_reason"]
+
+        async def main():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+                before = [asyncio.create_task(stream(c, i)) for i in range(8)]
+                await asyncio.sleep(0.2)
+                target["champion"] = ("2", loader(other), str(other))
+                reload = await c.post("/admin/reload", headers=KEY)
+                after = await asyncio.gather(*(stream(c, i) for i in range(4)))
+                return await asyncio.gather(*before), reload, after
+
+        before, reload, after = asyncio.run(main())
+        assert reload.status_code == 200 and reload.json()["changed"] == {"champion": "2"}
+        assert all(reason == "length" for _, reason in before)  # in flight during the swap: all completed
+        assert {v for v, _ in after} == {"2"}
+        import time
+
+        deadline = time.time() + 30
+        while old_engine.is_running and time.time() < deadline:  # the old version is drained, then stopped
+            time.sleep(0.05)
+        assert not old_engine.is_running
+        assert 'model_version="2"' in httpx.get(srv.url + "/metrics").text
+
+
+def test_console_streams_a_reply_and_counts_a_thumbs_down(model_dir, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    store = FeedbackStore(tmp_path / "fb.db")
+    app = build_app(loader(model_dir), MODEL, feedback=store, log_requests=True, version="1")
+    with ServerThread(app) as srv, sync_playwright() as pw:
+        _ready(srv)
+        browser = pw.chromium.launch(executable_path=shutil.which("chromium") or "/usr/bin/chromium", args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        try:
+            page = browser.new_page()
+            page.goto(srv.url + "/ui?poll=250")
+            page.wait_for_function("document.getElementById('model').textContent.startsWith('tiny')")
+            page.fill("#prompt", "The city of")
+            page.click("#send")
+            page.wait_for_selector(".msg.assistant.done", timeout=30_000)
+            reply = page.inner_text(".msg.assistant.done")
+            assert reply.strip() and "error" not in reply
+            page.wait_for_function("document.getElementById('rps').textContent !== '–'")
+            assert page.inner_text("#fb-count") == "0"
+            page.click(".thumb-down")
+            page.wait_for_function("document.getElementById('fb-count').textContent === '1'", timeout=10_000)
+            assert "version 1" in page.inner_text("#traffic")
+            assert "100%" in page.inner_text("#fb-low")
+            page.screenshot(path=str(tmp_path / "console.png"), full_page=True)
+        finally:
+            browser.close()
+    stats = store.stats("1")
+    assert stats["exchanges"] == 1 and stats["with_feedback"] == 1 and stats["low"] == 1
