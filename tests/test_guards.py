@@ -183,3 +183,20 @@ def test_repetition_metrics_count_loops():
     m = repetition_metrics([loop, fresh, ""])
     assert m["rep_3gram"]["value"] == pytest.approx((25 / 28 + 0 + 0) / 3)
     assert m["distinct_1"]["value"] == pytest.approx(13 / 40) and m["distinct_2"]["value"] < 1
+
+
+def test_smoke_runs_the_chain_and_reports_what_breaks(tmp_path):
+    from test_train_loop import make_packed
+
+    from lmforge.train.smoke import smoke
+
+    bad = smoke("configs/tiny.yaml", [f"data.path={tmp_path / 'missing'}"], tmp_path / "bad")
+    assert not bad["passed"] and bad["stages"][0]["status"] == "failed" and "manifest.json" in bad["stages"][0]["detail"]
+    assert [s["status"] for s in bad["stages"][1:]] == ["not run"] * 4
+    packed = make_packed(tmp_path, n_docs=40, seq_len=32)
+    good = smoke("configs/tiny.yaml", [f"data.path={packed}", "train.device=cpu", "train.batch_size=2",
+                                       "model.hidden_size=32", "model.intermediate_size=64",
+                                       "model.num_hidden_layers=1", "model.num_attention_heads=2"], tmp_path / "ok")
+    assert good["passed"], good["stages"]
+    assert [s["stage"] for s in good["stages"]] == ["config", "train", "resume", "export", "generate"]
+    assert "| generate | ok |" in (tmp_path / "ok" / "smoke.md").read_text()
