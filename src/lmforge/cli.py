@@ -29,6 +29,7 @@ from lmforge.serve import commands as serve_commands
 from lmforge.tokenizer.commands import app as tokenizer_app
 from lmforge.track.commands import app as runs_app
 from lmforge.train import commands as train_commands
+from lmforge.train import smoke
 from lmforge.train.grpo import bench as grpo_bench
 
 app = typer.Typer(
@@ -77,6 +78,7 @@ def bench_data_cmd(
 bench_app.command("engine")(bench_engine.bench_engine)
 bench_app.command("mfu")(perf_commands.bench_mfu_cmd)
 app.command("report")(perf_commands.report_cmd)
+app.command("smoke")(smoke.smoke_cmd)
 bench_app.command("grpo")(grpo_bench.bench_grpo)
 bench_app.command("parallel")(parallel_commands.bench_parallel)
 bench_app.command("quant")(bench_quant.bench_quant)
