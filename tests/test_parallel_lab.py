@@ -14,32 +14,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from lmforge.parallel.launch import free_port, run_local
 from lmforge.parallel.parity import Spec, pp_worker, reference, tp_worker
+from lmforge.parallel.scan_check import random_packed
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
-SEQ, VOCAB = 32, 128
-
-
-def write_random_packed(path: Path, train_tokens: int = 4001, val_tokens: int = 641) -> Path:
-    """A packed folder in `lmforge-packed-v1` layout with random tokens (no tokenizer: no bits per byte)."""
-    rng = np.random.default_rng(0)
-    path.mkdir(parents=True)
-    splits = {}
-    for split, n in (("train", train_tokens), ("val", val_tokens)):
-        toks = rng.integers(3, VOCAB, n).astype(np.uint16)
-        toks[::40] = 1  # a document boundary (eos) every 40 tokens
-        toks.tofile(path / f"{split}_00000.bin")
-        splits[split] = {"files": [f"{split}_00000.bin"], "file_tokens": [n], "rows": (n - 1) // SEQ, "tokens": n}
-    (path / "manifest.json").write_text(json.dumps({
-        "format": "lmforge-packed-v1", "seq_len": SEQ, "dtype": "uint16", "vocab_size": VOCAB, "eos_token_id": 1,
-        "bos_token_id": 0, "splits": splits, "data_hash": "random-test-data"}))
-    return path
 
 
 def train_cfg(packed: Path, *extra: str):
@@ -87,7 +70,7 @@ def _lab_worker(rank: int, world: int, packed: str, root: str) -> dict:
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     root = tmp_path_factory.mktemp("lab")
-    packed = write_random_packed(root / "packed")
+    packed = random_packed(root / "packed")
     return root, packed, run_local(_lab_worker, 2, str(packed), str(root))
 
 

@@ -40,7 +40,6 @@ from .simulate import simulate
 
 GB = 1e9
 MICRO_BATCHES = (1, 2, 4, 8)
-LATENCY_S = {"intra": 10e-6, "inter": 25e-6}  # per collective call (NCCL small-message latency order)
 
 
 @dataclass(frozen=True)
@@ -55,6 +54,9 @@ class ScanSpec:
     seq_len: int = 2048
     efficiency: float = 0.5  # achieved / peak FLOP/s of the matmuls
     dtype: str = "bfloat16"
+    intra_latency_s: float = 10e-6  # per collective call (NCCL small-message latency order)
+    inter_latency_s: float = 25e-6
+    p2p_latency_s: float | None = None  # per pipeline send; None = the collective latency of its link
 
 
 @dataclass
@@ -88,8 +90,8 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def links(spec: ScanSpec) -> tuple[float, float]:
-    dev = E.device_spec(spec.gpu)
+def links(spec: ScanSpec, dev: E.Device | None = None) -> tuple[float, float]:
+    dev = dev or E.device_spec(spec.gpu)
     intra = spec.intra_bw_GBps * GB if spec.intra_bw_GBps else dev.interconnect
     if not intra:
         raise ValueError(f"{dev.name}: no interconnect bandwidth in the datasheet table; pass --intra-bw GB/s")
@@ -97,10 +99,11 @@ def links(spec: ScanSpec) -> tuple[float, float]:
 
 
 def evaluate(spec: ScanSpec, shape: E.ModelShape, dp: int, tp: int, pp: int, b: int, fsdp: bool,
-             ckpt: bool) -> Layout:
-    """Memory and predicted step time of one layout."""
-    dev = E.device_spec(spec.gpu)
-    intra, inter = links(spec)
+             ckpt: bool, dev: E.Device | None = None) -> Layout:
+    """Memory and predicted step time of one layout (on `dev`, default the datasheet's `spec.gpu`)."""
+    dev = dev or E.device_spec(spec.gpu)
+    intra, inter = links(spec, dev)
+    latency = {"intra": spec.intra_latency_s, "inter": spec.inter_latency_s}
     per_node = spec.gpus // spec.nodes
     M = spec.global_batch // (dp * b)
     mem = E.memory(shape, "full", dtype=spec.dtype, batch=b, seq_len=spec.seq_len, grad_ckpt=ckpt,
@@ -118,21 +121,24 @@ def evaluate(spec: ScanSpec, shape: E.ModelShape, dp: int, tp: int, pp: int, b: 
     tp_s = 0.0
     if tp > 1:
         _, t = E.tp_allreduce(shape, tp, b, spec.seq_len, bw[tp_link], spec.dtype)
-        tp_s = t / pp + 4 * math.ceil(shape.layers / pp) * LATENCY_S[tp_link]
+        tp_s = t / pp + 4 * math.ceil(shape.layers / pp) * latency[tp_link]
     stage = compute + tp_s
     if pp > 1:
         _, send = E.pp_sends(shape, pp, b, spec.seq_len, 1, bw[pp_link], spec.dtype, training=False)
-        sim = simulate("1f1b", pp, M, stage / 3, 2 * stage / 3, send + LATENCY_S[pp_link])
+        hop = spec.p2p_latency_s if spec.p2p_latency_s is not None else latency[pp_link]
+        sim = simulate("1f1b", pp, M, stage / 3, 2 * stage / 3, send + hop)
         pipeline, bubble = sim.step_s, sim.bubble
     else:
         pipeline, bubble = M * stage, 0.0
     dp_s = 0.0
     if dp > 1:
-        if fsdp:
+        if fsdp:  # all-gather in forward and backward, reduce-scatter: per layer, and the root's
             _, dp_s = E.fsdp_traffic(shape, dp, bw[dp_link], spec.dtype)
+            calls = 3 * (math.ceil(shape.layers / pp) + 1)
         else:
             _, dp_s = E.dp_allreduce(shape, dp, bw[dp_link], "float32")
-        dp_s /= tp * pp  # each DP group reduces its own shard of the model
+            calls = 1  # gradient buckets; one for small models
+        dp_s = dp_s / (tp * pp) + calls * latency[dp_link]  # each DP group reduces its own shard of the model
     step = pipeline + dp_s
     return Layout(dp, tp, pp, b, M, fsdp, ckpt, need / GB, dev.memory is None or need <= dev.memory, tp_link,
                   dp_link, M * compute, M * tp_s, bubble, pipeline, dp_s, step,
