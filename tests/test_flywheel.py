@@ -140,3 +140,24 @@ def test_prompt_messages_reads_json_chatml_and_text() -> None:
     chatml = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert prompt_messages("chat", chatml) == msgs
     assert prompt_messages("completion", "def f(") == [{"role": "user", "content": "def f("}]
+
+
+def test_training_config_rows_fit_the_data(tmp_path: Path) -> None:
+    """One conversation per row (a batch never needs more rows than there are examples), rows as long as
+    the longest conversation under the champion's tokenizer, rounded up to 64."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from lmforge.registry.flywheel import train_config
+
+    reg = _champion(tmp_path)
+    champ = reg.get("tiny", "champion")
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(Path(champ.path) / "tokenizer.json"))
+    short = [{"messages": [{"role": "user", "content": "a a"}, {"role": "assistant", "content": "a"}]}] * 3
+    cfg = train_config(champ, tmp_path / "sft.jsonl", short, "tiny")
+    assert (cfg["train"]["seq_len"], cfg["train"]["batch_size"], cfg["sft"]["packed"]) == (64, 3, False)
+    long = short + [{"messages": [{"role": "user", "content": "a " * 100}, {"role": "assistant", "content": "a"}]}]
+    assert train_config(champ, tmp_path / "sft.jsonl", long, "tiny")["train"]["seq_len"] == 128  # 100+1+2*6 tokens
+    huge = [{"messages": [{"role": "user", "content": "a " * 5000}, {"role": "assistant", "content": "a"}]}]
+    assert train_config(champ, tmp_path / "sft.jsonl", huge, "tiny")["train"]["seq_len"] == 256  # the context

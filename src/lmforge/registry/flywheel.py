@@ -324,10 +324,32 @@ def _pair(messages: list[dict], chosen: str, rejected: str, c: dict, r: dict, so
             "meta": {"source": source, "chosen": _meta(c), "rejected": _meta(r)}}
 
 
-def train_config(champion: Any, sft_path: Path, n: int, name: str) -> dict[str, Any]:
-    """A LoRA SFT config on the champion's folder, sized to the data: about 3 epochs."""
+def longest_conversation(model_dir: str | os.PathLike, sft: list[dict]) -> int | None:
+    """Tokens of the longest SFT conversation under the champion's tokenizer, with a margin of 6 per
+    message for the ChatML header and `<|im_end|>\n`; None when the folder has no loadable tokenizer.json."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file() or not sft:
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception:  # noqa: BLE001 - a folder whose tokenizer does not load: size rows by the context
+        return None
+    contents = [m["content"] for row in sft for m in row["messages"]]
+    lengths = iter(len(e.ids) for e in tok.encode_batch(contents, add_special_tokens=False))
+    return max(sum(next(lengths) + 6 for _ in row["messages"]) for row in sft)
+
+
+def train_config(champion: Any, sft_path: Path, sft: list[dict], name: str) -> dict[str, Any]:
+    """A LoRA SFT config on the champion's folder, sized to the data: one conversation per row (so
+    a batch never needs more rows than there are conversations), rows as long as the longest
+    conversation (rounded up to 64, at most the champion's context and 2048), about 3 epochs."""
     cfg = json.loads((Path(champion.path) / "config.json").read_text())
-    seq_len = int(min(1024, cfg.get("max_position_embeddings") or 1024))
+    context = int(cfg.get("max_position_embeddings") or 2048)
+    longest = longest_conversation(champion.path, sft)
+    seq_len = min(context, 2048, 64 * math.ceil(longest / 64) if longest else 1024)
+    n = len(sft)
     batch = max(1, min(8, n))
     steps = int(min(1000, max(10, math.ceil(3 * n / batch))))
     return {
@@ -339,7 +361,7 @@ def train_config(champion: Any, sft_path: Path, n: int, name: str) -> dict[str, 
                   "dtype": "float32", "seed": 0, "ckpt_every": 0, "keep_last": 1, "eval_every": 0,
                   "log_every": 10},
         "lora": {"rank": 8, "alpha": 16, "dropout": 0.05, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
-        "sft": {"packed": True},
+        "sft": {"packed": False},
     }
 
 
@@ -398,8 +420,8 @@ def build(feedback: str | os.PathLike, registry: Registry, model: str, out: str 
             header = (f"# LoRA SFT on {model} v{champion.version} (champion, sha256 {champion.sha256[:12]}) from "
                       f"{len(sft)} corrected exchanges; made by `lmforge flywheel build`.\n"
                       f"#   lmforge train {out / CONFIG_FILE} --out runs/{model}-flywheel\n")
-            atomic_write_text(out / CONFIG_FILE, header + dump_yaml(train_config(champion, out / SFT_FILE,
-                                                                                 len(sft), model)))
+            atomic_write_text(out / CONFIG_FILE, header + dump_yaml(train_config(champion, out / SFT_FILE, sft,
+                                                                                 model)))
             load_config(TrainConfig, out / CONFIG_FILE).validate()  # "ready" means `lmforge train` accepts it
             outputs.append(CONFIG_FILE)
         stats["verdict"] = _verdict(stats, out)
