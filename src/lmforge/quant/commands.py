@@ -1,7 +1,7 @@
 """`lmforge quantize`: the command-line face of `lmforge.quant.quantize`; parses options, calls one function.
 
     lmforge quantize models/tiny --scheme w8a16 --out models/tiny-w8a16
-    lmforge quantize models/tiny --scheme w4a16 --group-size 128 --out models/tiny-w4a16
+    lmforge quantize models/tiny --scheme w4a16 --group-size 128 --method gptq --calibration python-docs --out DIR
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ def quantize(
     out: Path = typer.Option(..., "--out", "-o", help="Folder to write the quantized model (and its record) into."),
     scheme: str = typer.Option("w4a16", "--scheme", help="w8a16 | w4a16."),
     group_size: int = typer.Option(128, "--group-size", help="Input columns per int4 scale (w4a16)."),
-    method: str = typer.Option("rtn", "--method", help="rtn (round to nearest); gptq is not implemented yet."),
-    calibration: str = typer.Option(None, "--calibration", help="gptq (not implemented yet): calibration data."),
+    method: str = typer.Option("rtn", "--method", help="rtn (round to nearest) | gptq (needs --calibration)."),
+    calibration: str = typer.Option(None, "--calibration", help="gptq: python-docs or a JSONL file with 'text'."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished quantization in --out."),
 ) -> None:
     from lmforge.model import UnsupportedConfigError

@@ -38,7 +38,9 @@ class QuantizeConfig:
     scheme: str = "w4a16"  # w8a16 | w4a16
     group_size: int = 128  # w4a16 only
     method: str = "rtn"  # rtn | gptq
-    calibration: str | None = None  # gptq (not implemented yet): python-docs or a JSONL with a "text" field
+    calibration: str | None = None  # gptq: python-docs or a JSONL with a "text" field
+    calibration_samples: int = 64  # gptq: sequences
+    calibration_seq_len: int = 256  # gptq: tokens per sequence (cut)
 
 
 def is_quantizable(name: str) -> bool:
@@ -94,16 +96,20 @@ def quantize_model(cfg: QuantizeConfig, overwrite: bool = False) -> dict:
                          "quantize the unquantized model instead")
     ModelConfig.from_hf(hf)  # refuse architectures we cannot run before spending any time
     scheme = QuantScheme.from_name(cfg.scheme, cfg.group_size)
-    if cfg.method == "gptq":
-        raise ValueError("--method gptq is not implemented yet (GPTQ with a calibration set is the planned quality "
-                         "option); use --method rtn")
-    if cfg.method != "rtn":
-        raise ValueError(f"--method {cfg.method!r}: use rtn")
+    if cfg.method not in ("rtn", "gptq"):
+        raise ValueError(f"--method {cfg.method!r}: use rtn or gptq")
+    if cfg.method == "gptq" and not cfg.calibration:
+        raise ValueError("--method gptq needs --calibration (python-docs, or a JSONL file with a 'text' field)")
     run = RunDir(out, overwrite=overwrite)
     with run:
         run.write_config(cfg)
         state = read_state(src)
-        qstate, worst = quantize_state(state, scheme)
+        codes = None
+        if cfg.method == "gptq":
+            from .gptq import gptq_codes
+
+            codes = gptq_codes(src, state, scheme, cfg.calibration, cfg.calibration_samples, cfg.calibration_seq_len)
+        qstate, worst = quantize_state(state, scheme, codes)
         from safetensors.torch import save
 
         atomic_write_bytes(out / "model.safetensors", save(qstate, metadata={"format": "pt"}))
