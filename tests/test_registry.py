@@ -313,27 +313,27 @@ def _worker(args: tuple[str, list[str], int, int]) -> list[tuple]:
     done: list[tuple] = []
     for _ in range(n_ops):
         name = rng.choice(["a", "b"])
-        op = rng.choices(["add", "alias", "promote", "rollback", "event", "gc"], [4, 2, 2, 1, 1, 1])[0]
+        op = rng.choices(["add", "alias", "promote", "rollback", "event", "gc"], [3, 2, 3, 1, 1, 0.5])[0]
         try:
             if op == "add":
                 done.append(("add", name, reg.add(name, rng.choice(folders)).version))
-            elif op == "alias":
-                v = rng.randint(1, 12)
-                reg.set_alias(name, "challenger", v)
-                done.append(("alias", name, v))
-            elif op == "promote":
-                v = rng.randint(1, 12)
-                reg.promote(name, v, force=True)
-                done.append(("promote", name, v))
+            elif op in ("alias", "promote"):
+                # a version that exists now; another process may drop it before we use it (then: refused)
+                v = rng.choice([mv.version for mv in reg.list(name)])
+                if op == "alias":
+                    reg.set_alias(name, "challenger", v)
+                else:
+                    reg.promote(name, v, force=True)
+                done.append((op, name, v))
             elif op == "rollback":
                 done.append(("rollback", name, reg.rollback(name).version))
             elif op == "event":
                 reg.record_event(name, "auto_rollback", {"seed": seed})
                 done.append(("event", name, seed))
             else:
-                done += [("gc", mv.name, mv.version) for mv in reg.gc(keep=rng.randint(1, 3))]
-        except RegistryError:
-            pass  # a version another process dropped, no previous, already champion: refused, nothing written
+                done += [("gc", mv.name, mv.version) for mv in reg.gc(keep=rng.randint(2, 4))]
+        except (RegistryError, IndexError):
+            pass  # no version yet, one another process dropped, no previous, already champion: nothing written
     return done
 
 
