@@ -14,3 +14,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory):
+    """The tiny random Llama with a freshly trained tokenizer and chat template that the serving tests
+    share: built once per session (training the tokenizer is most of its cost). Tests copy it before
+    changing anything in it."""
+    from lmforge.serve.testing import make_model_with_tokenizer
+
+    d = tmp_path_factory.mktemp("chat-model")
+    return make_model_with_tokenizer(d / "model", d / "tok")

@@ -24,16 +24,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lmforge.engine import LLM, AsyncLLMEngine, EngineConfig, SamplingParams
 from lmforge.serve.app import build_app
-from lmforge.serve.testing import ServerThread, make_model_with_tokenizer
+from lmforge.serve.testing import ServerThread
 
 MODEL = "tiny"
 PROMPTS = ["The city of", "Python code data", "A river in the school"]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("serve")
-    return make_model_with_tokenizer(d / "model", d / "tok")
+def model_dir(chat_model_dir) -> Path:
+    return chat_model_dir
 
 
 @pytest.fixture(scope="module")

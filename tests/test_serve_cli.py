@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lmforge.serve.testing import free_port, make_model_with_tokenizer
+from lmforge.serve.testing import free_port
 
 
 def serve_cmd(*args: str) -> list[str]:
@@ -25,9 +25,8 @@ def serve_cmd(*args: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("serve-cli")
-    return make_model_with_tokenizer(d / "model", d / "tok")
+def model_dir(chat_model_dir) -> Path:
+    return chat_model_dir
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:

@@ -27,7 +27,7 @@ import pytest
 from lmforge.engine import LLM, AsyncLLMEngine, EngineConfig, SamplingParams
 from lmforge.serve.app import _encode_chat, build_app
 from lmforge.serve.guard import ServerLimits
-from lmforge.serve.testing import ServerThread, free_port, make_model_with_tokenizer
+from lmforge.serve.testing import ServerThread, free_port
 
 MODEL = "tiny"
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -35,9 +35,8 @@ MAX_LEN = 256
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("harden")
-    return make_model_with_tokenizer(d / "model", d / "tok")
+def model_dir(chat_model_dir) -> Path:
+    return chat_model_dir
 
 
 @pytest.fixture(scope="module")

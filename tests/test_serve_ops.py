@@ -19,7 +19,7 @@ import pytest
 from lmforge.engine import AsyncLLMEngine, EngineConfig
 from lmforge.registry import FeedbackStore
 from lmforge.serve.app import VERSION_HEADER, build_app
-from lmforge.serve.testing import ServerThread, make_model_with_tokenizer
+from lmforge.serve.testing import ServerThread
 from lmforge.serve.versions import CanaryGuard, Router, Served
 
 MODEL = "tiny"
@@ -28,9 +28,8 @@ KEY = {"Authorization": "Bearer k"}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("ops")
-    return make_model_with_tokenizer(d / "model", d / "tok")
+def model_dir(chat_model_dir) -> Path:
+    return chat_model_dir
 
 
 def loader(model_dir: Path):
