@@ -110,7 +110,8 @@ def test_flywheel_cli_accounts_for_every_exchange(tmp_path: Path) -> None:
 
     prefs = [json.loads(line) for line in (out / "preferences.jsonl").read_text().splitlines()]
     by_source = {p["meta"]["source"]: p for p in prefs if p["prompt"][0]["content"].startswith("What is the capital")}
-    assert by_source["scores"]["chosen"][0]["content"] == "Paris." and by_source["scores"]["rejected"][0]["content"] == "Berlin."
+    assert by_source["scores"]["chosen"][0]["content"] == "Paris."
+    assert by_source["scores"]["rejected"][0]["content"] == "Berlin."
     assert stats["preferences"] == 3 and stats["preferences_from_corrections"] == 2
 
     cfg = load_config(TrainConfig, out / "sft-lora.yaml").validate()

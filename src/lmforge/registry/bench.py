@@ -5,7 +5,8 @@
 Measures, on fresh files in `OUT/work/`: `log_exchanges` in batches of `--batch` rows (PII masking
 included, as the server calls it), `add_feedback` one call = one transaction (the endpoint's
 path), `stats()`, and registry `add` / `get` / `set_alias` / `promote --force` / `rollback` on a
-small model folder, then `flywheel build` over the stored exchanges. Writes `bench.json` and `bench.md` (with the machine and the date) plus the
+small model folder, then `flywheel build` over the stored exchanges. Writes `bench.json` and
+`bench.md` (with the machine and the date) plus the
 run-directory record. The target from issue 15 is add_feedback >= 1,000/s.
 It knows nothing about HTTP; the server's own overhead is measured by `lmforge bench serve`.
 """
@@ -125,7 +126,8 @@ def _markdown(r: dict[str, Any]) -> str:
     lines = [f"# Feedback store and registry ({r['date']}, {r['machine']['platform']}, "
              f"{r['machine']['cpu_count']} CPUs)", "",
              "`python -m lmforge.registry.bench`", "", "| operation | rate / latency |", "| --- | --- |",
-             f"| log_exchanges, batches of {f['batch']} (PII masking included) | {f['log_exchanges_rows_per_s']:,.0f} rows/s |",
+             f"| log_exchanges, batches of {f['batch']} (PII masking included) | "
+             f"{f['log_exchanges_rows_per_s']:,.0f} rows/s |",
              f"| add_feedback, one transaction per call | {f['add_feedback_per_s']:,.0f} /s "
              f"(target {r['target_add_feedback_per_s']:,.0f}: {'met' if r['meets_target'] else 'MISSED'}) |",
              f"| add_feedback, unknown id (returns False) | {f['add_feedback_unknown_id_per_s']:,.0f} /s |",

@@ -23,9 +23,11 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="markdown",
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  rich_markup_mode="markdown",
                   help="Model versions, aliases, eval-gated promotion and rollback (SQLite).")
-flywheel_app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="markdown",
+flywheel_app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                           rich_markup_mode="markdown",
                            help="Turn scored, corrected exchanges into the next round's training data.")
 
 RegistryOpt = Annotated[Optional[Path], typer.Option(
@@ -122,7 +124,8 @@ def show_cmd(name: str = typer.Argument(...), ref: str = typer.Argument("champio
             typer.echo(f"  lineage  {key}: {json.dumps(value, default=str) if isinstance(value, dict) else value}")
     for task, e in sorted(mv.evals.items()):
         se = "" if e.get("stderr") is None else f" ± {e['stderr']:.4g}"
-        typer.echo(f"  eval     {task} {e['metric']} = {e['value']:.4g}{se} (n {e['n']}, suite v{e.get('suite_version')} "
+        typer.echo(f"  eval     {task} {e['metric']} = {e['value']:.4g}{se} (n {e['n']}, "
+                   f"suite v{e.get('suite_version')} "
                    f"{e['suite_sha256'][:12]}) from {e['run']}")
     for ev in out.get("events", []):
         typer.echo(f"  event    #{ev['id']} {ev['created']} {ev['kind']} {json.dumps(ev['details'], default=str)}")

@@ -218,8 +218,9 @@ class FeedbackStore:
             for k, v in c.items():
                 counts[k] = counts.get(k, 0) + v
         with self._tx() as db:
-            cur = db.execute("INSERT INTO feedback (exchange_id, created, score, scale, normalized, comment, correction, "
-                             "pii) SELECT ?, ?, ?, ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM exchanges WHERE id = ?)",
+            cur = db.execute("INSERT INTO feedback (exchange_id, created, score, scale, normalized, comment, "
+                             "correction, pii) SELECT ?, ?, ?, ?, ?, ?, ?, ? "
+                             "WHERE EXISTS (SELECT 1 FROM exchanges WHERE id = ?)",
                              (id, now(), score, scale, normalized, out[0], out[1], json.dumps(counts), id))
             return cur.rowcount == 1
 

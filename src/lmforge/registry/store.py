@@ -269,7 +269,8 @@ def gate(champion: dict[str, Any], candidate: dict[str, Any], max_regression: fl
         sign = -1.0 if a["metric"] in LOWER_IS_BETTER else 1.0
         delta = b["value"] - a["value"]
         regression = -sign * delta
-        se = math.hypot(a["stderr"], b["stderr"]) if a.get("stderr") is not None and b.get("stderr") is not None else None
+        both = a.get("stderr") is not None and b.get("stderr") is not None
+        se = math.hypot(a["stderr"], b["stderr"]) if both else None
         rows.append({"task": task, "metric": a["metric"], "frozen_builtin": frozen.get(task) == a["suite_sha256"],
                      "champion": a["value"], "candidate": b["value"],
                      "delta": delta, "regression": regression, "z": delta / se if se else None,
@@ -285,7 +286,8 @@ class Registry:
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = Path(path) if path is not None else default_path()
         if self.path.is_dir():
-            raise RegistryError(f"{self.path}: is a folder; --registry takes the database file (e.g. {self.path / 'registry.db'})")
+            raise RegistryError(f"{self.path}: is a folder; --registry takes the database file "
+                                f"(e.g. {self.path / 'registry.db'})")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._connect() as db:
             mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
@@ -390,8 +392,8 @@ class Registry:
         version = self._alias_version(db, name, str(ref))
         if version is None:
             self._known_name(db, name)
-            have = [f"{a}=v{v}" for a, v in db.execute("SELECT alias, version FROM aliases WHERE name = ? ORDER BY alias",
-                                                       (name,))]
+            rows = db.execute("SELECT alias, version FROM aliases WHERE name = ? ORDER BY alias", (name,))
+            have = [f"{a}=v{v}" for a, v in rows]
             raise RegistryError(f"{name}: no alias {ref!r} (aliases: {', '.join(have) or 'none'}); pass a version "
                                 f"number or set the alias with `lmforge registry alias {name} {ref} VERSION`")
         return self._row(db, name, version)
@@ -530,7 +532,8 @@ class Registry:
                 decision["gate"] = g
                 if not g["tasks"]:
                     why = (f"no eval suite scored by both {champion.ref} (champion) and {candidate.ref} with the same "
-                           f"suite file; attach one with `lmforge registry attach-eval {name} VERSION EVAL_RUN` for each")
+                           f"suite file; attach one with `lmforge registry attach-eval {name} VERSION EVAL_RUN` "
+                           f"for each")
                 elif g["regressed"]:
                     worst = max((r for r in g["tasks"] if r["regressed"]), key=lambda r: r["regression"])
                     why = (f"{candidate.ref} regresses on {', '.join(g['regressed'])} beyond --max-regression "
@@ -579,7 +582,8 @@ class Registry:
             v = self._alias_version(db, name, alias)
         if v is None:
             raise RegistryError(f"{name}: no `{alias}` version to roll back to (set by `registry promote`; cleared "
-                                f"by a rollback); promote the version you want with `lmforge registry promote {name} N`")
+                                f"by a rollback); promote the version you want with "
+                                f"`lmforge registry promote {name} N`")
         return v
 
     def record_event(self, name: str, kind: str, details: dict) -> None:
