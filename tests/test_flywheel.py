@@ -94,6 +94,7 @@ def test_flywheel_cli_accounts_for_every_exchange(tmp_path: Path) -> None:
     assert stats["dropped"] == {reason: expected.get(reason, 0) for reason in DROP_REASONS}
     assert stats["in"] == len(CASES) + 1 == stats["kept"] + sum(stats["dropped"].values())
     assert stats["kept"] == 3 + 1  # c0 (corrected), c2 + c3 (a scored pair), and the old row
+    assert stats["kept_by_version"] == {"1": 4}
     rejected = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
     assert Counter(x["reason"] for x in rejected) == expected
     assert {x["id"]: x["reason"] for x in rejected}["c1"] == "duplicate"

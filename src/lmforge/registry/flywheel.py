@@ -396,10 +396,12 @@ def build(feedback: str | os.PathLike, registry: Registry, model: str, out: str 
         records = decontaminate(records, indexes, acc)
         sft, prefs, used = assemble(records, acc)
         kept = len(used)
+        by_version = Counter(str(r["model_version"]) for r in records if r["id"] in used)
         stats: dict[str, Any] = {
             "in": acc.n_in, "kept": kept, "dropped": dict(acc.dropped), "sft": len(sft), "preferences": len(prefs),
             "preferences_from_corrections": sum(p["meta"]["source"] == "correction" for p in prefs),
             "preferences_from_scores": sum(p["meta"]["source"] == "scores" for p in prefs),
+            "kept_by_version": dict(sorted(by_version.items())),
             "pii_masked": dict(sorted(pii.items())), "train_documents": n_docs,
             "eval_suites": {f.stem: sha256_file(f) for f in files}, "eval_strings_too_short": too_short,
             "champion": {"name": model, "version": champion.version, "sha256": champion.sha256,
