@@ -548,10 +548,13 @@ def roofline(shape: ModelShape | Any, device: Device | str | None = None, batch:
     a_dec = est.add("decode attainable", min(peak, i_dec * bw), "FLOP/s", f"min(peak, {i_dec:.4g} × {bw / 1e12:.4g} TB/s)")
     est.add("decode bound", a_dec / (f_dec / batch), "tok/s", f"{a_dec:.3g} FLOP/s / {f_dec / batch:.3g} FLOP/token"
             + (" (compute-bound)" if i_dec >= ridge else " (memory-bound)"))
-    est.add("decode batch at ridge", ridge * wbytes / (forward_flops_per_token(shape, ctx) - ridge * ctx * shape.kv_bytes_per_token(dtype))
-            if forward_flops_per_token(shape, ctx) > ridge * ctx * shape.kv_bytes_per_token(dtype) else math.inf, "",
-            "batch B where B·FLOP/token = ridge × (weights + B·ctx·KV): above it decode is compute-bound"
-            " (inf: each sequence's KV read alone keeps decode below the ridge)")
+    # B·FLOP/token = ridge × (weights + B·ctx·KV)  ⇒  B = ridge·weights / (FLOP/token − ridge·ctx·KV)
+    per_seq_bytes = ctx * shape.kv_bytes_per_token(dtype)
+    fpt = forward_flops_per_token(shape, ctx)
+    est.add("decode batch at ridge", ridge * wbytes / (fpt - ridge * per_seq_bytes) if fpt > ridge * per_seq_bytes
+            else math.inf, "", "B = ridge × weights / (FLOP/token − ridge × ctx × KV/token): above it decode is "
+            "compute-bound" + ("" if fpt > ridge * per_seq_bytes else
+                               "; inf: reading each sequence's own KV keeps decode below the ridge at any batch"))
     est.assumptions.append("weights read once per forward step; the embedding lookup reads only B rows")
     return est
 
