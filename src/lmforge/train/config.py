@@ -119,9 +119,15 @@ class LoraConfig:
     alpha: int = 16
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    base_dtype: str = "float32"  # frozen base linears: float32 | bfloat16 | auto (bf16 where the device has it)
+    base_quant: str | None = None  # None | int8 | int4: QLoRA-style frozen quantized base (lmforge.train.lora)
 
     def validate(self, model: Any) -> None:
         """Every rule; `model` (a `Transformer`) is needed only for the tied-head one."""
+        if self.base_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"lora config: base_dtype must be auto, float32 or bfloat16, got {self.base_dtype!r}")
+        if self.base_quant not in (None, "none", "int8", "int4"):
+            raise ValueError(f"lora config: base_quant must be null, int8 or int4, got {self.base_quant!r}")
         if self.rank < 1:
             raise ValueError(f"lora config: rank must be >= 1, got {self.rank}")
         if self.alpha <= 0:

@@ -9,6 +9,14 @@ place with `peft.inject_adapter_in_model`: the returned object is still the same
 trainable. `merge_lora` folds W + (alpha / rank) B A back into plain `nn.Linear`s, so the state
 dict has Hugging Face names again and `save_pretrained` writes an ordinary checkpoint.
 
+A light frozen base (`lora.base_dtype`, `lora.base_quant`): after injection every frozen linear (the
+adapted layers' base and the untargeted ones) is replaced by a `FrozenLinear` holding its weight as
+bf16, or as int8 (per channel) / int4 (per group) codes and scales (QLoRA-style, Dettmers et al. 2023,
+with our RTN schemes instead of NF4). Its autograd function dequantizes the weight in forward and
+again in backward, so no full-precision copy of a weight is ever kept for the backward pass: the
+activations' dtype is unchanged, only the base's bytes shrink. Merging folds the adapter into the
+dequantized base (`merge_lora`), so the export is a plain float checkpoint.
+
 This module knows nothing about data, optimizers or the training loop.
 
     from lmforge.train.lora import LoraConfig, apply_lora, merge_lora
@@ -43,7 +51,80 @@ def apply_lora(model: Transformer, cfg: LoraConfig) -> Transformer:
     # peft already froze everything but the adapters; say so here rather than rely on it silently
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
+    kind = base_kind(cfg, next(model.parameters()).device)
+    if kind != "float32":
+        lighten_base(model, kind)
     return model
+
+
+def base_kind(cfg: LoraConfig, device: torch.device) -> str:
+    """float32 | bfloat16 | int8 | int4: how the frozen base linears are held."""
+    if cfg.base_quant not in (None, "none"):
+        return cfg.base_quant
+    if cfg.base_dtype != "auto":
+        return cfg.base_dtype
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return "bfloat16" if native else "float32"
+
+
+class _FrozenMatmul(torch.autograd.Function):
+    """y = x W^T with W rebuilt from its stored form in forward and again in backward (not saved)."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.layer = layer
+        return x @ layer.weight_for(x.dtype).t()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return grad_out @ ctx.layer.weight_for(grad_out.dtype), None
+
+
+class FrozenLinear(nn.Module):
+    """A frozen linear held as bf16 (`kind="bfloat16"`) or as int8/int4 codes + scales."""
+
+    def __init__(self, linear: nn.Linear, kind: str):
+        super().__init__()
+        from lmforge.quant import QuantScheme, pack_int32, quantize_rtn
+
+        w = linear.weight.detach()
+        self.in_features, self.out_features, self.kind = linear.in_features, linear.out_features, kind
+        if kind == "bfloat16":
+            self.register_buffer("weight_bf16", w.to(torch.bfloat16))
+        else:
+            gs = next((g for g in (64, 32, 16, 8) if w.shape[1] % g == 0), None) if kind == "int4" else None
+            if kind == "int4" and gs is None:
+                raise ValueError(f"lora.base_quant=int4: in_features {w.shape[1]} is not a multiple of 8")
+            q, scale = quantize_rtn(w, QuantScheme(8 if kind == "int8" else 4, gs), torch.float32)
+            # int4: two codes a byte (compressed-tensors' int32 packing), unpacked on use
+            self.register_buffer("qweight", q if kind == "int8" else pack_int32(q, 4))
+            self.register_buffer("weight_scale", scale)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
+        from lmforge.quant import dequantize, unpack_int32
+
+        if self.kind == "bfloat16":
+            return self.weight_bf16.to(dtype)
+        q = self.qweight if self.kind == "int8" else unpack_int32(self.qweight, 4, self.in_features)
+        return dequantize(q, self.weight_scale, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _FrozenMatmul.apply(x, self)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+def lighten_base(model: nn.Module, kind: str) -> int:
+    """Every frozen `nn.Linear` (adapted layers' bases included; the lm_head too unless tied to the
+    embedding) becomes a `FrozenLinear`; returns how many."""
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    todo = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if type(child) is nn.Linear and not child.weight.requires_grad and not (tied and name == "lm_head")]
+    for parent, name, child in todo:
+        setattr(parent, name, FrozenLinear(child, kind))
+    return len(todo)
 
 
 def _lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -65,9 +146,28 @@ def merge_lora(model: Transformer, inplace: bool = False) -> Transformer:
     if not inplace:
         model = copy.deepcopy(model)
     for name, layer in _lora_layers(model):
-        layer.merge(safe_merge=True)  # safe_merge: refuse NaN/inf weights instead of writing them
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, layer.get_base_layer())
+        base = layer.get_base_layer()
+        if isinstance(base, FrozenLinear):  # light base: W' = dequantized W + (alpha / rank) B A, in float32
+            plain = nn.Linear(base.in_features, base.out_features, bias=base.bias is not None)
+            w = base.weight_for(torch.float32) + layer.get_delta_weight(ADAPTER_NAME).float()
+            if not torch.isfinite(w).all():
+                raise ValueError(f"merging {name}: non-finite weights")
+            plain.weight.data = w
+            if base.bias is not None:
+                plain.bias.data = base.bias.detach().float()
+            base = plain
+        else:
+            layer.merge(safe_merge=True)  # safe_merge: refuse NaN/inf weights instead of writing them
+        setattr(model.get_submodule(parent_name), child, base)
+    for name, m in list(model.named_modules()):  # untargeted light layers: back to plain float32
+        if isinstance(m, FrozenLinear):
+            plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+            plain.weight.data = m.weight_for(torch.float32)
+            if m.bias is not None:
+                plain.bias.data = m.bias.detach().float()
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, plain)
     for p in model.parameters():
         p.requires_grad_(True)
     return model
