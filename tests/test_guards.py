@@ -138,38 +138,6 @@ def test_mfu_above_100_percent_names_formula_and_peak():
     assert "FLOP/token" in str(e.value) and "peak 1e+14 FLOP/s" in str(e.value)
 
 
-def test_trainer_refuses_records_determinism_and_flags_spikes(tmp_path):
-    """Through the trainer: a model too large for this machine is refused before it is built; a
-    tiny run records its deterministic flags and, at a hair-trigger z-score, warns and skips."""
-    import json
-
-    from test_train_loop import make_packed
-
-    from lmforge.config import load_config
-    from lmforge.train.loop import Trainer
-
-    packed = make_packed(tmp_path, n_docs=40, seq_len=32)
-    base = ["data.path=" + str(packed), "train.device=cpu", "train.dtype=float32", "train.eval_every=0",
-            "train.batch_size=2", "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1",
-            "model.num_attention_heads=2"]
-    huge = load_config(TrainConfig, "configs/tiny.yaml", base + ["model.hidden_size=65536", "model.num_hidden_layers=64",
-                                                                  "model.intermediate_size=131072"])
-    with pytest.raises(guards.PreflightError, match="needs ~"):
-        Trainer(huge, tmp_path / "huge")
-    try:
-        cfg = load_config(TrainConfig, "configs/tiny.yaml", base + [
-            "train.max_steps=14", "train.deterministic=true", "train.spike_zscore=0.01", "train.skip_spikes=true"])
-        Trainer(cfg, tmp_path / "run").fit()
-    finally:
-        torch.use_deterministic_algorithms(False)
-    record = json.loads((tmp_path / "run" / "record.json").read_text())
-    assert record["determinism"]["use_deterministic_algorithms"] is True
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    spiked = [r for r in rows if r.get("spike")]
-    assert spiked and all(r["skipped"] for r in spiked) and all(r["step"] > 10 for r in spiked)
-    assert any("spike at step" in w and "packed rows" in w for w in record["results"]["warnings"])
-
-
 def test_repetition_metrics_count_loops():
     from lmforge.eval.metrics import distinct_n, repeated_ngram_rate, repetition_metrics
 
@@ -185,18 +153,39 @@ def test_repetition_metrics_count_loops():
     assert m["distinct_1"]["value"] == pytest.approx(13 / 40) and m["distinct_2"]["value"] < 1
 
 
-def test_smoke_runs_the_chain_and_reports_what_breaks(tmp_path):
+def test_smoke_chain_preflight_determinism_and_spikes(tmp_path):
+    """One tiny packed dataset for the trainer-level guards: a model too large for this machine is
+    refused before it is built; the smoke chain passes end to end, its training run records the
+    deterministic flags and, at a hair-trigger z-score, warns and skips spiking updates."""
+    import json
+
     from test_train_loop import make_packed
 
+    from lmforge.config import load_config
+    from lmforge.train.loop import Trainer
     from lmforge.train.smoke import smoke
 
     bad = smoke("configs/tiny.yaml", [f"data.path={tmp_path / 'missing'}"], tmp_path / "bad")
     assert not bad["passed"] and bad["stages"][0]["status"] == "failed" and "manifest.json" in bad["stages"][0]["detail"]
     assert [s["status"] for s in bad["stages"][1:]] == ["not run"] * 4
     packed = make_packed(tmp_path, n_docs=40, seq_len=32)
-    good = smoke("configs/tiny.yaml", [f"data.path={packed}", "train.device=cpu", "train.batch_size=2",
-                                       "model.hidden_size=32", "model.intermediate_size=64",
-                                       "model.num_hidden_layers=1", "model.num_attention_heads=2"], tmp_path / "ok")
+    tiny = [f"data.path={packed}", "train.device=cpu", "train.batch_size=2", "model.hidden_size=32",
+            "model.intermediate_size=64", "model.num_hidden_layers=1", "model.num_attention_heads=2"]
+    huge = load_config(TrainConfig, "configs/tiny.yaml", tiny + ["model.hidden_size=65536", "model.num_hidden_layers=64",
+                                                                  "model.intermediate_size=131072"])
+    with pytest.raises(guards.PreflightError, match="needs ~"):
+        Trainer(huge, tmp_path / "huge")
+    try:
+        good = smoke("configs/tiny.yaml", tiny + ["train.deterministic=true", "train.spike_zscore=0.01",
+                                                  "train.skip_spikes=true"], tmp_path / "ok", steps=13)
+    finally:
+        torch.use_deterministic_algorithms(False)
     assert good["passed"], good["stages"]
     assert [s["stage"] for s in good["stages"]] == ["config", "train", "resume", "export", "generate"]
     assert "| generate | ok |" in (tmp_path / "ok" / "smoke.md").read_text()
+    record = json.loads((tmp_path / "ok" / "train" / "record.json").read_text())
+    assert record["determinism"]["use_deterministic_algorithms"] is True
+    rows = [json.loads(line) for line in (tmp_path / "ok" / "train" / "metrics.jsonl").read_text().splitlines()]
+    spiked = [r for r in rows if r.get("spike")]
+    assert spiked and all(r["skipped"] for r in spiked) and all(r["step"] > 10 for r in spiked)
+    assert "spike at step" in good["stages"][1]["detail"] and "packed rows" in good["stages"][1]["detail"]

@@ -44,7 +44,8 @@ def _stage(results: list[dict], name: str, fn: Callable[[], str]) -> bool:
     return status == "ok"
 
 
-def smoke(config: str, overrides: list[str], out: Path, max_steps: int = 20) -> dict[str, Any]:
+def smoke(config: str, overrides: list[str], out: Path, max_steps: int = 20, steps: int | None = None) -> dict[str, Any]:
+    """Run the stages; `steps` fixes the training steps (default ~1% of the rows, 2 to `max_steps`)."""
     from lmforge.config import load_config
     from lmforge.track.io import atomic_write_json, atomic_write_text
 
@@ -66,8 +67,8 @@ def smoke(config: str, overrides: list[str], out: Path, max_steps: int = 20) -> 
             state["seq_len"], vocab = int(m["seq_len"]), int(m["vocab_size"])
         else:
             rows, state["seq_len"], vocab = 100 * cfg.train.batch_size, cfg.train.seq_len, cfg.model.vocab_size or 0
-        steps = max(2, min(max_steps, math.ceil(FRACTION * rows / cfg.train.batch_size)))
-        state["steps"] = steps
+        n = steps or max(2, min(max_steps, math.ceil(FRACTION * rows / cfg.train.batch_size)))
+        state["steps"] = n
         from lmforge.model.config import ModelConfig, alignment_warnings
         from lmforge.perf.estimate import fmt_bytes
 
@@ -85,7 +86,7 @@ def smoke(config: str, overrides: list[str], out: Path, max_steps: int = 20) -> 
                                                   num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
                                                   head_dim=shape.head_dim))
         return (f"{shape.params():,} params, memory estimate {fmt_bytes(est.total + est.overhead)}; "
-                f"{steps} steps = {steps * cfg.train.batch_size} of {rows} train rows"
+                f"{n} steps = {n * cfg.train.batch_size} of {rows} train rows"
                 + ("; " + "; ".join(warn) if warn else ""))
 
     def train_stage() -> str:
@@ -100,8 +101,10 @@ def smoke(config: str, overrides: list[str], out: Path, max_steps: int = 20) -> 
         if not losses or not all(math.isfinite(x) for x in losses):
             raise RuntimeError(f"non-finite loss: {losses}")
         falling = losses[-1] < losses[0]
+        warnings = res.get("warnings") or []
         return (f"loss {losses[0]:.3f} -> {losses[-1]:.3f}" + ("" if falling else " (not falling: check lr and data)")
-                + f", val_loss {res.get('final_val_loss')}, {res.get('tokens_per_s')} tok/s")
+                + f", val_loss {res.get('final_val_loss')}, {res.get('tokens_per_s')} tok/s"
+                + (f"; {len(warnings)} warning(s): " + "; ".join(warnings[:3]) if warnings else ""))
 
     def resume_stage() -> str:
         from .loop import Trainer
@@ -155,10 +158,11 @@ def smoke_cmd(
     overrides: Annotated[Optional[list[str]], typer.Argument(metavar="[KEY=VALUE]...", help="Dotted overrides.")] = None,
     out: Annotated[Path, typer.Option("--out", help="Folder for the smoke run and smoke.md.")] = Path("runs/smoke"),
     max_steps: Annotated[int, typer.Option(help="At most this many training steps (1% of the rows, at least 2).")] = 20,
+    steps: Annotated[Optional[int], typer.Option(help="Exactly this many training steps instead.")] = None,
 ) -> None:
     """Run CONFIG's chain on ~1% of the data (config + memory pre-flight, train, resume, export,
     generate) and report what would break before the real run; exit 1 when a stage fails."""
-    summary = smoke(str(config), list(overrides or []), out, max_steps)
+    summary = smoke(str(config), list(overrides or []), out, max_steps, steps)
     print(f"smoke: {'passed' if summary['passed'] else 'FAILED'} -> {out / 'smoke.md'}")
     if not summary["passed"]:
         raise typer.Exit(1)
