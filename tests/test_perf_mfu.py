@@ -34,8 +34,13 @@ def test_ladder_runs_on_a_tiny_config(tmp_path):
     assert rungs["0"]["tokens_per_s"] > 0 and rungs["0"]["kept"]
     assert rungs["5"]["note"].startswith("skipped") and rungs["5"]["tokens_per_s"] is None
     measured = [r for r in result["rungs"] if r["tokens_per_s"]]
-    best = max(measured, key=lambda r: r["tokens_per_s"])
-    assert result["best"] == best["step"] and result["speedup"] == best["tokens_per_s"] / rungs["0"]["tokens_per_s"]
+    kept = [r for r in measured if r["kept"]]
+    assert all(r["speedup_vs_best"] > 1 for r in kept[1:]) and all(r["speedup_vs_best"] <= 1 for r in measured
+                                                                    if not r["kept"])
+    speedup = 1.0
+    for r in kept[1:]:
+        speedup *= r["speedup_vs_best"]  # × baseline is the product of the kept paired ratios
+    assert result["best"] == kept[-1]["step"] and abs(result["speedup"] - speedup) < 1e-9
     assert rungs["6"]["setting"]["batch_size"] == 4
     saved = json.loads((out / "bench_mfu.json").read_text())
     assert saved["loadavg"] and saved["packages"] and "| step | change |" in (out / "bench_mfu.md").read_text()

@@ -82,6 +82,8 @@ class Rung:
     data_wait_s: float | None = None
     kept: bool = False
     note: str = ""
+    speedup_vs_best: float | None = None  # median of paired step-time ratios against the best rung before it
+    speedup_vs_base: float | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -120,44 +122,68 @@ def _loss(model: Any, batch: dict, s: Setting) -> torch.Tensor:
                            reduction="sum")
 
 
-def measure(cfg: Any, s: Setting, steps: int, warmup: int = 2) -> dict[str, float]:
-    """Median seconds per step (and of waiting for the loader) over `steps` timed steps."""
-    from lmforge.train.loop import Dist, build_data, build_model
-    from lmforge.train.optim import build_optimizer
+class StepRunner:
+    """One setting's training step, built once: `step()` runs one and returns (seconds, loader wait)."""
 
-    cfg = replace(cfg, train=replace(cfg.train, batch_size=s.batch_size, dtype=s.dtype, fused_loss=s.fused_loss))
-    device = torch.device("cuda" if torch.cuda.is_available() and cfg.train.device in ("auto", "cuda") else "cpu")
-    torch.manual_seed(cfg.train.seed)
-    data = build_data(cfg, Dist(), torch.device("cpu") if s.prefetch else device)
-    model = build_model(cfg, data).to(device)
-    opt = build_optimizer(model, cfg.train, device)
-    if s.compile:
-        for layer in model.model.layers:  # the blocks' elementwise chains (norms, SwiGLU) fuse; attention stays eager
-            layer.mlp.compile()
-            layer.input_layernorm.compile()
-            layer.post_attention_layernorm.compile()
-    it = Prefetcher(iter(data.train), device) if s.prefetch else iter(data.train)
-    amp = getattr(torch, s.dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times, waits = [], []
-    for i in range(warmup + steps):
-        sync()
+    def __init__(self, cfg: Any, s: Setting):
+        from lmforge.train.loop import Dist, build_data, build_model
+        from lmforge.train.optim import build_optimizer
+
+        cfg = replace(cfg, train=replace(cfg.train, batch_size=s.batch_size, dtype=s.dtype, fused_loss=s.fused_loss))
+        self.s = s
+        self.device = torch.device("cuda" if torch.cuda.is_available() and cfg.train.device in ("auto", "cuda") else "cpu")
+        torch.manual_seed(cfg.train.seed)
+        data = build_data(cfg, Dist(), torch.device("cpu") if s.prefetch else self.device)
+        self.seq_len, self.tokens = data.seq_len, s.batch_size * data.seq_len
+        self.model = build_model(cfg, data).to(self.device)
+        self.opt = build_optimizer(self.model, cfg.train, self.device)
+        if s.compile:
+            for layer in self.model.model.layers:  # elementwise chains (norms, SwiGLU) fuse; attention stays eager
+                layer.mlp.compile()
+                layer.input_layernorm.compile()
+                layer.post_attention_layernorm.compile()
+        self.it = Prefetcher(iter(data.train), self.device) if s.prefetch else iter(data.train)
+        self.amp = getattr(torch, s.dtype)
+        self.sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+
+    def step(self) -> tuple[float, float]:
+        self.sync()
         t0 = time.perf_counter()
-        batch = next(it)
+        batch = next(self.it)
         t1 = time.perf_counter()
-        with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
-            loss = _loss(model, batch, s)
+        with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp != torch.float32):
+            loss = _loss(self.model, batch, self.s)
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-            waits.append(t1 - t0)
-    tokens = s.batch_size * data.seq_len
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.sync()
+        return time.perf_counter() - t0, t1 - t0
+
+
+def measure(cfg: Any, s: Setting, steps: int, warmup: int = 2, against: StepRunner | None = None) -> dict[str, Any]:
+    """Median seconds per step (and of waiting for the loader) over `steps` timed steps.
+
+    With `against` (the best rung so far), its steps and this setting's alternate (A, B, A, B, ...)
+    and `speedup` is the median of the paired ratios: load that comes and goes on a shared machine
+    slows both halves of a pair alike and cancels out of the ratio.
+    """
+    run = StepRunner(cfg, s)
+    for _ in range(warmup):
+        run.step()
+        if against is not None:
+            against.step()
+    times, waits, ratios = [], [], []
+    for _ in range(steps):
+        ref = against.step()[0] if against is not None else None
+        dt, wait = run.step()
+        times.append(dt)
+        waits.append(wait)
+        if ref is not None:
+            ratios.append(ref / dt)
     step_s = statistics.median(times)
-    return {"step_s": step_s, "data_wait_s": statistics.median(waits), "tokens_per_s": tokens / step_s,
-            "seq_len": data.seq_len, "model_config": model.config}
+    return {"step_s": step_s, "data_wait_s": statistics.median(waits), "tokens_per_s": run.tokens / step_s,
+            "speedup": statistics.median(ratios) if ratios else None, "seq_len": run.seq_len,
+            "model_config": run.model.config, "runner": run}
 
 
 # ---- the ladder ------------------------------------------------------------------------------
@@ -204,6 +230,7 @@ def run_ladder(cfg: Any, steps: int = 6, max_batch: int | None = None, skip: tup
     base = Setting(batch_size=cfg.train.batch_size)
     rungs = plan(base, device, bool(cpu_bf16_flags()), max_batch or 2 * cfg.train.batch_size)
     best: Rung | None = None
+    best_runner: StepRunner | None = None
     model_config = None
     for rung in rungs:
         # each rung changes one field of the best setting so far
@@ -216,7 +243,7 @@ def run_ladder(cfg: Any, steps: int = 6, max_batch: int | None = None, skip: tup
             continue
         progress(f"rung {rung.step}: {rung.change} ...")
         try:
-            m = measure(cfg, rung.setting, steps)
+            m = measure(cfg, rung.setting, steps, against=best_runner)
         except Exception as e:  # noqa: BLE001 - a rung that fails here is a finding, not a crash
             rung.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
             progress(f"  {rung.note}")
@@ -226,18 +253,21 @@ def run_ladder(cfg: Any, steps: int = 6, max_batch: int | None = None, skip: tup
         peak = _peak(device, rung.setting.dtype)
         rung.tokens_per_s, rung.step_s, rung.data_wait_s = m["tokens_per_s"], m["step_s"], m["data_wait_s"]
         rung.mfu = fpt * m["tokens_per_s"] / peak if peak else None
+        # speed-up over the best rung so far: paired ratios (load-robust); vs the baseline: their product
+        rung.speedup_vs_best = m["speedup"] or 1.0
+        rung.speedup_vs_base = (best.speedup_vs_base if best else 1.0) * rung.speedup_vs_best
         rung.extra = {"flops_per_token": fpt, "peak_flops": peak, "seq_len": m["seq_len"]}
-        if best is None or rung.tokens_per_s > best.tokens_per_s:
-            rung.kept, best = True, rung
-        elif rung.step != "0":
+        if best is None or rung.speedup_vs_best > 1.0:
+            rung.kept, best, best_runner = True, rung, m["runner"]
+        else:
             rung.note = "slower: not kept"
-        progress(f"  {rung.tokens_per_s:,.0f} tok/s, data wait {rung.data_wait_s * 1e3:.1f} ms of "
-                 f"{rung.step_s * 1e3:.1f} ms" + (f", MFU {rung.mfu:.1%}" if rung.mfu else "") + f" {rung.note}")
-    base_tps = rungs[0].tokens_per_s
+        progress(f"  {rung.tokens_per_s:,.0f} tok/s, {rung.speedup_vs_best:.2f}× the best rung before it (paired), "
+                 f"data wait {rung.data_wait_s * 1e3:.1f} ms of {rung.step_s * 1e3:.1f} ms"
+                 + (f", MFU {rung.mfu:.1%}" if rung.mfu else "") + f" {rung.note}")
     headroom = _headroom(best, model_config, device) if best is not None else {}
-    return {"device": device, "steps": steps, "rungs": [_rung_dict(r, base_tps) for r in rungs],
-            "best": best.step if best else None,
-            "speedup": best.tokens_per_s / base_tps if best and base_tps else None, "headroom": headroom}
+    return {"device": device, "steps": steps, "rungs": [_rung_dict(r) for r in rungs],
+            "best": best.step if best else None, "speedup": best.speedup_vs_base if best else None,
+            "headroom": headroom}
 
 
 def _headroom(best: Rung, model_config: Any, device: str) -> dict[str, Any]:
@@ -269,9 +299,9 @@ def _not_applicable(rung: Rung, device: str) -> str:
     return ""
 
 
-def _rung_dict(r: Rung, base_tps: float | None) -> dict[str, Any]:
-    delta = r.tokens_per_s / base_tps - 1 if r.tokens_per_s and base_tps else None
-    return {"step": r.step, "change": r.change, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu, "delta_vs_base": delta,
+def _rung_dict(r: Rung) -> dict[str, Any]:
+    return {"step": r.step, "change": r.change, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu,
+            "speedup_vs_best": r.speedup_vs_best, "speedup_vs_base": r.speedup_vs_base,
             "step_s": r.step_s, "data_wait_s": r.data_wait_s, "kept": r.kept, "reason": r.reason, "note": r.note,
             "setting": vars(r.setting), **r.extra}
 
@@ -279,16 +309,19 @@ def _rung_dict(r: Rung, base_tps: float | None) -> dict[str, Any]:
 def to_markdown(result: dict[str, Any], command: str, load: tuple[float, float, float]) -> str:
     lines = [f"# MFU ladder ({result['device']})", "", f"`{command}` — {result['steps']} timed steps per rung "
              f"(median), load average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}", "",
-             "| step | change | tokens/s | MFU | Δ vs baseline | data wait | kept | physical reason |",
-             "|---|---|---|---|---|---|---|---|"]
+             "Δ is the median of paired step-time ratios against the best rung before it (steps of the two "
+             "alternate, so load drift cancels); × baseline is the product of the kept Δs.", "",
+             "| step | change | tokens/s | MFU | Δ vs best before | × baseline | data wait | kept | physical reason |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rungs"]:
         tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "—"
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "—"
-        delta = f"{r['delta_vs_base']:+.0%}" if r["delta_vs_base"] is not None else "—"
+        delta = f"{r['speedup_vs_best'] - 1:+.0%}" if r["speedup_vs_best"] is not None and r["step"] != "0" else "—"
+        base = f"{r['speedup_vs_base']:.2f}×" if r["speedup_vs_base"] is not None else "—"
         wait = f"{r['data_wait_s'] * 1e3:.1f} ms" if r["data_wait_s"] is not None else "—"
         kept = "✓" if r["kept"] else (r["note"] or "—")
         lines.append(f"| {r['step']} | {r['change']} ({r['setting']['dtype']}, batch {r['setting']['batch_size']}) "
-                     f"| {tps} | {mfu} | {delta} | {wait} | {kept} | {r['reason']} |")
+                     f"| {tps} | {mfu} | {delta} | {base} | {wait} | {kept} | {r['reason']} |")
     if result.get("speedup"):
         lines += ["", f"Best rung {result['best']}: {result['speedup']:.2f}× the float32 baseline."]
     h = result.get("headroom") or {}

@@ -112,7 +112,8 @@ def _steps(mfu: list[dict], runs: list[tuple[str, dict]]) -> list[str]:
             if r["tokens_per_s"] is None:
                 out.append(f"| {r['step']} | {r['change']} | — | — | {r['note']} |")
                 continue
-            delta = f"{r['tokens_per_s'] / prev - 1:+.0%}" if prev else "—"
+            ratio = r.get("speedup_vs_best") or (r["tokens_per_s"] / prev if prev else None)  # paired when measured so
+            delta = f"{ratio - 1:+.0%}" if ratio and r["step"] != "0" else "—"
             kept = "" if r["kept"] or r["step"] == "0" else " (not kept)"
             out.append(f"| {r['step']} | {r['change']}{kept} | {_fmt(r['tokens_per_s'])} ({_fmt(r['mfu'], pct=True)}) "
                        f"| {delta} | {r['reason']} |")
@@ -153,8 +154,9 @@ def _expected_rows(mfu: list[dict], runs: list[tuple[str, dict]]) -> list[tuple[
         best = m["rungs"][0]["tokens_per_s"]  # each rung is measured against the best rung before it
         for r in m["rungs"][1:]:
             if r["tokens_per_s"] and best and not r["kept"]:
+                ratio = r.get("speedup_vs_best") or r["tokens_per_s"] / best
                 rows.append((f"{r['change']} to be faster ({r['reason']})",
-                             f"{r['tokens_per_s'] / best - 1:+.0%} against the best rung before it; not kept", "—"))
+                             f"{ratio - 1:+.0%} against the best rung before it; not kept", "—"))
             if r["kept"] and r["tokens_per_s"]:
                 best = r["tokens_per_s"]
     for name, rec in runs:
