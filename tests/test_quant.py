@@ -115,3 +115,6 @@ def test_cli_quantize_refuses_bad_group_size_naming_the_layer(folders, tmp_path)
                            "--group-size", "48", "--out", str(tmp_path / "x")], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "group size 48" in proc.stderr and "model.layers.0" in proc.stderr
+    with pytest.raises(ValueError, match="--calibration"):  # gptq without data: refused before any work
+        quantize_model(QuantizeConfig(model=str(folders["src"]), out=str(tmp_path / "y"), method="gptq"))
+    assert not (tmp_path / "y").exists()

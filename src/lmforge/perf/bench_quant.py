@@ -51,6 +51,8 @@ class BenchQuantConfig:
     threads: int = 1  # under contention, intra-op threads are catastrophically slow (see bench engine)
     dtype: str = "auto"  # auto: bfloat16 with native bf16, else float32
     linears: bool = True
+    lora_memory: bool = False  # peak RSS of LoRA training steps on a float32 / bf16 / int8 / int4 frozen base
+    inference: bool = True  # the dense / w8 / w4 / KV sections (off: only --lora-memory)
 
 
 def _activation_dtype(name: str) -> str:
@@ -173,6 +175,52 @@ def bench_linears(K: int, N: int, group_size: int) -> list[dict[str, Any]]:
     return rows
 
 
+LORA_STEP = """
+import sys, threading, time, psutil, torch
+from lmforge.model import Transformer
+from lmforge.train.lora import LoraConfig, apply_lora
+torch.set_num_threads(1)
+kind = sys.argv[2]
+m = Transformer.from_pretrained(sys.argv[1], dtype="float32", device="cpu")
+cfg = LoraConfig(rank=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                 base_dtype="bfloat16" if kind == "bfloat16" else "float32",
+                 base_quant=kind if kind in ("int8", "int4") else None)
+m = apply_lora(m, cfg)
+import gc; gc.collect()
+proc, peak, done = psutil.Process(), [0], threading.Event()
+start = proc.memory_info().rss
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], proc.memory_info().rss); time.sleep(0.002)
+threading.Thread(target=sample, daemon=True).start()
+opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
+V = m.config.vocab_size
+for _ in range(3):
+    ids = torch.randint(3, V, (4, 256))
+    loss = torch.nn.functional.cross_entropy(m(ids)[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
+    loss.backward(); opt.step(); opt.zero_grad()
+done.set(); time.sleep(0.01)
+print(start, max(peak[0], proc.memory_info().rss))
+"""
+
+
+def lora_peak_memory(model_dir: Path) -> list[dict[str, Any]]:
+    """Per frozen-base kind, one process: load the model (float32), put LoRA (rank 16, every projection)
+    on a base of that kind, then sample its resident memory every 2 ms through 3 AdamW steps on 4 x 256
+    tokens. Reported: RSS when training starts (torch + the model as held) and the peak during the
+    steps (the float32 load's own transient peak, before the base is lightened, is not counted)."""
+    import subprocess
+
+    rows = []
+    for kind in ("float32", "bfloat16", "int8", "int4"):
+        start, peak = (int(x) for x in subprocess.run([sys.executable, "-c", LORA_STEP, str(model_dir), kind],
+                                                      capture_output=True, text=True, check=True).stdout.split()[-2:])
+        rows.append({"base": kind, "rss_at_start_bytes": start, "peak_rss_bytes": peak})
+    for r in rows:
+        r["peak_vs_float32"] = round(r["peak_rss_bytes"] / rows[0]["peak_rss_bytes"], 3)
+    return rows
+
+
 def bench_quant_run(cfg: BenchQuantConfig) -> dict[str, Any]:
     import torch
 
@@ -212,6 +260,11 @@ def bench_quant_run(cfg: BenchQuantConfig) -> dict[str, Any]:
 
         emit(report, to_markdown, out, "bench_quant")
 
+    if not cfg.inference:
+        report["lora_memory"] = lora_peak_memory(base)
+        report["provenance"]["load_average_end"] = _loadavg()
+        save()
+        return report
     folders = {"dense": base}
     for scheme in ("w8a16", "w4a16"):
         folders[scheme] = out / f"{base.name}-{scheme}"
@@ -266,6 +319,8 @@ def bench_quant_run(cfg: BenchQuantConfig) -> dict[str, Any]:
     if cfg.linears:
         print("[bench quant] linears", file=sys.stderr, flush=True)
         report["linears"] = bench_linears(cfg.hidden, cfg.intermediate, cfg.group_size)
+    if cfg.lora_memory:
+        report["lora_memory"] = lora_peak_memory(base)
     report["provenance"]["load_average_end"] = _loadavg()
     save()
     return report
@@ -275,7 +330,15 @@ def to_markdown(r: dict[str, Any]) -> str:
     p = r["provenance"]
     lines = [f"# bench quant: `{r['model']}`", "", f"`{r['command']}`", "",
              f"{p['date']} on {p['machine']}, {p['dtype']} activations, {p['threads']} thread(s), load average at "
-             f"start {p['load_average']}, at end {p.get('load_average_end')}.", "",
+             f"start {p['load_average']}, at end {p.get('load_average_end')}.", ""]
+    if r.get("lora_memory"):
+        lines += ["LoRA (rank 16, all projections), 3 AdamW steps on 4 x 256 tokens, resident memory:", "",
+                  "| frozen base | RSS at start MiB | peak RSS MiB | peak x float32 base |",
+                  "| --- | --- | --- | --- |"]
+        lines += [f"| {x['base']} | {x['rss_at_start_bytes'] / 2**20:.0f} | {x['peak_rss_bytes'] / 2**20:.0f} | "
+                  f"{x['peak_vs_float32']} |" for x in r["lora_memory"]]
+        lines.append("")
+    lines += [
              "| variant | linear backend | weight MiB held | vs bf16 bytes | checkpoint bytes vs dense | "
              "batch-1 decode tok/s | x dense | batch-32 tok/s | x dense | greedy agreement (prefix / positions) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -319,12 +382,14 @@ def bench_quant(
     dtype: Annotated[str, typer.Option(help="auto (bf16 with native bf16, else float32) | float32 | bfloat16.")]
     = "auto",
     linears: Annotated[bool, typer.Option(help="Also time each linear backend alone.")] = True,
+    lora_memory: Annotated[bool, typer.Option(help="Also measure LoRA peak memory per frozen-base kind.")] = False,
+    inference: Annotated[bool, typer.Option(help="The dense/w8/w4/KV sections (--no-inference: LoRA only).")] = True,
 ) -> None:
     """Dense vs W8A16 vs W4A16 (weight bytes, batch-1 and batch-32 decode, greedy agreement) and KV int8
     at a fixed budget, one run, same weights. Writes bench_quant.json and bench_quant.md."""
     bench_quant_run(BenchQuantConfig(str(model) if model else None, str(out), hidden, layers, intermediate, vocab,
                                      group_size, decode_tokens, repeats, kv_budget_tokens, kv_requests, threads, dtype,
-                                     linears))
+                                     linears, lora_memory, inference))
 
 
 if __name__ == "__main__":
