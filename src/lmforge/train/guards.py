@@ -3,7 +3,7 @@
 - `preflight_train`: the memory estimate of the run (`perf.estimate.memory`) against the memory
   the device has free, before the model is built; refuses with the remedies that would fit, in
   order (checkpointing, LoRA, a smaller micro-batch with more accumulation).
-- `preflight_inference`: the same for serving (weights + KV pool for max_num_seqs × max_model_len).
+- `preflight_inference` (from `perf/preflight.py`, which `serve` uses): the same for serving.
 - `oom_message`: a `torch.OutOfMemoryError` (or CPU "can't allocate memory") answered with the
   estimate, the measured peak and the remedies.
 - `SpikeDetector`: z-score of the loss and the gradient norm over a trailing window; a spike
@@ -25,51 +25,11 @@ import os
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from lmforge.config import ConfigError
 from lmforge.perf.estimate import Estimate, ModelShape, fmt_bytes, memory
-
-
-class PreflightError(ConfigError):
-    """The run cannot fit the device; the message has the estimate and what would fit."""
-
-
-# ---- memory available ------------------------------------------------------------------------
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        text = Path(path).read_text().strip()
-        return None if text == "max" else int(text)
-    except (OSError, ValueError):
-        return None
-
-
-def available_memory(device: Any) -> tuple[int | None, str]:
-    """(bytes free for this process, where the figure comes from) on `device`.
-
-    CUDA: `torch.cuda.mem_get_info` (free on the device). CPU: /proc/meminfo MemAvailable,
-    lowered to the cgroup's limit minus its usage when the process runs in a container.
-    """
-    kind = getattr(device, "type", str(device).split(":")[0])
-    if kind == "cuda":
-        import torch
-
-        free, total = torch.cuda.mem_get_info(device)
-        return int(free), f"torch.cuda.mem_get_info ({fmt_bytes(total)} total)"
-    avail, source = None, "/proc/meminfo MemAvailable"
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    except OSError:
-        return None, "unknown (no /proc/meminfo)"
-    limit, used = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
-    if limit is not None and used is not None and (avail is None or limit - used < avail):
-        avail, source = limit - used, "cgroup memory.max − memory.current"
-    return avail, source
+from lmforge.perf.preflight import PreflightError, available_memory, preflight_inference  # noqa: F401 (re-exported)
 
 
 # ---- pre-flight ------------------------------------------------------------------------------
@@ -147,40 +107,6 @@ def preflight_train(cfg: Any, shape: ModelShape, seq_len: int, device: Any, worl
             f"Try, in order: {'; '.join(fixes)}. `lmforge estimate memory` shows the arithmetic; "
             f"train.preflight=false skips this check.")
     return est
-
-
-def preflight_inference(model: Any, dtype: str = "bfloat16", max_num_seqs: int = 128, max_model_len: int = 2048,
-                        device: Any = "cpu", kv_cache_memory_bytes: int | None = None, quant_bits: int | None = None,
-                        available: int | None = None) -> Estimate:
-    """For `serve`: weights + the KV pool (`kv_cache_memory_bytes`, or max_num_seqs full sequences)
-    against the device's free memory; raises `PreflightError` with what would fit."""
-    shape = ModelShape.from_config(model)
-    kind = getattr(device, "type", str(device).split(":")[0])
-    est = memory(shape, mode="inference", dtype=dtype, batch=max_num_seqs, seq_len=max_model_len,
-                 quant_bits=quant_bits, device_kind=kind)
-    if kv_cache_memory_bytes is not None:  # the pool is sized by bytes, not by sequences
-        weights = est["weights"]
-        est = Estimate(est.title, [t for t in est.terms if t.name in ("parameters", "weights")], est.assumptions)
-        est.add("kv cache", kv_cache_memory_bytes, "B", "kv_cache_memory_bytes")
-        est.add("total", weights + kv_cache_memory_bytes, "B", "weights + kv cache")
-        est.add("framework overhead", memory(shape, mode="inference", dtype=dtype, device_kind=kind).overhead, "B",
-                "runtime + fragmentation")
-    source = "given"
-    if available is None:
-        available, source = available_memory(device)
-    if available is None or _need(est) <= available:
-        return est
-    from lmforge.perf.estimate import kv_cache
-
-    per_seq = kv_cache(shape, max_model_len, 1, dtype)["per sequence"]
-    room = available - est["weights"] - est.overhead
-    fits = max(0, int(room // per_seq))
-    raise PreflightError(
-        f"pre-flight: serving needs ~{fmt_bytes(_need(est))} (weights {fmt_bytes(est['weights'])}, KV cache "
-        f"{fmt_bytes(est['kv cache'])}) but {kind} has {fmt_bytes(available)} free ({source}). "
-        + (f"Try max_num_seqs={fits} at max_model_len={max_model_len}, a shorter max_model_len, "
-           if fits else "The weights alone do not fit: ")
-        + "int8/int4 weights (`lmforge quantize`), or an int8 KV cache.")
 
 
 # ---- out of memory ---------------------------------------------------------------------------
