@@ -169,3 +169,62 @@ def test_console_streams_a_reply_and_counts_a_thumbs_down(model_dir, tmp_path):
             browser.close()
     stats = store.stats("1")
     assert stats["exchanges"] == 1 and stats["with_feedback"] == 1 and stats["low"] == 1
+
+
+@pytest.mark.slow
+def test_the_loop_serve_feedback_flywheel_lora_registry_canary_promote_rollback(model_dir, tmp_path):
+    """Champion served -> requests -> feedback -> flywheel -> LoRA training -> export -> registry add ->
+    canary at 50% -> promote (the gate passes) -> rollback restores the previous champion, byte-identical."""
+    import hashlib
+
+    from lmforge.eval.commands import run as eval_run
+    from lmforge.registry import Registry
+    from lmforge.registry.flywheel import build as flywheel
+    from lmforge.train.export import export_run
+    from lmforge.train.loop import main as train_main
+
+    v1 = tmp_path / "v1"
+    shutil.copytree(model_dir, v1)
+    digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(v1.iterdir()) if p.is_file()}
+    reg = Registry(tmp_path / "registry.db")
+    assert reg.add("tiny", v1).version == 1 and reg.get("tiny", "champion").version == 1
+    store = FeedbackStore(tmp_path / "feedback.db")
+
+    app = build_app(loader(v1), "tiny", feedback=store, log_requests=True, version="1")
+    with ServerThread(app) as srv:
+        _ready(srv)
+        questions = ["How do I reverse a list?", "What does a dict map?", "Name a sorting algorithm.",
+                     "What is a tuple?"]
+        for i, q in enumerate(questions):
+            r = httpx.post(srv.url + CHAT, json={"messages": [{"role": "user", "content": q}], "max_tokens": 8})
+            assert r.status_code == 200 and r.headers[VERSION_HEADER] == "1"
+            fix = {"correction": f"A short, correct answer number {i}."} if i < 3 else {}
+            assert httpx.post(srv.url + "/v1/feedback", json={"id": r.json()["id"], "score": -1, **fix}).status_code == 200
+
+    stats = flywheel(tmp_path / "feedback.db", reg, "tiny", tmp_path / "fw", min_count=1)
+    assert stats["in"] == 4 and stats["sft"] == 3  # the three corrected answers (the fourth has none)
+    train_main(str(tmp_path / "fw" / "sft-lora.yaml"), ["train.max_steps=2", "train.eval_every=0",
+                                                      "train.ckpt_every=2", "train.batch_size=2"], str(tmp_path / "run"))
+    v2 = export_run(tmp_path / "run", tmp_path / "v2")
+    assert reg.add("tiny", v2).version == 2
+    reg.set_alias("tiny", "challenger", 2)
+
+    app = build_app(loader(v1), "tiny", version="1", challenger=("2", loader(v2)), canary_percent=50)
+    with ServerThread(app) as srv:
+        _ready(srv)
+        seen = {httpx.post(srv.url + C, json={"prompt": "The city of", "max_tokens": 2, "user": f"u{i}"}
+                           ).headers[VERSION_HEADER] for i in range(30)}
+        assert seen == {"1", "2"}  # both versions take traffic at 50%
+
+    for version, folder in ((1, v1), (2, v2)):
+        eval_run(folder, suite=["tiny-text"], out=tmp_path / f"eval-{version}", limit=8, dtype="float32",
+                 device="cpu", batch_size=8, engine="simple", overwrite=False)
+        reg.attach_eval("tiny", version, tmp_path / f"eval-{version}")
+    decision = reg.promote("tiny", 2, max_regression=0.5)  # bits/byte: LoRA for 2 steps barely moves it
+    assert decision["allowed"] and not decision["forced"] and decision["gate"]["tasks"]  # the gate itself passed
+    assert reg.get("tiny", "champion").version == 2
+    assert reg.rollback("tiny").version == 1 and reg.get("tiny", "champion").version == 1
+    reg.verify(reg.get("tiny", "champion"))
+    assert digest == {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(v1.iterdir()) if p.is_file()}
+    kinds = [e["kind"] for e in reg.events("tiny")]
+    assert "promote" in kinds and "rollback" in kinds
