@@ -584,10 +584,13 @@ def throughput(shape: ModelShape | Any, device: Device | str | None = None, batc
 
 def decode_ceiling(model: Any, device: Device | str | None = None, batch: int = 1, context: int = 1024,
                    dtype: str = "bfloat16") -> float:
-    """Tokens/s a decode step of `batch` sequences at `context` tokens cannot beat on `device`.
-    For `bench engine`: `100 * measured / decode_ceiling(model_dir, "cpu", batch, ctx)` is the
-    percentage of the bandwidth ceiling."""
-    return throughput(model, device, batch, context, dtype)["ceiling"]
+    """The bandwidth ceiling of decode: bandwidth ÷ bytes read per step × batch, in tokens/s.
+    For `bench engine`: `100 * measured / decode_ceiling(model_dir, "cpu", batch, ctx)` is decode
+    as a percentage of it. Memory only, on purpose: the compute term uses torch's matmul peak,
+    which the engine's own kernels can beat (on a CPU without bf16 instructions by far); and a
+    model whose weights and KV fit in the caches is not bound by DRAM at all (then the
+    percentage is small and says so)."""
+    return throughput(model, device, batch, context, dtype)["memory ceiling"]
 
 
 def mfu_estimate(shape: ModelShape | Any, tokens_per_s: float, device: Device | str | None = None,
