@@ -80,6 +80,7 @@ class Cell:
     faithful: bool
     in_target: bool | None  # None where the target does not apply (M < P or not faithful)
     bubbles_measured: list[float] = field(default_factory=list)
+    # + "timeline": the last timed step's (stage, op, micro-batch, start, end) compute events
 
 
 def _random_batch(spec: Spec, g: torch.Generator) -> dict[str, torch.Tensor]:
@@ -171,8 +172,10 @@ def bench_worker(rank: int, world: int, bspec: BenchSpec) -> list[dict] | None:
                 dist.all_gather_object(evs, res.events)
                 if i:  # step 0 warms up
                     runs.append(measured_bubble(evs))
+                    timeline = [(s, e.op, e.mb, e.start, e.end) for s, stage_evs in enumerate(evs)
+                                for e in stage_evs if e.op in ("F", "B")]
             if rank == 0:
-                cells.append(_cell(name, world, M, runs, fb, send_s))
+                cells.append({**_cell(name, world, M, runs, fb, send_s), "timeline": timeline})
     if rank == 0:
         return [{"calibration": {"fwd_s": [x[0] for x in fb], "bwd_s": [x[1] for x in fb], "send_s": send_s}},
                 *cells]

@@ -152,6 +152,19 @@ def bench_parallel(
         report["tp"] = tp_bytes(degrees)
         md += "\n" + tp_markdown(report["tp"])
     print(md)
+    from .plots import plot_timeline
+    from .simulate import simulate
+
+    calib = report["calibration"]
+    for c in report["cells"]:
+        if c["microbatches"] == max(microbatches):  # measured beside simulated, for the largest M
+            tag = f"{c['schedule']}-P{c['stages']}-M{c['microbatches']}"
+            plot_timeline(c["timeline"], rd.path / f"timeline-{tag}-measured.png",
+                          title=f"{tag} measured (bubble {c['bubble_measured']:.3f}, CPU/wall {c['cpu_over_wall']:.2f})")
+            k = calib[str(c["stages"])]
+            sim = simulate(c["schedule"], c["stages"], c["microbatches"], k["fwd_s"], k["bwd_s"], k["send_s"])
+            plot_timeline(sim.events, rd.path / f"timeline-{tag}-simulated.png",
+                          title=f"{tag} simulated from the calibration (bubble {sim.bubble:.3f})")
     atomic_write_json(rd.path / "bench_parallel.json", report)
     atomic_write_text(rd.path / "bench_parallel.md", md)
     rd.finish(cells=len(report["cells"]), wall_s=report["wall_s"])
