@@ -1,10 +1,11 @@
-"""Local multi-process runs for tests and benchmarks: `run_local(fn, world, *args)` starts `world`
+"""Local multi-process runs for the benchmarks: `run_local(fn, world, *args)` starts `world`
 processes with `multiprocessing` (spawn), joins them in one gloo group, calls
 `fn(rank, world, *args)` in each and returns the values they returned, in rank order.
 
-Under torchrun nothing here is needed: `init_from_env()` joins the group torchrun describes.
-This is the test harness's launcher, not a training launcher (training always goes through
-torchrun). It knows nothing about models.
+Under torchrun nothing here is needed (`lmforge.train.loop.init_distributed` joins the group torchrun
+describes; the tests run `lmforge.parallel.selftest` that way). This launches a benchmark's
+processes from one command, not training (training always goes through torchrun). It knows nothing
+about models.
 
     from lmforge.parallel.launch import run_local
     results = run_local(my_module.worker, 4, config)    # worker must be importable (spawn pickles it)
