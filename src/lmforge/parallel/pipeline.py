@@ -12,7 +12,7 @@ the matrix and all-reduce its gradient after the step (Megatron's embedding grou
 
 Why not `torch.distributed.pipelining`'s `ScheduleGPipe`/`Schedule1F1B`: they run the same
 schedules, but expose no per-action timestamps and send through their own stage objects; this file
-is ~150 lines, follows the exact action lists the simulator reads, and records where every
+is ~200 lines, follows the exact action lists the simulator reads, and records where every
 millisecond goes. It knows nothing about optimizers or data loading.
 
 Shape legend: b micro-batch rows, T tokens, D hidden, V vocabulary.
