@@ -80,14 +80,18 @@ def test_feedback_is_stored_beside_a_pii_masked_exchange(model_dir, tmp_path):
         assert ok.status_code == 200, ok.text
         assert httpx.post(srv.url + "/v1/feedback", json={"id": "cmpl-nope", "score": 1}).status_code == 404
         assert httpx.post(srv.url + "/v1/feedback", json={"id": body["id"], "score": 9}).status_code == 400
+        long = httpx.post(srv.url + C, json={"prompt": "The city of", "max_tokens": 64, "ignore_eos": True})
+        words = long.json()["choices"][0]["text"].split()
         metrics = httpx.get(srv.url + "/metrics").text
         assert 'lmforge:feedback_score_count{model_name="tiny",model_version="7"} 1.0' in metrics
+        if len(words) >= 3:  # the repetition histogram observes every output with a 3-gram
+            assert 'lmforge:output_repeated_ngram_rate_count{model_name="tiny",model_version="7"}' in metrics
         assert 'lmforge:feedback_low_score_ratio{model_name="tiny",model_version="7"} 1.0' in metrics
         assert 'vllm:request_success_total{finished_reason="length",model_name="tiny",model_version="7"}' in metrics
     raw = b"".join(p.read_bytes() for p in tmp_path.glob("fb.db*"))
     assert b"jane.doe@example.com" not in raw and b"example.com" not in raw
     rows = list(store.exchanges())
-    assert len(rows) == 1 and rows[0]["model_version"] == "7"
+    assert len(rows) == 2 and {r["model_version"] for r in rows} == {"7"}
 
 
 def _ready(srv, timeout: float = 60) -> None:

@@ -733,6 +733,9 @@ def _ended(job: Job, trackers: list[_Tracker], status: int) -> None:
     st = job.st
     if st.canary is not None:
         st.canary.outcome(job.sv.label, status >= 500)
+    if status == 200:
+        st.metrics.observe_repetition(job.sv.label, [c.text for t in trackers if t.last is not None
+                                                     for c in t.last.outputs])
     if st.exchange_log is None or status != 200:
         return
     if job.kind == "chat.completion":

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from lmforge.engine import RequestOutput
+from lmforge.eval.metrics import repeated_ngram_rate
 
 log = logging.getLogger("lmforge.serve")
 
@@ -116,6 +117,9 @@ class ServerMetrics:
         self.low_score_ratio = Gauge("lmforge:feedback_low_score_ratio",
                                      "Fraction of feedback that is low (thumbs down, or 1-2 of 5).", lab, registry=r)
         self.auto_rollbacks = Counter("lmforge:canary_rollbacks", "Automatic rollbacks of the challenger.", registry=r)
+        self.repetition = Histogram("lmforge:output_repeated_ngram_rate",
+                                    "Per output: share of its word 3-grams already seen earlier in it (1 = a loop).",
+                                    lab, buckets=(0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0), registry=r)
         r.register(EngineCollector(stats_fn, model_name))
         self._children: dict[str, dict] = {}
         self._feedback: dict[str, list[int]] = {}  # version -> [low, total]
@@ -163,6 +167,14 @@ class ServerMetrics:
         counts[0] += int(low)
         counts[1] += 1
         self.low_score_ratio.labels(self.model_name, version).set(counts[0] / counts[1])
+
+    def observe_repetition(self, version: str, texts: list[str]) -> None:
+        """Repeated output (the seed's "repeated output" symptom) as a distribution per version."""
+        child = self.repetition.labels(self.model_name, version)
+        for t in texts:
+            rate = repeated_ngram_rate(t, 3)
+            if rate is not None:  # too short to repeat a 3-gram: not an observation
+                child.observe(rate)
 
     def count_error(self, status: int) -> None:
         self.http_errors.labels(self.model_name, str(status)).inc()
