@@ -70,6 +70,10 @@ class LLM:
         bm.hash_to_block.clear()
         for block in bm.blocks:  # every block is free between generate() calls: drop what they cached
             block.reset()
+        # and hand them out in a fresh pool's order: which blocks a sequence gets decides whether the
+        # attention reads them in place or gathers them (another summation order), so the next outputs
+        # are bit-for-bit those of an engine started on these weights, whatever ran before
+        bm.free = type(bm.free).fromkeys(range(bm.num_blocks))
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
