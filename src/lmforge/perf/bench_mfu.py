@@ -164,7 +164,7 @@ def measure(cfg: Any, s: Setting, steps: int, warmup: int = 2, against: StepRunn
     """Median seconds per step (and of waiting for the loader) over `steps` timed steps.
 
     With `against` (the best rung so far), its steps and this setting's alternate (A, B, A, B, ...)
-    and `speedup` is the median of the paired ratios: load that comes and goes on a shared machine
+    and `speedup` is the median of the paired tokens/s ratios: load that comes and goes on a shared machine
     slows both halves of a pair alike and cancels out of the ratio.
     """
     run = StepRunner(cfg, s)
@@ -178,8 +178,8 @@ def measure(cfg: Any, s: Setting, steps: int, warmup: int = 2, against: StepRunn
         dt, wait = run.step()
         times.append(dt)
         waits.append(wait)
-        if ref is not None:
-            ratios.append(ref / dt)
+        if ref is not None:  # tokens/s over tokens/s: a rung that changes the batch changes tokens per step
+            ratios.append((run.tokens / dt) / (against.tokens / ref))
     step_s = statistics.median(times)
     return {"step_s": step_s, "data_wait_s": statistics.median(waits), "tokens_per_s": run.tokens / step_s,
             "speedup": statistics.median(ratios) if ratios else None, "seq_len": run.seq_len,
@@ -187,6 +187,8 @@ def measure(cfg: Any, s: Setting, steps: int, warmup: int = 2, against: StepRunn
 
 
 # ---- the ladder ------------------------------------------------------------------------------
+
+KEEP_ABOVE = 1.02  # a change is kept when it is at least 2% faster: less is within the paired noise
 
 
 def _peak(device: str, dtype: str) -> float | None:
@@ -257,10 +259,10 @@ def run_ladder(cfg: Any, steps: int = 6, max_batch: int | None = None, skip: tup
         rung.speedup_vs_best = m["speedup"] or 1.0
         rung.speedup_vs_base = (best.speedup_vs_base if best else 1.0) * rung.speedup_vs_best
         rung.extra = {"flops_per_token": fpt, "peak_flops": peak, "seq_len": m["seq_len"]}
-        if best is None or rung.speedup_vs_best > 1.0:
+        if best is None or rung.speedup_vs_best > KEEP_ABOVE:
             rung.kept, best, best_runner = True, rung, m["runner"]
         else:
-            rung.note = "slower: not kept"
+            rung.note = "slower: not kept" if rung.speedup_vs_best < 1.0 else f"within {KEEP_ABOVE - 1:.0%}: not kept"
         progress(f"  {rung.tokens_per_s:,.0f} tok/s, {rung.speedup_vs_best:.2f}× the best rung before it (paired), "
                  f"data wait {rung.data_wait_s * 1e3:.1f} ms of {rung.step_s * 1e3:.1f} ms"
                  + (f", MFU {rung.mfu:.1%}" if rung.mfu else "") + f" {rung.note}")
