@@ -254,7 +254,7 @@ def run_ladder(cfg: Any, steps: int = 6, max_batch: int | None = None, skip: tup
         fpt = model_flops_per_token(model_config, m["seq_len"])
         peak = _peak(device, rung.setting.dtype)
         rung.tokens_per_s, rung.step_s, rung.data_wait_s = m["tokens_per_s"], m["step_s"], m["data_wait_s"]
-        rung.mfu = fpt * m["tokens_per_s"] / peak if peak else None
+        rung.mfu = _mfu(rung, fpt, m["tokens_per_s"], peak)
         # speed-up over the best rung so far: paired ratios (load-robust); vs the baseline: their product
         rung.speedup_vs_best = m["speedup"] or 1.0
         rung.speedup_vs_base = (best.speedup_vs_base if best else 1.0) * rung.speedup_vs_best
@@ -262,7 +262,8 @@ def run_ladder(cfg: Any, steps: int = 6, max_batch: int | None = None, skip: tup
         if best is None or rung.speedup_vs_best > KEEP_ABOVE:
             rung.kept, best, best_runner = True, rung, m["runner"]
         else:
-            rung.note = "slower: not kept" if rung.speedup_vs_best < 1.0 else f"within {KEEP_ABOVE - 1:.0%}: not kept"
+            rung.note = ("slower: not kept" if rung.speedup_vs_best < 1.0 else f"within {KEEP_ABOVE - 1:.0%}: not kept") \
+                + (f"; {rung.note}" if rung.note else "")
         progress(f"  {rung.tokens_per_s:,.0f} tok/s, {rung.speedup_vs_best:.2f}× the best rung before it (paired), "
                  f"data wait {rung.data_wait_s * 1e3:.1f} ms of {rung.step_s * 1e3:.1f} ms"
                  + (f", MFU {rung.mfu:.1%}" if rung.mfu else "") + f" {rung.note}")
@@ -284,8 +285,25 @@ def _headroom(best: Rung, model_config: Any, device: str) -> dict[str, Any]:
         return {"error": str(e)}
     achieved = best.extra["flops_per_token"] * best.tokens_per_s
     attainable = rl["prefill attainable"]
+    if achieved > attainable:  # the same error as MFU > 100%: the measured peak is too low
+        return {"error": f"achieved {achieved / 1e9:.3g} GFLOP/s exceeds the roofline's {attainable / 1e9:.3g}: "
+                         f"the doctor's peak is too low (measured on a busy machine?); rerun `lmforge doctor` idle"}
     return {"attainable_flops": attainable, "achieved_flops": achieved, "headroom": attainable / achieved,
             "ridge": rl["ridge point"], "intensity": rl["prefill intensity"], "device": dev.name}
+
+
+def _mfu(rung: Rung, fpt: float, tokens_per_s: float, peak: float | None) -> float | None:
+    """MFU through `perf.mfu.mfu`, so above 100% stays an error: noted on the rung, no figure."""
+    from lmforge.perf.mfu import mfu
+
+    if not peak:
+        return None
+    try:
+        return mfu(fpt, tokens_per_s, peak)
+    except ValueError as e:
+        rung.note = (f"MFU > 100%: the peak {peak / 1e9:.3g} GFLOP/s is too low (a doctor run on a busy machine?); "
+                     f"rerun `lmforge doctor` idle. {str(e).split(';')[0]}")
+        return None
 
 
 def _not_applicable(rung: Rung, device: str) -> str:
@@ -311,7 +329,7 @@ def _rung_dict(r: Rung) -> dict[str, Any]:
 def to_markdown(result: dict[str, Any], command: str, load: tuple[float, float, float]) -> str:
     lines = [f"# MFU ladder ({result['device']})", "", f"`{command}` — {result['steps']} timed steps per rung "
              f"(median), load average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}", "",
-             "Δ is the median of paired step-time ratios against the best rung before it (steps of the two "
+             "Δ is the median of paired tokens/s ratios against the best rung before it (steps of the two "
              "alternate, so load drift cancels); × baseline is the product of the kept Δs.", "",
              "| step | change | tokens/s | MFU | Δ vs best before | × baseline | data wait | kept | physical reason |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -321,12 +339,14 @@ def to_markdown(result: dict[str, Any], command: str, load: tuple[float, float, 
         delta = f"{r['speedup_vs_best'] - 1:+.0%}" if r["speedup_vs_best"] is not None and r["step"] != "0" else "—"
         base = f"{r['speedup_vs_base']:.2f}×" if r["speedup_vs_base"] is not None else "—"
         wait = f"{r['data_wait_s'] * 1e3:.1f} ms" if r["data_wait_s"] is not None else "—"
-        kept = "✓" if r["kept"] else (r["note"] or "—")
+        kept = ("✓" + (f" ({r['note']})" if r["note"] else "")) if r["kept"] else (r["note"] or "—")
         lines.append(f"| {r['step']} | {r['change']} ({r['setting']['dtype']}, batch {r['setting']['batch_size']}) "
                      f"| {tps} | {mfu} | {delta} | {base} | {wait} | {kept} | {r['reason']} |")
     if result.get("speedup"):
         lines += ["", f"Best rung {result['best']}: {result['speedup']:.2f}× the float32 baseline."]
     h = result.get("headroom") or {}
+    if "error" in h:
+        lines += [f"Roofline headroom: not computed: {h['error']}."]
     if "headroom" in h:
         lines += [f"Roofline on {h['device']}: ridge {h['ridge']:.3g} FLOP/B, the step's intensity {h['intensity']:.3g} "
                   f"FLOP/B, attainable {h['attainable_flops'] / 1e9:.3g} GFLOP/s, achieved "
