@@ -46,7 +46,8 @@ def test_sigterm_finishes_in_flight_and_exits_zero(model_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(serve_cmd("serve", str(model_dir), "--port", str(port), "--served-model-name", "tiny",
-                                      "--dtype", "float32", "--max-model-len", "256", "--shutdown-timeout", "20"),
+                                      "--dtype", "float32", "--max-model-len", "256", "--shutdown-timeout", "20",
+                                      "--kv-cache-dtype", "int8"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_healthy(url, proc)
@@ -74,3 +75,21 @@ def test_sigterm_finishes_in_flight_and_exits_zero(model_dir):
 def test_bad_model_dir_exits_with_a_reason(tmp_path):
     proc = subprocess.run(serve_cmd("serve", str(tmp_path / "missing")), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "config.json" in proc.stderr
+
+
+def test_bad_engine_option_exits_2_naming_it(model_dir):
+    proc = subprocess.run(serve_cmd("serve", str(model_dir), "--kv-cache-dtype", "fp4"), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "kv_cache_dtype" in proc.stderr
+
+
+def test_a_model_that_cannot_fit_is_refused_before_loading(tmp_path):
+    """Only a 70B-shaped config.json, no weights: the pre-flight estimate refuses it (exit 2, what would fit)."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256, "max_position_embeddings": 8192}))
+    proc = subprocess.run(serve_cmd("serve", str(tmp_path), "--device", "cpu"), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "pre-flight" in proc.stderr and "weights" in proc.stderr

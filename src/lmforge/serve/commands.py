@@ -53,6 +53,8 @@ def serve(
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
     num_kv_blocks: Annotated[Optional[int], typer.Option(help="KV pool size in blocks (default: from memory).")] = None,
     kv_cache_memory_bytes: Annotated[Optional[int], typer.Option(help="KV pool budget in bytes.")] = None,
+    kv_cache_dtype: Annotated[str, typer.Option(
+        help="auto (the model's dtype) | int8 (a scale per token per head: ~2x the tokens per byte).")] = "auto",
     max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one step.")] = 128,
     max_num_batched_tokens: Annotated[int, typer.Option(help="Per-step token budget.")] = 2048,
     max_model_len: Annotated[Optional[int], typer.Option(help="Context length (default: the model's).")] = None,
@@ -98,6 +100,7 @@ def serve(
     try:
         config = EngineConfig(model=str(model_dir), dtype=dtype, device=device, block_size=block_size,
                               num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                              kv_cache_dtype=kv_cache_dtype,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, seed=seed)
     except ValueError as e:
@@ -113,6 +116,7 @@ def serve(
             raise typer.Exit(2)
     limits = ServerLimits(max_body_bytes=max_body_bytes, read_timeout_s=read_timeout, max_waiting=max_waiting,
                           max_engine_restarts=max_engine_restarts)
+    preflight(model_dir, dtype, device, max_num_seqs, max_model_len, kv_cache_memory_bytes)
     feedback = None
     if log_requests or feedback_db is not None or registry is not None:
         from lmforge.registry import FeedbackStore
@@ -124,6 +128,36 @@ def serve(
                                 max_waiting, shutdown_timeout, log_level, engine_process, limits,
                                 registry=(registry, model) if registry else None, canary=canary, feedback=feedback,
                                 log_requests=log_requests))
+
+
+def preflight(model_dir: Path, dtype: str, device: str, max_num_seqs: int, max_model_len: int | None,
+              kv_cache_memory_bytes: int | None) -> None:
+    """Refuse, before loading anything, a model and KV pool that cannot fit the device's memory
+    (`lmforge.perf.preflight`); exit 2 with what would fit. The pool is what the engine would take:
+    the given budget, on CPU at most 2 GiB, on CUDA what is left after the weights."""
+    import json
+    import logging
+
+    from lmforge.engine.llm_engine import CPU_KV_CACHE_BYTES
+    from lmforge.perf.preflight import PreflightError, preflight_inference
+
+    cuda = device.startswith("cuda") or (device == "auto" and _cuda_available())
+    kv = kv_cache_memory_bytes if kv_cache_memory_bytes is not None else (0 if cuda else CPU_KV_CACHE_BYTES)
+    try:
+        context = max_model_len or json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", 2048)
+        preflight_inference(model_dir, "float32" if dtype == "float32" else "bfloat16", max_num_seqs, context,
+                            "cuda" if cuda else "cpu", kv)
+    except PreflightError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    except Exception as e:  # an estimate that cannot read this model must not stop a server that may fit
+        logging.getLogger("lmforge.serve").warning("pre-flight memory check skipped: %s: %s", type(e).__name__, e)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def registry_versions(registry: Path, name: str) -> dict:
