@@ -358,7 +358,7 @@ def _engine_child(pid: int) -> int:
 def test_killed_engine_is_restarted_then_shutdown_aborts_streams_cleanly(model_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _serve(model_dir, port, "--max-engine-restarts", "1", "--shutdown-timeout", "1")
+    proc = _serve(model_dir, port, "--max-engine-restarts", "1", "--shutdown-timeout", "0")
     try:
         _wait(url + "/health/ready", 200)
         os.kill(_engine_child(proc.pid), signal.SIGKILL)
@@ -377,8 +377,9 @@ def test_killed_engine_is_restarted_then_shutdown_aborts_streams_cleanly(model_d
 
         t = threading.Thread(target=stream)
         t.start()
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
+        while not lines and t.is_alive():  # the stream is under way (an idle machine ends it in < 1 s)
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)  # past --shutdown-timeout 0 at once
         t.join(30)
         assert proc.wait(30) == 0
         assert lines[-1] == "data: [DONE]"
