@@ -81,6 +81,13 @@ class AsyncLLMEngine:
         """True while the stepping thread serves requests (False after `shutdown()`)."""
         return not self._stopped and self._thread.is_alive()
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine is gone (None while it runs)."""
+        if self.is_running:
+            return None
+        return "AsyncLLMEngine shut down" if self._stopped else "the engine thread stopped"
+
     def stats(self) -> dict:
         """`LLMEngine.stats()` as of the last step or command; never waits."""
         return self._stats

@@ -121,6 +121,15 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
         return not self._stopped and self._dead is None and self._proc.poll() is None
 
     @property
+    def dead_reason(self) -> str | None:
+        """Why the engine is gone (None while it runs), readable as soon as the process has exited,
+        before the receiver thread has failed the requests in flight."""
+        if self._dead is not None:
+            return str(self._dead)
+        code = self._proc.poll()
+        return None if code is None else f"the engine process exited ({exit_cause(code)})"
+
+    @property
     def pid(self) -> int | None:
         return self._proc.pid
 

@@ -139,7 +139,7 @@ def _not_ready(v: Served) -> str:
     if v.down is not None:
         return f"the engine is restarting after: {v.down}"
     if v.engine is not None and not v.engine.is_running:
-        return f"the engine stopped: {getattr(v.engine, '_dead', None) or 'its thread is gone'}"
+        return f"the engine stopped: {getattr(v.engine, 'dead_reason', None) or 'its thread is gone'}"
     return "the engine is not running"
 
 
@@ -315,7 +315,7 @@ async def _watch(state: ServerState, interval_s: float = 0.2) -> None:
 
 
 async def _restart(state: ServerState, v: Served) -> None:
-    cause = str(getattr(v.engine, "_dead", None) or "the engine stopped")
+    cause = getattr(v.engine, "dead_reason", None) or "the engine stopped"
     v.down = cause
     log.error("engine of %s stopped: %s", v.label, cause)
     with contextlib.suppress(Exception):
