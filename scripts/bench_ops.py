@@ -23,8 +23,6 @@ import os
 import platform
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -38,34 +36,16 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from lmforge.registry import Registry  # noqa: E402
 from lmforge.serve.bench import BenchConfig, bench_serve  # noqa: E402
+from lmforge.serve.testing import spawn_server, stop_server  # noqa: E402
 
 KEY = "bench-ops-key"
 
 
-def start(args: list[str], port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "lmforge.cli", "serve", *args, "--port", str(port), "--log-level", "warning",
-           "--api-key", KEY, "--max-model-len", "512"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited: {proc.stderr.read()[-3000:]}")
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("server not ready in 240 s")
+def start(args: list[str], port: int):
+    return spawn_server([*args, "--log-level", "warning", "--api-key", KEY, "--max-model-len", "512"], port)
 
 
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+stop = stop_server
 
 
 def bench(url: str, n: int, c: int, seed: int) -> dict:

@@ -25,8 +25,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +32,9 @@ from pathlib import Path
 
 import httpx
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from lmforge.serve.testing import spawn_server, stop_server  # noqa: E402
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 GOOD = {"max_tokens": 32, "temperature": 0, "stream": True, "ignore_eos": True}
@@ -116,31 +117,9 @@ async def slow_body(host: str, port: int, until: float) -> None:
             pass
 
 
-def start_server(model: str, port: int, *extra: str) -> subprocess.Popen:
-    exe = [sys.executable, "-m", "lmforge.cli", "serve", model, "--port", str(port), "--served-model-name", "soak",
-           "--log-level", "warning", "--read-timeout", "2", *extra]
-    proc = subprocess.Popen(exe, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited: {proc.stderr.read()[-2000:]}")
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("server did not become ready in 180 s")
-
-
-def stop_server(proc: subprocess.Popen) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return -9
+def start_server(model: str, port: int, *extra: str):
+    return spawn_server([model, "--served-model-name", "soak", "--log-level", "warning", "--read-timeout", "2",
+                         *extra], port, timeout=180)
 
 
 async def soak_phase(url: str, port: int, seconds: float, hostile: int, concurrency: int) -> dict:

@@ -101,3 +101,41 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(timeout=30)
         self.sock.close()
+
+
+def spawn_server(args: list[str], port: int, timeout: float = 240.0):
+    """`lmforge serve ARGS --port PORT` as a child process, returned once /health/ready answers 200
+    (SystemExit with the server's last stderr if it exits first or never gets ready). For scripts
+    that measure a real server: scripts/soak_serve.py, scripts/bench_ops.py."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    proc = subprocess.Popen([sys.executable, "-m", "lmforge.cli", "serve", *args, "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited: {proc.stderr.read()[-3000:]}")
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"server not ready in {timeout:g} s")
+
+
+def stop_server(proc) -> int:
+    """SIGTERM, then the exit code (-9 after a kill when it does not stop within 60 s)."""
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return -9
