@@ -153,6 +153,8 @@ class Quickstart:
         from lmforge.train.loop import train
 
         overrides = [f"data.path={self.d['packed']}", *self.s.overrides]
+        if _fast_dtype() == "float32":  # no bf16 units: emulated bf16 matmuls are ~80x slower than fp32
+            overrides.append("train.dtype=float32")
         cfg = load_config(TrainConfig, REPO_CONFIGS / self.s.config, overrides)
         resume = (self.d["train"] / "checkpoints").is_dir()
         train(cfg, self.d["train"], resume=resume, overwrite=not resume)
@@ -193,7 +195,7 @@ class Quickstart:
 
         cfg = BenchEngineConfig(model=str(self.d["model"]), workload="high-variance",
                                 num_requests=self.s.bench_requests, hf_sequential_requests=self.s.bench_hf_requests,
-                                dtype="bfloat16", baselines=("hf-sequential", "lmforge"), out=str(self.d["bench"]))
+                                dtype=_fast_dtype(), baselines=("hf-sequential", "lmforge"), out=str(self.d["bench"]))
         bench_engine_run(cfg, command=f"lmforge bench engine --model {self.d['model']} --num-requests "
                                       f"{cfg.num_requests} --hf-sequential-requests {cfg.hf_sequential_requests} "
                                       f"--baselines hf-sequential,lmforge")
@@ -435,3 +437,15 @@ def quickstart(out: Path, tiny: bool = False) -> int:
 if __name__ == "__main__":
     raise SystemExit(quickstart(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("runs/quickstart"),
                                 tiny="--tiny" in sys.argv))
+
+
+def _fast_dtype() -> str:
+    """bfloat16 where the hardware computes it (CUDA, or a CPU with AVX512-BF16/AMX/Arm bf16), else
+    float32: on an AVX2-only CPU bf16 is emulated and the quickstart would crawl."""
+    import torch
+
+    from lmforge.perf.doctor import cpu_bf16_flags
+
+    if torch.cuda.is_available():
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    return "bfloat16" if cpu_bf16_flags() else "float32"
