@@ -438,6 +438,7 @@ def bench_engine_run(cfg: BenchEngineConfig, command: str | None = None) -> dict
             save()
     report["provenance"]["load_average_end"] = _loadavg()
     report["ratios"] = _ratios(report["systems"])
+    report["bandwidth"] = _decode_vs_ceiling(model_dir, cfg.dtype, reqs, report["systems"])
     save()
     print(to_markdown(report))
     return report
@@ -477,6 +478,25 @@ def _ratios(systems: list[dict]) -> dict[str, float]:
             and k in SYSTEMS}
 
 
+def _decode_vs_ceiling(model_dir: Path, dtype: str, reqs: list, systems: list[dict]) -> dict[str, Any] | None:
+    """lmforge's output tok/s as a percentage of the decode ceiling (`perf.estimate.decode_ceiling`:
+    measured memory bandwidth ÷ bytes read per step, at the run's mean batch and mean context). The
+    run's time includes prefill, so this is a lower bound on decode's share of the ceiling."""
+    lm = next((s for s in systems if s["system"] == "lmforge"), None)
+    if lm is None or not lm.get("steps"):
+        return None
+    batch = max(1, round(sum(r.output_len for r in reqs) / lm["steps"]))
+    context = round(sum(len(r.prompt) + r.output_len / 2 for r in reqs) / len(reqs))
+    try:
+        from lmforge.perf.estimate import decode_ceiling
+
+        ceiling = decode_ceiling(model_dir, "cpu", batch, context, dtype)
+    except Exception as e:  # no bandwidth in the hardware profile yet: say how to get one
+        return {"error": f"{type(e).__name__}: {e} (run `lmforge doctor`)"}
+    return {"mean_batch": batch, "mean_context": context, "ceiling_tok_s": ceiling,
+            "percent_of_ceiling": 100 * lm["output_tok_s"] / ceiling}
+
+
 def to_markdown(report: dict[str, Any]) -> str:
     cfg, p = report["config"], report["provenance"]
     lines = [f"# bench engine: workload `{cfg['workload']}`, {report['requests']['count']} requests",
@@ -506,6 +526,13 @@ def to_markdown(report: dict[str, Any]) -> str:
         pc = report["prefix_cache"]
         lines += ["", f"Prefix cache: mean TTFT {pc['mean_ttft_ms_on']:.0f} ms on vs {pc['mean_ttft_ms_off']:.0f} ms "
                       f"off ({100 * pc['ttft_reduction']:.0f}% lower)."]
+    bw = report.get("bandwidth")
+    if bw and "percent_of_ceiling" in bw:
+        lines += ["", f"Decode vs the bandwidth ceiling: lmforge {bw['percent_of_ceiling']:.0f}% of "
+                      f"{bw['ceiling_tok_s']:.0f} tok/s (measured bandwidth ÷ bytes per step at mean batch "
+                      f"{bw['mean_batch']}, context {bw['mean_context']}; prefill time included)."]
+    elif bw:
+        lines += ["", f"Decode vs the bandwidth ceiling: not computed ({bw['error']})."]
     prof = next((s.get("step_profile") for s in report["systems"] if s["system"] == "lmforge"), None)
     if prof:
         lines += ["", "lmforge step-time profile (share of engine step time):", "",
