@@ -232,3 +232,13 @@ def test_the_loop_serve_feedback_flywheel_lora_registry_canary_promote_rollback(
     assert digest == {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(v1.iterdir()) if p.is_file()}
     kinds = [e["kind"] for e in reg.events("tiny")]
     assert "promote" in kinds and "rollback" in kinds
+
+
+def test_repetition_histogram_counts_a_looping_output_in_its_top_bucket():
+    from lmforge.serve.metrics import ServerMetrics
+
+    m = ServerMetrics("tiny", 256, lambda: {})
+    m.observe_repetition("1", ["the cat sat " * 10, "one two", "a fresh sentence with no repeats at all"])
+    text = m.exposition().decode()
+    assert 'lmforge:output_repeated_ngram_rate_count{model_name="tiny",model_version="1"} 2.0' in text  # "one two": no 3-gram
+    assert 'lmforge:output_repeated_ngram_rate_bucket{le="0.7",model_name="tiny",model_version="1"} 1.0' in text

@@ -53,20 +53,10 @@ class GroupDist(Dist):
     """The data-parallel view of a rank: `rank`/`world_size` index the data shards; `main` is global rank 0."""
 
     global_rank: int = 0
-    group: Any = None
 
     @property
     def main(self) -> bool:
         return self.global_rank == 0
-
-    def all_sum(self, *values: float) -> list[float]:
-        if self.world_size == 1:
-            return [float(v) for v in values]
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64)
-        if dist.get_backend() == "nccl":
-            t = t.cuda()
-        dist.all_reduce(t, group=self.group)
-        return t.tolist()
 
 
 class ParallelTrainer(Trainer):

@@ -69,6 +69,7 @@ class Dist:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    group: Any = None  # the data-parallel process group (None: the whole world)
 
     @property
     def main(self) -> bool:
@@ -80,7 +81,7 @@ class Dist:
         t = torch.tensor([float(v) for v in values], dtype=torch.float64)
         if dist.get_backend() == "nccl":
             t = t.cuda()
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.group)
         return t.tolist()
 
 
