@@ -80,6 +80,27 @@ def test_deltas_add_up_to_decode_and_never_split_a_character(tok, text):
         assert deltas[-1] == ""  # nothing was held back longer than needed: flush has nothing left
 
 
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=TEXT, cut=st.integers(0, 40))
+def test_final_only_without_stops_decodes_once_at_the_end_to_the_same_text(tok, text, cut):
+    """LLM.generate's requests (final_only, no stop strings) skip the per-token decode; the text at
+    the end, and the text an abort releases part-way, are those of the incremental path."""
+    ids = tok.encode(text)
+    lazy_params, eager_params = SamplingParams(output_kind="final_only"), SamplingParams()
+    deltas, _, eager = stream(tok, ids, eager_params)
+    lazy_deltas, _, lazy = stream(tok, ids, lazy_params)
+    assert lazy.lazy and not eager.lazy and not IncrementalDetokenizer(tok, SamplingParams(
+        output_kind="final_only", stop=["x"]), []).lazy
+    assert lazy_deltas[:-1] == [""] * len(ids) and lazy_deltas[-1] == "".join(deltas) == lazy.text
+    prefix = ids[:cut]  # an abort after `cut` tokens
+    part_eager = IncrementalDetokenizer(tok, eager_params, tok.encode("User: hi\n"))
+    released = "".join(part_eager.step([t])[0] for t in prefix)
+    part_lazy = IncrementalDetokenizer(tok, lazy_params, tok.encode("User: hi\n"))
+    for t in prefix:
+        part_lazy.step([t])
+    assert part_lazy.catch_up() == released
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=TEXT, stop=st.text(alphabet=st.sampled_from(list("ab 你🙂\n")), min_size=1, max_size=4),
        include=st.booleans(), insert_at=st.none() | st.integers(0, 40))

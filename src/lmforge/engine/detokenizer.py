@@ -40,12 +40,18 @@ class IncrementalDetokenizer:
         self._emitted = 0  # characters of self.text already returned by step/flush
         self._finished = False
         self._stops = StopMatcher(sampling_params.stop) if sampling_params.stop else None
+        # Nobody reads a final_only request's text before it ends, and without stop strings nothing
+        # depends on it either: decode once at the end (one call instead of two per token; the
+        # same text, since the windows of the incremental path add up to it).
+        self.lazy = sampling_params.output_kind == "final_only" and self._stops is None
 
     def step(self, new_token_ids: list[int]) -> tuple[str, bool]:
         """Add tokens; return (text safe to stream now, whether a stop string matched)."""
         if self.tokenizer is None or self._finished:
             return "", self.stop_str is not None
         self._ids.extend(new_token_ids)
+        if self.lazy:
+            return "", False
         new_text = self._decode_new(final=False)
         if self._append_and_check_stop(new_text):
             return self._take(len(self.text)), True
@@ -56,6 +62,15 @@ class IncrementalDetokenizer:
         if self.tokenizer is None or self._finished:
             return ""
         self._append_and_check_stop(self._decode_new(final=True))
+        self._finished = True
+        return self._take(len(self.text))
+
+    def catch_up(self) -> str:
+        """The text the incremental path would have released by now (a lazy request that is aborted)."""
+        if self.tokenizer is None or self._finished:
+            return ""
+        # the incremental path holds back only a trailing incomplete character
+        self._append_and_check_stop(self._decode_new(final=True).rstrip("\ufffd"))
         self._finished = True
         return self._take(len(self.text))
 

@@ -52,20 +52,31 @@ class LLM:
     def load_weights(self, state_dict: dict) -> None:
         """Copy a trainer's weights (a `Transformer.state_dict()`, same names) into the engine's model in
         place, and forget the prefix cache (its K/V came from the old weights). For RL rollouts that must
-        follow the policy every step (vLLM's `load_weights` / TRL's weight sync, in-process). Needs an
-        engine whose modules were not swapped for inference-only ones: float32, or bf16 with
-        `pack_weights=False, cpu_kernels=False`. Call it between `generate` calls."""
+        follow the policy every step (vLLM's `load_weights` / TRL's weight sync, in-process). Works with
+        the compiled CPU kernels (the fused modules hold the model's own tensors); needs weights that were
+        not repacked or quantized: float32, or bf16 with `pack_weights=False`. Call it between `generate`
+        calls."""
         import torch
 
         engine = self.llm_engine
         runner = engine.model_runner
         if engine.has_unfinished_requests():
             raise RuntimeError("load_weights while requests are running; call it between generate() calls")
-        if runner.packed_linears or runner.fused_modules:
-            raise ValueError("load_weights needs the model's own modules: create the LLM with pack_weights=False "
-                             "and cpu_kernels=False (or dtype float32), which keep every weight under its name")
+        if runner.packed_linears or runner.quantized_linears or not runner.named_weights:
+            raise ValueError("load_weights needs the checkpoint's own weights: create the LLM with "
+                             "pack_weights=False (or dtype float32) and an unquantized model")
+        dst = runner.named_weights
+        missing, unexpected = sorted(set(dst) - set(state_dict)), sorted(set(state_dict) - set(dst))
+        if missing or unexpected:
+            raise ValueError(f"load_weights: state dict does not match the engine's model "
+                             f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
         with torch.no_grad():
-            engine.model.load_state_dict(state_dict, strict=True)  # copies into the existing tensors
+            for name, t in dst.items():
+                src = state_dict[name]
+                if src.shape != t.shape:
+                    raise ValueError(f"load_weights: {name} has shape {tuple(src.shape)}, the engine's "
+                                     f"{tuple(t.shape)}")
+                t.copy_(src)  # into the existing storage, which the fused modules share
         bm = engine.block_manager
         bm.hash_to_block.clear()
         for block in bm.blocks:  # every block is free between generate() calls: drop what they cached

@@ -220,6 +220,8 @@ class LLMEngine:
         if req is None:
             return None
         for seq in req.seqs:
+            if seq.detokenizer is not None and seq.detokenizer.lazy and not seq.is_finished:
+                seq.output_text += seq.detokenizer.catch_up()
             self.scheduler.finish(seq, "abort")
         return self._output(req)
 

@@ -89,6 +89,9 @@ class ModelRunner:
         self.linear_backend = backend.name if backend is not None else "dense"
         self.quantized_linears = swap_backend(model, backend, p.dtype) if backend is not None else 0
         self.weight_bytes = weight_bytes(model)
+        # every weight under its checkpoint name, captured before any swap below: the fused stand-ins
+        # hold these same tensors (not copies), so `load_weights` can write through them in place
+        self.named_weights = dict(model.state_dict()) if not self.quantized_linears else {}
         self.packed_linears = 0
         if pack_weights and not reference and can_pack_linear(p.device, p.dtype):
             with torch.no_grad():

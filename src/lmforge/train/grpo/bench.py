@@ -33,7 +33,7 @@ def _load() -> list[float]:
 def engine_rollouts(model_dir: str, prompt_ids: list[list[int]], group: int, max_tokens: int, seed: int) -> dict:
     from lmforge.engine import LLM, SamplingParams
 
-    llm = LLM(model_dir, dtype="float32", device="cpu", pack_weights=False, cpu_kernels=False, max_num_seqs=256)
+    llm = LLM(model_dir, dtype="float32", device="cpu", pack_weights=False, max_num_seqs=256)
     params = [SamplingParams(n=group, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
                              seed=seed + i) for i in range(len(prompt_ids))]
     llm.generate(prompt_ids[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up

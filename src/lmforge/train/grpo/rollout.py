@@ -45,7 +45,7 @@ class RolloutEngine:
                  top_p: float, seed: int, max_num_seqs: int = 256):
         from lmforge.engine import LLM
 
-        self.llm = LLM(model_dir, dtype="float32", device=device, pack_weights=False, cpu_kernels=False,
+        self.llm = LLM(model_dir, dtype="float32", device=device, pack_weights=False,
                        max_num_seqs=max_num_seqs, seed=seed)
         self.tokenizer = self.llm.get_tokenizer()
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
