@@ -113,21 +113,53 @@ def phase_canary(reg_path: Path, name: str, port: int) -> dict:
         reg.delete_alias(name, "challenger")
 
 
-def phase_logging(model: str, port: int, n: int, c: int, feedback_db: Path, rounds: int = 3) -> dict:
-    """Servers with and without --log-requests, alternated `rounds` times (so a load change on a shared
-    machine hits both), best throughput of each kept: the cost is 1 - on / off."""
-    url = f"http://127.0.0.1:{port}"
-    runs: dict[str, list[float]] = {"off": [], "on": []}
-    for _ in range(rounds):
-        for label, extra in (("off", []), ("on", ["--log-requests", "--feedback-db", str(feedback_db)])):
-            proc = start([model, *extra], port)
-            try:
-                bench(url, max(c, 16), c, seed=1)  # warm-up
-                runs[label] += [bench(url, n, c, seed=3 + i)["output_throughput"] for i in range(2)]
-            finally:
-                stop(proc)
-    out = {"off": max(runs["off"]), "on": max(runs["on"]), "runs": runs}
-    out["cost_pct"] = 100 * (1 - out["on"] / out["off"])
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process (not its children), from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def phase_logging(model: str, n: int, c: int, tmp: Path, rounds: int, baseline_src: str | None = None,
+                  port: int = 8770) -> dict:
+    """Servers without and with --log-requests (and, with `baseline_src`, with --log-requests running
+    that checkout's code: the "before"), all up at once on their own ports, benched in turn `rounds`
+    times (the order rotating each round), so a neighbour's burst on a shared machine hits every
+    variant alike. Per round a throughput ratio variant / off; the cost is 1 - the median ratio.
+    Also the HTTP process's own CPU time per request (its children, the engine and the writer
+    process, not included): where the logging cost lands."""
+    variants = {"off": ([], None), "on": (["--log-requests", "--feedback-db", str(tmp / "fb-on.db")], None)}
+    if baseline_src:
+        env = {**os.environ, "PYTHONPATH": baseline_src}
+        variants["on_before"] = (["--log-requests", "--feedback-db", str(tmp / "fb-before.db")], env)
+    procs, urls = {}, {}
+    try:
+        for i, (label, (extra, env)) in enumerate(variants.items()):
+            procs[label] = spawn_server([model, *extra, "--log-level", "warning", "--api-key", KEY,
+                                         "--max-model-len", "512"], port + i, env=env)
+            urls[label] = f"http://127.0.0.1:{port + i}"
+            bench(urls[label], max(c, 16), c, seed=1)  # warm-up
+        labels = list(variants)
+        tput: dict[str, list[float]] = {k: [] for k in labels}
+        cpu_ms: dict[str, list[float]] = {k: [] for k in labels}
+        for r in range(rounds):
+            for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+                cpu0 = cpu_seconds(procs[label].pid)
+                res = bench(urls[label], n, c, seed=3 + r)
+                cpu_ms[label].append(1000 * (cpu_seconds(procs[label].pid) - cpu0) / max(res["completed"], 1))
+                tput[label].append(res["output_throughput"])
+    finally:
+        for p in procs.values():
+            stop(p)
+    out: dict = {"rounds": rounds, "throughput": tput, "http_cpu_ms_per_request": cpu_ms}
+    for label in labels[1:]:
+        ratios = sorted(v / o for v, o in zip(tput[label], tput["off"]))
+        out[label] = {"cost_pct": 100 * (1 - ratios[len(ratios) // 2]), "round_ratios": ratios,
+                      "http_cpu_ms_per_request": sorted(cpu_ms[label])[len(cpu_ms[label]) // 2]}
+    out["off"] = {"http_cpu_ms_per_request": sorted(cpu_ms["off"])[len(cpu_ms["off"]) // 2]}
+    from lmforge.registry import FeedbackStore
+
+    out["on"]["exchanges_stored"] = FeedbackStore(tmp / "fb-on.db").stats()["exchanges"]
+    out["cost_pct"] = out["on"]["cost_pct"]
     return out
 
 
@@ -151,8 +183,13 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=96)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--port", type=int, default=8766)
+    ap.add_argument("--phases", default="reload,canary,logging", help="comma-separated subset to run")
+    ap.add_argument("--rounds", type=int, default=10, help="logging phase: rounds of benching every variant")
+    ap.add_argument("--baseline-src", help="logging phase: also serve --log-requests from this src folder "
+                    "(e.g. an older commit's `git archive`), the 'before' of a change, in the same run")
     ap.add_argument("--out", type=Path, default=Path("runs/bench-ops"))
     a = ap.parse_args()
+    phases = set(a.phases.split(","))
     a.out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="lmforge-ops-"))
     model_a, model_b = (a.model_a, a.model_b) if a.model_a else tiny_models(tmp)
@@ -161,32 +198,42 @@ def main() -> int:
     reg.add("m", model_a, notes="v1")
     reg.add("m", model_b, notes="v2")
     load_before = os.getloadavg()
-    report = {"reload": phase_reload(reg_path, "m", a.port, a.num_prompts, a.concurrency),
-              "canary": phase_canary(reg_path, "m", a.port),
-              "logging": phase_logging(model_a, a.port, a.num_prompts, a.concurrency, tmp / "fb.db")}
-    r = report
-    report["targets"] = {
-        "zero_failed_during_reload": r["reload"]["promote"]["failed"] == 0 and r["reload"]["rollback"]["failed"] == 0,
-        "canary_within_3_points": abs(r["canary"]["challenger_share_pct"] - 50) <= 3,
-        "sticky_users_never_switch": r["canary"]["users_that_switched"] == 0,
-        "logging_cost_at_most_5pct": r["logging"]["cost_pct"] <= 5,
-    }
+    report: dict = {}
+    if "reload" in phases:
+        report["reload"] = phase_reload(reg_path, "m", a.port, a.num_prompts, a.concurrency)
+    if "canary" in phases:
+        report["canary"] = phase_canary(reg_path, "m", a.port)
+    if "logging" in phases:
+        report["logging"] = phase_logging(model_a, a.num_prompts, a.concurrency, tmp, a.rounds, a.baseline_src,
+                                          a.port + 4)
+    r, targets, md = report, {}, ["| check | figure | target |", "| --- | --- | --- |"]
+    if "reload" in r:
+        targets["zero_failed_during_reload"] = r["reload"]["promote"]["failed"] == 0 and \
+            r["reload"]["rollback"]["failed"] == 0
+        for step in ("promote", "rollback"):
+            md.append(f"| reload ({step}) under bench serve c={a.concurrency} | {r['reload'][step]['failed']} failed "
+                      f"of {r['reload'][step]['completed']} completed | 0 failed |")
+    if "canary" in r:
+        targets["canary_within_3_points"] = abs(r["canary"]["challenger_share_pct"] - 50) <= 3
+        targets["sticky_users_never_switch"] = r["canary"]["users_that_switched"] == 0
+        md += [f"| canary 50% over 1,000 requests | challenger {r['canary']['challenger_share_pct']:.1f}% | 47-53% |",
+               f"| sticky users (50 x 5 requests) | {r['canary']['users_that_switched']} switched | 0 |"]
+    if "logging" in r:
+        lg = r["logging"]
+        targets["logging_cost_at_most_5pct"] = lg["cost_pct"] <= 5
+        for label in [k for k in ("on", "on_before") if k in lg]:
+            what = "--log-requests" + (" (baseline src)" if label == "on_before" else "")
+            md.append(f"| {what} at c={a.concurrency}, median of {lg['rounds']} rounds | {lg[label]['cost_pct']:+.1f}% "
+                      f"throughput; HTTP process {lg[label]['http_cpu_ms_per_request']:.2f} CPU ms/request (off: "
+                      f"{lg['off']['http_cpu_ms_per_request']:.2f}) | <= 5% |")
+    report["targets"] = targets
     report["machine"] = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
                          "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
     (a.out / "bench_ops.json").write_text(json.dumps(report, indent=2))
-    md = [f"| check | figure | target |", "| --- | --- | --- |",
-          f"| reload (promote) under bench serve c={a.concurrency} | {r['reload']['promote']['failed']} failed of "
-          f"{r['reload']['promote']['completed']} completed | 0 failed |",
-          f"| reload (rollback) under bench serve c={a.concurrency} | {r['reload']['rollback']['failed']} failed of "
-          f"{r['reload']['rollback']['completed']} completed | 0 failed |",
-          f"| canary 50% over 1,000 requests | challenger {r['canary']['challenger_share_pct']:.1f}% | 47-53% |",
-          f"| sticky users (50 x 5 requests) | {r['canary']['users_that_switched']} switched | 0 |",
-          f"| --log-requests at c={a.concurrency} | {r['logging']['on']:.1f} vs {r['logging']['off']:.1f} tok/s "
-          f"({r['logging']['cost_pct']:+.1f}% cost) | <= 5% |",
-          "", f"targets: {report['targets']}", f"load average before/after: {load_before} / {os.getloadavg()}"]
+    md += ["", f"targets: {targets}", f"load average before/after: {load_before} / {os.getloadavg()}"]
     (a.out / "bench_ops.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
-    return 0 if all(report["targets"].values()) else 1
+    return 0 if all(targets.values()) else 1
 
 
 if __name__ == "__main__":

@@ -80,13 +80,30 @@ class EngineCollector:
             yield f
 
 
+class ExchangeLogCollector:
+    """`--log-requests`' queue at scrape time: rows dropped (queue full or writer gone) and rows waiting."""
+
+    def __init__(self, log_fn: Callable[[], object | None]):
+        self.log_fn = log_fn
+
+    def collect(self):
+        x = self.log_fn()
+        if x is None:
+            return
+        yield CounterMetricFamily("lmforge:exchange_log_dropped", "Exchanges not stored by --log-requests "
+                                  "(its queue was full, or its writer failed).", value=x.dropped)
+        yield GaugeMetricFamily("lmforge:exchange_log_pending", "Exchanges queued for the writer process, "
+                                "not yet committed.", value=x.pending)
+
+
 FEEDBACK_BUCKETS = (-1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0)
 
 
 class ServerMetrics:
     """Request-level families carry `model_name` and `model_version` (the served version that answered)."""
 
-    def __init__(self, model_name: str, max_model_len: int, stats_fn: Callable[[], dict[str, dict]]):
+    def __init__(self, model_name: str, max_model_len: int, stats_fn: Callable[[], dict[str, dict]],
+                 exchange_log_fn: Callable[[], object | None] = lambda: None):
         self.registry = r = CollectorRegistry()
         self.model_name = model_name
         lab = ["model_name", "model_version"]
@@ -121,6 +138,7 @@ class ServerMetrics:
                                     "Per output: share of its word 3-grams already seen earlier in it (1 = a loop).",
                                     lab, buckets=(0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0), registry=r)
         r.register(EngineCollector(stats_fn, model_name))
+        r.register(ExchangeLogCollector(exchange_log_fn))
         self._children: dict[str, dict] = {}
         self._feedback: dict[str, list[int]] = {}  # version -> [low, total]
         self.totals = dict(prompt_tokens=0, generation_tokens=0, requests=0)  # plain ints for the load log

@@ -103,17 +103,18 @@ class ServerThread:
         self.sock.close()
 
 
-def spawn_server(args: list[str], port: int, timeout: float = 240.0):
+def spawn_server(args: list[str], port: int, timeout: float = 240.0, env: dict | None = None):
     """`lmforge serve ARGS --port PORT` as a child process, returned once /health/ready answers 200
     (SystemExit with the server's last stderr if it exits first or never gets ready). For scripts
-    that measure a real server: scripts/soak_serve.py, scripts/bench_ops.py."""
+    that measure a real server: scripts/soak_serve.py, scripts/bench_ops.py. `env` replaces the
+    environment (e.g. a PYTHONPATH to serve another checkout's code)."""
     import subprocess
     import sys
 
     import httpx
 
     proc = subprocess.Popen([sys.executable, "-m", "lmforge.cli", "serve", *args, "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
