@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.lmforge-installed
 
-.PHONY: demo test install clean browser
+.PHONY: demo test install clean browser trl-env
 
 $(STAMP): requirements.lock pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,5 +28,15 @@ browser:
 test: $(STAMP) browser
 	$(PY) -m pytest -q
 
+# TRL is a benchmark baseline (`lmforge bench grpo --trl-python .venv-trl/bin/python`), not a
+# dependency: its own environment reuses lmforge's locked packages and adds TRL and what it needs.
+TRL_VENV := .venv-trl
+trl-env: $(STAMP)
+	@test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	@SP=$$($(PY) -c "import site; print(site.getsitepackages()[0])"); \
+	 TSP=$$($(TRL_VENV)/bin/python -c "import site; print(site.getsitepackages()[0])"); \
+	 echo "import site; site.addsitedir('$$SP')" > $$TSP/lmforge-base.pth
+	$(TRL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check trl==1.16.0
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(TRL_VENV) .pytest_cache

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -25,10 +26,15 @@ PRODUCTS = [
     "eval/results.json", "eval/samples.jsonl", "eval/bad_cases.jsonl", "eval/record.json",
     "bench/bench.json", "bench/bench.md",
     "serve/serve.json",
+    "reasoning/data/train.jsonl", "reasoning/data/train.jsonl.record.json", "reasoning/data/val.jsonl",
+    "reasoning/data/grpo.jsonl", "reasoning/data/tok/tokenizer.json",
+    "reasoning/sft/run/record.json", "reasoning/sft/model/config.json", "reasoning/sft/eval/results.json",
+    "reasoning/grpo/run/record.json", "reasoning/grpo/run/metrics.jsonl", "reasoning/grpo/run/reward.png",
+    "reasoning/grpo/model/config.json", "reasoning/grpo/eval/results.json",
     "report.md",
 ]
 SECTIONS = ["## From X to Y", "## Data", "## Tokenizer", "## Training", "## Model", "## Evaluation",
-            "## Engine", "## Serving"]
+            "## Engine", "## Serving", "## Reasoning"]
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +63,9 @@ def test_report_has_every_section_with_figures(quickstart):
     for section in SECTIONS:
         assert section in report, section
     summary = report.split("## From X to Y", 1)[1].split("\n## ", 1)[0]
-    for stage in ("Data:", "Tokenizer:", "Training:", "Evaluation:", "Engine:", "Serving:"):
+    for stage in ("Data:", "Tokenizer:", "Training:", "Evaluation:", "Engine:", "Serving:", "Reasoning:"):
         assert stage in summary, stage
+    assert re.search(r"Reasoning: accuracy on arith-cot from \d+\.\d% \(SFT\) to \d+\.\d% \(GRPO\), n=16", summary)
     assert "argmax agreement 100%" in report
 
 
@@ -69,6 +76,11 @@ def test_the_chain_is_consistent(quickstart):
     assert json.loads((out / "train/record.json").read_text())["data_hash"] == data_hash
     parity = json.loads((out / "model/parity.json").read_text())
     assert parity["max_abs_err"] < 1e-4 and parity["argmax_agree"] == 1.0
+    tasks = json.loads((out / "reasoning/data/train.jsonl.record.json").read_text())
+    assert tasks["eval_overlap_after"] == 0 and tasks["eval_prompts_checked"] == 320
+    grpo = json.loads((out / "reasoning/grpo/run/record.json").read_text())
+    assert grpo["status"] == "finished" and grpo["results"]["steps"] == 2
+    assert Path(grpo["config"]["model"]["init"]).resolve() == (out / "reasoning/sft/model").resolve()
     served = json.loads((out / "serve/serve.json").read_text())
     assert served["exit_code"] == 0
     assert all(x["usage"]["completion_tokens"] > 0 for x in served["exchanges"])
@@ -79,5 +91,5 @@ def test_rerun_skips_complete_stages(quickstart):
     proc = subprocess.run([LMFORGE, "quickstart", "--tiny", "--out", str(out)], capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stdout.count("skipped") >= 9
+    assert proc.stdout.count("skipped") >= 12
     assert "## Serving" in (out / "report.md").read_text()

@@ -115,13 +115,16 @@ def quickstart_cmd(
     out: Annotated[Path, typer.Option("--out", help="Run directory; one sub-folder per stage.")] = Path(
         "runs/quickstart"),
     tiny: Annotated[bool, typer.Option("--tiny", help="A small slice of everything: about a minute.")] = False,
+    reasoning: Annotated[bool, typer.Option("--reasoning/--no-reasoning", help=(
+        "Also run the reasoning track: synthetic arithmetic tasks, chain-of-thought SFT, GRPO, arith-cot."))] = True,
 ) -> None:
     """The whole chain on python-docs: data prepare, tokenizer, pack, pretrain, export, eval, engine
-    benchmark, serve + OpenAI-client requests; writes OUT/report.md (the report card) and prints it.
-    Rerunning skips stages whose outputs are complete."""
+    benchmark, serve + OpenAI-client requests; then the reasoning track (SFT on synthetic traces ->
+    GRPO -> arith-cot). Writes OUT/report.md (the report card) and prints it. Rerunning skips stages
+    whose outputs are complete."""
     from lmforge.quickstart import quickstart
 
-    raise typer.Exit(quickstart(out, tiny=tiny))
+    raise typer.Exit(quickstart(out, tiny=tiny, reasoning=reasoning))
 
 
 def main() -> None:

@@ -2,7 +2,9 @@
 
 python-docs → data prepare → tokenizer → pack → pretrain → export → eval → engine benchmark →
 `lmforge serve` on a free loopback port, asked a few chat and completion questions through the
-`openai` client → `report.md`. Each stage writes its own run directory under OUT and is skipped
+`openai` client; then the reasoning track: synthetic arithmetic tasks with written-out steps →
+a digit-splitting tokenizer → chain-of-thought SFT from scratch → GRPO on the engine's own rollouts,
+each model scored on the frozen `arith-cot` suite → `report.md`. Each stage writes its own run directory under OUT and is skipped
 on a rerun when its outputs are complete (its `record.json` says finished, or its product exists),
 so an interrupted quickstart continues where it stopped. The report is rebuilt from the files on
 disk every time, so it is the same whether a stage ran now or earlier.
@@ -11,6 +13,7 @@ This module knows nothing of how a stage works: it calls each package's public f
 
     lmforge quickstart                 # 7.4M-parameter model, a few minutes on 2 cores
     lmforge quickstart --tiny          # seconds per stage; what the tests run
+    lmforge quickstart --no-reasoning  # the python-docs chain only
 """
 
 from __future__ import annotations
@@ -44,14 +47,34 @@ class Settings:
     bench_requests: int
     bench_hf_requests: int  # the random subset transformers runs one at a time
     serve_max_tokens: int
+    # the reasoning track (configs/reasoning-sft.yaml, then configs/grpo.yaml)
+    reasoning_tasks: int  # synthetic training rows (`lmforge data synth mix`)
+    reasoning_sft: tuple[str, ...]  # overrides of configs/reasoning-sft.yaml
+    reasoning_grpo: tuple[str, ...]  # overrides of configs/grpo.yaml
+    reasoning_eval_limit: int | None  # arith-cot items scored (None = all 320)
 
 
 FULL = Settings(docs=None, vocab_size=8192, seq_len=256, config="quickstart.yaml", overrides=(),
-                eval_limit=None, bench_requests=64, bench_hf_requests=8, serve_max_tokens=48)
+                eval_limit=None, bench_requests=64, bench_hf_requests=8, serve_max_tokens=48,
+                reasoning_tasks=30000, reasoning_sft=(),
+                reasoning_grpo=("train.max_steps=12", "train.lr=2e-5", "grpo.prompts_per_step=8",
+                                "grpo.group_size=16", "train.ckpt_every=0"),
+                reasoning_eval_limit=None)
 TINY = Settings(docs=120, vocab_size=1024, seq_len=128, config="tiny.yaml",
                 overrides=("train.max_steps=30", "train.eval_every=15", "train.ckpt_every=15",
                            "train.batch_size=8"),
-                eval_limit=12, bench_requests=8, bench_hf_requests=2, serve_max_tokens=16)
+                eval_limit=12, bench_requests=8, bench_hf_requests=2, serve_max_tokens=16,
+                reasoning_tasks=400,
+                reasoning_sft=("train.max_steps=6", "train.batch_size=4", "train.seq_len=128",
+                               "train.eval_every=0", "train.ckpt_every=0", "train.warmup_steps=2",
+                               "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2"),
+                reasoning_grpo=("train.max_steps=2", "grpo.prompts_per_step=2", "grpo.group_size=4",
+                                "grpo.max_tokens=24", "train.ckpt_every=0"),
+                reasoning_eval_limit=16)
+
+# categories where a few minutes of SFT already solve some items, so a group of samples holds a
+# correct one and GRPO has a signal; on the others most groups are all wrong (docs/reasoning.md)
+GRPO_CATEGORIES = ("add-2d", "add-3d", "sub-2d", "mul-2x1", "mul-3x1")
 
 
 def _target(hit: dict | None) -> str:
@@ -85,9 +108,10 @@ def _f(x: Any, digits: int = 3) -> str:
 
 
 class Quickstart:
-    def __init__(self, out: Path, settings: Settings, console: Console):
+    def __init__(self, out: Path, settings: Settings, console: Console, reasoning: bool = True):
         self.out, self.s, self.console = out, settings, console
-        self.d = {name: out / name for name in self.STAGES}
+        self.d = stage_dirs(out)
+        self.stages = self.STAGES + (self.REASONING if reasoning else ())
 
     # ---- stages: each is (done?, run) ---------------------------------------------------------
 
@@ -206,15 +230,86 @@ class Quickstart:
     def serve(self) -> None:
         atomic_write_json(self.d["serve"] / "serve.json", serve_and_ask(self.d["model"], self.s.serve_max_tokens))
 
+    # ---- the reasoning track ------------------------------------------------------------------
+
+    def reasoning_data_done(self) -> bool:
+        d = self.d["reasoning_data"]
+        return all((d / f).is_file() for f in ("train.jsonl.record.json", "val.jsonl.record.json",
+                                               "grpo.jsonl", "tok/record.json"))
+
+    def reasoning_data(self) -> None:
+        """Tasks with verifiable answers, disjoint from arith-cot, and a tokenizer with one token per digit."""
+        from lmforge.data.synth import read_tasks, write_synth
+        from lmforge.tokenizer import train_tokenizer
+
+        d = self.d["reasoning_data"]
+        write_synth("mix", self.s.reasoning_tasks, 1, d / "train.jsonl", overwrite=True)
+        write_synth("mix", max(self.s.reasoning_tasks // 75, 64), 2, d / "val.jsonl", overwrite=True)
+        rows = [r for r in read_tasks(d / "train.jsonl") if r.get("category") in GRPO_CATEGORIES]
+        atomic_write_text(d / "grpo.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        train_tokenizer([str(d / "train.jsonl")], d / "tok", vocab_size=384, show_progress=False, overwrite=True)
+
+    def reasoning_sft_done(self) -> bool:
+        return _finished(self.d["reasoning_sft"] / "eval")
+
+    def reasoning_sft(self) -> None:
+        """Chain-of-thought SFT from scratch on the traces, exported, scored on arith-cot."""
+        from lmforge.config import load_config
+        from lmforge.train.config import TrainConfig
+        from lmforge.train.export import export_run
+        from lmforge.train.loop import train
+
+        d, data = self.d["reasoning_sft"], self.d["reasoning_data"]
+        cfg = load_config(TrainConfig, REPO_CONFIGS / "reasoning-sft.yaml", [
+            f"data.path={data / 'train.jsonl'}", f"data.val_path={data / 'val.jsonl'}",
+            f"data.tokenizer={data / 'tok'}", *self.s.reasoning_sft])
+        if not _finished(d / "run"):
+            resume = (d / "run" / "checkpoints").is_dir()
+            train(cfg, d / "run", resume=resume, overwrite=not resume)
+        export_run(d / "run", d / "model")
+        self._arith_cot(d / "model", d / "eval")
+
+    def reasoning_grpo_done(self) -> bool:
+        return _finished(self.d["reasoning_grpo"] / "eval")
+
+    def reasoning_grpo(self) -> None:
+        """GRPO from the SFT model with the format and correct rewards, exported, scored on arith-cot."""
+        from lmforge.config import load_config
+        from lmforge.train.config import TrainConfig
+        from lmforge.train.export import export_run
+        from lmforge.train.grpo.trainer import train_grpo
+
+        d = self.d["reasoning_grpo"]
+        cfg = load_config(TrainConfig, REPO_CONFIGS / "grpo.yaml", [
+            f"model.init={self.d['reasoning_sft'] / 'model'}", f"data.path={self.d['reasoning_data'] / 'grpo.jsonl'}",
+            *self.s.reasoning_grpo])
+        if not _finished(d / "run"):
+            resume = (d / "run" / "checkpoints").is_dir()
+            train_grpo(cfg, d / "run", resume=resume, overwrite=not resume)
+        export_run(d / "run", d / "model")
+        self._arith_cot(d / "model", d / "eval")
+
+    def _arith_cot(self, model: Path, out: Path) -> None:
+        from lmforge.eval.backends import TransformerBackend
+        from lmforge.eval.evaluate import evaluate
+        from lmforge.eval.suites import load_suite
+
+        backend = TransformerBackend(model, dtype="float32", engine="llm")
+        evaluate(backend, [load_suite("arith-cot")], out, model_dir=model, limit=self.s.reasoning_eval_limit,
+                 overwrite=True,
+                 log=lambda name, t: self.console.print(f"  {name}: {t['metric']} {_f(t['value'], 4)} "
+                                                        f"(n={t['n']}, {t['seconds']:.1f}s)", highlight=False))
+
     # ---- driver -----------------------------------------------------------------------------
 
     STAGES = ("doctor", "data", "tokenizer", "packed", "train", "model", "eval", "bench", "serve")
+    REASONING = ("reasoning_data", "reasoning_sft", "reasoning_grpo")
 
     def run(self) -> list[dict]:
         timings = []
-        for i, name in enumerate(self.STAGES, 1):
+        for i, name in enumerate(self.stages, 1):
             done: Callable[[], bool] = getattr(self, f"{name}_done")
-            self.console.rule(f"[bold]{i}/{len(self.STAGES)} {name}")
+            self.console.rule(f"[bold]{i}/{len(self.stages)} {name}")
             if done():
                 self.console.print(f"  {self.d[name]} is complete: skipped")
                 timings.append({"stage": name, "seconds": None, "skipped": True})
@@ -311,9 +406,51 @@ def serve_and_ask(model_dir: Path, max_tokens: int, timeout: float = 120.0) -> d
             "exit_code": code}
 
 
+def stage_dirs(out: Path) -> dict[str, Path]:
+    d = {name: out / name for name in Quickstart.STAGES}
+    d.update(reasoning_data=out / "reasoning" / "data", reasoning_sft=out / "reasoning" / "sft",
+             reasoning_grpo=out / "reasoning" / "grpo")
+    return d
+
+
+def _reasoning_section(d: dict[str, Path], summary: list[str]) -> list[str]:
+    """The reasoning track's table (arith-cot by category, SFT vs GRPO) and its summary line."""
+    sft_eval, grpo_eval = d["reasoning_sft"] / "eval", d["reasoning_grpo"] / "eval"
+    if not (_finished(sft_eval) and _finished(grpo_eval)):
+        return []
+
+    def acc(run: Path) -> dict[str, dict]:
+        return _read(run / "results.json")["tasks"]["arith-cot"]["metrics"]
+
+    a, b = acc(sft_eval), acc(grpo_eval)
+    n = _read(grpo_eval / "results.json")["tasks"]["arith-cot"]["n"]
+    cats = sorted(k.split("/", 1)[1] for k in a if k.startswith("acc/"))
+    rows = [["all", _f(a["acc"]["value"], 3), _f(a["acc"].get("stderr"), 3), _f(b["acc"]["value"], 3),
+             _f(b["acc"].get("stderr"), 3)]]
+    rows += [[c, _f(a[f"acc/{c}"]["value"], 3), "", _f(b.get(f"acc/{c}", {}).get("value"), 3), ""] for c in cats]
+    sft_rec, grpo_rec = _read(d["reasoning_sft"] / "run" / "record.json"), _read(d["reasoning_grpo"] / "run" / "record.json")
+    sft_res, grpo_res = sft_rec.get("results", {}), grpo_rec.get("results", {})
+    tasks = _read(d["reasoning_data"] / "train.jsonl.record.json")
+    grpo_cfg = grpo_rec.get("config", {}).get("grpo", {})
+    parts = ["## Reasoning", "",
+             f"Tasks: {_f(tasks.get('n'))} synthetic arithmetic rows with written-out steps (`lmforge data synth mix`, "
+             f"seed {tasks.get('seed')}); eval prompts dropped {_f(tasks.get('dropped_eval_overlap'))}, overlap with "
+             f"arith-cot after: {tasks.get('eval_overlap_after')}. SFT from scratch: "
+             f"{_f(sft_rec.get('num_parameters'))} parameters, {_f(sft_res.get('steps'))} steps, "
+             f"{_f(sft_res.get('train_time_s'), 0)} s. GRPO: {_f(grpo_res.get('steps'))} steps of "
+             f"{grpo_cfg.get('prompts_per_step')} prompts x {grpo_cfg.get('group_size')} samples on "
+             f"{', '.join(GRPO_CATEGORIES)}, {_f(grpo_res.get('train_time_s') or grpo_res.get('seconds'), 0)} s.", "",
+             f"Greedy accuracy on arith-cot (n={n}; the one `Answer:` line after `</think>` must equal the answer):", "",
+             _md_table(["category", "SFT", "± stderr", "GRPO", "± stderr"], rows), "",
+             "![GRPO reward and accuracy per step](reasoning/grpo/run/reward.png)", ""]
+    summary.append(f"Reasoning: accuracy on arith-cot from {a['acc']['value']:.1%} (SFT) to "
+                   f"{b['acc']['value']:.1%} (GRPO), n={n}.")
+    return parts
+
+
 def build_report(out: Path, timings: list[dict] | None = None) -> str:
     """report.md from the files of each stage's run directory."""
-    d = {name: out / name for name in Quickstart.STAGES}
+    d = stage_dirs(out)
     parts = ["# lmforge quickstart — report card", ""]
     summary: list[str] = []
     hw = _read(d["doctor"] / "hardware.json")
@@ -412,6 +549,8 @@ def build_report(out: Path, timings: list[dict] | None = None) -> str:
         summary.append(f"Serving: from an HTTP request to the first streamed token in {ttfts[0] * 1000:.0f} ms "
                        f"(first request) and {ttfts[-1] * 1000:.0f} ms (warm), through the `openai` client.")
 
+    parts += _reasoning_section(d, summary)
+
     if timings:
         parts += ["## Time per stage", "", _md_table(["stage", "seconds"], [
             [t["stage"], "skipped (complete)" if t["skipped"] else f"{t['seconds']:.1f}"] for t in timings]), ""]
@@ -419,11 +558,11 @@ def build_report(out: Path, timings: list[dict] | None = None) -> str:
     return "\n".join(parts[:2] + head + parts[2:])
 
 
-def quickstart(out: Path, tiny: bool = False) -> int:
+def quickstart(out: Path, tiny: bool = False, reasoning: bool = True) -> int:
     console = Console()
     settings = TINY if tiny else FULL
     t0 = time.perf_counter()
-    timings = Quickstart(out, settings, console).run()
+    timings = Quickstart(out, settings, console, reasoning=reasoning).run()
     report = build_report(out, timings)
     atomic_write_text(out / "report.md", report)
     console.rule("[bold]report card")

@@ -11,9 +11,16 @@ at start and end, since a shared machine moves both numbers. Then `--steps` GRPO
 the same model and prompts (`lmforge.train.grpo.trainer`) and the last one's split (rollout,
 update, weight sync) is reported.
 
+With `--trl-python PY` (an interpreter with TRL: `make trl-env` builds `.venv-trl`), the same number of
+steps of TRL's `GRPOTrainer` run on the same model, the same prompts (the first `--prompts` tasks, one
+step each covering all of them), group size, `max_tokens` cap, temperature 1, beta 0, one pass and
+token-level loss (`scripts/bench_trl_grpo.py`), and the last step of each is compared: total, rollout
+and update seconds. Both stop a sample at EOS here, so the sampled lengths are reported beside the times.
+
 Writes OUT/bench_grpo.json and OUT/bench_grpo.md.
 
-    lmforge bench grpo runs/reasoning/sft-model --tasks runs/reasoning/train.jsonl --out runs/bench-grpo
+    lmforge bench grpo runs/reasoning/sft-model --tasks runs/reasoning/train.jsonl --out runs/bench-grpo \
+        --trl-python .venv-trl/bin/python
 """
 
 from __future__ import annotations
@@ -88,6 +95,28 @@ def grpo_step_split(model_dir: str, tasks: str, prompts: int, group: int, max_to
     return {k: last[k] for k in keys}
 
 
+def trl_step(python: str, model_dir: str, tasks: str, prompts: int, group: int, max_tokens: int, steps: int,
+             out: Path) -> dict:
+    """TRL's GRPOTrainer on the same inputs, in its own interpreter (scripts/bench_trl_grpo.py)."""
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[4] / "scripts" / "bench_trl_grpo.py"
+    if not script.is_file():
+        raise FileNotFoundError(f"{script}: the TRL baseline script ships with the repository checkout")
+    cmd = [python, str(script), "--model", model_dir, "--tasks", tasks, "--prompts", str(prompts),
+           "--group-size", str(group), "--max-tokens", str(max_tokens), "--steps", str(max(steps, 2)),
+           "--lr", "1e-5", "--out", str(out / "trl.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-4000:])
+        raise RuntimeError(f"the TRL baseline failed (exit {proc.returncode}): {' '.join(cmd)}")
+    r = json.loads((out / "trl.json").read_text())
+    r["command"] = " ".join(cmd)
+    return r
+
+
 def bench_grpo(
     model: Annotated[Path, typer.Argument(help="Model folder (HF layout with a chat template).")],
     tasks: Annotated[Path, typer.Option("--tasks", help="Task JSONL (prompts are taken from its first rows).")],
@@ -98,6 +127,9 @@ def bench_grpo(
     steps: Annotated[int, typer.Option("--steps", help="GRPO steps for the rollout/update split (0: skip).")] = 2,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     repeats: Annotated[int, typer.Option(help="Alternating timed runs of each system (best kept).")] = 2,
+    trl_python: Annotated[Optional[str], typer.Option("--trl-python", help=(
+        "Interpreter with TRL installed (`make trl-env`: .venv-trl/bin/python): also time TRL's GRPOTrainer "
+        "steps on the same inputs."))] = None,
 ) -> None:
     """Rollout tokens/s: lmforge's engine vs transformers.generate on the same prompts, group size and
     lengths (ratio in one run), plus one GRPO step's split between rollout, update and weight sync."""
@@ -108,8 +140,14 @@ def bench_grpo(
 
     from .rollout import chat_prompt_ids
 
+    import json
+
     tok = load_tokenizer(model)
-    prompt_ids = [chat_prompt_ids(tok, t["prompt"]) for t in read_tasks(tasks)[:prompts]]
+    chosen = read_tasks(tasks)[:prompts]
+    prompt_ids = [chat_prompt_ids(tok, t["prompt"]) for t in chosen]
+    out.mkdir(parents=True, exist_ok=True)
+    step_tasks = out / "tasks.jsonl"  # the GRPO steps of both systems see exactly these prompts
+    step_tasks.write_text("".join(json.dumps({k: t[k] for k in ("prompt", "answer")}) + "\n" for t in chosen))
     report: dict[str, Any] = {"model": str(model), "prompts": len(prompt_ids), "group_size": group,
                               "max_tokens": max_tokens, "threads": __import__("torch").get_num_threads(),
                               "load_start": _load(), "hardware": hardware_info(), "packages": package_versions()}
@@ -122,10 +160,17 @@ def bench_grpo(
         best["all_tokens_per_s"] = [r["tokens_per_s"] for r in runs[k]]
     report["systems"] = [eng, hf]
     report["engine_over_transformers"] = round(eng["tokens_per_s"] / hf["tokens_per_s"], 2)
-    if steps:
-        report["grpo_step"] = grpo_step_split(str(model), str(tasks), prompts, group, max_tokens, steps, out)
+    if steps or trl_python:
+        report["grpo_step"] = grpo_step_split(str(model), str(step_tasks), prompts, group, max_tokens,
+                                              max(steps, 2), out)
+    if trl_python:
+        t = report["trl_step"] = trl_step(trl_python, str(model), str(step_tasks), prompts, group, max_tokens,
+                                          steps, out)
+        g = report["grpo_step"]
+        report["lmforge_over_trl"] = {"step": round(t["last_step_s"] / g["dt_s"], 2),
+                                      "rollout": round(t["last_rollout_s"] / g["rollout_s"], 2),
+                                      "update": round(t["last_update_s"] / g["update_s"], 2)}
     report["load_end"] = _load()
-    out.mkdir(parents=True, exist_ok=True)
     emit(report, to_markdown, out, "bench_grpo")
 
 
@@ -143,4 +188,13 @@ def to_markdown(r: dict) -> str:
         lines += ["", "one lmforge GRPO step (the last of the run): "
                   f"rollout {g['rollout_s']} s, update {g['update_s']} s, weight sync {g['sync_s']} s, "
                   f"total {g['dt_s']} s ({g['rollout_tokens']} tokens sampled, mean length {g['response_len_mean']:.0f})"]
+    if "trl_step" in r:
+        t, g, x = r["trl_step"], r["grpo_step"], r["lmforge_over_trl"]
+        lines += ["", "One GRPO step on the same prompts, group and cap (the last of each run; samples end at EOS):", "",
+                  "| system | step s | rollout s | update s | sampled tokens |", "| --- | ---: | ---: | ---: | ---: |",
+                  f"| lmforge (engine rollouts) | {g['dt_s']:.2f} | {g['rollout_s']:.2f} | {g['update_s']:.2f} | "
+                  f"{g['rollout_tokens']:,} |",
+                  f"| {t['system']} | {t['last_step_s']:.2f} | {t['last_rollout_s']:.2f} | {t['last_update_s']:.2f} | "
+                  f"{t['last_completion_tokens']:,} |", "",
+                  f"lmforge / TRL speed: step **{x['step']}x**, rollout {x['rollout']}x, update {x['update']}x"]
     return "\n".join(lines) + "\n"
