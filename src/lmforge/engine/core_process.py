@@ -15,8 +15,10 @@ Commands and their replies keep their order (one pipe each way); a batch carries
 commands applied since the last one, the outputs of one step and a stats snapshot taken after it,
 so `stats()` already shows an abort's blocks freed when `abort()` returns. The child ignores SIGINT
 (the parent decides when to stop), exits when the parent goes away, and if it dies every request
-in flight gets an `EngineDeadError` naming the cause (exit code or signal). The public surface is `AsyncLLMEngine`'s; `generate()` and `abort()`
-are inherited unchanged. Knows nothing about HTTP.
+in flight gets an `EngineDeadError` naming the cause (exit code or signal). With tensor parallelism the
+child starts the worker ranks (`executor.py`); one that dies ends the child with exit code 1, so the
+server can restart the engine instead of failing every later step. The public surface is
+`AsyncLLMEngine`'s; `generate()` and `abort()` are inherited unchanged. Knows nothing about HTTP.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from typing import Any
 from .async_engine import (AsyncLLMEngine, Batches, EngineDeadError, EngineStepError, Sink, _resolve, post_batches,
                            route_outputs)
 from .config import EngineConfig
+from .executor import WorkerDiedError
 from .llm_engine import load_tokenizer
 
 LOAD_TIMEOUT_S = 600.0
@@ -311,6 +314,10 @@ def _core_main(config: EngineConfig, cmd_conn, out_conn, parent_pid: int) -> Non
         if engine.has_unfinished_requests():
             try:
                 outputs = engine.step()
+            except WorkerDiedError:  # tensor parallelism lost a rank: no later step can run; exiting lets
+                traceback.print_exc()  # the parent fail the requests in flight and restart the engine
+                engine.shutdown()
+                sys.exit(1)
             except Exception:  # never wedge: fail the requests in flight, free their blocks
                 traceback.print_exc()  # the server's stderr; the clients get no internals
                 ids = list(engine.requests)

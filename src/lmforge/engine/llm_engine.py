@@ -27,6 +27,7 @@ from lmforge.model import Transformer
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .executor import MultiprocExecutor
 from .model_runner import ModelRunner, kv_bytes_per_block
 from .sampler import Sampler, SampleResult, make_generator
 from .sampling_params import SamplingParams
@@ -124,7 +125,11 @@ class LLMEngine:
         if not (model_dir / "config.json").exists():
             raise FileNotFoundError(f"{model_dir}: no config.json; pass a Hugging Face layout model directory")
         torch.manual_seed(config.seed)
+        # tensor parallelism: the workers start loading now, beside rank 0 (this process)
+        self.executor = MultiprocExecutor(config) if config.tensor_parallel_size > 1 else None
         self.model = Transformer.from_pretrained(model_dir, dtype=config.dtype, device=config.device)
+        if self.executor is not None:
+            self.executor.shard(self.model)
         self.tokenizer = load_tokenizer(model_dir)
         mc = self.model.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -132,6 +137,9 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or self._num_blocks_from_budget()
         self.model_runner = ModelRunner(self.model, num_blocks, config.block_size, config.attention == "reference",
                                         config.pack_weights, config.cpu_kernels, config.kv_cache_dtype)
+        if self.executor is not None:
+            self.executor.start(num_blocks)
+            self.model_runner.workers = self.executor
         # the attention backend says which allocation it reads fastest (one run of blocks per sequence)
         runs = config.attention == "fast" and self.model_runner.attn.contiguous_runs
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, runs)
@@ -159,6 +167,11 @@ class LLMEngine:
             raise ValueError(f"KV cache budget {budget} bytes is below one block ({per_block} bytes); "
                              "raise kv_cache_memory_bytes or lower block_size")
         return budget // per_block
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the engine is collected or at exit)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def model_runner_device(self) -> torch.device:
         return next(self.model.parameters()).device

@@ -21,15 +21,24 @@ from lmforge.quant.linear import select_backend, swap_backend
 
 from . import kernels
 from .attention import PagedAttention, build_metadata, kv_bytes_per_token
+from .executor import MultiprocExecutor, StepInputs
 from .fused import fuse_elementwise
 from .scheduler import ScheduledSeq
 
 
+def local_heads(model: Transformer) -> tuple[int, int]:
+    """(query heads, kv heads) this process computes and caches: all of them, or one tensor-parallel
+    rank's share (`executor.shard_model` divides them)."""
+    attn = model.model.layers[0].self_attn
+    return attn.n_heads, attn.n_kv_heads
+
+
 def kv_bytes_per_block(model: Transformer, block_size: int, kv_cache_dtype: str = "auto") -> int:
-    """2 (k and v) x layers x kv heads x head dim x block size x dtype size (int8: codes + a scale per head)."""
+    """2 (k and v) x layers x kv heads x head dim x block size x dtype size (int8: codes + a scale per head);
+    under tensor parallelism, one rank's kv heads."""
     c = model.config
     dtype = next(model.parameters()).dtype
-    return block_size * kv_bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype,
+    return block_size * kv_bytes_per_token(c.num_hidden_layers, local_heads(model)[1], c.head_dim, dtype,
                                            kv_cache_dtype == "int8")
 
 
@@ -78,6 +87,8 @@ def pack_linear_weights(model: nn.Module) -> int:
 
 
 class ModelRunner:
+    workers: MultiprocExecutor | None = None  # tensor parallelism: ranks 1.. get every step's inputs first
+
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, reference: bool = False,
                  pack_weights: bool = True, cpu_kernels: bool = True, kv_cache_dtype: str = "auto"):
         c = model.config
@@ -101,9 +112,9 @@ class ModelRunner:
             lib = kernels.load()  # None without a compiler: the torch path, same contract
         self.fused_modules = fuse_elementwise(model, lib) if lib is not None else 0
         kv_int8 = kv_cache_dtype == "int8"
-        attn_lib = lib if lib is not None and kernels.supports(
-            c.num_attention_heads, c.num_key_value_heads, c.head_dim) else None
-        self.attn = PagedAttention(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
+        n_heads, n_kv_heads = local_heads(model)
+        attn_lib = lib if lib is not None and kernels.supports(n_heads, n_kv_heads, c.head_dim) else None
+        self.attn = PagedAttention(c.num_hidden_layers, num_blocks, block_size, n_kv_heads,
                                    c.head_dim, p.dtype, p.device, kernels=attn_lib, kv_int8=kv_int8)
         self.attention_backend = self.attn.name
         self.timings = {"prepare": 0.0, "forward": 0.0}  # seconds, cumulative
@@ -113,6 +124,16 @@ class ModelRunner:
         """float32 (float64 in exactness mode) logits (S, V), one row per sampling sequence, in `scheduled` order.
         Adds its seconds to `timings` (on CUDA, `forward` is launch time: the sampler's copy waits for the rest)."""
         t0 = time.perf_counter()
+        inputs = self.prepare(scheduled)
+        if self.workers is None:
+            return self.execute(inputs, t0=t0)
+        self.workers.send(inputs)
+        with self.workers.guard():  # a failed all-reduce whose peer died says which rank
+            return self.execute(inputs, t0=t0)
+
+    @staticmethod
+    def prepare(scheduled: list[ScheduledSeq]) -> StepInputs:
+        """The step as plain ints: what every tensor-parallel rank needs to run the same forward."""
         input_ids, positions, last_rows, start = [], [], [], 0
         for s in scheduled:
             c, n = s.seq.num_computed_tokens, s.num_new_tokens
@@ -121,18 +142,25 @@ class ModelRunner:
             start += n
             if s.samples:
                 last_rows.append(start - 1)
-        self.attn.set_metadata(build_metadata([s.seq.block_table for s in scheduled],
-                                              [s.seq.num_computed_tokens for s in scheduled],
-                                              [s.num_new_tokens for s in scheduled], self.block_size, self.device,
-                                              self.reference, kernel=self.attn.kernels is not None,
+        return StepInputs(input_ids, positions, last_rows, [s.seq.block_table for s in scheduled],
+                          [s.seq.num_computed_tokens for s in scheduled], [s.num_new_tokens for s in scheduled])
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs, logits: bool = True, t0: float | None = None) -> torch.Tensor | None:
+        """One forward; the logits of `inputs.last_rows` (tensor-parallel workers pass `logits=False`)."""
+        t0 = time.perf_counter() if t0 is None else t0
+        self.attn.set_metadata(build_metadata(inputs.block_tables, inputs.computed, inputs.q_lens, self.block_size,
+                                              self.device, self.reference, kernel=self.attn.kernels is not None,
                                               read_in_place=not self.attn.kv_int8))
         to_dev = dict(dtype=torch.long, device=self.device)
-        input_ids_1T, positions_1T = torch.tensor([input_ids], **to_dev), torch.tensor([positions], **to_dev)
-        last_rows_S = torch.tensor(last_rows, **to_dev)
+        input_ids_1T, positions_1T = torch.tensor([inputs.input_ids], **to_dev), torch.tensor([inputs.positions], **to_dev)
+        last_rows_S = torch.tensor(inputs.last_rows, **to_dev)
         t1 = time.perf_counter()
         h_1TD = self.model.hidden_states(input_ids_1T, positions_1T, attn=self.attn)
         self.attn.set_metadata(None)
-        if last_rows:
+        if not logits:
+            logits_SV = None
+        elif inputs.last_rows:
             logits_SV = self.model.lm_head(h_1TD[0, last_rows_S]).to(torch.promote_types(self.dtype, torch.float32))
         else:  # float64 stays exact
             logits_SV = torch.empty(0, self.model.config.vocab_size, device=self.device)

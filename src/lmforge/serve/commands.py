@@ -60,6 +60,8 @@ def serve(
     max_model_len: Annotated[Optional[int], typer.Option(help="Context length (default: the model's).")] = None,
     enable_prefix_caching: Annotated[bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes.")] = True,
     seed: Annotated[int, typer.Option(help="Seed for requests without one.")] = 0,
+    tensor_parallel_size: Annotated[int, typer.Option(
+        help="Split the model's layers over this many processes (CUDA: one GPU each), as vLLM's flag.")] = 1,
     shutdown_timeout: Annotated[float, typer.Option(
         help="Seconds in-flight requests get to finish after SIGTERM/SIGINT.")] = 10.0,
     log_level: Annotated[str, typer.Option(help="debug | info | warning.")] = "info",
@@ -102,7 +104,8 @@ def serve(
                               num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
                               kv_cache_dtype=kv_cache_dtype,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, seed=seed)
+                              max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, seed=seed,
+                              tensor_parallel_size=tensor_parallel_size)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

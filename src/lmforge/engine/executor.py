@@ -1,0 +1,345 @@
+"""`MultiprocExecutor`: tensor parallelism for the engine, one process per rank (vLLM's multiprocessing
+executor).
+
+Rank 0 is the engine's own process: it schedules, runs its shard of each forward and samples. Ranks
+1..N-1 are worker processes that hold their shard and their own paged KV pool and only run forwards.
+Each step rank 0 pickles the step's `StepInputs` (token ids, positions, block tables: plain ints, a
+few KB) down one pipe per worker; every rank builds the same attention metadata from them and runs the
+same layers, and the row-parallel projections all-reduce their partial outputs over a private gloo
+(CPU) or NCCL (CUDA) process group. Only rank 0 applies the LM head and samples.
+
+Sharding is Megatron's (Shoeybi et al. 2019; `lmforge.parallel.tensor` does it for training):
+q/k/v and gate/up keep rank r's slice of output rows (whole heads: N/tp query and K/tp kv heads, so
+each rank caches only its kv heads), o_proj and down_proj rank r's slice of input columns, followed by
+an all-reduce; embeddings, norms and the LM head stay replicated. Inference needs no autograd, so the
+column shards are plain `nn.Linear`s (the CPU weight packing and the fused C kernels apply to them as
+to an unsharded model) and `RowParallelLinear` all-reduces in its forward. A layer all-reduces two
+activations of T x D elements: 2 * D * dtype bytes per layer per token, whatever N (`CommCounter`).
+
+Workers are plain child interpreters (`python -c ...`, as `core_process.py` starts the engine core)
+rather than multiprocessing's spawn, which re-imports the caller's `__main__`: a user's script needs
+no `if __name__ == "__main__"` guard. A worker exits when rank 0 tells it, when rank 0's end of its
+pipe closes (rank 0 died) or when a collective fails. Rank 0 stops its workers on `shutdown()`, when
+the executor is garbage-collected, and at interpreter exit (`weakref.finalize`); a worker that dies
+surfaces as `WorkerDiedError`, naming the rank and its exit cause. The process group is the
+executor's own, not torch.distributed's default group: a training job's group is untouched and
+several engines can live in one process. This module knows nothing about scheduling or sampling.
+
+    llm = LLM("path/to/hf-dir", tensor_parallel_size=2)     # or: lmforge serve DIR --tensor-parallel-size 2
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, Pipe
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lmforge.parallel.tensor import COLUMN, ROW, CommCounter
+
+from .config import EngineConfig
+
+LOAD_TIMEOUT_S = 600.0  # a worker's import + load, as the engine core's
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a step's all-reduce waits this long for a rank that hangs
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process is gone; the engine cannot step any more."""
+
+
+@dataclass
+class StepInputs:
+    """What every rank needs for one forward: plain ints, cheap to pickle. Sequence s computes tokens
+    [computed[s], computed[s] + q_lens[s]); `last_rows` are the flat rows whose logits rank 0 samples."""
+    input_ids: list[int]
+    positions: list[int]
+    last_rows: list[int]
+    block_tables: list[list[int]]
+    computed: list[int]
+    q_lens: list[int]
+
+
+# ---- sharding ---------------------------------------------------------------------------------------
+
+def check_tensor_parallel(config: EngineConfig) -> None:
+    """Refuse, before any process starts, a model or option that tensor parallelism here does not take."""
+    from lmforge.model.checkpoint import read_hf_config
+    from lmforge.model.config import ModelConfig
+
+    size = config.tensor_parallel_size
+    hf = read_hf_config(config.model)
+    if hf.get("quantization_config"):
+        raise ValueError(f"tensor_parallel_size={size}: quantized checkpoints ({config.model}/config.json has "
+                         "quantization_config) are not supported with tensor parallelism; use tensor_parallel_size=1")
+    mc = ModelConfig.from_hf(hf)
+    for name, n in (("num_attention_heads", mc.num_attention_heads), ("num_key_value_heads", mc.num_key_value_heads),
+                    ("intermediate_size", mc.intermediate_size)):
+        if n % size:
+            raise ValueError(f"tensor_parallel_size={size} must divide the model's {name}={n} "
+                             f"({config.model}/config.json); pick a size that divides heads, kv heads and MLP width")
+    if config.device not in ("auto", "cpu", "cuda", "cuda:0"):
+        raise ValueError(f"tensor_parallel_size={size} with device={config.device!r}: rank r runs on cuda:r "
+                         "(or the CPU); pass device='auto', 'cuda' or 'cpu'")
+    if _device(config).type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices, {torch.cuda.device_count()} visible")
+
+
+def _device(config: EngineConfig, rank: int = 0) -> torch.device:
+    cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+    return torch.device("cuda", rank) if cuda else torch.device("cpu")
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_local @ W[:, cols of rank r].T) + b: each rank's partial product, summed over ranks,
+    then the replicated bias once. `linear` is a plain `nn.Linear` (so the CPU packing can replace it)."""
+
+    def __init__(self, linear: nn.Linear, rank: int, size: int, group, counter: CommCounter, layer: int, kind: str):
+        super().__init__()
+        cols = linear.in_features // size
+        self.linear = _linear(linear.weight.detach()[:, rank * cols:(rank + 1) * cols], None)
+        self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.group, self.counter, self.layer, self.kind = group, counter, layer, kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x).contiguous()
+        self.counter.add(self.layer, self.kind, y)
+        self.group.allreduce([y]).wait()
+        return y + self.bias if self.bias is not None else y
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    out_f, in_f = weight.shape
+    lin = nn.Linear(in_f, out_f, bias=bias is not None, device="meta")
+    lin.weight = nn.Parameter(weight.clone(), requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.clone(), requires_grad=False)
+    return lin
+
+
+def shard_model(model: nn.Module, rank: int, size: int, group, counter: CommCounter) -> None:
+    """Keep rank r's Megatron shard of every decoder layer of a loaded `Transformer`, in place."""
+    for i, layer in enumerate(model.model.layers):
+        for block, kind, names in ((layer.self_attn, "attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                   (layer.mlp, "mlp", ("gate_proj", "up_proj", "down_proj"))):
+            for name in names:
+                lin = getattr(block, name)
+                if type(lin) is not nn.Linear:
+                    raise ValueError(f"tensor parallelism shards nn.Linear layers; layer {i} {name} is "
+                                     f"{type(lin).__name__}")
+                if name in ROW:
+                    setattr(block, name, RowParallelLinear(lin, rank, size, group, counter, i, kind))
+                else:
+                    assert name in COLUMN
+                    rows = lin.out_features // size
+                    part = slice(rank * rows, (rank + 1) * rows)
+                    setattr(block, name, _linear(lin.weight.detach()[part],
+                                                 None if lin.bias is None else lin.bias.detach()[part]))
+        attn = layer.self_attn
+        attn.n_heads, attn.n_kv_heads = attn.n_heads // size, attn.n_kv_heads // size
+    model.tensor_parallel = (rank, size)
+
+
+def new_group(store_port: int, rank: int, size: int, device: torch.device):
+    """This executor's own process group: gloo on CPU, NCCL on CUDA."""
+    store = dist.TCPStore("127.0.0.1", store_port, size, is_master=False, timeout=timedelta(seconds=LOAD_TIMEOUT_S))
+    store = dist.PrefixStore("lmforge-tp", store)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        return dist.ProcessGroupNCCL(store, rank, size)
+    return dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
+
+
+def threads_per_rank(size: int) -> int:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpus // size)
+
+
+# ---- rank 0 -----------------------------------------------------------------------------------------
+
+class MultiprocExecutor:
+    """Rank 0's side: starts ranks 1..N-1, shards rank 0's model, sends each step's inputs."""
+
+    def __init__(self, config: EngineConfig):
+        check_tensor_parallel(config)
+        from .core_process import _pythonpath
+
+        self.size = config.tensor_parallel_size
+        self.device = _device(config)
+        self.counter = CommCounter()  # rank 0's all-reduces; every rank runs the same ones
+        self.group = None
+        self.threads = threads_per_rank(self.size)
+        torch.set_num_threads(self.threads)
+        # the rendezvous: rank 0 serves the store on a free port; the group itself is made in `shard`
+        self._store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=LOAD_TIMEOUT_S))
+        self.procs: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
+        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
+        for rank in range(1, self.size):
+            ours, theirs = Pipe(duplex=True)
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-c", f"from lmforge.engine.executor import worker_main; worker_main({theirs.fileno()})"],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": _pythonpath()}))
+            theirs.close()
+            self.conns.append(ours)
+            ours.send((dataclasses.replace(config, device=str(_device(config, rank))), rank, self._store.port,
+                       self.threads))
+        self.pids = [p.pid for p in self.procs]
+
+    def shard(self, model: nn.Module) -> None:
+        """Join the group once every worker is ready to, then keep rank 0's shard of `model`."""
+        self._wait("joining")
+        store = dist.PrefixStore("lmforge-tp", self._store)
+        if self.device.type == "cuda":
+            self.group = dist.ProcessGroupNCCL(store, 0, self.size)
+        else:
+            self.group = dist.ProcessGroupGloo(store, 0, self.size, COLLECTIVE_TIMEOUT)
+        shard_model(model, 0, self.size, self.group, self.counter)
+
+    def start(self, num_blocks: int) -> None:
+        """Tell every worker its KV pool size (rank 0 decides, so all pools match) and wait until they are ready."""
+        for conn in self.conns:
+            conn.send(num_blocks)
+        self._wait("ready")
+
+    def _wait(self, what: str) -> None:
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            while not conn.poll(0.2):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    self.shutdown()
+                    raise WorkerDiedError(f"tensor-parallel worker {rank} {self._cause(proc)} while loading")
+            try:
+                msg = conn.recv()
+            except EOFError:
+                msg = ("error", "closed its pipe")
+            if msg[0] != what:
+                self.shutdown()
+                raise WorkerDiedError(f"tensor-parallel worker {rank} failed while loading: {msg[1]}")
+
+    def send(self, inputs: StepInputs) -> None:
+        """Hand one step's inputs to every worker (they start their forward at once)."""
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                conn.send(inputs)
+            except OSError as e:
+                raise self._died(rank) from e
+
+    @contextlib.contextmanager
+    def guard(self):
+        """Around rank 0's forward: a failed all-reduce whose peer is gone becomes a `WorkerDiedError`."""
+        try:
+            yield
+        except RuntimeError as e:
+            deadline = time.monotonic() + 2.0  # the peer's exit may lag the broken connection a little
+            while time.monotonic() < deadline:
+                for rank, proc in enumerate(self.procs, start=1):
+                    if proc.poll() is not None:
+                        raise self._died(rank) from e
+                time.sleep(0.05)
+            raise
+
+    def _died(self, rank: int) -> WorkerDiedError:
+        proc = self.procs[rank - 1]
+        try:
+            proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            pass
+        return WorkerDiedError(f"tensor-parallel worker {rank} (pid {proc.pid}) {self._cause(proc)}; "
+                               "the engine cannot continue: restart it")
+
+    @staticmethod
+    def _cause(proc: subprocess.Popen) -> str:
+        if proc.poll() is None:
+            return "did not answer in time"
+        from .core_process import exit_cause
+
+        return f"exited ({exit_cause(proc.returncode)})"
+
+    def shutdown(self) -> None:
+        """Stop every worker (idempotent); also runs when the executor is collected and at exit."""
+        self._finalizer()
+
+
+def _stop_workers(procs: list[subprocess.Popen], conns: list[Connection]) -> None:
+    for conn in conns:
+        with contextlib.suppress(OSError, ValueError):
+            conn.send(None)
+        conn.close()
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+# ---- ranks 1..N-1 -----------------------------------------------------------------------------------
+
+def worker_main(fd: int) -> None:
+    """A worker's entry point: the first message is (EngineConfig, rank, store port, torch threads); then
+    the KV pool size; then one `StepInputs` per step, until None or EOF (rank 0 is gone)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; rank 0 decides
+    conn = Connection(fd)
+    try:
+        config, rank, port, threads = conn.recv()
+    except EOFError:
+        return
+    torch.set_num_threads(threads)
+    try:
+        runner = _load(conn, config, rank, port)
+    except Exception as e:
+        traceback.print_exc()
+        with contextlib.suppress(OSError):
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        _exit(1)
+    while True:
+        try:
+            inputs = conn.recv()
+        except EOFError:  # rank 0 is gone
+            _exit(0)
+        if inputs is None:
+            _exit(0)
+        try:
+            runner.execute(inputs, logits=False)
+        except Exception:  # a peer left mid-step or a bug: exiting breaks rank 0's all-reduce, which says so
+            traceback.print_exc()
+            _exit(1)
+
+
+def _exit(code: int) -> None:
+    """Exit now: a worker has nothing to save, and tearing torch down takes a second of rank 0's shutdown."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _load(conn: Connection, config: EngineConfig, rank: int, port: int):
+    from lmforge.model import Transformer
+
+    from .model_runner import ModelRunner
+
+    device = torch.device(config.device)
+    conn.send(("joining",))
+    group = new_group(port, rank, config.tensor_parallel_size, device)
+    torch.manual_seed(config.seed)
+    model = Transformer.from_pretrained(Path(config.model), dtype=config.dtype, device=device)
+    shard_model(model, rank, config.tensor_parallel_size, group, CommCounter())
+    num_blocks = conn.recv()
+    runner = ModelRunner(model, num_blocks, config.block_size, config.attention == "reference",
+                         config.pack_weights, config.cpu_kernels, config.kv_cache_dtype)
+    conn.send(("ready",))
+    return runner
