@@ -84,7 +84,7 @@ def test_record_reports_bytes_and_errors(folders):
 
 
 @pytest.mark.parametrize("path,value,field", [
-    (("quant_method",), "gptq", "quantization_config.quant_method"),
+    (("quant_method",), "bitsandbytes", "quantization_config.quant_method"),
     (("format",), "naive-quantized", "quantization_config.format"),
     (("config_groups", "group_0", "weights", "symmetric"), False,
      "quantization_config.config_groups.group_0.weights.symmetric"),

@@ -86,8 +86,22 @@ def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto",
     device = resolve_device(device)
     with torch.device("meta"):
         model = Transformer(config)
-    quantized, stored = [], {}
-    if hf.get("quantization_config"):  # compressed-tensors W8A16/W4A16 (refused otherwise, naming the field)
+    quantized, stored, foreign = [], {}, None
+    method = (hf.get("quantization_config") or {}).get("quant_method")
+    if method in ("gptq", "awq"):  # AutoGPTQ / AutoAWQ layouts, where they map onto ours
+        from lmforge.quant import gptq_awq
+        from lmforge.quant.compressed_tensors import install_quantized_linears
+
+        scheme, foreign = gptq_awq.read_scheme(hf)
+        keys = set()
+        for file in _weight_files(path):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                keys.update(f.keys())
+        wanted = set(gptq_awq.quantized_modules(keys))
+        ignore = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in wanted]
+        quantized = install_quantized_linears(model, scheme, ignore, torch_dtype)
+        stored = {f"{m}.{s}" for m in quantized for s in gptq_awq.STORED}
+    elif hf.get("quantization_config"):  # compressed-tensors W8A16/W4A16 (refused otherwise, naming the field)
         from lmforge.quant.compressed_tensors import (SUFFIXES, decompress_names, install_quantized_linears,
                                                       read_scheme)
 
@@ -107,7 +121,11 @@ def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto",
                 t = f.get_tensor(name)
                 cast = t.is_floating_point() and name not in stored  # codes and scales stay as stored
                 state[name] = t.to(device=device, dtype=torch_dtype if cast else None)
-    if quantized:
+    if quantized and foreign:
+        state = gptq_awq.convert(state, quantized, scheme, foreign, str(path))
+        for m in quantized:  # scales as the model's dtype, as a compressed-tensors folder's are
+            state[f"{m}.weight_scale"] = state[f"{m}.weight_scale"].to(torch_dtype)
+    elif quantized:
         state = decompress_names(state, quantized, scheme, str(path))
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # some exporters save the tied copy as well

@@ -257,10 +257,11 @@ def _refuse_unsupported(hf: dict) -> None:
             raise UnsupportedConfigError(key, hf[key], "mixture-of-experts models are not implemented")
     if hf.get("quantization_config"):  # the checkpoint loader validates compressed-tensors (lmforge.quant)
         method = hf["quantization_config"].get("quant_method", "?")
-        if method != "compressed-tensors":
+        if method not in ("compressed-tensors", "gptq", "awq"):
             raise UnsupportedConfigError("quantization_config.quant_method", method,
                                          "lmforge loads compressed-tensors W8A16/W4A16 folders (`lmforge quantize` "
-                                         "writes them) or unquantized (bf16/fp16/fp32) checkpoints")
+                                         "writes them), GPTQ/AWQ int4/int8 folders whose layout maps, or "
+                                         "unquantized (bf16/fp16/fp32) checkpoints")
     scaling = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if scaling.get("rope_type", scaling.get("type", "default")) == "llama3" and \
             scaling.get("attention_factor") not in (None, 1.0):

@@ -48,7 +48,7 @@ def read_scheme(hf: dict) -> tuple[QuantScheme, list[str]]:
     method = qc.get("quant_method")
     if method != "compressed-tensors":
         _refuse("quant_method", method, "lmforge loads compressed-tensors pack-quantized W8A16/W4A16 folders "
-                "(`lmforge quantize` writes them); convert GPTQ/AWQ checkpoints with llm-compressor first")
+                "(`lmforge quantize` writes them) and GPTQ/AWQ folders (lmforge.quant.gptq_awq)")
     fmt = qc.get("format")
     if fmt != "pack-quantized":
         _refuse("format", fmt, "only pack-quantized (int weights packed into int32) is implemented")
