@@ -144,7 +144,7 @@ def test_bytes_all_reduced_per_layer_per_token_are_2_D_dtype(pair):
     assert counter.calls[(0, "attn")] == counter.calls[(1, "mlp")] == steps  # one all-reduce each per step
 
 
-def test_refusals_name_the_value_and_start_no_process(model_dir, tmp_path, pair):
+def test_refusals_name_the_value_and_leave_no_process(model_dir, tmp_path, pair):
     tp2 = pair[1]
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the model's num_attention_heads=4"):
@@ -158,6 +158,9 @@ def test_refusals_name_the_value_and_start_no_process(model_dir, tmp_path, pair)
         LLM(model_dir, tensor_parallel_size=2, device="cuda:1")
     with pytest.raises(ValueError, match="load_weights is not supported with tensor_parallel_size=2"):
         tp2.load_weights(pair[0].llm_engine.model.state_dict())
+    assert {p.pid for p in psutil.Process().children(recursive=True)} == before
+    with pytest.raises(ValueError, match="unknown dtype 'float8'"):  # rank 0 fails after its worker started
+        LLM(model_dir, tensor_parallel_size=2, dtype="float8", **OPTS)
     assert {p.pid for p in psutil.Process().children(recursive=True)} == before
 
 

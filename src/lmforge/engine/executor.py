@@ -187,7 +187,8 @@ class MultiprocExecutor:
                                     timeout=timedelta(seconds=LOAD_TIMEOUT_S))
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
-        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
+        self._loaded = [False]  # every worker said "ready": they answer a stop message at once
+        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns, self._loaded)
         for rank in range(1, self.size):
             ours, theirs = Pipe(duplex=True)
             self.procs.append(subprocess.Popen(
@@ -214,6 +215,7 @@ class MultiprocExecutor:
         for conn in self.conns:
             conn.send(num_blocks)
         self._wait("ready")
+        self._loaded[0] = True
 
     def _wait(self, what: str) -> None:
         deadline = time.monotonic() + LOAD_TIMEOUT_S
@@ -274,14 +276,16 @@ class MultiprocExecutor:
         self._finalizer()
 
 
-def _stop_workers(procs: list[subprocess.Popen], conns: list[Connection]) -> None:
+def _stop_workers(procs: list[subprocess.Popen], conns: list[Connection], loaded: list[bool]) -> None:
+    """Ask each worker to exit (a loaded one reads its pipe between steps), then kill what is left; a
+    worker still loading may be blocked joining the group, so it is killed at once."""
     for conn in conns:
         with contextlib.suppress(OSError, ValueError):
             conn.send(None)
         conn.close()
     for proc in procs:
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=10 if loaded[0] else 0.5)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
@@ -306,6 +310,8 @@ def worker_main(fd: int) -> None:
         with contextlib.suppress(OSError):
             conn.send(("error", f"{type(e).__name__}: {e}"))
         _exit(1)
+    if runner is None:  # rank 0 stopped before the KV pool was sized
+        _exit(0)
     while True:
         try:
             inputs = conn.recv()
@@ -339,6 +345,8 @@ def _load(conn: Connection, config: EngineConfig, rank: int, port: int):
     model = Transformer.from_pretrained(Path(config.model), dtype=config.dtype, device=device)
     shard_model(model, rank, config.tensor_parallel_size, group, CommCounter())
     num_blocks = conn.recv()
+    if num_blocks is None:
+        return None
     runner = ModelRunner(model, num_blocks, config.block_size, config.attention == "reference",
                          config.pack_weights, config.cpu_kernels, config.kv_cache_dtype)
     conn.send(("ready",))

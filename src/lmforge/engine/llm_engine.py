@@ -127,19 +127,25 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         # tensor parallelism: the workers start loading now, beside rank 0 (this process)
         self.executor = MultiprocExecutor(config) if config.tensor_parallel_size > 1 else None
-        self.model = Transformer.from_pretrained(model_dir, dtype=config.dtype, device=config.device)
-        if self.executor is not None:
-            self.executor.shard(self.model)
-        self.tokenizer = load_tokenizer(model_dir)
-        mc = self.model.config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.eos_token_ids = _eos_token_ids(model_dir, self.model, self.tokenizer)
-        num_blocks = config.num_kv_blocks or self._num_blocks_from_budget()
-        self.model_runner = ModelRunner(self.model, num_blocks, config.block_size, config.attention == "reference",
-                                        config.pack_weights, config.cpu_kernels, config.kv_cache_dtype)
-        if self.executor is not None:
-            self.executor.start(num_blocks)
-            self.model_runner.workers = self.executor
+        try:
+            self.model = Transformer.from_pretrained(model_dir, dtype=config.dtype, device=config.device)
+            if self.executor is not None:
+                self.executor.shard(self.model)
+            self.tokenizer = load_tokenizer(model_dir)
+            mc = self.model.config
+            self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                     mc.max_position_embeddings)
+            self.eos_token_ids = _eos_token_ids(model_dir, self.model, self.tokenizer)
+            num_blocks = config.num_kv_blocks or self._num_blocks_from_budget()
+            self.model_runner = ModelRunner(self.model, num_blocks, config.block_size,
+                                            config.attention == "reference", config.pack_weights,
+                                            config.cpu_kernels, config.kv_cache_dtype)
+            if self.executor is not None:
+                self.executor.start(num_blocks)
+                self.model_runner.workers = self.executor
+        except BaseException:  # no worker outlives a failed load
+            self.shutdown()
+            raise
         # the attention backend says which allocation it reads fastest (one run of blocks per sequence)
         runs = config.attention == "fast" and self.model_runner.attn.contiguous_runs
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, runs)
