@@ -95,8 +95,12 @@ class ModelRunner:
         self.model, self.block_size, self.reference = model.eval(), block_size, reference
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        # one linear backend for every quantized layer, chosen once (lmforge.quant.linear)
-        backend = select_backend(model, p.device, reference)
+        lib = None
+        if cpu_kernels and not reference and p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float32):
+            lib = kernels.load()  # None without a compiler: the torch path, same contract
+        # one linear backend for every quantized layer, chosen once (lmforge.quant.linear); on float32
+        # activations the compiled int8/int4 matmul when the library has it
+        backend = select_backend(model, p.device, reference, qmm=getattr(lib, "qmm_f32", None))
         self.linear_backend = backend.name if backend is not None else "dense"
         self.quantized_linears = swap_backend(model, backend, p.dtype) if backend is not None else 0
         self.weight_bytes = weight_bytes(model)
@@ -107,9 +111,6 @@ class ModelRunner:
         if pack_weights and not reference and can_pack_linear(p.device, p.dtype):
             with torch.no_grad():
                 self.packed_linears = pack_linear_weights(model)
-        lib = None
-        if cpu_kernels and not reference and p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float32):
-            lib = kernels.load()  # None without a compiler: the torch path, same contract
         self.fused_modules = fuse_elementwise(model, lib) if lib is not None else 0
         kv_int8 = kv_cache_dtype == "int8"
         n_heads, n_kv_heads = local_heads(model)

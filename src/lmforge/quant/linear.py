@@ -19,6 +19,8 @@ Shape legend: M rows, N output features, K input features, G groups per row.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -119,7 +121,72 @@ class Int4Linear(_Bf16Kernel):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x_MK, self.packed, self.group_size, self.scale_zeros)
 
 
-BACKENDS = {"dequant": DequantLinear, "int8": Int8Linear, "int4": Int4Linear}
+class QmmLinear(nn.Module):
+    """CPU, float32 activations (CPUs without bf16): the compiled `lmf_qmm_f32` for a decode step's few
+    rows, reading 1 (int8) or 0.5 (int4, packed here two codes a byte) bytes a weight; above
+    `MAX_ROWS` rows (prefill chunks, big batches) the work is compute, so the weight is dequantized
+    into a float32 buffer shared by every layer and MKL's sgemm runs (no float32 copy is kept)."""
+
+    name = "int8/int4 weight-only (lmforge lmf_qmm_f32, float32 activations)"
+    MAX_ROWS = 8
+    _scratch: dict[str, torch.Tensor] = {}  # one float32 buffer for the dequantized weight, grown on demand
+
+    def __init__(self, q: QuantizedLinear, dtype: torch.dtype, qmm=None):
+        super().__init__()
+        import os
+
+        self.qmm, self.bits = qmm, q.scheme.num_bits
+        self.N, self.K = q.out_features, q.in_features
+        self.gs = q.scheme.group_size or q.in_features
+        codes = q.qweight.contiguous()
+        if self.bits == 4:  # two codes a byte, low nibble = even k, unsigned (code + 8)
+            u = (codes.to(torch.int16) + 8).to(torch.uint8)
+            codes = (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
+        self.register_buffer("codes", codes, persistent=False)
+        self.register_buffer("scale", q.weight_scale.float().contiguous(), persistent=False)  # (N, G)
+        self.bias = None if q.bias is None else q.bias.detach().float()
+        self.threads = int(os.environ.get("LMFORGE_QMM_THREADS", 0)) or torch.get_num_threads()
+
+    @staticmethod
+    def supports(q: QuantizedLinear, device: torch.device, dtype: torch.dtype) -> bool:
+        gs = q.scheme.group_size
+        return (device.type == "cpu" and dtype == torch.float32 and
+                (q.scheme.num_bits == 8 and gs is None or
+                 q.scheme.num_bits == 4 and gs is not None and gs % 32 == 0 and q.in_features % gs == 0))
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight (N, K), written into the shared scratch buffer."""
+        buf = self._scratch.get("w")
+        if buf is None or buf.numel() < self.N * self.K:
+            buf = QmmLinear._scratch["w"] = torch.empty(self.N * self.K)
+        w_NK = buf[: self.N * self.K].view(self.N, self.K)
+        if self.bits == 8:
+            torch.mul(self.codes, self.scale, out=w_NK)
+        else:
+            lo, hi = (self.codes & 0x0F).to(torch.int8) - 8, (self.codes >> 4).to(torch.int8) - 8
+            w_NGk = w_NK.view(self.N, -1, self.gs)
+            w_NK.view(self.N, -1, 2)[..., 0].copy_(lo)
+            w_NK.view(self.N, -1, 2)[..., 1].copy_(hi)
+            w_NGk.mul_(self.scale[..., None])
+        return w_NK
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_MK = x.reshape(-1, self.K).float().contiguous()
+        M = x_MK.shape[0]
+        if M > self.MAX_ROWS or self.qmm is None:
+            out_MN = F.linear(x_MK, self.dequantized(), self.bias)
+        else:
+            out_MN = torch.empty(M, self.N)
+            rc = self.qmm(x_MK.data_ptr(), self.codes.data_ptr(), self.scale.data_ptr(), out_MN.data_ptr(),
+                          M, self.N, self.K, self.bits, self.gs, self.threads)
+            if rc != 0:
+                raise RuntimeError(f"lmf_qmm_f32 refused {self.N}x{self.K} int{self.bits} group {self.gs}")
+            if self.bias is not None:
+                out_MN += self.bias
+        return out_MN.to(x.dtype).reshape(*x.shape[:-1], self.N)
+
+
+BACKENDS = {"dequant": DequantLinear, "int8": Int8Linear, "int4": Int4Linear, "qmm": QmmLinear}
 
 
 def quantized_linears(model: nn.Module) -> list[tuple[nn.Module, str, QuantizedLinear]]:
@@ -127,20 +194,27 @@ def quantized_linears(model: nn.Module) -> list[tuple[nn.Module, str, QuantizedL
             if isinstance(child, QuantizedLinear)]
 
 
-def select_backend(model: nn.Module, device: torch.device, reference: bool = False) -> type[nn.Module] | None:
-    """One backend for the whole model: the packed CPU kernel when every quantized layer fits it, else
-    dequantize + matmul. None when the model holds no quantized layers."""
+def select_backend(model: nn.Module, device: torch.device, reference: bool = False,
+                   qmm=None) -> type[nn.Module] | functools.partial | None:
+    """One backend for the whole model. Float32 activations on CPU with the compiled `qmm` kernel:
+    `QmmLinear`; else torch's packed CPU kernel (bf16 activations) when every quantized layer fits it;
+    else dequantize + matmul. None when the model holds no quantized layers."""
     layers = [q for _, _, q in quantized_linears(model)]
     if not layers:
         return None
     if not reference:
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        if qmm is not None and all(QmmLinear.supports(q, device, dtype) for q in layers):
+            backend = functools.partial(QmmLinear, qmm=qmm)
+            backend.name = QmmLinear.name  # type: ignore[attr-defined]
+            return backend
         for cls in (Int8Linear, Int4Linear):
             if all(cls.supports(q, device) for q in layers):
                 return cls
     return DequantLinear
 
 
-def swap_backend(model: nn.Module, backend: type[nn.Module], dtype: torch.dtype) -> int:
+def swap_backend(model: nn.Module, backend, dtype: torch.dtype) -> int:
     """Replace every `QuantizedLinear` by `backend`; returns how many."""
     todo = quantized_linears(model)
     for parent, name, q in todo:

@@ -6,7 +6,9 @@ KV cache, for CPUs without native bf16 and for `kv_cache_dtype=int8`):
     reading each sequence's blocks in place (no gather, no padding, no per-sequence Python);
   * `lmf_write_kv_bf16`: this step's K/V rows into their pool slots (vLLM's `reshape_and_cache`);
   * `lmf_rmsnorm_bf16`, `lmf_rope_bf16`, `lmf_silu_mul_bf16`: a Llama layer's elementwise ops, one
-    call each instead of 5-14 torch ops (`lmforge.engine.fused` puts them in the model).
+    call each instead of 5-14 torch ops (`lmforge.engine.fused` puts them in the model);
+  * `lmf_qmm_f32`: weight-only int8 (per channel) / int4 (packed, per group) matmul on float32
+    activations for a decode step's few rows (`lmforge.quant.linear.QmmLinear`).
 
 Why native code: on CPU the per-sequence `scaled_dot_product_attention` loop spent ~30 us of
 dispatch per sequence per layer on top of reading the K/V, and a padded batched SDPA must first
@@ -60,6 +62,7 @@ class CpuKernels:
     rmsnorm_f32: ctypes._CFuncPtr
     rope_f32: ctypes._CFuncPtr
     silu_mul_f32: ctypes._CFuncPtr
+    qmm_f32: ctypes._CFuncPtr | None = None  # lmf_qmm_f32(x, codes, scales, out, M, N, K, bits, gs, threads)
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -144,8 +147,10 @@ def _bind(path: Path) -> CpuKernels:
     write_bytes.restype, write_bytes.argtypes = None, [P, P, P, I64, I64, P, P]
     write_int8 = lib.lmf_write_kv_int8
     write_int8.restype, write_int8.argtypes = ctypes.c_int, [P, P, P, I64, I64, I64, I64, P, P, P, P]
+    qmm = lib.lmf_qmm_f32
+    qmm.restype, qmm.argtypes = ctypes.c_int, [P, P, P, P, I64, I64, I64, I64, I64, I64]
     return CpuKernels(path, decode, decode_any=decode_any, write_kv_bytes=write_bytes, write_kv_int8=write_int8,
-                      **fns)
+                      qmm_f32=qmm, **fns)
 
 
 def load(extra_flags: tuple[str, ...] = ()) -> CpuKernels | None:

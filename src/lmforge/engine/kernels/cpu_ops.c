@@ -636,3 +636,166 @@ void lmf_rope_f32(float *x, const float *cos, const float *sin, int64_t T, int64
 void lmf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
+
+/* ---- weight-only int8 / int4 matmul on float32 activations (CPUs without bf16) ------------------------
+ *
+ * out[m, n] = sum_k x[m, k] * w[n, k] with w = code * scale:
+ *   int8: codes (N, K) int8, one float32 scale per output row (w8a16 per channel);
+ *   int4: codes packed two per byte (N, K/2) uint8, low nibble = even k, stored unsigned (code + 8),
+ *         one float32 scale per output row and group of `gs` inputs (gs a multiple of 32).
+ * For the few rows of a decode step (M small): every weight row is read from memory once and, for a
+ * block of up to 4 activation rows, converted to float32 once; the accumulation is float32 FMA (AVX2)
+ * or plain C (the portable body, also what LMF_PORTABLE builds). Output rows n are split over threads.
+ * Decode is bound by the bytes it reads, so 1 (int8) or 0.5 (int4) bytes a weight instead of 4 is the
+ * point; float32 rounding differs from dequantize + matmul only in summation order.
+ */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(LMF_PORTABLE)
+#include <immintrin.h>
+#define LMF_QMM_AVX2 1
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* One output row n for R activation rows (R a compile-time constant after inlining, so the
+ * accumulators stay in registers): total[r] = sum_g scale[g] * sum_{k in group g} x[r, k] * code[k].
+ * Per group the products go into vector accumulators; the scale is applied to the vector (one FMA per
+ * group), and the horizontal sum happens once per row. */
+static inline __attribute__((always_inline)) void qmm_row(const float *x, int64_t K, const int R, const void *wrow,
+                                                          int bits, const float *scale, int64_t gs, float *total) {
+    const int64_t G = K / gs;
+#ifdef LMF_QMM_AVX2
+    __m256 t[4][2];
+    for (int r = 0; r < R; r++) t[r][0] = t[r][1] = _mm256_setzero_ps();
+    int64_t done = 0;  /* inputs covered by the vector loop, the same in every group */
+    for (int64_t g = 0; g < G; g++) {
+        __m256 a[4][2];
+        for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+        const int64_t k0 = g * gs, k1 = k0 + gs;
+        int64_t k = k0;
+        if (bits == 8) {
+            const int8_t *w = (const int8_t *)wrow;
+            for (; k + 32 <= k1; k += 32) {
+                const __m256i b = _mm256_loadu_si256((const __m256i *)(w + k));
+                const __m128i b0 = _mm256_castsi256_si128(b), b1 = _mm256_extracti128_si256(b, 1);
+                const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0));
+                const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8)));
+                const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1));
+                const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8)));
+                for (int r = 0; r < R; r++) {
+                    const float *xr = x + r * K + k;
+                    a[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a[r][0]);
+                    a[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a[r][1]);
+                    a[r][0] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), a[r][0]);
+                    a[r][1] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), a[r][1]);
+                }
+            }
+        } else {
+            const uint8_t *w = (const uint8_t *)wrow;
+            const __m128i lo4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+            for (; k + 32 <= k1; k += 32) {
+                const __m128i b = _mm_loadu_si128((const __m128i *)(w + k / 2));  /* 32 codes */
+                const __m128i lo = _mm_and_si128(b, lo4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), lo4);
+                const __m128i c0 = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), eight);  /* k .. k+15, signed */
+                const __m128i c1 = _mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), eight);  /* k+16 .. k+31 */
+                const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c0));
+                const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c0, 8)));
+                const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c1));
+                const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c1, 8)));
+                for (int r = 0; r < R; r++) {
+                    const float *xr = x + r * K + k;
+                    a[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a[r][0]);
+                    a[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a[r][1]);
+                    a[r][0] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), a[r][0]);
+                    a[r][1] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), a[r][1]);
+                }
+            }
+        }
+        done = k - k0;
+        const __m256 sg = _mm256_set1_ps(scale[g]);
+        for (int r = 0; r < R; r++) {
+            t[r][0] = _mm256_fmadd_ps(a[r][0], sg, t[r][0]);
+            t[r][1] = _mm256_fmadd_ps(a[r][1], sg, t[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) total[r] = hsum8(_mm256_add_ps(t[r][0], t[r][1]));
+#else
+    const int64_t done = 0;
+    for (int r = 0; r < R; r++) total[r] = 0.0f;
+#endif
+    if (done == gs) return;
+    for (int64_t g = 0; g < G; g++) {  /* the tail of each group (all of it in the portable body) */
+        float acc[4] = {0, 0, 0, 0};
+        for (int64_t k = g * gs + done; k < (g + 1) * gs; k++) {
+            float c;
+            if (bits == 8) c = (float)((const int8_t *)wrow)[k];
+            else {
+                const uint8_t byte = ((const uint8_t *)wrow)[k / 2];
+                c = (float)((int)((k & 1) ? byte >> 4 : byte & 0x0F) - 8);
+            }
+            for (int r = 0; r < R; r++) acc[r] += x[r * K + k] * c;
+        }
+        for (int r = 0; r < R; r++) total[r] += acc[r] * scale[g];
+    }
+}
+
+typedef struct {
+    const float *x; const void *w; const float *scale; float *out;
+    int64_t M, N, K, gs, bits, n0, n1;
+} qmm_job;
+
+static void qmm_range(const qmm_job *j) {
+    const int64_t K = j->K, gs = j->bits == 8 ? K : j->gs, G = K / gs;
+    const int64_t row_bytes = j->bits == 8 ? K : K / 2;
+    for (int64_t m0 = 0; m0 < j->M; m0 += 4) {
+        const int R = j->M - m0 < 4 ? (int)(j->M - m0) : 4;
+        const float *x = j->x + m0 * K;
+        for (int64_t n = j->n0; n < j->n1; n++) {
+            float total[4];
+            const void *w = (const uint8_t *)j->w + n * row_bytes;
+            const float *sc = j->scale + n * G;
+            switch (R) {  /* constant R per call: the accumulators stay in registers */
+                case 1: qmm_row(x, K, 1, w, (int)j->bits, sc, gs, total); break;
+                case 2: qmm_row(x, K, 2, w, (int)j->bits, sc, gs, total); break;
+                case 3: qmm_row(x, K, 3, w, (int)j->bits, sc, gs, total); break;
+                default: qmm_row(x, K, 4, w, (int)j->bits, sc, gs, total); break;
+            }
+            for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r];
+        }
+    }
+}
+
+#ifndef _OPENMP
+static void *qmm_thread(void *arg) { qmm_range((const qmm_job *)arg); return NULL; }
+#endif
+
+/* bits 8 or 4; returns -1 for shapes it does not take (int4: K odd or gs not a multiple of 32 dividing K). */
+int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
+                int64_t bits, int64_t gs, int64_t threads) {
+    if (bits != 8 && bits != 4) return -1;
+    if (bits == 4 && (gs <= 0 || gs % 32 || K % gs)) return -1;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > N) threads = N;
+    qmm_job jobs[MAX_THREADS];
+    for (int64_t t = 0; t < threads; t++)
+        jobs[t] = (qmm_job){x, w, scale, out, M, N, K, gs, bits, N * t / threads, N * (t + 1) / threads};
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int64_t t = 0; t < threads; t++) qmm_range(&jobs[t]);
+#else
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int64_t t = 1; t < threads; t++)
+        started[t] = pthread_create(&tids[t], NULL, qmm_thread, &jobs[t]) == 0;
+    qmm_range(&jobs[0]);
+    for (int64_t t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(tids[t], NULL);
+        else qmm_range(&jobs[t]);
+    }
+#endif
+    return 0;
+}
