@@ -152,9 +152,8 @@ def shard_model(model: nn.Module, rank: int, size: int, group, counter: CommCoun
     model.tensor_parallel = (rank, size)
 
 
-def new_group(store_port: int, rank: int, size: int, device: torch.device):
-    """This executor's own process group: gloo on CPU, NCCL on CUDA."""
-    store = dist.TCPStore("127.0.0.1", store_port, size, is_master=False, timeout=timedelta(seconds=LOAD_TIMEOUT_S))
+def new_group(store: dist.Store, rank: int, size: int, device: torch.device):
+    """This executor's own process group (not torch.distributed's default one): gloo on CPU, NCCL on CUDA."""
     store = dist.PrefixStore("lmforge-tp", store)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -203,11 +202,7 @@ class MultiprocExecutor:
     def shard(self, model: nn.Module) -> None:
         """Join the group once every worker is ready to, then keep rank 0's shard of `model`."""
         self._wait("joining")
-        store = dist.PrefixStore("lmforge-tp", self._store)
-        if self.device.type == "cuda":
-            self.group = dist.ProcessGroupNCCL(store, 0, self.size)
-        else:
-            self.group = dist.ProcessGroupGloo(store, 0, self.size, COLLECTIVE_TIMEOUT)
+        self.group = new_group(self._store, 0, self.size, self.device)
         shard_model(model, 0, self.size, self.group, self.counter)
 
     def start(self, num_blocks: int) -> None:
@@ -340,7 +335,9 @@ def _load(conn: Connection, config: EngineConfig, rank: int, port: int):
 
     device = torch.device(config.device)
     conn.send(("joining",))
-    group = new_group(port, rank, config.tensor_parallel_size, device)
+    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False,
+                          timeout=timedelta(seconds=LOAD_TIMEOUT_S))
+    group = new_group(store, rank, config.tensor_parallel_size, device)
     torch.manual_seed(config.seed)
     model = Transformer.from_pretrained(Path(config.model), dtype=config.dtype, device=device)
     shard_model(model, rank, config.tensor_parallel_size, group, CommCounter())
