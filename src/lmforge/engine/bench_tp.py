@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--tp1-threads", type=int, nargs="+", default=[None],
-                    help="torch threads for size 1, one run each (default: every CPU); size N>1 gets cpus // N per rank")
+                    help="torch threads for size 1, one run each (default: every CPU); "
+                         "size N > 1 gets cpus // N per rank")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

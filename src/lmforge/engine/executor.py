@@ -158,7 +158,11 @@ def new_group(store: dist.Store, rank: int, size: int, device: torch.device):
     if device.type == "cuda":
         torch.cuda.set_device(device)
         return dist.ProcessGroupNCCL(store, rank, size)
-    return dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
+    # one host: gloo's pairs on loopback, whatever the machine's hostname resolves to
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._timeout = COLLECTIVE_TIMEOUT
+    return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
 def threads_per_rank(size: int) -> int:
@@ -191,7 +195,8 @@ class MultiprocExecutor:
         for rank in range(1, self.size):
             ours, theirs = Pipe(duplex=True)
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-c", f"from lmforge.engine.executor import worker_main; worker_main({theirs.fileno()})"],
+                [sys.executable, "-c",
+                 f"from lmforge.engine.executor import worker_main; worker_main({theirs.fileno()})"],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": _pythonpath()}))
             theirs.close()
             self.conns.append(ours)

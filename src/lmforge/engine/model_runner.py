@@ -154,7 +154,8 @@ class ModelRunner:
                                               self.device, self.reference, kernel=self.attn.kernels is not None,
                                               read_in_place=not self.attn.kv_int8))
         to_dev = dict(dtype=torch.long, device=self.device)
-        input_ids_1T, positions_1T = torch.tensor([inputs.input_ids], **to_dev), torch.tensor([inputs.positions], **to_dev)
+        input_ids_1T = torch.tensor([inputs.input_ids], **to_dev)
+        positions_1T = torch.tensor([inputs.positions], **to_dev)
         last_rows_S = torch.tensor(inputs.last_rows, **to_dev)
         t1 = time.perf_counter()
         h_1TD = self.model.hidden_states(input_ids_1T, positions_1T, attn=self.attn)
