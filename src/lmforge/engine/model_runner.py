@@ -3,8 +3,9 @@
 All scheduled tokens (prefill chunks and decode tokens together) form one flat row (1, T) with
 their positions; `build_metadata` turns block tables into `slot_mapping` and gather indices once
 per step, and `PagedAttention` does the rest inside each layer. `lm_head` runs only on the last
-token of each sequence whose chunk reaches its end. This module knows nothing about scheduling
-policy, sampling or text.
+token of each sequence whose chunk reaches its end. Under tensor parallelism `run` first hands the
+step, as plain ints (`StepInputs`), to the worker ranks (`executor.py`), which `execute` the same
+forward on their shards. This module knows nothing about scheduling policy, sampling or text.
 
 Shape legend: T flat tokens this step, S sequences that sample, D hidden, V vocabulary.
 """
