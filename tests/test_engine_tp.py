@@ -18,8 +18,8 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
-import psutil
 import pytest
 
 from hf_models import save_hf_model
@@ -35,11 +35,33 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=
 OPTS = dict(device="cpu", block_size=16, max_num_batched_tokens=32)
 
 
-def alive(pid: int) -> bool:
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) from /proc (Linux), or None once the process is gone."""
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return fields[0], int(fields[1])
+
+
+def alive(pid: int) -> bool:
+    st = _stat(pid)
+    return st is not None and st[0] != "Z"
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid`, children first."""
+    parents = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and (st := _stat(int(d.name))) is not None and st[0] != "Z":
+            parents[int(d.name)] = st[1]
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop(0)
+        kids = sorted(p for p, pp in parents.items() if pp == parent)
+        out += kids
+        todo += kids
+    return out
 
 
 def wait_gone(pids: list[int], timeout: float = 15.0) -> None:
@@ -144,9 +166,10 @@ def test_bytes_all_reduced_per_layer_per_token_are_2_D_dtype(pair):
     assert counter.calls[(0, "attn")] == counter.calls[(1, "mlp")] == steps  # one all-reduce each per step
 
 
-def test_refusals_name_the_value_and_leave_no_process(model_dir, tmp_path, pair):
+def test_refusals_name_the_value_and_leave_no_process(model_dir, tmp_path, pair, doomed, served):
     tp2 = pair[1]
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    doomed.get(), served[1].get()  # their processes are all started: the count below is only ours
+    before = set(descendants(os.getpid()))
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the model's num_attention_heads=4"):
         LLM(model_dir, tensor_parallel_size=3, **OPTS)
     odd = str(save_hf_model("llama", tmp_path / "odd", **{**TINY, "intermediate_size": 255}))
@@ -158,10 +181,10 @@ def test_refusals_name_the_value_and_leave_no_process(model_dir, tmp_path, pair)
         LLM(model_dir, tensor_parallel_size=2, device="cuda:1")
     with pytest.raises(ValueError, match="load_weights is not supported with tensor_parallel_size=2"):
         tp2.load_weights(pair[0].llm_engine.model.state_dict())
-    assert {p.pid for p in psutil.Process().children(recursive=True)} == before
+    assert set(descendants(os.getpid())) == before
     with pytest.raises(ValueError, match="unknown dtype 'float8'"):  # rank 0 fails after its worker started
         LLM(model_dir, tensor_parallel_size=2, dtype="float8", **OPTS)
-    assert {p.pid for p in psutil.Process().children(recursive=True)} == before
+    assert set(descendants(os.getpid())) == before
 
 
 def test_a_killed_worker_is_named_and_rank_0_stops_cleanly(doomed):
@@ -197,7 +220,7 @@ def test_serve_tp2_float64_equals_one_process_and_no_orphan_when_rank_0_dies(ser
     one = LLM(**{**dataclasses.asdict(config), "tensor_parallel_size": 1})
     want = [o.outputs[0] for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
     engine = bg.get()
-    tree = [engine.pid] + [p.pid for p in psutil.Process(engine.pid).children(recursive=True)]
+    tree = [engine.pid] + descendants(engine.pid)
     assert len(tree) == 2  # the engine core and its tensor-parallel worker
     with ServerThread(build_app(engine, "tiny")) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
