@@ -163,6 +163,57 @@ def phase_logging(model: str, n: int, c: int, tmp: Path, rounds: int, baseline_s
     return out
 
 
+LOG_CPU_CHILD = """
+import json, sys, tempfile, time
+from pathlib import Path
+variant, n, rate, prompt, response = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5]
+xlog = None
+if variant != "none":
+    from lmforge.registry import FeedbackStore
+    from lmforge.serve.exchange_log import ExchangeLog
+    xlog = ExchangeLog(FeedbackStore(Path(tempfile.mkdtemp()) / "fb.db"))
+t0, c0 = time.perf_counter(), time.process_time()
+for i in range(n):
+    if xlog is not None:
+        xlog.add({"id": f"cmpl-{i}", "created": 0, "model": "m", "model_version": "1", "user": None,
+                  "kind": "completion", "prompt": prompt, "response": response})
+    time.sleep(max(0.0, t0 + (i + 1) / rate - time.perf_counter()))
+if xlog is not None:
+    xlog.flush()
+print(json.dumps({"cpu_s": time.process_time() - c0, "wall_s": time.perf_counter() - t0}))
+"""
+
+
+def phase_log_cpu(model: str, n: int, rate: float, rounds: int, baseline_src: str | None) -> dict:
+    """The serving process's CPU time per logged exchange: `ExchangeLog.add` for `n` exchanges of the
+    bench's shape (a 64-token prompt, a 32-token answer, decoded by the model's tokenizer) arriving at
+    `rate`/s, then `flush()`, in a fresh interpreter per run; minus the same loop without a log.
+    CPU time of this process only (`time.process_time`: every thread, no children), so a busy
+    neighbour does not change it the way it changes throughput. With `baseline_src`, also the
+    ExchangeLog of that checkout (the thread writer, which masked in-process)."""
+    import subprocess
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    rng = random.Random(0)
+    prompt = tok.decode([rng.randrange(261, tok.vocab_size) for _ in range(64)])
+    response = tok.decode([rng.randrange(261, tok.vocab_size) for _ in range(32)])
+    variants = {"none": None, "process": str(ROOT / "src")}
+    if baseline_src:
+        variants["thread_before"] = baseline_src
+    cpu: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(rounds):
+        for label, src in variants.items():
+            env = {**os.environ, "PYTHONPATH": src or str(ROOT / "src")}
+            out = subprocess.run([sys.executable, "-c", LOG_CPU_CHILD, label, str(n), str(rate), prompt, response],
+                                 env=env, capture_output=True, text=True, timeout=600, check=True)
+            cpu[label].append(json.loads(out.stdout)["cpu_s"])
+    med = {k: sorted(v)[len(v) // 2] for k, v in cpu.items()}
+    return {"n": n, "rate_per_s": rate, "rounds": rounds, "cpu_s": cpu,
+            "us_per_exchange": {k: 1e6 * (med[k] - med["none"]) / n for k in variants if k != "none"}}
+
+
 def tiny_models(root: Path) -> tuple[str, str]:
     from lmforge.model.reference import save_hf_model
     from lmforge.serve.testing import make_model_with_tokenizer
@@ -203,6 +254,8 @@ def main() -> int:
         report["reload"] = phase_reload(reg_path, "m", a.port, a.num_prompts, a.concurrency)
     if "canary" in phases:
         report["canary"] = phase_canary(reg_path, "m", a.port)
+    if "log_cpu" in phases:
+        report["log_cpu"] = phase_log_cpu(model_a, 400, 100.0, 5, a.baseline_src)
     if "logging" in phases:
         report["logging"] = phase_logging(model_a, a.num_prompts, a.concurrency, tmp, a.rounds, a.baseline_src,
                                           a.port + 4)
@@ -226,6 +279,10 @@ def main() -> int:
             md.append(f"| {what} at c={a.concurrency}, median of {lg['rounds']} rounds | {lg[label]['cost_pct']:+.1f}% "
                       f"throughput; HTTP process {lg[label]['http_cpu_ms_per_request']:.2f} CPU ms/request (off: "
                       f"{lg['off']['http_cpu_ms_per_request']:.2f}) | <= 5% |")
+    if "log_cpu" in r:
+        for label, us in r["log_cpu"]["us_per_exchange"].items():
+            md.append(f"| serving-process CPU per logged exchange ({label}), 400 at 100/s, median of 5 | "
+                      f"{us:.0f} us | - |")
     report["targets"] = targets
     report["machine"] = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
                          "loadavg_before": load_before, "loadavg_after": os.getloadavg()}

@@ -9,14 +9,16 @@ child interpreter of their own, and the serving process only appends a dict to a
     wait_written(id) <-- notify <- sender: conn.recv() = ack  <--pipe--   (masks, then one transaction)
 
 Only masked text reaches the disk: the child calls `FeedbackStore.log_exchanges`, which masks
-before its transaction starts; the rows cross a pipe, never a file. One batch is in flight at a
-time; while the child writes it the next one collects, so batches grow with load.
+before its transaction starts; the rows cross a pipe, never a file. Rows collect for up to
+`INTERVAL_S` (or `MAX_BATCH` rows) and go as one message, answered by one ack: a pipe round trip
+per row would cost the serving process more than masking the row in-process did (measured by
+`scripts/bench_ops.py --phases log_cpu`). One batch is in flight at a time.
 
 * **Bounded**: at most `max_pending` rows added and not yet written. Past that, `add` drops the row
   and counts it (`dropped`, exported as `lmforge:exchange_log_dropped_total`): serving never waits
   for the log. A dropped exchange is not in the store, so feedback on its id is a 404.
-* **Feedback on a just-finished completion**: `wait_written(id)` blocks until the batch holding
-  `id` is committed (the sender does not wait for a timer, so this is one or two batches' time).
+* **Feedback on a just-finished completion**: `wait_written(id)` has the pending rows sent at once
+  (no interval wait) and blocks until the batch holding `id` is committed.
 * **Writer death**: the rows it had not acknowledged and everything added later are dropped and
   counted, and the error is logged; serving goes on.
 
@@ -39,6 +41,7 @@ from pathlib import Path
 
 log = logging.getLogger("lmforge.serve")
 MAX_PENDING, MAX_BATCH, RECENT = 10_000, 512, 100_000
+INTERVAL_S = 0.1  # rows collect this long before they are sent, unless a waiter asks for them
 START_TIMEOUT_S = 60.0
 
 
@@ -53,6 +56,7 @@ class ExchangeLog:
         self.dropped = 0  # rows not stored: the queue was full, or the writer failed
         self._recent: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (version, seq)
         self._closed = False
+        self._urgent = False  # a waiter (feedback, flush) wants the rows now
         self._dead: str | None = None
         child_cmd, self._cmd = Pipe(duplex=False)
         self._ack, child_ack = Pipe(duplex=False)
@@ -82,7 +86,8 @@ class ExchangeLog:
             self._recent[row["id"]] = (row["model_version"], self._seq)
             if len(self._recent) > RECENT:
                 self._recent.popitem(last=False)
-            self._lock.notify_all()
+            if len(self._rows) >= MAX_BATCH:
+                self._lock.notify_all()
             return True
 
     def version_of(self, id: str) -> str | None:
@@ -102,13 +107,19 @@ class ExchangeLog:
             entry = self._recent.get(id)
             if entry is None:
                 return True
-            return self._lock.wait_for(lambda: self._written >= entry[1], timeout)
+            return self._wait(entry[1], timeout)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Block until everything added so far is committed (or lost and counted)."""
         with self._lock:
-            target = self._seq
-            return self._lock.wait_for(lambda: self._written >= target, timeout)
+            return self._wait(self._seq, timeout)
+
+    def _wait(self, seq: int, timeout: float) -> bool:
+        """Under the lock: have the sender send now, and wait until `seq` is written."""
+        if self._written < seq:
+            self._urgent = True
+            self._lock.notify_all()
+        return self._lock.wait_for(lambda: self._written >= seq, timeout)
 
     def close(self) -> None:
         self.flush()
@@ -128,10 +139,14 @@ class ExchangeLog:
     def _run(self) -> None:
         while True:
             with self._lock:
+                # one IPC round trip per batch, not per row: that costs the serving process more than
+                # masking a row would (measured: scripts/bench_ops.py --phases log_cpu)
                 self._lock.wait_for(lambda: self._rows or self._closed)
+                self._lock.wait_for(lambda: self._urgent or self._closed or len(self._rows) >= MAX_BATCH, INTERVAL_S)
                 if not self._rows:
                     return
                 batch, self._rows = self._rows[:MAX_BATCH], self._rows[MAX_BATCH:]
+                self._urgent = bool(self._rows) and self._urgent
             last = batch[-1][0]
             try:
                 self._cmd.send([row for _, row in batch])  # pickling a few dicts: microseconds
