@@ -1,0 +1,126 @@
+"""`--log-requests`' writer process (`lmforge.serve.exchange_log`): rows are masked and written by a
+child interpreter, the queue is bounded (drops counted), feedback on an id waits for that id's
+write, and a dead writer neither hangs nor takes serving down. The writer is paused with SIGSTOP to
+make "the writer has not caught up yet" happen on purpose.
+
+    python -m pytest -q tests/test_serve_exchange_log.py
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lmforge.engine import AsyncLLMEngine, EngineConfig
+from lmforge.registry import FeedbackStore
+from lmforge.serve.app import build_app
+from lmforge.serve.exchange_log import ExchangeLog
+from lmforge.serve.testing import ServerThread
+
+SECRET_MAIL, SECRET_KEY = "jane.doe@example.com", "sk-" + "a1B2c3D4e5F6g7H8i9J0k1L2m3N4"
+
+
+def row(i: int, prompt: str = "hello", version: str = "1") -> dict:
+    return {"id": f"cmpl-{i}", "created": 0, "model": "tiny", "model_version": version, "user": None,
+            "kind": "completion", "prompt": prompt, "response": "world"}
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> FeedbackStore:
+    return FeedbackStore(tmp_path / "fb.db")
+
+
+def test_rows_are_masked_in_the_writer_process_and_never_reach_the_file(store, tmp_path):
+    xlog = ExchangeLog(store)
+    try:
+        assert xlog._proc.pid != os.getpid() and xlog._proc.poll() is None  # a child interpreter does the work
+        for i in range(300):
+            assert xlog.add(row(i, f"mail {SECRET_MAIL} key {SECRET_KEY} #{i}"))
+        assert xlog.flush(timeout=60) and xlog.pending == 0 and xlog.dropped == 0
+        assert xlog.version_of("cmpl-7") == "1" and xlog.version_of("cmpl-nope") is None
+    finally:
+        xlog.close()
+    assert xlog._proc.returncode == 0  # close() ends the writer
+    rows = list(store.exchanges())
+    assert len(rows) == 300 and all(SECRET_MAIL not in r["prompt"] and "<EMAIL>" in r["prompt"] for r in rows)
+    raw = b"".join(p.read_bytes() for p in tmp_path.glob("fb.db*"))
+    assert SECRET_MAIL.encode() not in raw and SECRET_KEY.encode() not in raw
+
+
+def test_a_full_queue_drops_and_counts_and_wait_written_waits_for_the_id(store):
+    xlog = ExchangeLog(store, max_pending=3)
+    try:
+        os.kill(xlog._proc.pid, signal.SIGSTOP)  # the writer falls behind
+        try:
+            accepted = [xlog.add(row(i)) for i in range(5)]
+            assert accepted == [True, True, True, False, False] and xlog.dropped == 2 and xlog.pending == 3
+            assert not xlog.wait_written("cmpl-0", timeout=0.3)  # not written while the writer is stopped
+            assert xlog.wait_written("cmpl-999", timeout=0.01)  # an id we never queued does not wait
+        finally:
+            os.kill(xlog._proc.pid, signal.SIGCONT)
+        assert xlog.wait_written("cmpl-2", timeout=60)
+        assert store.add_feedback("cmpl-2", -1)  # the row is there as soon as wait_written returns
+        assert not store.add_feedback("cmpl-4", 1)  # the dropped one is not: feedback on it is a 404
+        assert xlog.add(row(10)) and xlog.flush(timeout=60)  # room again once the writer caught up
+    finally:
+        xlog.close()
+    assert {r["id"] for r in store.exchanges()} == {"cmpl-0", "cmpl-1", "cmpl-2", "cmpl-10"}
+
+
+def test_a_dead_writer_drops_and_counts_and_never_hangs_a_waiter(store):
+    xlog = ExchangeLog(store)
+    try:
+        os.kill(xlog._proc.pid, signal.SIGSTOP)
+        assert xlog.add(row(0))
+        os.kill(xlog._proc.pid, signal.SIGKILL)
+        assert xlog.wait_written("cmpl-0", timeout=30)  # released (lost, counted), not a 30 s hang
+        assert xlog.dropped == 1 and xlog._dead is not None
+        assert not xlog.add(row(1)) and xlog.dropped == 2
+    finally:
+        xlog.close()
+    assert list(store.exchanges()) == []
+
+
+def _ready(url: str, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while httpx.get(url + "/health/ready").status_code != 200:
+        assert time.time() < deadline, "server never became ready"
+        time.sleep(0.05)
+
+
+def test_feedback_sent_before_the_writer_caught_up_still_finds_its_exchange(chat_model_dir, tmp_path):
+    store = FeedbackStore(tmp_path / "fb.db")
+    app = build_app(lambda: AsyncLLMEngine(EngineConfig(model=str(chat_model_dir), dtype="float32",
+                                                        max_model_len=256)),
+                    "tiny", feedback=store, log_requests=True, version="3")
+    with ServerThread(app) as srv:
+        _ready(srv.url)
+        xlog = app.state.server.exchange_log
+        os.kill(xlog._proc.pid, signal.SIGSTOP)
+        try:
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": f"write to {SECRET_MAIL}", "max_tokens": 4})
+            assert r.status_code == 200
+            cid = r.json()["id"]
+            assert xlog.pending == 1 and not store.add_feedback(cid, 1)  # not in the store yet
+            box: dict = {}
+            t = threading.Thread(target=lambda: box.update(
+                r=httpx.post(srv.url + "/v1/feedback", json={"id": cid, "score": -1}, timeout=60)))
+            t.start()
+            time.sleep(0.5)
+            assert t.is_alive()  # the feedback waits for its exchange's write instead of answering 404
+        finally:
+            os.kill(xlog._proc.pid, signal.SIGCONT)
+        t.join(timeout=60)
+        assert box["r"].status_code == 200, box["r"].text
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert "lmforge:exchange_log_dropped_total 0.0" in metrics
+        assert "lmforge:exchange_log_pending 0.0" in metrics
+        assert 'lmforge:feedback_score_count{model_name="tiny",model_version="3"} 1.0' in metrics
+    (ex,) = store.exchanges()
+    assert ex["id"] == cid and SECRET_MAIL not in ex["prompt"] and ex["feedback"]["score"] == -1
