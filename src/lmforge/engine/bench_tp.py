@@ -7,12 +7,14 @@ Each size gets a fresh `LLM` (workers included) with `max(1, cpus // N)` torch t
 `--tp1-threads`, each a run of its own, as one process on a busy box may do better with fewer); one
 warm-up request runs before the clock starts. The model is `lmforge bench engine`'s random ~30M Llama
 (hidden 512, 8 layers, 8 heads, MLP 1024) unless `--model` names another. The bytes come from rank 0's
-`CommCounter` (every rank all-reduces the same tensors). Knows nothing about serving.
+`CommCounter` (every rank all-reduces the same tensors); `tokens_sha1` hashes every output's greedy
+tokens, so equal hashes mean the sizes generated the same tokens. Knows nothing about serving.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -50,7 +52,7 @@ def run_size(model_dir: str, size: int, num_requests: int, prompt_len: int, outp
                   wall_s=round(wall, 3), output_tok_s=round(out_tokens / wall, 1),
                   tokens_processed=tokens, total_tok_s=round(tokens / wall, 1),
                   allreduce_bytes_per_layer_per_token=(per_layer[0] / tokens if per_layer else 0),
-                  first_tokens=outs[0].outputs[0].token_ids[:8])
+                  tokens_sha1=hashlib.sha1(json.dumps([o.outputs[0].token_ids for o in outs]).encode()).hexdigest()[:12])
     llm.llm_engine.shutdown()
     return result
 
