@@ -124,3 +124,14 @@ def test_feedback_sent_before_the_writer_caught_up_still_finds_its_exchange(chat
         assert 'lmforge:feedback_score_count{model_name="tiny",model_version="3"} 1.0' in metrics
     (ex,) = store.exchanges()
     assert ex["id"] == cid and SECRET_MAIL not in ex["prompt"] and ex["feedback"]["score"] == -1
+
+
+def test_a_batch_the_store_refuses_is_counted_and_the_writer_goes_on(store):
+    xlog = ExchangeLog(store)
+    try:
+        assert xlog.add({**row(0), "kind": "not-a-kind"})  # log_exchanges raises on this batch
+        assert xlog.flush(timeout=60) and xlog.dropped == 1
+        assert xlog.add(row(1)) and xlog.flush(timeout=60) and xlog.dropped == 1
+    finally:
+        xlog.close()
+    assert [r["id"] for r in store.exchanges()] == ["cmpl-1"]

@@ -20,6 +20,7 @@ from lmforge.engine import AsyncLLMEngine, EngineConfig
 from lmforge.registry import FeedbackStore
 from lmforge.serve.app import VERSION_HEADER, build_app
 from lmforge.serve.testing import ServerThread
+from lmforge.serve.engine_client import ReloadResult, VersionRouterClient
 from lmforge.serve.versions import CanaryGuard, Router, Served
 
 MODEL = "tiny"
@@ -65,6 +66,37 @@ def test_challenger_is_rolled_back_when_it_errs_more():
     assert r.canary_percent == 0 and events and events[0][0] == "auto_rollback"
     assert events[0][1]["metric"] == "error_rate" and events[0][1]["challenger"] == "2"
     assert all(r.route(f"u{i}") is champ for i in range(50))
+
+
+def test_the_engine_client_reloads_new_version_first_and_drains_the_old_one():
+    class Engine(_FakeEngine):
+        def __init__(self):
+            self.stopped = False
+
+        def shutdown(self):
+            self.stopped = True
+
+    old, new = Engine(), Engine()
+    client = VersionRouterClient(max_engine_restarts=3)
+    client.attach(Served("champion", "1", old, lambda: old))
+    running = client.route("u1")
+    running.inflight.add("cmpl-x-0")  # a request still streaming on version 1
+
+    async def main():
+        done = await client.reload({"champion": ("2", lambda: new, "/models/2")})
+        assert done == ReloadResult({"champion": "2"}, {"champion": "2"}, 0.0)
+        assert client.route("u1").engine is new and client.info().models == {"champion": "2"}
+        await asyncio.sleep(0.2)
+        assert not old.stopped  # drained, not cut: its request is still in flight
+        running.inflight.clear()
+        for _ in range(50):
+            await asyncio.sleep(0.05)
+            if old.stopped:
+                break
+        assert old.stopped and not new.stopped
+        assert (await client.reload({"champion": ("2", lambda: new, "/models/2")})).changed == {}
+
+    asyncio.run(main())
 
 
 def test_feedback_is_stored_beside_a_pii_masked_exchange(model_dir, tmp_path):
