@@ -183,6 +183,7 @@ class MultiprocExecutor:
         self.device = _device(config)
         self.counter = CommCounter()  # rank 0's all-reduces; every rank runs the same ones
         self.group = None
+        self.error: str | None = None  # set once a step failed: no later step can run
         self.threads = threads_per_rank(self.size)
         torch.set_num_threads(self.threads)
         # the rendezvous: rank 0 serves the store on a free port; the group itself is made in `shard`
@@ -234,25 +235,49 @@ class MultiprocExecutor:
 
     def send(self, inputs: StepInputs) -> None:
         """Hand one step's inputs to every worker (they start their forward at once)."""
+        if self.error is not None:
+            raise WorkerDiedError(self.error)
         for rank, conn in enumerate(self.conns, start=1):
             try:
                 conn.send(inputs)
-            except OSError as e:
-                raise self._died(rank) from e
+            except OSError as e:  # the workers sent to already are in a forward that cannot finish
+                raise self._fail(self._died(rank)) from e
 
     @contextlib.contextmanager
     def guard(self):
-        """Around rank 0's forward: a failed all-reduce whose peer is gone becomes a `WorkerDiedError`."""
+        """Around rank 0's forward. The workers run the same forward: once rank 0's fails, their
+        all-reduces can never be matched again, so they are stopped and the executor refuses later
+        steps. A failed all-reduce whose peer is gone names that rank."""
         try:
             yield
-        except RuntimeError as e:
-            deadline = time.monotonic() + 2.0  # the peer's exit may lag the broken connection a little
-            while time.monotonic() < deadline:
-                for rank, proc in enumerate(self.procs, start=1):
-                    if proc.poll() is not None:
-                        raise self._died(rank) from e
-                time.sleep(0.05)
-            raise
+        except BaseException as e:
+            dead = self._first_dead(2.0 if isinstance(e, RuntimeError) else 0.0)  # an exit may lag the reset
+            error = self._fail(self._died(dead) if dead else WorkerDiedError(
+                f"rank 0's forward failed ({type(e).__name__}: {e}); the tensor-parallel workers were stopped "
+                "(their collectives cannot be matched again): restart the engine"))
+            if not isinstance(e, Exception):  # KeyboardInterrupt and the like stay what they are
+                raise
+            raise error from e
+
+    def _fail(self, error: WorkerDiedError) -> WorkerDiedError:
+        """Record why no step can run any more and stop the workers (killed: they may be waiting in a
+        collective that will never complete, deaf to a stop message)."""
+        self.error = str(error)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        self.shutdown()
+        return error
+
+    def _first_dead(self, wait_s: float) -> int | None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, proc in enumerate(self.procs, start=1):
+                if proc.poll() is not None:
+                    return rank
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def _died(self, rank: int) -> WorkerDiedError:
         proc = self.procs[rank - 1]
