@@ -139,9 +139,13 @@ def bench_linears(K: int, N: int, group_size: int) -> list[dict[str, Any]]:
     import torch.nn.functional as F
 
     from lmforge.quant import QuantScheme, quantize_rtn
-    from lmforge.quant.linear import Int4Linear, Int8Linear, QuantizedLinear
+    from lmforge.engine import kernels
+    from lmforge.quant.linear import Int4Linear, Int8Linear, QmmLinear, QuantizedLinear
 
     from .bench_linear import best_seconds
+
+    lib = kernels.load()
+    qmm = getattr(lib, "qmm_f32", None)
 
     w = torch.randn(N, K)
     rows = []
@@ -152,14 +156,17 @@ def bench_linears(K: int, N: int, group_size: int) -> list[dict[str, Any]]:
         q.qweight.copy_(qw)
         q.weight_scale.copy_(s)
         layers[cls.__name__] = (cls(q, torch.float32), q)
-    for M in (1, 32):
+        if qmm is not None:
+            layers[f"QmmLinear int{scheme.num_bits}"] = (QmmLinear(q, torch.float32, qmm=qmm), q)
+    for M in (1, 4, 32):
         x32 = torch.randn(M, K)
         xbf = x32.bfloat16()
         wbf = w.bfloat16()
         cands = {"dense float32 (F.linear)": lambda: F.linear(x32, w),
                  "dense bf16 (F.linear)": lambda: F.linear(xbf, wbf)}
         for name, (layer, q) in layers.items():
-            cands[f"{name} (bf16 activations)"] = lambda layer=layer: layer(x32)
+            kind = "float32 activations" if name.startswith("Qmm") else "bf16 activations"
+            cands[f"{name} ({kind})"] = lambda layer=layer: layer(x32)
         i8 = layers["Int8Linear"][0]
         cands["int8 kernel on float32 activations"] = lambda: torch.ops.aten._weight_int8pack_mm(
             x32, i8.qweight, i8.scale.float())

@@ -128,7 +128,7 @@ class QmmLinear(nn.Module):
     into a float32 buffer shared by every layer and MKL's sgemm runs (no float32 copy is kept)."""
 
     name = "int8/int4 weight-only (lmforge lmf_qmm_f32, float32 activations)"
-    MAX_ROWS = 8
+    MAX_ROWS = 32  # measured on the AVX2 EPYC (8192x2048, 1 thread): the kernel beats dequantize + sgemm up to 32 rows
     _scratch: dict[str, torch.Tensor] = {}  # one float32 buffer for the dequantized weight, grown on demand
 
     def __init__(self, q: QuantizedLinear, dtype: torch.dtype, qmm=None):
@@ -161,13 +161,14 @@ class QmmLinear(nn.Module):
             buf = QmmLinear._scratch["w"] = torch.empty(self.N * self.K)
         w_NK = buf[: self.N * self.K].view(self.N, self.K)
         if self.bits == 8:
-            torch.mul(self.codes, self.scale, out=w_NK)
+            w_NK.copy_(self.codes)  # int8 -> float32 in place, then the per-row scale
+            w_NK.mul_(self.scale)
         else:
-            lo, hi = (self.codes & 0x0F).to(torch.int8) - 8, (self.codes >> 4).to(torch.int8) - 8
+            pairs = w_NK.view(self.N, -1, 2)
+            pairs[..., 0].copy_(self.codes & 0x0F)
+            pairs[..., 1].copy_(self.codes >> 4)
             w_NGk = w_NK.view(self.N, -1, self.gs)
-            w_NK.view(self.N, -1, 2)[..., 0].copy_(lo)
-            w_NK.view(self.N, -1, 2)[..., 1].copy_(hi)
-            w_NGk.mul_(self.scale[..., None])
+            w_NGk.sub_(8).mul_(self.scale[..., None])
         return w_NK
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
