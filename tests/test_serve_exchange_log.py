@@ -53,6 +53,20 @@ def test_rows_are_masked_in_the_writer_process_and_never_reach_the_file(store, t
     assert SECRET_MAIL.encode() not in raw and SECRET_KEY.encode() not in raw
 
 
+def test_rows_are_written_within_the_interval_without_anyone_waiting(store):
+    xlog = ExchangeLog(store)
+    try:
+        for batch in range(3):  # a quiet server: a few rows, nobody calls flush or wait_written
+            assert xlog.add(row(batch))
+            deadline = time.time() + 10
+            while len(list(store.exchanges())) < batch + 1:
+                assert time.time() < deadline, f"row {batch} was never written"
+                time.sleep(0.02)
+        assert xlog.pending == 0
+    finally:
+        xlog.close()
+
+
 def test_a_full_queue_drops_and_counts_and_wait_written_waits_for_the_id(store):
     xlog = ExchangeLog(store, max_pending=3)
     try:

@@ -86,7 +86,7 @@ class ExchangeLog:
             self._recent[row["id"]] = (row["model_version"], self._seq)
             if len(self._recent) > RECENT:
                 self._recent.popitem(last=False)
-            if len(self._rows) >= MAX_BATCH:
+            if len(self._rows) in (1, MAX_BATCH):  # the first row starts the sender's interval; a full batch ends it
                 self._lock.notify_all()
             return True
 
