@@ -7,8 +7,16 @@
    requests must be 0, and the rolled-back champion's files hash byte-identically;
 2. canary: a server with the challenger at 50%, 1,000 requests with random `user`s (and 50 users
    asking 5 times each): the challenger's share within +-3 points, no sticky user switching;
-3. request logging: `bench serve` at concurrency C with and without `--log-requests`: the
-   throughput cost (target <= 5%).
+3. request logging (`logging`): servers without and with `--log-requests` (and with
+   `--baseline-src DIR`, with `--log-requests` from another checkout: the "before" of a change) up
+   at once, `bench serve` at concurrency C on each in rotating order for `--rounds` rounds: the
+   throughput cost = 1 - the median per-round ratio (target <= 5%), and the HTTP process's CPU ms
+   per request;
+4. `log_cpu` (not in the default set): the serving process's CPU time per logged exchange
+   (`ExchangeLog.add` at 100/s, then flush), which a busy neighbour does not move the way it moves
+   throughput.
+
+    python scripts/bench_ops.py --phases log_cpu,logging --baseline-src /tmp/before/src --out runs/bench-ops
 
 Builds two tiny random models (same shapes, different weights) and a registry in a temp folder
 unless `--model-a/--model-b` are given. Writes bench_ops.json and bench_ops.md with machine,
@@ -276,8 +284,10 @@ def main() -> int:
         targets["logging_cost_at_most_5pct"] = lg["cost_pct"] <= 5
         for label in [k for k in ("on", "on_before") if k in lg]:
             what = "--log-requests" + (" (baseline src)" if label == "on_before" else "")
-            md.append(f"| {what} at c={a.concurrency}, median of {lg['rounds']} rounds | {lg[label]['cost_pct']:+.1f}% "
-                      f"throughput; HTTP process {lg[label]['http_cpu_ms_per_request']:.2f} CPU ms/request (off: "
+            ratios = lg[label]["round_ratios"]
+            md.append(f"| {what} at c={a.concurrency}, median of {lg['rounds']} rounds | cost {lg[label]['cost_pct']:+.1f}% "
+                      f"(per-round throughput ratios {ratios[0]:.2f}..{ratios[-1]:.2f}); HTTP process "
+                      f"{lg[label]['http_cpu_ms_per_request']:.2f} CPU ms/request (off: "
                       f"{lg['off']['http_cpu_ms_per_request']:.2f}) | <= 5% |")
     if "log_cpu" in r:
         for label, us in r["log_cpu"]["us_per_exchange"].items():
