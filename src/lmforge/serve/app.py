@@ -228,11 +228,14 @@ def build_app(engine: EngineOrLoader, served_model_name: str, api_key: str | Non
     serving_completion, serving_chat = OpenAIServingCompletion(state), OpenAIServingChat(state)
     serving_feedback, serving_admin = ServingFeedback(state), ServingAdmin(state)
 
-    @app.post("/v1/completions")
+    # "stream": true answers 200 with SSE: say so in /openapi.json (clients and fuzzers read it)
+    streamed = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+    @app.post("/v1/completions", responses=streamed)
     async def completions(req: CompletionRequest, raw: Request, st: ServerState = Depends(ready)):
         return await serving_completion(req, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=streamed)
     async def chat(req: ChatCompletionRequest, raw: Request, st: ServerState = Depends(ready)):
         return await serving_chat(req, raw)
 
