@@ -121,7 +121,7 @@ def test_bfloat16_load_keeps_dtype_and_rope_table(tmp_path):
     ("llama", {"hidden_act": "gelu"}, "hidden_act"),
     ("llama", {"model_type": "mixtral"}, "model_type"),
     ("llama", {"num_local_experts": 8}, "num_local_experts"),
-    ("llama", {"quantization_config": {"quant_method": "gptq"}}, "quantization_config.quant_method"),
+    ("llama", {"quantization_config": {"quant_method": "bitsandbytes"}}, "quantization_config.quant_method"),
 ])
 def test_unsupported_configs_are_refused_by_field(tmp_path, variant, change, field):
     save_hf_model(variant, tmp_path)
