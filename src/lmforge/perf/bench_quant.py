@@ -134,6 +134,12 @@ def _kv_run(model_dir: Path, dtype: str, kv_cache_dtype: str, budget_bytes: int,
             "attention_backend": st["attention_backend"]}
 
 
+def _args_after(verb: str) -> list[str]:
+    """This process's arguments after the CLI's `... bench quant` (all of them under `python -m`)."""
+    argv = sys.argv[1:]
+    return argv[argv.index(verb) + 1:] if verb in argv else argv
+
+
 def bench_linears(K: int, N: int, group_size: int) -> list[dict[str, Any]]:
     import torch
     import torch.nn.functional as F
@@ -254,7 +260,7 @@ def bench_quant_run(cfg: BenchQuantConfig) -> dict[str, Any]:
                           num_key_value_heads=max(1, cfg.hidden // 256), max_position_embeddings=2048,
                           dtype=torch.bfloat16)
     report: dict[str, Any] = {
-        "config": asdict(cfg), "command": " ".join(["lmforge bench quant"] + sys.argv[1:]), "model": str(base),
+        "config": asdict(cfg), "command": " ".join(["lmforge bench quant"] + _args_after("quant")), "model": str(base),
         "provenance": {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "threads": torch.get_num_threads(),
                        "dtype": dtype, "machine": f"{platform.node()}, {_cpu_name()}, {os.cpu_count()} cores",
                        "load_average": _loadavg(), "hardware": hardware_info(), "packages": package_versions(),
@@ -337,7 +343,8 @@ def to_markdown(r: dict[str, Any]) -> str:
     p = r["provenance"]
     lines = [f"# bench quant: `{r['model']}`", "", f"`{r['command']}`", "",
              f"{p['date']} on {p['machine']}, {p['dtype']} activations, {p['threads']} thread(s), load average at "
-             f"start {p['load_average']}, at end {p.get('load_average_end')}.", ""]
+             f"start {p['load_average']}" + (f", at end {p['load_average_end']}." if p.get("load_average_end")
+                                               else " (run in progress)."), ""]
     if r.get("lora_memory"):
         lines += ["LoRA (rank 16, all projections), 3 AdamW steps on 4 x 256 tokens, resident memory:", "",
                   "| frozen base | RSS at start MiB | peak RSS MiB | peak x float32 base |",
