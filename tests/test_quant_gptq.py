@@ -83,7 +83,9 @@ def test_gptq_and_awq_folders_load_to_our_codes_scales_and_logits(folders, name)
     a, b = ours.state_dict(), theirs.state_dict()
     assert a.keys() == b.keys()
     for k in a:  # scales went through float16 in the GPTQ/AWQ files: equal to its rounding
-        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-3, atol=1e-6) if "scale" in k else torch.equal(a[k], b[k]), k
+        same = (torch.allclose(a[k].float(), b[k].float(), rtol=1e-3, atol=1e-6) if "scale" in k
+                else torch.equal(a[k], b[k]))
+        assert same, k
     ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), theirs(ids), rtol=2e-3, atol=2e-3)

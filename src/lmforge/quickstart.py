@@ -4,7 +4,8 @@ python-docs → data prepare → tokenizer → pack → pretrain → export → 
 `lmforge serve` on a free loopback port, asked a few chat and completion questions through the
 `openai` client; then the reasoning track: synthetic arithmetic tasks with written-out steps →
 a digit-splitting tokenizer → chain-of-thought SFT from scratch → GRPO on the engine's own rollouts,
-each model scored on the frozen `arith-cot` suite → `report.md`. Each stage writes its own run directory under OUT and is skipped
+each model scored on the frozen `arith-cot` suite → `report.md`. Each stage writes its own run
+directory under OUT and is skipped
 on a rerun when its outputs are complete (its `record.json` says finished, or its product exists),
 so an interrupted quickstart continues where it stopped. The report is rebuilt from the files on
 disk every time, so it is the same whether a stage ran now or earlier.
@@ -432,7 +433,8 @@ def _reasoning_section(d: dict[str, Path], summary: list[str]) -> list[str]:
     rows = [["all", _f(a["acc"]["value"], 3), _f(a["acc"].get("stderr"), 3), _f(b["acc"]["value"], 3),
              _f(b["acc"].get("stderr"), 3)]]
     rows += [[c, _f(a[f"acc/{c}"]["value"], 3), "", _f(b.get(f"acc/{c}", {}).get("value"), 3), ""] for c in cats]
-    sft_rec, grpo_rec = _read(d["reasoning_sft"] / "run" / "record.json"), _read(d["reasoning_grpo"] / "run" / "record.json")
+    sft_rec = _read(d["reasoning_sft"] / "run" / "record.json")
+    grpo_rec = _read(d["reasoning_grpo"] / "run" / "record.json")
     sft_res, grpo_res = sft_rec.get("results", {}), grpo_rec.get("results", {})
     tasks = _read(d["reasoning_data"] / "train.jsonl.record.json")
     grpo_cfg = grpo_rec.get("config", {}).get("grpo", {})
@@ -444,7 +446,8 @@ def _reasoning_section(d: dict[str, Path], summary: list[str]) -> list[str]:
              f"{_f(sft_res.get('train_time_s'), 0)} s. GRPO: {_f(grpo_res.get('steps'))} steps of "
              f"{grpo_cfg.get('prompts_per_step')} prompts x {grpo_cfg.get('group_size')} samples on "
              f"{', '.join(GRPO_CATEGORIES)}, {_f(grpo_res.get('train_time_s') or grpo_res.get('seconds'), 0)} s.", "",
-             f"Greedy accuracy on arith-cot (n={n}; the one `Answer:` line after `</think>` must equal the answer):", "",
+             f"Greedy accuracy on arith-cot (n={n}; the one `Answer:` line after `</think>` must equal "
+             f"the answer):", "",
              _md_table(["category", "SFT", "± stderr", "GRPO", "± stderr"], rows), ""]
     steps = [json.loads(line) for line in (d["reasoning_grpo"] / "run" / "metrics.jsonl").read_text().splitlines()
              if '"format_rate"' in line]

@@ -166,7 +166,8 @@ def gptq_tensors(prefix: str, q_NK: torch.Tensor, scale_NG: torch.Tensor, scheme
     u_KN = (q_NK.to(torch.int32) + mid).t().contiguous()
     z_GN = torch.full((G, N), mid, dtype=torch.int32)
     if layout == "awq":
-        return {f"{prefix}.qweight": _pack(u_KN, bits, 1, AWQ_ORDER), f"{prefix}.qzeros": _pack(z_GN, bits, 1, AWQ_ORDER),
+        return {f"{prefix}.qweight": _pack(u_KN, bits, 1, AWQ_ORDER),
+                f"{prefix}.qzeros": _pack(z_GN, bits, 1, AWQ_ORDER),
                 f"{prefix}.scales": scale_NG.t().to(torch.float16).contiguous()}
     stored_z = z_GN - (1 if layout == "gptq" else 0)
     return {f"{prefix}.qweight": _pack(u_KN, bits, 0), f"{prefix}.qzeros": _pack(stored_z, bits, 1),

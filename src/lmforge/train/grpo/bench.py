@@ -190,7 +190,8 @@ def to_markdown(r: dict) -> str:
                   f"total {g['dt_s']} s ({g['rollout_tokens']} tokens sampled, mean length {g['response_len_mean']:.0f})"]
     if "trl_step" in r:
         t, g, x = r["trl_step"], r["grpo_step"], r["lmforge_over_trl"]
-        lines += ["", "One GRPO step on the same prompts, group and cap (the last of each run; samples end at EOS):", "",
+        lines += ["", "One GRPO step on the same prompts, group and cap (the last of each run; samples end at "
+                  "EOS):", "",
                   "| system | step s | rollout s | update s | sampled tokens |", "| --- | ---: | ---: | ---: | ---: |",
                   f"| lmforge (engine rollouts) | {g['dt_s']:.2f} | {g['rollout_s']:.2f} | {g['update_s']:.2f} | "
                   f"{g['rollout_tokens']:,} |",
