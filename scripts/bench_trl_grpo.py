@@ -75,29 +75,26 @@ def main() -> None:
     trainer = trl.GRPOTrainer(model=model, reward_funcs=[format_fn, correct_fn], args=cfg, train_dataset=ds,
                               processing_class=tok)
 
+    def timed(name: str, seconds: list[float]) -> list:
+        """Wrap the trainer's method `name` so each call's wall time lands in `seconds`; returns its results."""
+        inner, results = getattr(trainer, name), []
+
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            r = inner(*args, **kwargs)
+            seconds.append(time.perf_counter() - t0)
+            results.append(r)
+            return r
+
+        setattr(trainer, name, wrapper)
+        return results
+
     rollout_s: list[float] = []
-    completion_tokens: list[int] = []
-    inner = trainer._generate_and_score_completions
-
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        r = inner(*args, **kwargs)
-        rollout_s.append(time.perf_counter() - t0)
-        completion_tokens.append(int(r["completion_mask"].sum()))
-        return r
-
-    trainer._generate_and_score_completions = timed
     step_s: list[float] = []
-    step_inner = trainer.training_step
-
-    def timed_step(*args, **kwargs):
-        t0 = time.perf_counter()
-        r = step_inner(*args, **kwargs)
-        step_s.append(time.perf_counter() - t0)
-        return r
-
-    trainer.training_step = timed_step
+    rollouts = timed("_generate_and_score_completions", rollout_s)
+    timed("training_step", step_s)
     trainer.train()
+    completion_tokens = [int(r["completion_mask"].sum()) for r in rollouts]
     last = len(step_s) - 1  # the first step carries one-time costs (allocations, kernel selection)
     result = {"system": f"TRL {trl.__version__} GRPOTrainer (transformers {transformers.__version__} generate, "
                         f"no vLLM)", "steps": len(step_s), "step_s": step_s, "rollout_s": rollout_s,

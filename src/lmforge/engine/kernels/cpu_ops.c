@@ -256,6 +256,29 @@ static void *decode_range(void *arg) {  /* sequences [first, last) */
 
 #define MAX_THREADS 64
 
+/* Run fn on jobs[0 .. threads) (each `size` bytes), this thread taking job 0: OpenMP when built with it
+ * (torch's own runtime: libgomp.so.1 is loaded once per process, and its worker threads, already
+ * spinning after the last matmul, take the jobs; no second pool fights them for cores), else pthreads,
+ * doing here any job that gets no thread. */
+static void run_jobs(void *(*fn)(void *), void *jobs, size_t size, int64_t threads) {
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int64_t t = 0; t < threads; t++) fn((char *)jobs + t * size);
+#else
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int64_t t = 1; t < threads; t++)
+        started[t] = pthread_create(&tids[t], NULL, fn, (char *)jobs + t * size) == 0;
+    fn(jobs);
+    for (int64_t t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(tids[t], NULL);
+        else
+            fn((char *)jobs + t * size);  /* no thread to be had: do it here */
+    }
+#endif
+}
+
 /* `threads` > 1: the sequences are cut into that many consecutive ranges of about equal total
  * context (the work is K/V bytes read), each run by its own thread (OpenMP when built with it,
  * else pthreads), this one included. */
@@ -286,24 +309,7 @@ int lmf_paged_decode_bf16(const uint16_t *q, const uint16_t *k_pool, const uint1
         while (s < S && (t == threads - 1 || acc + lens[s] / 2 < goal)) acc += lens[s++];
         jobs[t] = (decode_job){q, k_pool, v_pool, block_tables, lens, rows, M, first, s, N, K, H, B, scale, out};
     }
-#ifdef _OPENMP
-    /* torch's own OpenMP runtime (libgomp.so.1 is loaded once per process): its worker threads,
-     * already spinning after the last matmul, take the ranges; no second pool fights them for cores */
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-    for (int64_t t = 0; t < threads; t++) decode_range(&jobs[t]);
-#else
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int64_t t = 1; t < threads; t++)
-        started[t] = pthread_create(&tids[t], NULL, decode_range, &jobs[t]) == 0;
-    decode_range(&jobs[0]);
-    for (int64_t t = 1; t < threads; t++) {
-        if (started[t])
-            pthread_join(tids[t], NULL);
-        else
-            decode_range(&jobs[t]);  /* no thread to be had: do it here */
-    }
-#endif
+    run_jobs(decode_range, jobs, sizeof jobs[0], threads);
     return 0;
 }
 
@@ -502,7 +508,8 @@ typedef struct {
     int act, kv;
 } decode_any_job;
 
-static void decode_any_range(const decode_any_job *j) {
+static void *decode_any_range(void *arg) {
+    const decode_any_job *j = (const decode_any_job *)arg;
     const int64_t N = j->N, H = j->H, G = N / j->K, es = j->act ? 4 : 2;
     for (int64_t s = j->first; s < j->last; s++)
         for (int64_t g = 0; g < j->K; g++) {
@@ -511,14 +518,8 @@ static void decode_any_range(const decode_any_job *j) {
                            j->block_tables + s * j->M, j->lens[s], g, G, j->K, H, j->B, j->scale,
                            (char *)j->out + off, j->act, j->kv);
         }
-}
-
-#ifndef _OPENMP
-static void *decode_any_thread(void *arg) {
-    decode_any_range((const decode_any_job *)arg);
     return NULL;
 }
-#endif
 
 /* As lmf_paged_decode_bf16, for any act/kv pair; scales are (P * B * K) bfloat16 (NULL unless kv = 2). */
 int lmf_paged_decode_any(const void *q, const void *k_pool, const void *v_pool, const uint16_t *k_scales,
@@ -545,22 +546,7 @@ int lmf_paged_decode_any(const void *q, const void *k_pool, const void *v_pool, 
         jobs[t] = (decode_any_job){q, k_pool, v_pool, k_scales, v_scales, block_tables, lens, rows, M, first, s,
                                    N, K, H, B, scale, out, (int)act, (int)kv};
     }
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-    for (int64_t t = 0; t < threads; t++) decode_any_range(&jobs[t]);
-#else
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int64_t t = 1; t < threads; t++)
-        started[t] = pthread_create(&tids[t], NULL, decode_any_thread, &jobs[t]) == 0;
-    decode_any_range(&jobs[0]);
-    for (int64_t t = 1; t < threads; t++) {
-        if (started[t])
-            pthread_join(tids[t], NULL);
-        else
-            decode_any_range(&jobs[t]);
-    }
-#endif
+    run_jobs(decode_any_range, jobs, sizeof jobs[0], threads);
     return 0;
 }
 
@@ -660,6 +646,29 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
+#ifdef LMF_QMM_AVX2
+/* Codes k .. k+31 of a weight row as 4 x 8 float32: int8 widened as is; int4 (two a byte, low nibble
+ * first, stored code + 8) split into nibbles, interleaved back into k order, re-centred. */
+static inline __attribute__((always_inline)) void widen32(const void *wrow, int bits, int64_t k, __m256 w[4]) {
+    __m128i c0, c1;  /* codes k .. k+15 and k+16 .. k+31, signed bytes */
+    if (bits == 8) {
+        const __m256i b = _mm256_loadu_si256((const __m256i *)((const int8_t *)wrow + k));
+        c0 = _mm256_castsi256_si128(b);
+        c1 = _mm256_extracti128_si256(b, 1);
+    } else {
+        const __m128i lo4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+        const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)wrow + k / 2));
+        const __m128i lo = _mm_and_si128(b, lo4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), lo4);
+        c0 = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), eight);
+        c1 = _mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), eight);
+    }
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c0));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c0, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c1));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c1, 8)));
+}
+#endif
+
 /* One output row n for R activation rows (R a compile-time constant after inlining, so the
  * accumulators stay in registers): total[r] = sum_g scale[g] * sum_{k in group g} x[r, k] * code[k].
  * Per group the products go into vector accumulators; the scale is applied to the vector (one FMA per
@@ -676,42 +685,15 @@ static inline __attribute__((always_inline)) void qmm_row(const float *x, int64_
         for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
         const int64_t k0 = g * gs, k1 = k0 + gs;
         int64_t k = k0;
-        if (bits == 8) {
-            const int8_t *w = (const int8_t *)wrow;
-            for (; k + 32 <= k1; k += 32) {
-                const __m256i b = _mm256_loadu_si256((const __m256i *)(w + k));
-                const __m128i b0 = _mm256_castsi256_si128(b), b1 = _mm256_extracti128_si256(b, 1);
-                const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0));
-                const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8)));
-                const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1));
-                const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8)));
-                for (int r = 0; r < R; r++) {
-                    const float *xr = x + r * K + k;
-                    a[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a[r][0]);
-                    a[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a[r][1]);
-                    a[r][0] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), a[r][0]);
-                    a[r][1] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), a[r][1]);
-                }
-            }
-        } else {
-            const uint8_t *w = (const uint8_t *)wrow;
-            const __m128i lo4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-            for (; k + 32 <= k1; k += 32) {
-                const __m128i b = _mm_loadu_si128((const __m128i *)(w + k / 2));  /* 32 codes */
-                const __m128i lo = _mm_and_si128(b, lo4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), lo4);
-                const __m128i c0 = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), eight);  /* k .. k+15, signed */
-                const __m128i c1 = _mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), eight);  /* k+16 .. k+31 */
-                const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c0));
-                const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c0, 8)));
-                const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c1));
-                const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c1, 8)));
-                for (int r = 0; r < R; r++) {
-                    const float *xr = x + r * K + k;
-                    a[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a[r][0]);
-                    a[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a[r][1]);
-                    a[r][0] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), a[r][0]);
-                    a[r][1] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), a[r][1]);
-                }
+        for (; k + 32 <= k1; k += 32) {
+            __m256 w[4];
+            widen32(wrow, bits, k, w);
+            for (int r = 0; r < R; r++) {
+                const float *xr = x + r * K + k;
+                a[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), a[r][0]);
+                a[r][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a[r][1]);
+                a[r][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a[r][0]);
+                a[r][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a[r][1]);
             }
         }
         done = k - k0;
@@ -747,7 +729,8 @@ typedef struct {
     int64_t M, N, K, gs, bits, n0, n1;
 } qmm_job;
 
-static void qmm_range(const qmm_job *j) {
+static void *qmm_range(void *arg) {
+    const qmm_job *j = (const qmm_job *)arg;
     const int64_t K = j->K, gs = j->bits == 8 ? K : j->gs, G = K / gs;
     const int64_t row_bytes = j->bits == 8 ? K : K / 2;
     for (int64_t m0 = 0; m0 < j->M; m0 += 4) {
@@ -757,20 +740,20 @@ static void qmm_range(const qmm_job *j) {
             float total[4];
             const void *w = (const uint8_t *)j->w + n * row_bytes;
             const float *sc = j->scale + n * G;
-            switch (R) {  /* constant R per call: the accumulators stay in registers */
-                case 1: qmm_row(x, K, 1, w, (int)j->bits, sc, gs, total); break;
-                case 2: qmm_row(x, K, 2, w, (int)j->bits, sc, gs, total); break;
-                case 3: qmm_row(x, K, 3, w, (int)j->bits, sc, gs, total); break;
-                default: qmm_row(x, K, 4, w, (int)j->bits, sc, gs, total); break;
+            /* R and bits constant per call: the accumulators stay in registers, no branch in the loop */
+#define QMM_ROWS(BITS) switch (R) {                                     \
+                case 1: qmm_row(x, K, 1, w, BITS, sc, gs, total); break;  \
+                case 2: qmm_row(x, K, 2, w, BITS, sc, gs, total); break;  \
+                case 3: qmm_row(x, K, 3, w, BITS, sc, gs, total); break;  \
+                default: qmm_row(x, K, 4, w, BITS, sc, gs, total); break; \
             }
+            if (j->bits == 8) QMM_ROWS(8) else QMM_ROWS(4)
+#undef QMM_ROWS
             for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r];
         }
     }
+    return NULL;
 }
-
-#ifndef _OPENMP
-static void *qmm_thread(void *arg) { qmm_range((const qmm_job *)arg); return NULL; }
-#endif
 
 /* bits 8 or 4; returns -1 for shapes it does not take (int4: K odd or gs not a multiple of 32 dividing K). */
 int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
@@ -783,19 +766,6 @@ int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, i
     qmm_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
         jobs[t] = (qmm_job){x, w, scale, out, M, N, K, gs, bits, N * t / threads, N * (t + 1) / threads};
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-    for (int64_t t = 0; t < threads; t++) qmm_range(&jobs[t]);
-#else
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int64_t t = 1; t < threads; t++)
-        started[t] = pthread_create(&tids[t], NULL, qmm_thread, &jobs[t]) == 0;
-    qmm_range(&jobs[0]);
-    for (int64_t t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(tids[t], NULL);
-        else qmm_range(&jobs[t]);
-    }
-#endif
+    run_jobs(qmm_range, jobs, sizeof jobs[0], threads);
     return 0;
 }
