@@ -67,6 +67,8 @@ def test_report_has_every_section_with_figures(quickstart):
         assert stage in summary, stage
     assert re.search(r"Reasoning: accuracy on arith-cot from \d+\.\d% \(SFT\) to \d+\.\d% \(GRPO\), n=16", summary)
     assert "argmax agreement 100%" in report
+    assert re.search(r"GRPO's own rollouts \(temperature 1, first / last 1 steps\): accuracy \d+\.\d% → \d+\.\d%, "
+                     r"well-formed \d+\.\d% → \d+\.\d%\.", report)
 
 
 def test_the_chain_is_consistent(quickstart):

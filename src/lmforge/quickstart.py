@@ -445,19 +445,16 @@ def _reasoning_section(d: dict[str, Path], summary: list[str]) -> list[str]:
              f"{_f(sft_rec.get('num_parameters'))} parameters, {_f(sft_res.get('steps'))} steps, "
              f"{_f(sft_res.get('train_time_s'), 0)} s. GRPO: {_f(grpo_res.get('steps'))} steps of "
              f"{grpo_cfg.get('prompts_per_step')} prompts x {grpo_cfg.get('group_size')} samples on "
-             f"{', '.join(GRPO_CATEGORIES)}, {_f(grpo_res.get('train_time_s') or grpo_res.get('seconds'), 0)} s.", "",
+             f"{', '.join(GRPO_CATEGORIES)}, {_f(grpo_res.get('train_time_s'), 0)} s.", "",
              f"Greedy accuracy on arith-cot (n={n}; the one `Answer:` line after `</think>` must equal "
              f"the answer):", "",
              _md_table(["category", "SFT", "± stderr", "GRPO", "± stderr"], rows), ""]
-    steps = [json.loads(line) for line in (d["reasoning_grpo"] / "run" / "metrics.jsonl").read_text().splitlines()
-             if '"format_rate"' in line]
-    if steps:
-        k = max(1, min(5, len(steps) // 4))
-        first, last = steps[:k], steps[-k:]
-        mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    if grpo_res.get("accuracy_first") is not None:  # the trainer's averages over its first and last steps
+        k = grpo_res["averaged_over_steps"]
         parts += [f"GRPO's own rollouts (temperature 1, first / last {k} steps): accuracy "
-                  f"{mean(first, 'accuracy'):.1%} → {mean(last, 'accuracy'):.1%}, well-formed "
-                  f"{mean(first, 'format_rate'):.1%} → {mean(last, 'format_rate'):.1%}.", ""]
+                  f"{grpo_res['accuracy_first']:.1%} → {grpo_res['accuracy_last']:.1%}"
+                  + (f", well-formed {grpo_res['format_rate_first']:.1%} → {grpo_res['format_rate_last']:.1%}"
+                     if grpo_res.get("format_rate_first") is not None else "") + ".", ""]
         if a["acc"]["value"] < 0.10:
             parts += ["A GRPO group learns only from samples that beat its mean, so a model that rarely samples a "
                       "correct answer gives it almost nothing to push toward: this budget teaches the format, not yet "

@@ -102,8 +102,9 @@ def _unpack(words: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | N
 def convert(tensors: dict[str, torch.Tensor], modules: list[str], scheme: QuantScheme, layout: str,
             where: str) -> dict[str, torch.Tensor]:
     """Stored GPTQ/AWQ tensors -> our module state (`qweight` int8 codes (N, K), `weight_scale` (N, G))."""
-    out = {k: v for k, v in tensors.items() if k.rpartition(".")[2] not in STORED or
-           k.rpartition(".")[0] not in set(modules)}
+    quantized = set(modules)
+    out = {k: v for k, v in tensors.items()
+           if k.rpartition(".")[2] not in STORED or k.rpartition(".")[0] not in quantized}
     bits, mid = scheme.num_bits, 1 << (scheme.num_bits - 1)
     for m in modules:
         need = ("qweight", "qzeros", "scales")

@@ -306,6 +306,8 @@ class GRPOTrainer:
                    "train_time_s": round(self.progress.train_time, 3),
                    "accuracy_first": float(np.mean([m["accuracy"] for m in first])) if rows else None,
                    "accuracy_last": float(np.mean([m["accuracy"] for m in last])) if rows else None,
+                   "format_rate_first": float(np.mean([m["format_rate"] for m in first])) if rows else None,
+                   "format_rate_last": float(np.mean([m["format_rate"] for m in last])) if rows else None,
                    "reward_first": float(np.mean([m["reward_mean"] for m in first])) if rows else None,
                    "reward_last": float(np.mean([m["reward_mean"] for m in last])) if rows else None,
                    "averaged_over_steps": k,
