@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -330,13 +331,18 @@ def test_schemathesis_finds_no_5xx_and_no_undocumented_status(server):
 
 
 def _serve(model_dir: Path, port: int, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "lmforge.cli", "serve", str(model_dir), "--port", str(port),
+    """The server's (and its engine child's) output goes to a file, never to a pipe nobody reads:
+    a full pipe would block the server's next log line and so its event loop."""
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "lmforge.cli", "serve", str(model_dir), "--port", str(port),
                              "--served-model-name", MODEL, "--max-model-len", str(MAX_LEN), "--log-level", "warning",
                              "--dtype", "float32", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log = lambda: (log.seek(0), log.read())[1]
+    return proc
 
 
-def _wait(url: str, status: int, timeout: float = 90) -> httpx.Response:
+def _wait(url: str, status: int, timeout: float = 90, proc: subprocess.Popen | None = None) -> httpx.Response:
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
@@ -346,7 +352,8 @@ def _wait(url: str, status: int, timeout: float = 90) -> httpx.Response:
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
-    raise AssertionError(f"{url} never answered {status}")
+    said = f"; the server said:\n{proc.log()[-4000:]}" if proc is not None else ""
+    raise AssertionError(f"{url} never answered {status}{said}")
 
 
 def _engine_child(pid: int) -> int:
@@ -367,12 +374,12 @@ def test_killed_engine_is_restarted_then_shutdown_aborts_streams_cleanly(model_d
     url = f"http://127.0.0.1:{port}"
     proc = _serve(model_dir, port, "--max-engine-restarts", "1", "--shutdown-timeout", "0")
     try:
-        _wait(url + "/health/ready", 200)
+        _wait(url + "/health/ready", 200, proc=proc)
         os.kill(_engine_child(proc.pid), signal.SIGKILL)
-        down = _wait(url + "/health/ready", 503, timeout=10).json()["error"]["message"]
+        down = _wait(url + "/health/ready", 503, timeout=10, proc=proc).json()["error"]["message"]
         assert "killed by SIGKILL" in down
         assert httpx.get(url + "/health/live").status_code == 200  # alive while it restarts
-        _wait(url + "/health/ready", 200)
+        _wait(url + "/health/ready", 200, proc=proc)
         assert "lmforge:engine_restarts_total 1.0" in httpx.get(url + "/metrics").text
         # a stream that outlives --shutdown-timeout ends with finish_reason "abort" and [DONE]
         lines: list[str] = []
@@ -391,7 +398,7 @@ def test_killed_engine_is_restarted_then_shutdown_aborts_streams_cleanly(model_d
         assert proc.wait(30) == 0
         assert lines[-1] == "data: [DONE]"
         assert json.loads(lines[-2][len("data: "):])["choices"][0]["finish_reason"] == "abort"
-        assert "Traceback" not in proc.stderr.read()
+        assert "Traceback" not in proc.log()
     finally:
         proc.kill()
 
@@ -401,10 +408,10 @@ def test_engine_dying_past_the_restart_limit_exits_3(model_dir):
     port = free_port()
     proc = _serve(model_dir, port, "--max-engine-restarts", "0")
     try:
-        _wait(f"http://127.0.0.1:{port}/health/ready", 200)
+        _wait(f"http://127.0.0.1:{port}/health/ready", 200, proc=proc)
         os.kill(_engine_child(proc.pid), signal.SIGKILL)
-        assert proc.wait(30) == 3  # a supervisor learns; it was 0 before
-        assert "killed by SIGKILL" in proc.stderr.read()
+        assert proc.wait(30) == 3, proc.log()  # a supervisor learns; it was 0 before
+        assert "killed by SIGKILL" in proc.log()
     finally:
         proc.kill()
 
