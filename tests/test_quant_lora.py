@@ -60,3 +60,51 @@ def test_bad_base_settings_are_refused(src):
         apply_lora(model, LoraConfig(base_quant="nf4"))
     with pytest.raises(ValueError, match="base_dtype"):
         apply_lora(model, LoraConfig(base_dtype="fp8"))
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "int8", "int4"])
+def test_rebuilt_weight_is_the_reference_dequantization_in_one_shared_buffer(kind):
+    from lmforge.quant import dequantize, unpack_int32
+
+    torch.manual_seed(2)
+    layers = [FrozenLinear(torch.nn.Linear(k, n, bias=False), kind) for n, k in ((48, 64), (64, 32))]
+    for layer in layers:
+        if kind == "bfloat16":
+            want = layer.weight_bf16.float()
+        else:
+            q = layer.qweight if kind == "int8" else unpack_int32(layer.qweight, 4, layer.in_features)
+            want = dequantize(q, layer.weight_scale, torch.float32)
+        assert torch.equal(layer.weight_for(torch.float32), want)
+        assert torch.equal(layer.rebuilt(torch.float32), want)
+        assert torch.equal(layer.rebuilt(torch.bfloat16), want.bfloat16())  # float32 math, then one rounding
+        x = torch.randn(3, layer.in_features, requires_grad=True)
+        y = layer(x)
+        y.backward(torch.ones_like(y))
+        torch.testing.assert_close(y, x @ want.t(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(x.grad, torch.ones_like(y) @ want, rtol=0, atol=1e-5)
+    # both layers rebuild into the same float32 storage: no weight-sized allocation per call
+    assert layers[0].rebuilt(torch.float32).data_ptr() == layers[1].rebuilt(torch.float32).data_ptr()
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "int4"])
+def test_a_16_bit_checkpoint_builds_the_same_light_base_without_a_float32_copy(tmp_path, kind):
+    from lmforge.train.lora import base_load_dtype
+
+    path = save_hf_model("llama", tmp_path / "bf16", seed=7, hidden_size=64, dtype=torch.bfloat16)
+    cfg = LoraConfig(rank=4, base_dtype="bfloat16" if kind == "bfloat16" else "float32",
+                     base_quant=None if kind == "bfloat16" else kind)
+    assert base_load_dtype(path, LoraConfig(rank=4), torch.device("cpu")) == "float32"  # a float32 base: as before
+    assert base_load_dtype(path, cfg, torch.device("cpu")) == "bfloat16"
+    light = apply_lora(Transformer.from_pretrained(path, dtype="bfloat16", device="cpu"), cfg)
+    ref = apply_lora(Transformer.from_pretrained(path, dtype="float32", device="cpu"), cfg)
+    assert all(p.dtype == torch.float32 for p in light.parameters())  # embeddings, norms, adapters train in float32
+    ref_buffers = dict(ref.named_buffers())
+    for name, b in light.named_buffers():  # bf16 weights, int4 codes and scales: identical
+        assert torch.equal(b, ref_buffers[name]), name
+    ref_params = dict(ref.named_parameters())
+    for name, p in light.named_parameters():
+        if ".lora_" not in name:
+            assert torch.equal(p, ref_params[name]), name
+    ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():  # lora_B starts at zero, so both are the base model
+        assert torch.equal(light(ids), ref(ids))

@@ -53,6 +53,9 @@ class BenchQuantConfig:
     linears: bool = True
     lora_memory: bool = False  # peak RSS of LoRA training steps on a float32 / bf16 / int8 / int4 frozen base
     inference: bool = True  # the dense / w8 / w4 / KV sections (off: only --lora-memory)
+    lora_batch: int = 4
+    lora_seq: int = 256
+    lora_checkpointing: bool = False
 
 
 def _activation_dtype(name: str) -> str:
@@ -189,48 +192,88 @@ def bench_linears(K: int, N: int, group_size: int) -> list[dict[str, Any]]:
 
 
 LORA_STEP = """
-import sys, threading, time, psutil, torch
+import ctypes, gc, json, sys, threading, time, peft, psutil, torch
 from lmforge.model import Transformer
-from lmforge.train.lora import LoraConfig, apply_lora
+from lmforge.train.lora import LoraConfig, apply_lora, base_load_dtype
 torch.set_num_threads(1)
-kind = sys.argv[2]
-m = Transformer.from_pretrained(sys.argv[1], dtype="float32", device="cpu")
+model_dir, kind, batch, seq, ckpt = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+proc, peaks, phase, done = psutil.Process(), [0, 0], [0], threading.Event()  # peaks of: the load, the steps
+def trim():
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap pages back to the OS, so RSS is what is held
+    except (OSError, AttributeError):
+        pass
+def sample():
+    while not done.is_set():
+        p, rss = phase[0], proc.memory_info().rss  # a sample taken in one phase counts for that phase
+        peaks[p] = max(peaks[p], rss); time.sleep(0.002)
+trim()
+baseline = proc.memory_info().rss  # the interpreter with torch and lmforge imported, no model yet
+threading.Thread(target=sample, daemon=True).start()
 cfg = LoraConfig(rank=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                  base_dtype="bfloat16" if kind == "bfloat16" else "float32",
                  base_quant=kind if kind in ("int8", "int4") else None)
-m = apply_lora(m, cfg)
-import gc; gc.collect()
-proc, peak, done = psutil.Process(), [0], threading.Event()
+load_dtype = base_load_dtype(model_dir, cfg, torch.device("cpu"))  # as the trainer loads it
+m = apply_lora(Transformer.from_pretrained(model_dir, dtype=load_dtype, device="cpu"), cfg)
+m.model.gradient_checkpointing = ckpt
+m.train()
+for b in list(m.buffers()) + list(m.parameters()):  # fault in every page: a bf16 base can still be a lazy
+    float(b.detach().reshape(-1)[::1024].float().sum())  # view of the checkpoint's file, not yet resident
+trim()
+phase[0] = 1
 start = proc.memory_info().rss
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], proc.memory_info().rss); time.sleep(0.002)
-threading.Thread(target=sample, daemon=True).start()
 opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
 V = m.config.vocab_size
+t0 = time.perf_counter()
 for _ in range(3):
-    ids = torch.randint(3, V, (4, 256))
+    ids = torch.randint(3, V, (batch, seq))
     loss = torch.nn.functional.cross_entropy(m(ids)[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
     loss.backward(); opt.step(); opt.zero_grad()
+seconds = time.perf_counter() - t0
 done.set(); time.sleep(0.01)
-print(start, max(peak[0], proc.memory_info().rss))
+print(json.dumps({"baseline": baseline, "load_dtype": load_dtype, "load_peak": peaks[0], "start": start,
+                  "peak": max(peaks[1], proc.memory_info().rss), "step_seconds": seconds / 3}))
 """
 
 
-def lora_peak_memory(model_dir: Path) -> list[dict[str, Any]]:
-    """Per frozen-base kind, one process: load the model (float32), put LoRA (rank 16, every projection)
-    on a base of that kind, then sample its resident memory every 2 ms through 3 AdamW steps on 4 x 256
-    tokens. Reported: RSS when training starts (torch + the model as held) and the peak during the
-    steps (the float32 load's own transient peak, before the base is lightened, is not counted)."""
+def lora_peak_memory(model_dir: Path, batch: int = 4, seq: int = 256, checkpointing: bool = False
+                     ) -> list[dict[str, Any]]:
+    """Per frozen-base kind, one process: load the model as the trainer does (`base_load_dtype`: float32,
+    or the checkpoint's own 16 bits for a light base), put LoRA (rank 16, every projection) on a base of that kind, then sample its resident memory every 2 ms through 3 AdamW steps on
+    `batch` x `seq` tokens (optionally with activation checkpointing). Reported: RSS of the bare
+    interpreter (torch and lmforge imported, no model), the peak while loading (the load, then the lightening), RSS when training starts (the model as held), and the peak
+    during the steps; `peak_vs_float32` divides the step peaks, `above_baseline_vs_float32` the same
+    peaks less the bare interpreter (what the model and its training cost), `held_vs_float32` the
+    model as held when training starts. Each kind runs twice: with glibc's default allocator settings
+    and with a fixed mmap threshold (see the comment below)."""
+    import json
     import subprocess
 
     rows = []
-    for kind in ("float32", "bfloat16", "int8", "int4"):
-        start, peak = (int(x) for x in subprocess.run([sys.executable, "-c", LORA_STEP, str(model_dir), kind],
-                                                      capture_output=True, text=True, check=True).stdout.split()[-2:])
-        rows.append({"base": kind, "rss_at_start_bytes": start, "peak_rss_bytes": peak})
+    for malloc in ("default", "fixed"):
+        # glibc raises its mmap threshold after large frees and then keeps freed blocks on the heap;
+        # `fixed` pins it (MALLOC_MMAP_THRESHOLD_=128 KiB), so big blocks go back to the OS when freed:
+        # the peak then shows what training holds rather than what the allocator kept
+        env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": "131072"} if malloc == "fixed" else {})}
+        for kind in ("float32", "bfloat16", "int8", "int4"):
+            print(f"[bench quant] LoRA on the {kind} base (malloc {malloc})", file=sys.stderr, flush=True)
+            out = subprocess.run([sys.executable, "-c", LORA_STEP, str(model_dir), kind, str(batch), str(seq),
+                                  "1" if checkpointing else "0"], capture_output=True, text=True, env=env)
+            if out.returncode != 0:
+                raise RuntimeError(f"the LoRA memory step on a {kind} base failed: {out.stderr.strip()[-2000:]}")
+            m = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append({"base": kind, "malloc": malloc, "loaded_as": m["load_dtype"],
+                         "rss_baseline_bytes": m["baseline"], "load_peak_rss_bytes": m["load_peak"],
+                         "rss_at_start_bytes": m["start"], "peak_rss_bytes": m["peak"],
+                         "step_seconds": round(m["step_seconds"], 2)})
     for r in rows:
-        r["peak_vs_float32"] = round(r["peak_rss_bytes"] / rows[0]["peak_rss_bytes"], 3)
+        f32 = next(x for x in rows if x["malloc"] == r["malloc"] and x["base"] == "float32")
+        r["peak_vs_float32"] = round(r["peak_rss_bytes"] / f32["peak_rss_bytes"], 3)
+        r["above_baseline_vs_float32"] = round((r["peak_rss_bytes"] - r["rss_baseline_bytes"])
+                                               / (f32["peak_rss_bytes"] - f32["rss_baseline_bytes"]), 3)
+        r["held_vs_float32"] = round((r["rss_at_start_bytes"] - r["rss_baseline_bytes"])
+                                     / (f32["rss_at_start_bytes"] - f32["rss_baseline_bytes"]), 3)
     return rows
 
 
@@ -274,7 +317,7 @@ def bench_quant_run(cfg: BenchQuantConfig) -> dict[str, Any]:
         emit(report, to_markdown, out, "bench_quant")
 
     if not cfg.inference:
-        report["lora_memory"] = lora_peak_memory(base)
+        report["lora_memory"] = lora_peak_memory(base, cfg.lora_batch, cfg.lora_seq, cfg.lora_checkpointing)
         report["provenance"]["load_average_end"] = _loadavg()
         save()
         return report
@@ -333,7 +376,7 @@ def bench_quant_run(cfg: BenchQuantConfig) -> dict[str, Any]:
         print("[bench quant] linears", file=sys.stderr, flush=True)
         report["linears"] = bench_linears(cfg.hidden, cfg.intermediate, cfg.group_size)
     if cfg.lora_memory:
-        report["lora_memory"] = lora_peak_memory(base)
+        report["lora_memory"] = lora_peak_memory(base, cfg.lora_batch, cfg.lora_seq, cfg.lora_checkpointing)
     report["provenance"]["load_average_end"] = _loadavg()
     save()
     return report
@@ -346,13 +389,21 @@ def to_markdown(r: dict[str, Any]) -> str:
              f"start {p['load_average']}" + (f", at end {p['load_average_end']}." if p.get("load_average_end")
                                                else " (run in progress)."), ""]
     if r.get("lora_memory"):
-        lines += ["LoRA (rank 16, all projections), 3 AdamW steps on 4 x 256 tokens, resident memory:", "",
-                  "| frozen base | RSS at start MiB | peak RSS MiB | peak x float32 base |",
-                  "| --- | --- | --- | --- |"]
-        lines += [f"| {x['base']} | {x['rss_at_start_bytes'] / 2**20:.0f} | {x['peak_rss_bytes'] / 2**20:.0f} | "
-                  f"{x['peak_vs_float32']} |" for x in r["lora_memory"]]
+        c = r["config"]
+        ckpt = "with" if c.get("lora_checkpointing") else "without"
+        lines += [f"LoRA (rank 16, all projections), 3 AdamW steps on {c.get('lora_batch', 4)} x {c.get('lora_seq', 256)} "
+                  f"tokens {ckpt} activation checkpointing, resident memory (MiB; the bare interpreter with torch: "
+                  f"{r['lora_memory'][0]['rss_baseline_bytes'] / 2**20:.0f}):", "",
+                  "| frozen base | malloc | loaded as | load peak | RSS at start | held x float32 | peak in steps | "
+                  "peak x float32 | peak above interpreter x float32 | s/step |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {x['base']} | {x.get('malloc', 'default')} | {x.get('loaded_as', 'float32')} | "
+                  f"{x['load_peak_rss_bytes'] / 2**20:.0f} | {x['rss_at_start_bytes'] / 2**20:.0f} | "
+                  f"{x.get('held_vs_float32', '')} | {x['peak_rss_bytes'] / 2**20:.0f} | {x['peak_vs_float32']} | "
+                  f"{x['above_baseline_vs_float32']} | {x['step_seconds']} |" for x in r["lora_memory"]]
         lines.append("")
-    lines += [
+    if r["variants"]:
+        lines += [
              "| variant | linear backend | weight MiB held | vs bf16 bytes | checkpoint bytes vs dense | "
              "batch-1 decode tok/s | x dense | batch-32 tok/s | x dense | greedy agreement (prefix / positions) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -397,13 +448,16 @@ def bench_quant(
     = "auto",
     linears: Annotated[bool, typer.Option(help="Also time each linear backend alone.")] = True,
     lora_memory: Annotated[bool, typer.Option(help="Also measure LoRA peak memory per frozen-base kind.")] = False,
+    lora_batch: Annotated[int, typer.Option(help="LoRA memory: sequences per step.")] = 4,
+    lora_seq: Annotated[int, typer.Option(help="LoRA memory: tokens per sequence.")] = 256,
+    lora_checkpointing: Annotated[bool, typer.Option(help="LoRA memory: activation checkpointing.")] = False,
     inference: Annotated[bool, typer.Option(help="The dense/w8/w4/KV sections (--no-inference: LoRA only).")] = True,
 ) -> None:
     """Dense vs W8A16 vs W4A16 (weight bytes, batch-1 and batch-32 decode, greedy agreement) and KV int8
     at a fixed budget, one run, same weights. Writes bench_quant.json and bench_quant.md."""
     bench_quant_run(BenchQuantConfig(str(model) if model else None, str(out), hidden, layers, intermediate, vocab,
                                      group_size, decode_tokens, repeats, kv_budget_tokens, kv_requests, threads, dtype,
-                                     linears, lora_memory, inference))
+                                     linears, lora_memory, inference, lora_batch, lora_seq, lora_checkpointing))
 
 
 if __name__ == "__main__":

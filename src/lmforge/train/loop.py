@@ -199,10 +199,15 @@ def _all_rows(path: str, split: str, batch_size: int, d: Dist, device: str) -> A
                for k, v in batch_from_rows(rows_BT1, ds.eos_token_id).items()}
 
 
-def build_model(cfg: TrainConfig, data: Data) -> Transformer:
+def build_model(cfg: TrainConfig, data: Data, device: torch.device | None = None) -> Transformer:
     m = cfg.model
     if m.init:
-        return Transformer.from_pretrained(m.init, dtype="float32", device="cpu").train()
+        dtype = "float32"
+        if cfg.train.method != "full":  # a light LoRA base is built from a 16-bit checkpoint as stored
+            from .lora import base_load_dtype
+
+            dtype = base_load_dtype(m.init, cfg.lora, device or torch.device("cpu"))
+        return Transformer.from_pretrained(m.init, dtype=dtype, device="cpu").train()
     vocab = m.vocab_size or data.vocab_size
     if vocab < data.vocab_size:
         raise ConfigError(f"model.vocab_size={vocab} is smaller than the data's vocabulary ({data.vocab_size})")
@@ -250,7 +255,7 @@ class Trainer:
         if t.preflight and not t.parallel.active:  # sharded runs: the parallel scan estimates per rank
             guards.preflight_train(cfg, self.shape, self.data.seq_len, self.device)
         self.spikes = guards.SpikeDetector(t.spike_zscore) if t.spike_zscore > 0 else None
-        self.raw_model = build_model(cfg, self.data)
+        self.raw_model = build_model(cfg, self.data, self.device)
         self.model_config = self.raw_model.config
         for msg in alignment_warnings(self.model_config):
             self.warn(msg)

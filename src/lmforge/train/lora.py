@@ -54,7 +54,27 @@ def apply_lora(model: Transformer, cfg: LoraConfig) -> Transformer:
     kind = base_kind(cfg, next(model.parameters()).device)
     if kind != "float32":
         lighten_base(model, kind)
+    with torch.no_grad():  # a base loaded in 16 bits (`base_load_dtype`): what trains or stays float is float32
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != torch.float32:
+                p.data = p.data.float()
     return model
+
+
+def base_load_dtype(path, cfg: LoraConfig, device: torch.device) -> str:
+    """The dtype to load a LoRA base in: float32, except when the base will be held lighter than that
+    and the checkpoint stores 16-bit floats; then its own dtype, exactly as stored. The light base
+    is then built from the same values it would get from a float32 load (bf16 is held as is; int8/int4
+    codes come from the stored values), but the whole model never exists in float32: on the 0.5B
+    model the load's peak falls from 3.2 to 2.1 GiB (docs/quantization.md). Non-linear parameters
+    (embeddings, norms) and the adapters are cast to float32 by `apply_lora`."""
+    from lmforge.model.checkpoint import read_hf_config
+
+    if base_kind(cfg, device) == "float32":
+        return "float32"
+    hf = read_hf_config(path)
+    stored = hf.get("torch_dtype") or hf.get("dtype")
+    return stored if stored in ("bfloat16", "float16") else "float32"
 
 
 def base_kind(cfg: LoraConfig, device: torch.device) -> str:
@@ -75,11 +95,29 @@ class _FrozenMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, layer):
         ctx.layer = layer
-        return x @ layer.weight_for(x.dtype).t()
+        return x @ layer.rebuilt(x.dtype).t()
 
     @staticmethod
     def backward(ctx, grad_out):
-        return grad_out @ ctx.layer.weight_for(grad_out.dtype), None
+        return grad_out @ ctx.layer.rebuilt(grad_out.dtype), None
+
+
+class _Scratch:
+    """One buffer per (dtype, device), as large as the largest frozen weight, that every
+    `FrozenLinear` rebuilds its weight into. Safe because a rebuilt weight is used by exactly one
+    matmul before the next rebuild (forward and backward run layer after layer; on CUDA, in stream
+    order). Without it each rebuild is a fresh weight-sized allocation: glibc then raises its mmap
+    threshold and keeps the freed blocks, so resident memory grows by several weights (measured on
+    the 0.5B model: +1.0 GiB on a bf16 base, docs/quantization.md), or every rebuild page-faults."""
+
+    buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    @classmethod
+    def get(cls, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = cls.buffers.get((dtype, device))
+        if buf is None or buf.numel() < numel:
+            buf = cls.buffers[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
 
 
 class FrozenLinear(nn.Module):
@@ -97,19 +135,49 @@ class FrozenLinear(nn.Module):
             gs = next((g for g in (64, 32, 16, 8) if w.shape[1] % g == 0), None) if kind == "int4" else None
             if kind == "int4" and gs is None:
                 raise ValueError(f"lora.base_quant=int4: in_features {w.shape[1]} is not a multiple of 8")
-            q, scale = quantize_rtn(w, QuantScheme(8 if kind == "int8" else 4, gs), torch.float32)
+            q, scale = quantize_rtn(w.float(), QuantScheme(8 if kind == "int8" else 4, gs), torch.float32)
             # int4: two codes a byte (compressed-tensors' int32 packing), unpacked on use
             self.register_buffer("qweight", q if kind == "int8" else pack_int32(q, 4))
             self.register_buffer("weight_scale", scale)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
-        from lmforge.quant import dequantize, unpack_int32
+        """The weight as a new tensor of `dtype` (merging, export)."""
+        return self._rebuild_into(torch.empty(self.out_features, self.in_features, dtype=torch.float32,
+                                              device=self._stored().device)).to(dtype)
 
+    def rebuilt(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in `dtype`, in the shared scratch buffer: valid until the next rebuild."""
+        N, K = self.out_features, self.in_features
+        if self.kind == "bfloat16" and dtype == torch.bfloat16:
+            return self.weight_bf16
+        device = self._stored().device
+        w_NK = self._rebuild_into(_Scratch.get(N * K, torch.float32, device).view(N, K))
+        if dtype == torch.float32:
+            return w_NK
+        return _Scratch.get(N * K, dtype, device).view(N, K).copy_(w_NK)  # float32 math, one rounding
+
+    def _stored(self) -> torch.Tensor:
+        return self.weight_bf16 if self.kind == "bfloat16" else self.qweight
+
+    def _rebuild_into(self, out_NK: torch.Tensor) -> torch.Tensor:
+        """Dequantize into `out_NK` in place; int4 unpacks one int32 word plane at a time into a second
+        scratch buffer, so a rebuild allocates nothing."""
         if self.kind == "bfloat16":
-            return self.weight_bf16.to(dtype)
-        q = self.qweight if self.kind == "int8" else unpack_int32(self.qweight, 4, self.in_features)
-        return dequantize(q, self.weight_scale, dtype)
+            return out_NK.copy_(self.weight_bf16)
+        N, K = out_NK.shape
+        if self.kind == "int8":
+            out_NK.copy_(self.qweight)
+        else:  # (N, K/8) words, code i of each word at bits 4i, stored unsigned (q + 8)
+            out_NWi = out_NK.view(N, -1, 8)
+            plane_NW = _Scratch.get(self.qweight.numel(), torch.int32, out_NK.device).view_as(self.qweight)
+            for i in range(8):
+                torch.bitwise_right_shift(self.qweight, 4 * i, out=plane_NW)
+                out_NWi[:, :, i].copy_(plane_NW.bitwise_and_(15))
+            out_NK.sub_(8)
+        scale_NG = self.weight_scale.to(out_NK.dtype)
+        out_NK.view(N, scale_NG.shape[1], -1).mul_(scale_NG[..., None])
+        return out_NK
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _FrozenMatmul.apply(x, self)
