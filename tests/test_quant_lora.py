@@ -108,3 +108,20 @@ def test_a_16_bit_checkpoint_builds_the_same_light_base_without_a_float32_copy(t
     ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():  # lora_B starts at zero, so both are the base model
         assert torch.equal(light(ids), ref(ids))
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "int8", "int4"])
+def test_a_wide_layer_rebuilds_block_by_block_with_the_same_result(kind, monkeypatch):
+    import lmforge.train.lora as lora
+
+    torch.manual_seed(4)
+    layer = FrozenLinear(torch.nn.Linear(32, 100, bias=True), kind)
+    want = layer.weight_for(torch.float32)
+    monkeypatch.setattr(lora, "REBUILD_ELEMENTS", 32 * 16)  # 16 rows a block: 7 blocks, the last ragged
+    assert len(layer.blocks(torch.float32)) == 7
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    y = layer(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    torch.testing.assert_close(y, x @ want.t() + layer.bias, rtol=0, atol=1e-5)
+    torch.testing.assert_close(x.grad, g @ want, rtol=0, atol=1e-5)

@@ -343,7 +343,10 @@ def bench_quant_run(cfg: BenchQuantConfig) -> dict[str, Any]:
         greedy = _greedy(llm, quality)
         reference = reference or greedy
         rec = json.loads((path / "record.json").read_text())["results"] if name != "dense" else {}
+        emb = llm.llm_engine.model.model.embed_tokens.weight  # one row of it is read per token, unless tied
+        tied = emb.data_ptr() in {t.data_ptr() for t in llm.llm_engine.model.lm_head.parameters()}
         row = {"variant": name, "linear_backend": st["linear_backend"], "weight_bytes": st["weight_bytes"],
+               "bytes_read_per_token": st["weight_bytes"] - (0 if tied else emb.numel() * emb.element_size()),
                "weight_bytes_vs_bf16": round(st["weight_bytes"] / (2 * n_params), 4),
                "checkpoint_bytes_ratio": rec.get("weight_bytes_ratio", 1.0),
                "decode_tok_s_batch1": round(_decode_tok_s(llm, one, cfg.decode_tokens, cfg.repeats), 2),
@@ -354,6 +357,8 @@ def bench_quant_run(cfg: BenchQuantConfig) -> dict[str, Any]:
         del llm
     d = report["variants"][0]
     for row in report["variants"]:
+        # every weight is read once per decoded token: against doctor's STREAM figure, how bandwidth-bound
+        row["weight_gb_s_batch1"] = round(row["decode_tok_s_batch1"] * row["bytes_read_per_token"] / 1e9, 2)
         row["decode_speedup"] = round(row["decode_tok_s_batch1"] / d["decode_tok_s_batch1"], 2)
         row["batch32_speedup"] = round(row["output_tok_s_batch32"] / d["output_tok_s_batch32"], 2)
     # KV int8 at the dense cache's budget for kv_budget_tokens tokens
@@ -405,13 +410,15 @@ def to_markdown(r: dict[str, Any]) -> str:
     if r["variants"]:
         lines += [
              "| variant | linear backend | weight MiB held | vs bf16 bytes | checkpoint bytes vs dense | "
-             "batch-1 decode tok/s | x dense | batch-32 tok/s | x dense | greedy agreement (prefix / positions) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "batch-1 decode tok/s | weights GB/s | x dense | batch-32 tok/s | x dense | "
+             "greedy agreement (prefix / positions) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for v in r["variants"]:
         ag = v["greedy_agreement_32"]
         lines.append(f"| {v['variant']} | {v['linear_backend']} | {v['weight_bytes'] / 2**20:.1f} | "
                      f"{v['weight_bytes_vs_bf16']:.3f} | {v['checkpoint_bytes_ratio']:.3f} | "
-                     f"{v['decode_tok_s_batch1']} | {v.get('decode_speedup', '')} | {v['output_tok_s_batch32']} | "
+                     f"{v['decode_tok_s_batch1']} | {v.get('weight_gb_s_batch1', '')} | {v.get('decode_speedup', '')} | "
+                     f"{v['output_tok_s_batch32']} | "
                      f"{v.get('batch32_speedup', '')} | {ag['prefix']} / {ag['positions']} |")
     if r["kv"]:
         lines += ["", "KV cache at a fixed byte budget (high-variance requests):", "",

@@ -90,16 +90,35 @@ def base_kind(cfg: LoraConfig, device: torch.device) -> str:
 
 
 class _FrozenMatmul(torch.autograd.Function):
-    """y = x W^T with W rebuilt from its stored form in forward and again in backward (not saved)."""
+    """y = x W^T with W rebuilt from its stored form in forward and again in backward (not saved),
+    block of rows by block of rows (`FrozenLinear.blocks`): a rebuilt block is never larger than
+    `REBUILD_ELEMENTS`, however wide the layer (an lm_head over a large vocabulary)."""
 
     @staticmethod
     def forward(ctx, x, layer):
         ctx.layer = layer
-        return x @ layer.rebuilt(x.dtype).t()
+        blocks = layer.blocks(x.dtype)
+        if len(blocks) == 1:
+            return x @ layer.rebuilt(x.dtype).t()
+        y = x.new_empty(*x.shape[:-1], layer.out_features)
+        for r0, r1 in blocks:
+            y[..., r0:r1] = x @ layer.rebuilt(x.dtype, r0, r1).t()
+        return y
 
     @staticmethod
     def backward(ctx, grad_out):
-        return grad_out @ ctx.layer.rebuilt(grad_out.dtype), None
+        layer = ctx.layer
+        blocks = layer.blocks(grad_out.dtype)
+        if len(blocks) == 1:
+            return grad_out @ layer.rebuilt(grad_out.dtype), None
+        g_MN = grad_out.reshape(-1, layer.out_features)
+        gx_MK = g_MN.new_zeros(g_MN.shape[0], layer.in_features)
+        for r0, r1 in blocks:
+            gx_MK.addmm_(g_MN[:, r0:r1], layer.rebuilt(grad_out.dtype, r0, r1))
+        return gx_MK.view(*grad_out.shape[:-1], layer.in_features), None
+
+
+REBUILD_ELEMENTS = 1 << 23  # 32 MiB of float32: the 0.5B model's MLP weights whole, its lm_head in 6 blocks
 
 
 class _Scratch:
@@ -146,36 +165,48 @@ class FrozenLinear(nn.Module):
         return self._rebuild_into(torch.empty(self.out_features, self.in_features, dtype=torch.float32,
                                               device=self._stored().device)).to(dtype)
 
-    def rebuilt(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight in `dtype`, in the shared scratch buffer: valid until the next rebuild."""
+    def blocks(self, dtype: torch.dtype) -> list[tuple[int, int]]:
+        """Row ranges rebuilt one at a time (one range when the weight is used as stored)."""
         N, K = self.out_features, self.in_features
         if self.kind == "bfloat16" and dtype == torch.bfloat16:
-            return self.weight_bf16
+            return [(0, N)]
+        rows = max(1, REBUILD_ELEMENTS // K)
+        return [(r, min(r + rows, N)) for r in range(0, N, rows)]
+
+    def rebuilt(self, dtype: torch.dtype, r0: int = 0, r1: int | None = None) -> torch.Tensor:
+        """Rows r0:r1 of the weight in `dtype`, in the shared scratch buffer: valid until the next rebuild."""
+        r1 = self.out_features if r1 is None else r1
+        if self.kind == "bfloat16" and dtype == torch.bfloat16:
+            return self.weight_bf16[r0:r1]
+        n, K = r1 - r0, self.in_features
         device = self._stored().device
-        w_NK = self._rebuild_into(_Scratch.get(N * K, torch.float32, device).view(N, K))
+        w_nK = self._rebuild_into(_Scratch.get(n * K, torch.float32, device).view(n, K), r0, r1)
         if dtype == torch.float32:
-            return w_NK
-        return _Scratch.get(N * K, dtype, device).view(N, K).copy_(w_NK)  # float32 math, one rounding
+            return w_nK
+        return _Scratch.get(n * K, dtype, device).view(n, K).copy_(w_nK)  # float32 math, one rounding
 
     def _stored(self) -> torch.Tensor:
         return self.weight_bf16 if self.kind == "bfloat16" else self.qweight
 
-    def _rebuild_into(self, out_NK: torch.Tensor) -> torch.Tensor:
-        """Dequantize into `out_NK` in place; int4 unpacks one int32 word plane at a time into a second
-        scratch buffer, so a rebuild allocates nothing."""
+    def _rebuild_into(self, out_NK: torch.Tensor, r0: int = 0, r1: int | None = None) -> torch.Tensor:
+        """Dequantize rows r0:r1 into `out_NK` in place (rows are independent: scales are per row, or
+        per group along K); int4 unpacks one int32 word plane at a time into a second scratch
+        buffer, so a rebuild allocates nothing."""
+        rows = slice(r0, self.out_features if r1 is None else r1)
         if self.kind == "bfloat16":
-            return out_NK.copy_(self.weight_bf16)
+            return out_NK.copy_(self.weight_bf16[rows])
+        qweight, weight_scale = self.qweight[rows], self.weight_scale[rows]
         N, K = out_NK.shape
         if self.kind == "int8":
-            out_NK.copy_(self.qweight)
+            out_NK.copy_(qweight)
         else:  # (N, K/8) words, code i of each word at bits 4i, stored unsigned (q + 8)
             out_NWi = out_NK.view(N, -1, 8)
-            plane_NW = _Scratch.get(self.qweight.numel(), torch.int32, out_NK.device).view_as(self.qweight)
+            plane_NW = _Scratch.get(qweight.numel(), torch.int32, out_NK.device).view_as(qweight)
             for i in range(8):
-                torch.bitwise_right_shift(self.qweight, 4 * i, out=plane_NW)
+                torch.bitwise_right_shift(qweight, 4 * i, out=plane_NW)
                 out_NWi[:, :, i].copy_(plane_NW.bitwise_and_(15))
             out_NK.sub_(8)
-        scale_NG = self.weight_scale.to(out_NK.dtype)
+        scale_NG = weight_scale.to(out_NK.dtype)
         out_NK.view(N, scale_NG.shape[1], -1).mul_(scale_NG[..., None])
         return out_NK
 
