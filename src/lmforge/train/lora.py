@@ -66,8 +66,8 @@ def base_load_dtype(path, cfg: LoraConfig, device: torch.device) -> str:
     and the checkpoint stores 16-bit floats; then its own dtype, exactly as stored. The light base
     is then built from the same values it would get from a float32 load (bf16 is held as is; int8/int4
     codes come from the stored values), but the whole model never exists in float32: on the 0.5B
-    model the load's peak falls from 3.2 to 2.1 GiB (docs/quantization.md). Non-linear parameters
-    (embeddings, norms) and the adapters are cast to float32 by `apply_lora`."""
+    model the load peak falls from 3.2 GiB to 1.5 (bf16) or 1.8 (int4) GiB (docs/quantization.md).
+    Non-linear parameters (embeddings, norms) and the adapters are cast to float32 by `apply_lora`."""
     from lmforge.model.checkpoint import read_hf_config
 
     if base_kind(cfg, device) == "float32":
