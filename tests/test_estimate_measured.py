@@ -14,8 +14,9 @@ from lmforge.perf.estimate_check import measure_train_peaks
 
 def test_training_peak_within_15_percent_of_measured():
     small = {"layers": 2, "vocab": 2048, "batch": 4}  # ~0.2 s a step on one idle core
-    # In process (no second torch import); `python -m lmforge.perf.estimate_check` measures in a child.
-    runs = measure_train_peaks([small, {**small, "grad_ckpt": True}], isolated=False)
+    # In a child process, as `python -m lmforge.perf.estimate_check` measures: in this process the
+    # state earlier tests leave (threads, malloc arenas) once made the measured peak 14% low (full suite).
+    runs = measure_train_peaks([small, {**small, "grad_ckpt": True}], isolated=True)
     for r in runs:
         assert r["measured_bytes"] > 20e6, r  # large enough that the model, not noise, is measured
         assert r["ratio"] == pytest.approx(1.0, abs=0.15), (r["grad_ckpt"], r["lora"], r["ratio"])
