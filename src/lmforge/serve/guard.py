@@ -73,6 +73,7 @@ class GuardMiddleware:
         limit = self.limits.body_limit(self.max_model_len_fn())
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _drain(receive, limit)
             return await self._refuse(send, 413, f"the request body ({int(declared)} bytes) is larger than this "
                                       f"server's limit ({limit} bytes, --max-body-bytes)", "body_too_large")
         chunks, size, more = [], 0, True
@@ -87,6 +88,8 @@ class GuardMiddleware:
             body = message.get("body", b"")
             size += len(body)
             if size > limit:
+                if message.get("more_body", False):
+                    await _drain(receive, limit)
                 return await self._refuse(send, 413, f"the request body is larger than this server's limit "
                                           f"({limit} bytes, --max-body-bytes)", "body_too_large")
             chunks.append(body)
@@ -116,6 +119,23 @@ class GuardMiddleware:
             head.append((b"connection", b"close"))  # the rest of the body is not worth reading
         await send({"type": "http.response.start", "status": status, "headers": head})
         await send({"type": "http.response.body", "body": body})
+
+
+async def _drain(receive, limit: int, max_s: float = 1.0) -> None:
+    """Read and drop what is left of a refused body, up to 2 x `limit` more bytes or `max_s` seconds,
+    before the 413 goes out. The connection is closed after the reply, and a socket closed with
+    unread bytes in its receive buffer sends a reset, which can destroy the reply before the client
+    has read it (a client that overshoots the limit a little then sees 'connection closed' instead
+    of the 413). A body far over the limit still gets its 413 after at most `max_s`."""
+    deadline, left = asyncio.get_running_loop().time() + max_s, 2 * limit
+    while left > 0:
+        try:
+            message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+        except (asyncio.TimeoutError, ValueError):
+            return
+        if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            return
+        left -= len(message.get("body", b""))
 
 
 def _header(scope, name: bytes) -> str | None:
