@@ -10,7 +10,7 @@ import torch
 
 from lmforge.model import Transformer, UnsupportedConfigError
 from lmforge.model.reference import save_hf_model
-from lmforge.quant import QuantScheme, dequantize, pack_int32, quantize_rtn, unpack_int32
+from lmforge.quant import QuantScheme, dequantize, pack_int32, quantize_rtn, scratch, unpack_int32, unpack_int32_into
 from lmforge.quant.quantize import QuantizeConfig, quantize_model
 
 SCHEMES = [QuantScheme(8, None), QuantScheme(4, 32), QuantScheme(4, 128)]
@@ -40,6 +40,20 @@ def test_packing_equals_compressed_tensors(bits, cols):
     assert torch.equal(ours, pack_to_int32(q, bits))
     assert torch.equal(unpack_int32(ours, bits, cols), q)
     assert torch.equal(unpack_from_int32(ours, bits, torch.Size([16, cols])), q)
+    if cols % (32 // bits) == 0:  # the in-place unpack (whole words only) writes the same codes as floats
+        assert torch.equal(unpack_int32_into(ours, bits, torch.empty(16, cols)), q.float())
+
+
+def test_scratch_is_reused_within_a_thread_and_separate_across_threads():
+    import threading
+
+    a = scratch(64, torch.float32, torch.device("cpu"))
+    assert scratch(32, torch.float32, torch.device("cpu")).data_ptr() == a.data_ptr()  # no new allocation
+    other = []
+    t = threading.Thread(target=lambda: other.append(scratch(64, torch.float32, torch.device("cpu")).data_ptr()))
+    t.start()
+    t.join()
+    assert other[0] != a.data_ptr()  # two engines stepping in two threads never share a weight buffer
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ and vLLM read, `quantize` the verb, `linear` the layers a quantized checkpoint l
 engine's linear backends. This package knows nothing about scheduling, serving or training loops.
 """
 
-from .scheme import QuantScheme, dequantize, pack_int32, quantize_rtn, unpack_int32
+from .scheme import (QuantScheme, dequantize, pack_int32, quantize_rtn, scale_groups_, scratch, unpack_int32,
+                     unpack_int32_into)
 
 __all__ = ["QuantScheme", "dequantize", "pack_int32", "quantize_rtn", "unpack_int32"]

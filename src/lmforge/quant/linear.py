@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .scheme import QuantScheme, dequantize
+from .scheme import QuantScheme, dequantize, scale_groups_, scratch
 
 
 class QuantizedLinear(nn.Module):
@@ -129,7 +129,6 @@ class QmmLinear(nn.Module):
 
     name = "int8/int4 weight-only (lmforge lmf_qmm_f32, float32 activations)"
     MAX_ROWS = 32  # measured on the AVX2 EPYC (8192x2048, 1 thread): the kernel beats dequantize + sgemm up to 32 rows
-    _scratch: dict[str, torch.Tensor] = {}  # one float32 buffer for the dequantized weight, grown on demand
 
     def __init__(self, q: QuantizedLinear, dtype: torch.dtype, qmm=None):
         super().__init__()
@@ -155,21 +154,16 @@ class QmmLinear(nn.Module):
                  q.scheme.num_bits == 4 and gs is not None and gs % 32 == 0 and q.in_features % gs == 0))
 
     def dequantized(self) -> torch.Tensor:
-        """The float32 weight (N, K), written into the shared scratch buffer."""
-        buf = self._scratch.get("w")
-        if buf is None or buf.numel() < self.N * self.K:
-            buf = QmmLinear._scratch["w"] = torch.empty(self.N * self.K)
-        w_NK = buf[: self.N * self.K].view(self.N, self.K)
+        """The float32 weight (N, K), written into the shared `scratch` buffer."""
+        w_NK = scratch(self.N * self.K, torch.float32, self.codes.device).view(self.N, self.K)
         if self.bits == 8:
-            w_NK.copy_(self.codes)  # int8 -> float32 in place, then the per-row scale
-            w_NK.mul_(self.scale)
+            w_NK.copy_(self.codes)  # int8 -> float32 in place
         else:
             pairs = w_NK.view(self.N, -1, 2)
             pairs[..., 0].copy_(self.codes & 0x0F)
             pairs[..., 1].copy_(self.codes >> 4)
-            w_NGk = w_NK.view(self.N, -1, self.gs)
-            w_NGk.sub_(8).mul_(self.scale[..., None])
-        return w_NK
+            w_NK.sub_(8)
+        return scale_groups_(w_NK, self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_MK = x.reshape(-1, self.K).float().contiguous()

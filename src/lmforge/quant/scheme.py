@@ -14,6 +14,7 @@ int32 words per row.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -88,9 +89,32 @@ def quantize_rtn(w_NK: torch.Tensor, scheme: QuantScheme,
 
 def dequantize(q_NK: torch.Tensor, scale_NG: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q * scale in float32, then cast to `dtype`: the reference every kernel is checked against."""
-    N, K = q_NK.shape
-    w_NGk = q_NK.float().reshape(N, scale_NG.shape[1], -1) * scale_NG.float()[..., None]
-    return w_NGk.reshape(N, K).to(dtype)
+    return scale_groups_(q_NK.float(), scale_NG).to(dtype)
+
+
+def scale_groups_(w_NK: torch.Tensor, scale_NG: torch.Tensor) -> torch.Tensor:
+    """In place: each group of K/G consecutive codes of a row times its scale (G = 1: per channel)."""
+    N = w_NK.shape[0]
+    w_NK.view(N, scale_NG.shape[1], -1).mul_(scale_NG.to(w_NK.dtype)[..., None])
+    return w_NK
+
+
+_scratch = threading.local()
+
+
+def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reusable buffer of `numel` elements, one per (thread, dtype, device), grown on demand: where a
+    weight is rebuilt for one matmul at a time (dequantize + sgemm for big batches, a light LoRA
+    base), every layer rebuilds into the same memory instead of allocating a weight each call. Valid
+    until the same thread asks again; per thread, so two engines stepping in two threads of one
+    process never write into each other's weight."""
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = {}
+    buf = bufs.get((dtype, device))
+    if buf is None or buf.numel() < numel:
+        buf = bufs[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
 
 
 def pack_int32(q_NK: torch.Tensor, num_bits: int) -> torch.Tensor:
@@ -107,6 +131,19 @@ def pack_int32(q_NK: torch.Tensor, num_bits: int) -> torch.Tensor:
     for i in range(per):  # int32 shifts wrap at bit 31, which is exactly the two's-complement word we want
         packed_NW |= u_NWp[:, :, i] << (i * num_bits)
     return packed_NW
+
+
+def unpack_int32_into(packed_NW: torch.Tensor, num_bits: int, out_NK: torch.Tensor) -> torch.Tensor:
+    """`unpack_int32` written into a float tensor (N, K) with K a multiple of 32 / num_bits, one word
+    plane at a time through a `scratch` int32 plane: no allocation."""
+    per, mask = 32 // num_bits, (1 << num_bits) - 1
+    N = out_NK.shape[0]
+    out_NWp = out_NK.view(N, -1, per)
+    plane_NW = scratch(packed_NW.numel(), torch.int32, packed_NW.device).view_as(packed_NW)
+    for i in range(per):
+        torch.bitwise_right_shift(packed_NW, i * num_bits, out=plane_NW)
+        out_NWp[:, :, i].copy_(plane_NW.bitwise_and_(mask))
+    return out_NK.sub_(1 << (num_bits - 1))
 
 
 def unpack_int32(packed_NW: torch.Tensor, num_bits: int, in_features: int) -> torch.Tensor:

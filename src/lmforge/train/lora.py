@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from lmforge.model import Transformer
+from lmforge.quant import scale_groups_, scratch, unpack_int32_into
 from lmforge.train.config import LoraConfig  # the public LoRA API: `from lmforge.train.lora import LoraConfig`
 
 ADAPTER_NAME = "default"  # peft's; we keep one adapter per model
@@ -119,24 +120,9 @@ class _FrozenMatmul(torch.autograd.Function):
 
 
 REBUILD_ELEMENTS = 1 << 23  # 32 MiB of float32: the 0.5B model's MLP weights whole, its lm_head in 6 blocks
-
-
-class _Scratch:
-    """One buffer per (dtype, device), as large as the largest frozen weight, that every
-    `FrozenLinear` rebuilds its weight into. Safe because a rebuilt weight is used by exactly one
-    matmul before the next rebuild (forward and backward run layer after layer; on CUDA, in stream
-    order). Without it each rebuild is a fresh weight-sized allocation: glibc then raises its mmap
-    threshold and keeps the freed blocks, so resident memory grows by several weights (measured on
-    the 0.5B model: +1.0 GiB on a bf16 base, docs/quantization.md), or every rebuild page-faults."""
-
-    buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-    @classmethod
-    def get(cls, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        buf = cls.buffers.get((dtype, device))
-        if buf is None or buf.numel() < numel:
-            buf = cls.buffers[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
-        return buf[:numel]
+# Rebuilt weights go into `lmforge.quant.scratch`, one buffer every layer shares: a fresh weight-sized
+# block per rebuild makes glibc raise its mmap threshold and keep the freed blocks (on the 0.5B model,
+# +1,055 MiB of step peak on a bf16 base: `lmforge bench quant ... --lora-memory`, docs/quantization.md).
 
 
 class FrozenLinear(nn.Module):
@@ -180,35 +166,25 @@ class FrozenLinear(nn.Module):
             return self.weight_bf16[r0:r1]
         n, K = r1 - r0, self.in_features
         device = self._stored().device
-        w_nK = self._rebuild_into(_Scratch.get(n * K, torch.float32, device).view(n, K), r0, r1)
+        w_nK = self._rebuild_into(scratch(n * K, torch.float32, device).view(n, K), r0, r1)
         if dtype == torch.float32:
             return w_nK
-        return _Scratch.get(n * K, dtype, device).view(n, K).copy_(w_nK)  # float32 math, one rounding
+        return scratch(n * K, dtype, device).view(n, K).copy_(w_nK)  # float32 math, one rounding
 
     def _stored(self) -> torch.Tensor:
         return self.weight_bf16 if self.kind == "bfloat16" else self.qweight
 
     def _rebuild_into(self, out_NK: torch.Tensor, r0: int = 0, r1: int | None = None) -> torch.Tensor:
-        """Dequantize rows r0:r1 into `out_NK` in place (rows are independent: scales are per row, or
-        per group along K); int4 unpacks one int32 word plane at a time into a second scratch
-        buffer, so a rebuild allocates nothing."""
+        """Dequantize rows r0:r1 into `out_NK` in place, allocating nothing (rows are independent:
+        scales are per row, or per group along K)."""
         rows = slice(r0, self.out_features if r1 is None else r1)
         if self.kind == "bfloat16":
             return out_NK.copy_(self.weight_bf16[rows])
-        qweight, weight_scale = self.qweight[rows], self.weight_scale[rows]
-        N, K = out_NK.shape
         if self.kind == "int8":
-            out_NK.copy_(qweight)
-        else:  # (N, K/8) words, code i of each word at bits 4i, stored unsigned (q + 8)
-            out_NWi = out_NK.view(N, -1, 8)
-            plane_NW = _Scratch.get(qweight.numel(), torch.int32, out_NK.device).view_as(qweight)
-            for i in range(8):
-                torch.bitwise_right_shift(qweight, 4 * i, out=plane_NW)
-                out_NWi[:, :, i].copy_(plane_NW.bitwise_and_(15))
-            out_NK.sub_(8)
-        scale_NG = weight_scale.to(out_NK.dtype)
-        out_NK.view(N, scale_NG.shape[1], -1).mul_(scale_NG[..., None])
-        return out_NK
+            out_NK.copy_(self.qweight[rows])
+        else:
+            unpack_int32_into(self.qweight[rows], 4, out_NK)
+        return scale_groups_(out_NK, self.weight_scale[rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _FrozenMatmul.apply(x, self)
