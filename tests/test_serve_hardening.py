@@ -143,8 +143,7 @@ def test_slow_body_gets_408_and_frees_the_connection(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 100\r\n\r\n{\"prompt\"")
-        t0 = time.monotonic()
-        first = time.monotonic()
+        t0 = first = time.monotonic()
         data = b""
         while chunk := s.recv(65536):  # the server closes the connection after the reply; the
             if not data:  # headers and the body may arrive in separate reads on a busy machine

@@ -239,11 +239,13 @@ print(json.dumps({"baseline": baseline, "load_dtype": load_dtype, "load_peak": p
 
 def lora_peak_memory(model_dir: Path, batch: int = 4, seq: int = 256, checkpointing: bool = False
                      ) -> list[dict[str, Any]]:
-    """Per frozen-base kind, one process: load the model as the trainer does (`base_load_dtype`: float32,
-    or the checkpoint's own 16 bits for a light base), put LoRA (rank 16, every projection) on a base of that kind, then sample its resident memory every 2 ms through 3 AdamW steps on
-    `batch` x `seq` tokens (optionally with activation checkpointing). Reported: RSS of the bare
-    interpreter (torch and lmforge imported, no model), the peak while loading (the load, then the lightening), RSS when training starts (the model as held), and the peak
-    during the steps; `peak_vs_float32` divides the step peaks, `above_baseline_vs_float32` the same
+    """Per frozen-base kind, one process: load the model as the trainer does (`base_load_dtype`:
+    float32, or the checkpoint's own 16 bits for a light base), put LoRA (rank 16, every projection) on
+    a base of that kind, then sample its resident memory every 2 ms through 3 AdamW steps on `batch` x
+    `seq` tokens (optionally with activation checkpointing). Reported: RSS of the bare interpreter
+    (torch and lmforge imported, no model), the peak while loading (the load, then the lightening),
+    RSS when training starts (the model as held), and the peak during the steps; `peak_vs_float32`
+    divides the step peaks, `above_baseline_vs_float32` the same
     peaks less the bare interpreter (what the model and its training cost), `held_vs_float32` the
     model as held when training starts. Each kind runs twice: with glibc's default allocator settings
     and with a fixed mmap threshold (see the comment below)."""
@@ -396,7 +398,8 @@ def to_markdown(r: dict[str, Any]) -> str:
     if r.get("lora_memory"):
         c = r["config"]
         ckpt = "with" if c.get("lora_checkpointing") else "without"
-        lines += [f"LoRA (rank 16, all projections), 3 AdamW steps on {c.get('lora_batch', 4)} x {c.get('lora_seq', 256)} "
+        shape = f"{c.get('lora_batch', 4)} x {c.get('lora_seq', 256)}"
+        lines += [f"LoRA (rank 16, all projections), 3 AdamW steps on {shape} "
                   f"tokens {ckpt} activation checkpointing, resident memory (MiB; the bare interpreter with torch: "
                   f"{r['lora_memory'][0]['rss_baseline_bytes'] / 2**20:.0f}):", "",
                   "| frozen base | malloc | loaded as | load peak | RSS at start | held x float32 | peak in steps | "
@@ -417,8 +420,8 @@ def to_markdown(r: dict[str, Any]) -> str:
         ag = v["greedy_agreement_32"]
         lines.append(f"| {v['variant']} | {v['linear_backend']} | {v['weight_bytes'] / 2**20:.1f} | "
                      f"{v['weight_bytes_vs_bf16']:.3f} | {v['checkpoint_bytes_ratio']:.3f} | "
-                     f"{v['decode_tok_s_batch1']} | {v.get('weight_gb_s_batch1', '')} | {v.get('decode_speedup', '')} | "
-                     f"{v['output_tok_s_batch32']} | "
+                     f"{v['decode_tok_s_batch1']} | {v.get('weight_gb_s_batch1', '')} | "
+                     f"{v.get('decode_speedup', '')} | {v['output_tok_s_batch32']} | "
                      f"{v.get('batch32_speedup', '')} | {ag['prefix']} / {ag['positions']} |")
     if r["kv"]:
         lines += ["", "KV cache at a fixed byte budget (high-variance requests):", "",
@@ -462,9 +465,12 @@ def bench_quant(
 ) -> None:
     """Dense vs W8A16 vs W4A16 (weight bytes, batch-1 and batch-32 decode, greedy agreement) and KV int8
     at a fixed budget, one run, same weights. Writes bench_quant.json and bench_quant.md."""
-    bench_quant_run(BenchQuantConfig(str(model) if model else None, str(out), hidden, layers, intermediate, vocab,
-                                     group_size, decode_tokens, repeats, kv_budget_tokens, kv_requests, threads, dtype,
-                                     linears, lora_memory, inference, lora_batch, lora_seq, lora_checkpointing))
+    bench_quant_run(BenchQuantConfig(
+        model=str(model) if model else None, out=str(out), hidden=hidden, layers=layers, intermediate=intermediate,
+        vocab=vocab, group_size=group_size, decode_tokens=decode_tokens, repeats=repeats,
+        kv_budget_tokens=kv_budget_tokens, kv_requests=kv_requests, threads=threads, dtype=dtype, linears=linears,
+        lora_memory=lora_memory, inference=inference, lora_batch=lora_batch, lora_seq=lora_seq,
+        lora_checkpointing=lora_checkpointing))
 
 
 if __name__ == "__main__":

@@ -131,7 +131,7 @@ async def _drain(receive, limit: int, max_s: float = 1.0) -> None:
     while left > 0:
         try:
             message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
-        except (asyncio.TimeoutError, ValueError):
+        except asyncio.TimeoutError:
             return
         if message["type"] == "http.disconnect" or not message.get("more_body", False):
             return
