@@ -54,6 +54,10 @@ def test_scratch_is_reused_within_a_thread_and_separate_across_threads():
     t.start()
     t.join()
     assert other[0] != a.data_ptr()  # two engines stepping in two threads never share a weight buffer
+    with torch.inference_mode():  # the engine's buffer is an inference tensor, which training could not write
+        engine_buf = scratch(64, torch.float32, torch.device("cpu"))
+    assert engine_buf.data_ptr() != a.data_ptr()
+    scratch(64, torch.float32, torch.device("cpu")).add_(1)  # outside inference mode: writable
 
 
 @pytest.fixture(scope="module")

@@ -103,17 +103,19 @@ _scratch = threading.local()
 
 
 def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A reusable buffer of `numel` elements, one per (thread, dtype, device), grown on demand: where a
-    weight is rebuilt for one matmul at a time (dequantize + sgemm for big batches, a light LoRA
-    base), every layer rebuilds into the same memory instead of allocating a weight each call. Valid
+    """A reusable buffer of `numel` elements, one per (thread, dtype, device, inference mode), grown on
+    demand: where a weight is rebuilt for one matmul at a time (dequantize + sgemm for big batches, a
+    light LoRA base), every layer rebuilds into the same memory instead of allocating a weight each call. Valid
     until the same thread asks again; per thread, so two engines stepping in two threads of one
     process never write into each other's weight."""
     bufs = getattr(_scratch, "bufs", None)
     if bufs is None:
         bufs = _scratch.bufs = {}
-    buf = bufs.get((dtype, device))
+    # a tensor made under inference_mode (the engine) cannot be written outside it (training): one each
+    key = (dtype, device, torch.is_inference_mode_enabled())
+    buf = bufs.get(key)
     if buf is None or buf.numel() < numel:
-        buf = bufs[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
+        buf = bufs[key] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel]
 
 
