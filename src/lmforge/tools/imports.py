@@ -3,7 +3,8 @@ figures (imports inside functions, long functions).
 
     python -m lmforge.tools.imports            # the package graph, then any problem; exit 1 on one
     python -m lmforge.tools.imports --modules  # every module's lmforge imports
-    python -m lmforge.tools.imports --dot      # Graphviz source of the package graph (docs/architecture.md)
+    python -m lmforge.tools.imports --dot      # Graphviz source of the package graph (docs/architecture.png)
+    python -m lmforge.tools.imports --mermaid  # the same graph as a Mermaid block (docs/architecture.md)
     python -m lmforge.tools.imports --stats    # imports inside functions, functions over 60 lines
 
 Reads source files with `ast` and imports none of them, so it knows nothing about what the modules do.
@@ -32,6 +33,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("data", "tokenizer", "quant"),
     ("model", "tasks", "perf", "track", "config", "tools", ""),
 ]
+LAYER_NAMES = ["verbs", "benchmarks", "serving and operations", "stages", "inference engine",
+               "documents, tokens, quantized weights", "foundations"]
 LEAVES = ("tasks", "tools")
 LONG_FUNCTION = 60  # lines
 HOT_PATHS = ("engine", "serve", "train", "quant")
@@ -152,6 +155,20 @@ def to_dot(mods: dict[str, Module]) -> str:
     return "\n".join(lines + ["}"]) + "\n"
 
 
+def to_mermaid(mods: dict[str, Module]) -> str:
+    """The package graph as a Mermaid flowchart, one subgraph per layer, top layer first."""
+    graph = package_graph(mods)
+    lines = ["flowchart TB"]
+    for i, names in enumerate(LAYERS):
+        present = [n or PKG for n in names if (n or PKG) in graph]
+        if present:
+            lines.append(f"  subgraph L{i}[\"{LAYER_NAMES[i]}\"]")
+            lines += [f"    {n.replace('_', '')}[{n}]" for n in present]
+            lines.append("  end")
+    lines += [f"  {a.replace('_', '')} --> {b.replace('_', '')}" for a in sorted(graph) for b in sorted(graph[a])]
+    return "\n".join(lines) + "\n"
+
+
 @dataclass
 class Stats:
     imports: int = 0
@@ -182,11 +199,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lmforge.tools.imports", description=__doc__.split("\n")[0])
     ap.add_argument("--modules", action="store_true", help="every module's lmforge imports")
     ap.add_argument("--dot", action="store_true", help="Graphviz source of the package graph")
+    ap.add_argument("--mermaid", action="store_true", help="the package graph as a Mermaid flowchart")
     ap.add_argument("--stats", action="store_true", help="imports inside functions, long functions")
     args = ap.parse_args(argv)
     mods = load()
     if args.dot:
         print(to_dot(mods), end="")
+        return 0
+    if args.mermaid:
+        print(to_mermaid(mods), end="")
         return 0
     if args.stats:
         s = stats(mods)
