@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from lmforge.registry import Registry  # noqa: E402
-from lmforge.serve.bench import BenchConfig, bench_serve  # noqa: E402
+from lmforge.bench.serve import BenchConfig, bench_serve  # noqa: E402
 from lmforge.serve.testing import spawn_server, stop_server  # noqa: E402
 
 KEY = "bench-ops-key"

@@ -244,8 +244,8 @@ def test_fused_model_matches_torch_model(tmp_path):
 
 
 def test_bench_attention_reports_both_paths(tmp_path):
-    """`python -m lmforge.perf.bench_attention`: both paths timed, outputs within bf16 noise."""
-    from lmforge.perf.bench_attention import bench_attention, to_markdown
+    """`python -m lmforge.bench.attention`: both paths timed, outputs within bf16 noise."""
+    from lmforge.bench.attention import bench_attention, to_markdown
 
     report = bench_attention(seqs=3)
     if not HAVE_CC:

@@ -9,12 +9,12 @@ import torch
 
 from hf_models import save_hf_model
 from lmforge.perf import estimate as E
-from lmforge.perf.estimate_check import measure_train_peaks
+from lmforge.bench.estimate import measure_train_peaks
 
 
 def test_training_peak_within_15_percent_of_measured():
     small = {"layers": 2, "vocab": 2048, "batch": 4}  # ~0.2 s a step on one idle core
-    # In a child process, as `python -m lmforge.perf.estimate_check` measures: in this process the
+    # In a child process, as `python -m lmforge.bench.estimate` measures: in this process the
     # state earlier tests leave (threads, malloc arenas) once made the measured peak 14% low (full suite).
     runs = measure_train_peaks([small, {**small, "grad_ckpt": True}], isolated=True)
     for r in runs:

@@ -62,7 +62,7 @@ def pretrain_values(root: Path) -> dict:
 
 def engine_values(root: Path) -> dict:
     from lmforge.model.reference import save_hf_model
-    from lmforge.perf.bench_engine import make_requests
+    from lmforge.bench.engine import make_requests
 
     model = root / "llama-tiny"
     save_hf_model("llama", model, vocab_size=512, hidden_size=64, layers=2, num_attention_heads=4,

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from lmforge.perf.bench_mfu import VarlenAttention
+from lmforge.bench.mfu import VarlenAttention
 
 
 def test_varlen_attention_equals_the_dense_document_mask():
@@ -23,7 +23,7 @@ def test_varlen_attention_equals_the_dense_document_mask():
 def test_ladder_runs_on_a_tiny_config(tmp_path):
     from test_train_loop import make_packed
 
-    from lmforge.perf.bench_mfu import bench_mfu
+    from lmforge.bench.mfu import bench_mfu
 
     packed = make_packed(tmp_path, n_docs=40, seq_len=32)
     out = tmp_path / "mfu"

@@ -16,11 +16,13 @@ from typing import Annotated, Optional
 
 import typer
 
+from lmforge.bench import engine as bench_engine
+from lmforge.bench import grpo as grpo_bench
+from lmforge.bench import quant as bench_quant
 from lmforge.data.commands import app as data_app
 from lmforge.eval.commands import app as eval_app
 from lmforge.parallel import commands as parallel_commands
 from lmforge.parallel.commands import app as parallel_app
-from lmforge.perf import bench_engine, bench_quant
 from lmforge.perf import commands as perf_commands
 from lmforge.perf.commands import app as estimate_app
 from lmforge.quant import commands as quant_commands
@@ -30,7 +32,6 @@ from lmforge.tokenizer.commands import app as tokenizer_app
 from lmforge.track.commands import app as runs_app
 from lmforge.train import commands as train_commands
 from lmforge.train import smoke
-from lmforge.train.grpo import bench as grpo_bench
 
 app = typer.Typer(
     name="lmforge",
@@ -70,7 +71,7 @@ def bench_data_cmd(
 ) -> None:
     """Throughput of `lmforge data prepare` per step and end to end (MB/s, CPU time) with 1 and 2
     workers; checks that the outputs are identical across worker counts."""
-    from lmforge.data.bench import run_bench
+    from lmforge.bench.data import run_bench
 
     run_bench(inputs=tuple(inputs or ["python-docs"]), workers=tuple(workers), repeats=repeats, out_dir=out)
 
@@ -104,7 +105,7 @@ def doctor_cmd(
 
     code = doctor(out, quick)
     if comm:
-        from lmforge.parallel.comm_bench import comm_doctor
+        from lmforge.bench.comm import comm_doctor
 
         code = code or comm_doctor(out.parent if out else None, quick)
     raise typer.Exit(code)

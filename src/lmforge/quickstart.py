@@ -220,7 +220,7 @@ class Quickstart:
         return (self.d["bench"] / "bench.json").is_file()
 
     def bench(self) -> None:
-        from lmforge.perf.bench_engine import BenchEngineConfig, bench_engine_run
+        from lmforge.bench.engine import BenchEngineConfig, bench_engine_run
 
         cfg = BenchEngineConfig(model=str(self.d["model"]), workload="high-variance",
                                 num_requests=self.s.bench_requests, hf_sequential_requests=self.s.bench_hf_requests,

@@ -57,7 +57,7 @@ class PackedLinear(nn.Module):
     """A bfloat16 `nn.Linear` whose weight oneDNN reordered once into its blocked layout. A plain
     bf16 `F.linear` on CPU reorders the weight on every call: at the few rows of a decode step that
     copy is a large part of the cost (a 512x1376 projection at 1 row: 156 us plain, 107 us packed;
-    at 128 rows 378 vs 299 us; same bits; `python -m lmforge.perf.bench_linear`). Inference only:
+    at 128 rows 378 vs 299 us; same bits; `python -m lmforge.bench.linear`). Inference only:
     the original weight is not kept."""
 
     def __init__(self, linear: nn.Linear):

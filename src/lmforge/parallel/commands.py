@@ -139,7 +139,7 @@ def bench_parallel(
     from lmforge.track.io import atomic_write_json, atomic_write_text
     from lmforge.track.run import RunDir
 
-    from .bench import BenchSpec, bench_parallel as run, tp_bytes, tp_markdown, to_markdown
+    from lmforge.bench.parallel import BenchSpec, bench_parallel as run, tp_bytes, tp_markdown, to_markdown
 
     spec = BenchSpec(stages=tuple(stages), microbatches=tuple(microbatches), schedules=tuple(schedule),
                      steps=steps, threads=threads)

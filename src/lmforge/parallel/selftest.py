@@ -51,10 +51,10 @@ def run(out: Path) -> dict:
     from lmforge.train.config import TrainConfig
     from lmforge.train.loop import init_distributed, main
 
-    from .bench import BenchSpec, bench_worker
-    from .comm_bench import QUICK_SIZES, comm_worker
+    from lmforge.bench.comm import QUICK_SIZES, comm_worker
+    from lmforge.bench.parallel import BenchSpec, bench_worker
+    from lmforge.bench.scan import random_packed
     from .parity import Spec, pp_worker, tp_worker
-    from .scan_check import random_packed
     from .trainer import ParallelTrainer
 
     init_distributed("cpu")

@@ -164,7 +164,7 @@ def bench_mfu_cmd(
     torch.compile → batch size; each rung a short measured run, kept only when faster; table with Δ,
     physical reason and roofline headroom."""
     from lmforge.config import ConfigError
-    from lmforge.perf.bench_mfu import bench_mfu
+    from lmforge.bench.mfu import bench_mfu
 
     try:
         bench_mfu(str(config), list(overrides or []), steps, out, max_batch, tuple(skip or ()))

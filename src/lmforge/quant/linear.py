@@ -11,7 +11,7 @@ backends the engine swaps in once at start (one backend per model, chosen by `se
 
 The CPU kernels run on bfloat16 activations: torch's float32 bodies of both ops are ~10x slower
 than the bf16 ones on an AVX2 machine at one row (3.2 ms vs 0.28 ms for 4864x896, measured with
-`python -m lmforge.perf.bench_quant --linears`), so a float32 model casts its activations to bf16
+`python -m lmforge.bench.quant --linears`), so a float32 model casts its activations to bf16
 around the call. This module knows nothing about checkpoints or scheduling.
 
 Shape legend: M rows, N output features, K input features, G groups per row.

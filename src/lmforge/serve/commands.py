@@ -296,7 +296,7 @@ def bench_serve(
     and the server's own /metrics view beside them."""
     import httpx
 
-    from .bench import BenchConfig, bench_serve as run, parse_slo, to_markdown
+    from lmforge.bench.serve import BenchConfig, bench_serve as run, parse_slo, to_markdown
 
     try:
         cfg = BenchConfig(base_url.rstrip("/"), model, num_prompts, request_rate, max_concurrency, workload,

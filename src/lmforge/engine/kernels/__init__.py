@@ -12,7 +12,7 @@ KV cache, for CPUs without native bf16 and for `kv_cache_dtype=int8`):
 
 Why native code: on CPU the per-sequence `scaled_dot_product_attention` loop spent ~30 us of
 dispatch per sequence per layer on top of reading the K/V, and a padded batched SDPA must first
-copy every sequence's blocks. `python -m lmforge.perf.bench_attention` measures the difference.
+copy every sequence's blocks. `python -m lmforge.bench.attention` measures the difference.
 
 The file is plain C (no Python or torch headers), so building it takes one compiler call and well
 under a second. It is built with the system C compiler (`$CC`, else `cc`, `gcc`, `clang`) with

@@ -28,7 +28,7 @@ On a shared CPU, intra-op threads under contention are catastrophically slow: `-
 within one run, never across runs.
 
     lmforge bench engine --num-requests 200 --out runs/bench-engine
-    python -m lmforge.perf.bench_engine --workload shared-prefix --baselines lmforge
+    python -m lmforge.bench.engine --workload shared-prefix --baselines lmforge
 """
 
 from __future__ import annotations
@@ -446,7 +446,7 @@ def bench_engine_run(cfg: BenchEngineConfig, command: str | None = None) -> dict
 
 def _command() -> str:
     prog = Path(sys.argv[0]).name
-    prog = "python -m lmforge.perf.bench_engine" if prog == "bench_engine.py" else prog
+    prog = "python -m lmforge.bench.engine" if prog == "engine.py" else prog
     return " ".join([prog] + sys.argv[1:])
 
 

@@ -11,7 +11,7 @@ high-water mark (VmHWM) is reported too; it also counts lazy imports and freed-b
 A warm-up run on a one-layer toy comes first, so imports and thread pools are in the baseline.
 The child runs alone so that no other test's allocations sit in its figures.
 
-    python -m lmforge.perf.estimate_check --hidden 256 --layers 4 --batch 8 --seq-len 128
+    python -m lmforge.bench.estimate --hidden 256 --layers 4 --batch 8 --seq-len 128
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def measure_train_peaks(runs: list[dict], isolated: bool = True) -> list[dict[st
 
     runs = [{**DEFAULTS, **r} for r in runs]
     if isolated:
-        proc = subprocess.run([sys.executable, "-m", "lmforge.perf.estimate_check", "--child", json.dumps(runs)],
+        proc = subprocess.run([sys.executable, "-m", "lmforge.bench.estimate", "--child", json.dumps(runs)],
                               capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             raise RuntimeError(f"measurement child failed (exit {proc.returncode}): {proc.stderr[-2000:]}")

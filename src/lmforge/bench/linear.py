@@ -1,7 +1,7 @@
 """The engine's bf16 linear layers on CPU: `F.linear` (oneDNN reorders the weight on every call)
 against `PackedLinear` (reordered once), per shape and row count, with the outputs compared.
 
-    python -m lmforge.perf.bench_linear [--out DIR]     # bench_linear.json + bench_linear.md
+    python -m lmforge.bench.linear [--out DIR]     # bench_linear.json + bench_linear.md
 
 Shapes are the ~30M bench model's projections (hidden 512, MLP 1376, vocabulary 8192); rows are
 a decode step's batch. One thread, best of 5 timings of 50 calls each.

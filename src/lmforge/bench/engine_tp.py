@@ -1,7 +1,7 @@
 """Engine tensor parallelism, measured: offline generation tokens/s and all-reduced bytes per layer per
 token at each `tensor_parallel_size`, on the same random model and requests.
 
-    python -m lmforge.engine.bench_tp --sizes 1 2 4 --tp1-threads 1 2 --out runs/bench-tp
+    python -m lmforge.bench.engine_tp --sizes 1 2 4 --tp1-threads 1 2 --out runs/bench-tp
 
 Each size gets a fresh `LLM` (workers included) with `max(1, cpus // N)` torch threads per rank (size 1:
 `--tp1-threads`, each a run of its own, as one process on a busy box may do better with fewer); one
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from .executor import threads_per_rank
-from .llm import LLM
-from .sampling_params import SamplingParams
+from lmforge.engine.executor import threads_per_rank
+from lmforge.engine.llm import LLM
+from lmforge.engine.sampling_params import SamplingParams
 
 
 def run_size(model_dir: str, size: int, num_requests: int, prompt_len: int, output_len: int, dtype: str,
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.model is None:
-        from lmforge.perf.bench_engine import random_model
+        from lmforge.bench.engine import random_model
 
         model_dir = str(random_model(out))
     else:

@@ -1,6 +1,6 @@
 """Throughput of the feedback store and latency of registry operations, as a run folder.
 
-    python -m lmforge.registry.bench [--out runs/bench-registry] [--n 5000] [--batch 32]
+    python -m lmforge.bench.registry [--out runs/bench-registry] [--n 5000] [--batch 32]
 
 Measures, on fresh files in `OUT/work/`: `log_exchanges` in batches of `--batch` rows (PII masking
 included, as the server calls it), `add_feedback` one call = one transaction (the endpoint's
@@ -125,7 +125,7 @@ def _markdown(r: dict[str, Any]) -> str:
     f = r["feedback"]
     lines = [f"# Feedback store and registry ({r['date']}, {r['machine']['platform']}, "
              f"{r['machine']['cpu_count']} CPUs)", "",
-             "`python -m lmforge.registry.bench`", "", "| operation | rate / latency |", "| --- | --- |",
+             "`python -m lmforge.bench.registry`", "", "| operation | rate / latency |", "| --- | --- |",
              f"| log_exchanges, batches of {f['batch']} (PII masking included) | "
              f"{f['log_exchanges_rows_per_s']:,.0f} rows/s |",
              f"| add_feedback, one transaction per call | {f['add_feedback_per_s']:,.0f} /s "
@@ -141,7 +141,7 @@ def _markdown(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m lmforge.registry.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m lmforge.bench.registry", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/bench-registry", help="run folder for bench.json and bench.md")
     p.add_argument("--n", type=int, default=5000, help="exchanges logged, then scored")
     p.add_argument("--batch", type=int, default=32, help="rows per log_exchanges call")

@@ -15,8 +15,8 @@ across worker counts; the result records whether they were.
 
 It knows nothing about the CLI; `lmforge bench data` is meant to call `run_bench`.
 
-    python -m lmforge.data.bench --out runs/bench-data              # python-docs, workers 1 and 2
-    python -m lmforge.data.bench --inputs data/*.jsonl --workers 1 4 --repeats 5
+    python -m lmforge.bench.data --out runs/bench-data              # python-docs, workers 1 and 2
+    python -m lmforge.bench.data --inputs data/*.jsonl --workers 1 4 --repeats 5
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def run_bench(inputs: Sequence[str] = ("python-docs",), workers: Sequence[int] =
     mb = sum(len(d["text"].encode("utf-8")) for d in docs) / 1e6
     steps = {"read": read_s, **step_times(docs, cfg, repeats)}
     result: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python -m lmforge.data.bench", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python -m lmforge.bench.data", *sys.argv[1:]]),
         "machine": machine, "inputs": list(inputs), "documents": len(docs), "mb": round(mb, 3),
         "steps": {name: {"cpu_s": round(s, 4), "mb_per_s": round(mb / max(s, 1e-9), 2)} for name, s in steps.items()},
         "steps_total": {"cpu_s": round(sum(steps.values()), 3), "mb_per_s": round(mb / sum(steps.values()), 2)},

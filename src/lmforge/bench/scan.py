@@ -10,7 +10,7 @@ prediction of the 2-process layouts is out of sample. It reports both orderings 
 What the scan's model does not know (Python per-call overhead, gloo's own threads competing for 2
 cores) shows up as the gap. Random tokens; nothing is downloaded.
 
-    python -m lmforge.parallel.scan_check --out runs/scan-check [--reuse]
+    python -m lmforge.bench.scan --out runs/scan-check [--reuse]
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def random_packed(path: Path, seq_len: int = 32, vocab: int = 128, train_tokens:
 
 def _train(name: str, nproc: int, overrides: list[str], packed: Path, out: Path, steps: int,
            reuse: bool = False) -> float:
-    from .launch import free_port
+    from lmforge.parallel.launch import free_port
 
     if reuse and (out / "record.json").is_file() and json.loads((out / "record.json").read_text()).get(
             "status") == "finished":
@@ -87,8 +87,8 @@ def check(out: Path, steps: int = 8, reuse: bool = False) -> dict:
     from lmforge.model import ModelConfig
     from lmforge.perf import estimate as E
 
-    from .comm_bench import measure
-    from .scan import ScanSpec, evaluate
+    from .comm import measure
+    from lmforge.parallel.scan import ScanSpec, evaluate
 
     packed = random_packed(out / "packed", seq_len=64, vocab=512, train_tokens=64 * 8 * (steps + 4) + 1)
     load = os.getloadavg()

@@ -80,7 +80,7 @@ def grpo_step_split(model_dir: str, tasks: str, prompts: int, group: int, max_to
     from lmforge.config import load_config
     from lmforge.train.config import TrainConfig
 
-    from .trainer import train_grpo
+    from lmforge.train.grpo.trainer import train_grpo
 
     cfg = load_config(TrainConfig, None, [
         "train.stage=grpo", f"model.init={model_dir}", f"data.path={tasks}", f"train.max_steps={steps}",
@@ -134,11 +134,11 @@ def bench_grpo(
     """Rollout tokens/s: lmforge's engine vs transformers.generate on the same prompts, group size and
     lengths (ratio in one run), plus one GRPO step's split between rollout, update and weight sync."""
     from lmforge.data.synth import read_tasks
-    from lmforge.perf.bench_linear import emit
+    from lmforge.bench.linear import emit
     from lmforge.track.provenance import hardware_info, package_versions
     from lmforge.tokenizer.load import load_tokenizer
 
-    from .rollout import chat_prompt_ids
+    from lmforge.train.grpo.rollout import chat_prompt_ids
 
     import json
 

@@ -2,7 +2,7 @@
 views (the torch path) against the compiled paged-decode kernel, at 1 and at all torch threads,
 with the outputs compared.
 
-    python -m lmforge.perf.bench_attention [--seqs 57] [--out DIR]   # bench_attention.json + .md
+    python -m lmforge.bench.attention [--seqs 57] [--out DIR]   # bench_attention.json + .md
 
 The step is a mid-run decode step of `lmforge bench engine`'s high-variance workload: `--seqs`
 sequences with contexts drawn uniformly from 50-600 tokens, the ~30M bench model's attention
@@ -18,7 +18,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .bench_linear import best_seconds, emit
+from .linear import best_seconds, emit
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 8, 8, 64, 16
 

@@ -19,7 +19,7 @@ activation dtype is bf16 where the CPU has native bf16, else float32. Every figu
 load recorded in the report (`os.getloadavg()` at start and end); compare within one run only.
 
     lmforge bench quant --out runs/bench-quant
-    python -m lmforge.perf.bench_quant --model models/quickstart --out runs/bench-quant-qs
+    python -m lmforge.bench.quant --model models/quickstart --out runs/bench-quant-qs
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def bench_linears(K: int, N: int, group_size: int) -> list[dict[str, Any]]:
     from lmforge.engine import kernels
     from lmforge.quant.linear import Int4Linear, Int8Linear, QmmLinear, QuantizedLinear
 
-    from .bench_linear import best_seconds
+    from .linear import best_seconds
 
     lib = kernels.load()
     qmm = getattr(lib, "qmm_f32", None)
@@ -286,7 +286,7 @@ def bench_quant_run(cfg: BenchQuantConfig) -> dict[str, Any]:
     from lmforge.quant.quantize import QuantizeConfig, quantize_model
     from lmforge.track.provenance import git_info, hardware_info, package_versions
 
-    from .bench_engine import _cpu_name, _loadavg, make_requests
+    from .engine import _cpu_name, _loadavg, make_requests
 
     torch.set_num_threads(cfg.threads)
     out = Path(cfg.out)
@@ -314,7 +314,7 @@ def bench_quant_run(cfg: BenchQuantConfig) -> dict[str, Any]:
     }
 
     def save() -> None:
-        from .bench_linear import emit
+        from .linear import emit
 
         emit(report, to_markdown, out, "bench_quant")
 

@@ -12,7 +12,7 @@ alpha + S/beta model that `perf/estimate.py`'s communication formulas and the sc
 `nvidia-smi topo -m` is recorded beside the figures. It knows nothing about models.
 
     lmforge doctor --comm              # table + comm.json in $LMFORGE_HOME (or --out's folder)
-    python -m lmforge.parallel.comm_bench --nproc 4 --out runs/comm
+    python -m lmforge.bench.comm --nproc 4 --out runs/comm
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def topology() -> str | None:
 def measure(nproc: int = 2, quick: bool = False, reps: int | None = None) -> dict:
     import torch
 
-    from .launch import run_local
+    from lmforge.parallel.launch import run_local
 
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nproc else "gloo"
     sizes, reps = (QUICK_SIZES, reps or 5) if quick else (SIZES, reps or 20)

@@ -30,10 +30,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from .parity import Spec, make_model, split_microbatches
-from .pipeline import IGNORE, PipelineExecutor, PipelineStageModule, loss_sum, tied_group
-from .schedules import SCHEDULES, bubble_formula, schedule
-from .simulate import simulate
+from lmforge.parallel.parity import Spec, make_model, split_microbatches
+from lmforge.parallel.pipeline import IGNORE, PipelineExecutor, PipelineStageModule, loss_sum, tied_group
+from lmforge.parallel.schedules import SCHEDULES, bubble_formula, schedule
+from lmforge.parallel.simulate import simulate
 
 FAITHFUL_CPU_RATIO = 0.9
 TARGET = 0.20
@@ -195,7 +195,7 @@ def _cell(name: str, P: int, M: int, runs: list[tuple[float, float, float]], fb:
 
 
 def bench_parallel(bspec: BenchSpec) -> dict:
-    from .launch import run_local
+    from lmforge.parallel.launch import run_local
 
     report: dict = {"spec": asdict(bspec), "cores": os.cpu_count(), "load_before": os.getloadavg(),
                     "calibration": {}, "cells": []}
@@ -236,8 +236,8 @@ def to_markdown(report: dict) -> str:
 def tp_bytes(degrees: tuple[int, ...] = (1, 2, 4), dtype: str = "float32") -> list[dict]:
     """All-reduce payload bytes per layer (forward + backward of one batch) and the largest logit and
     gradient differences from one process, per TP degree (N > 1 runs N processes)."""
-    from .launch import run_local
-    from .parity import reference, tp_worker
+    from lmforge.parallel.launch import run_local
+    from lmforge.parallel.parity import reference, tp_worker
 
     spec = Spec(dtype=dtype, num_attention_heads=4, num_key_value_heads=4)
     want = reference(spec)
