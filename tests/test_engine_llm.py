@@ -91,3 +91,18 @@ def test_packed_bf16_linears_give_the_same_tokens(tmp_path, one_thread):
         runs.append([(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)
                      for o in llm.generate(prompts, p, use_tqdm=False)])
     assert runs[0] == runs[1]
+
+
+def test_one_load_tokenizer_for_the_engine_and_the_pipeline(llm, tmp_path):
+    """The engine's twin returned None for a folder without tokenizer files, the pipeline's raised:
+    the one `load_tokenizer` raises unless the caller says the tokenizer is optional (the engine does,
+    and then serves token-id prompts). A folder with any tokenizer file is loaded by both callers."""
+    from lmforge.tokenizer.load import TOKENIZER_FILES, load_tokenizer
+
+    model_dir = llm.llm_engine.config.model
+    assert load_tokenizer(model_dir, optional=True) is None and llm.llm_engine.tokenizer is None
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        load_tokenizer(model_dir)
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        load_tokenizer(tmp_path)
+    assert "tokenizer_config.json" in TOKENIZER_FILES  # a Hugging Face folder with slow files only: loaded

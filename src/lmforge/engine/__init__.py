@@ -10,7 +10,8 @@ from .async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError
 from .config import EngineConfig
 from .core_process import ProcessAsyncLLMEngine
 from .llm import LLM
-from .llm_engine import CompletionOutput, LLMEngine, RequestMetrics, RequestOutput
+from .llm_engine import LLMEngine
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 
 __all__ = ["LLM", "AsyncLLMEngine", "CompletionOutput", "EngineConfig", "EngineDeadError", "EngineStepError", "LLMEngine", "ProcessAsyncLLMEngine",

@@ -26,7 +26,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from .config import EngineConfig
-from .llm_engine import LLMEngine, RequestOutput
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 Sink = tuple[asyncio.AbstractEventLoop, asyncio.Queue]

@@ -42,7 +42,7 @@ from .async_engine import (AsyncLLMEngine, Batches, EngineDeadError, EngineStepE
                            route_outputs)
 from .config import EngineConfig
 from .executor import WorkerDiedError
-from .llm_engine import load_tokenizer
+from lmforge.tokenizer.load import load_tokenizer
 
 LOAD_TIMEOUT_S = 600.0
 
@@ -76,7 +76,7 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
             self._kill()
             raise info
         self._info, self._stats = info, info["stats"]
-        self._tokenizer = load_tokenizer(Path(config.model))
+        self._tokenizer = load_tokenizer(Path(config.model), optional=True)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="lmforge-engine-send", daemon=True)
         self._receiver = threading.Thread(target=self._recv_loop, name="lmforge-engine-recv", daemon=True)

@@ -15,7 +15,8 @@ import dataclasses
 from collections.abc import Sequence
 
 from .config import EngineConfig
-from .llm_engine import LLMEngine, RequestOutput
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 

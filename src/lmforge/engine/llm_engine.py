@@ -23,68 +23,23 @@ from pathlib import Path
 import torch
 
 from lmforge.model import Transformer
+from lmforge.quant import load_pretrained
+from lmforge.tokenizer.load import load_tokenizer
 
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .executor import MultiprocExecutor
 from .model_runner import ModelRunner, kv_bytes_per_block
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampler import Sampler, SampleResult, make_generator
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 CPU_KV_CACHE_BYTES = 2 * 1024**3  # default pool cap on CPU, where memory is shared with everything
 
 log = logging.getLogger("lmforge.engine")
-
-
-def load_tokenizer(model_dir: Path):
-    """The model directory's tokenizer (`AutoTokenizer`), or None when it has no tokenizer files."""
-    if not any((model_dir / f).exists() for f in TOKENIZER_FILES):
-        return None
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None
-    logprobs: list[dict[int, float]] | None  # per token: the sampled id and the top ids -> logprob
-    finish_reason: str | None = None  # stop | length | abort; None while running
-    stop_reason: int | str | None = None  # the stop token id or stop string that matched
-    token_times: list[float] = field(default_factory=list)  # time.time() each token in token_ids appeared
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    last_token_time: float | None
-    finished_time: float | None
-
-
-@dataclass
-class RequestOutput:
-    """`SamplingParams.output_kind`: cumulative (the default) — `outputs[i].token_ids`, `.text`, `.logprobs`,
-    `.token_times` hold everything generated so far; delta — only what is new since the previous output;
-    final_only — a single output, when the request finishes (or is aborted), holding everything."""
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    num_cached_tokens: int  # prompt tokens served by the prefix cache (sample 0's first admission)
-    metrics: RequestMetrics
 
 
 @dataclass
@@ -128,10 +83,10 @@ class LLMEngine:
         # tensor parallelism: the workers start loading now, beside rank 0 (this process)
         self.executor = MultiprocExecutor(config) if config.tensor_parallel_size > 1 else None
         try:
-            self.model = Transformer.from_pretrained(model_dir, dtype=config.dtype, device=config.device)
+            self.model = load_pretrained(model_dir, dtype=config.dtype, device=config.device)
             if self.executor is not None:
                 self.executor.shard(self.model)
-            self.tokenizer = load_tokenizer(model_dir)
+            self.tokenizer = load_tokenizer(model_dir, optional=True)
             mc = self.model.config
             self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                      mc.max_position_embeddings)

@@ -21,7 +21,12 @@ from pathlib import Path
 
 import torch
 
+from lmforge.data.sources import iter_python_docs
+from lmforge.tokenizer.load import load_tokenizer
+
+from .load import load_pretrained
 from .scheme import QuantScheme, compute_scales
+from .targets import is_quantizable
 
 DAMP = 0.01  # fraction of mean(diag(H)) added to H's diagonal (the paper's percdamp)
 BLOCK = 128  # columns updated together (lazy batch updates)
@@ -65,8 +70,6 @@ def gptq_quantize(w_NK: torch.Tensor, h_KK: torch.Tensor, scheme: QuantScheme,
 
 def calibration_texts(source: str, samples: int) -> list[str]:
     if source == "python-docs":
-        from lmforge.data.sources import iter_python_docs
-
         texts = []
         for doc in iter_python_docs():
             texts.append(doc["text"])
@@ -114,17 +117,12 @@ def hessians(model: torch.nn.Module, batches: list[torch.Tensor], names: set[str
 def gptq_codes(model_dir: str | Path, state: dict[str, torch.Tensor], scheme: QuantScheme, calibration: str,
                samples: int = 64, seq_len: int = 256, names: set[str] | None = None) -> dict:
     """weight name -> (codes, scales) for every quantizable weight of `state`, by GPTQ on `calibration`."""
-    from lmforge.engine.llm_engine import load_tokenizer
-    from lmforge.model import Transformer
-
-    from .quantize import is_quantizable
-
-    tok = load_tokenizer(Path(model_dir))
+    tok = load_tokenizer(Path(model_dir), optional=True)
     if tok is None:
         raise ValueError(f"{model_dir}: GPTQ needs the model's tokenizer to encode the calibration text")
     ids = [tok.encode(t)[:seq_len] for t in calibration_texts(calibration, samples)]
     batches = [torch.tensor([i]) for i in ids if len(i) > 1]
-    model = Transformer.from_pretrained(model_dir, dtype="float32", device="cpu")
+    model = load_pretrained(model_dir, dtype="float32", device="cpu")
     names = names or {k for k in state if is_quantizable(k)}
     hs = hessians(model, batches, names)
     return {k: gptq_quantize(state[k], hs[k], scheme, state[k].dtype) for k in sorted(names)}

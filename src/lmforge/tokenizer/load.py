@@ -14,25 +14,38 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lmforge.track.io import sha256_file
+
+
+# any of these makes a folder loadable by AutoTokenizer (a Hugging Face model may ship only the slow files)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
 
 def _tokenizer_json(directory: str | os.PathLike) -> Path:
     path = Path(directory) / "tokenizer.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{directory}: no tokenizer.json; train one with "
-                                f"`lmforge tokenizer train INPUT... --out {directory}`")
+        raise FileNotFoundError(_missing(directory))
     return path
 
 
-def load_tokenizer(directory: str | os.PathLike) -> Any:
-    """The folder as a `transformers` fast tokenizer (`PreTrainedTokenizerFast`) via AutoTokenizer."""
-    from transformers import AutoTokenizer
+def _missing(directory: str | os.PathLike) -> str:
+    return f"{directory}: no tokenizer.json; train one with `lmforge tokenizer train INPUT... --out {directory}`"
 
-    _tokenizer_json(directory)
+
+def load_tokenizer(directory: str | os.PathLike, optional: bool = False) -> Any:
+    """The folder as a `transformers` tokenizer via AutoTokenizer (fast when it has `tokenizer.json`).
+
+    A folder with none of `TOKENIZER_FILES` raises FileNotFoundError, or gives None when `optional`
+    (the engine serves token-id prompts from a model folder without a tokenizer)."""
+    if not any((Path(directory) / f).is_file() for f in TOKENIZER_FILES):
+        if optional:
+            return None
+        raise FileNotFoundError(_missing(directory))
+    from transformers import AutoTokenizer  # deferred: transformers takes seconds to import
+
     return AutoTokenizer.from_pretrained(os.fspath(directory))
 
 
 def tokenizer_hash(directory: str | os.PathLike) -> str:
     """sha256 of the folder's `tokenizer.json` (the same value as record.json's tokenizer_hash)."""
-    from lmforge.track.io import sha256_file
-
     return sha256_file(_tokenizer_json(directory))
