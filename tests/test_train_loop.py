@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,38 @@ def lmforge_train(*args: str, env: dict | None = None, check: bool = True) -> su
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+# `python -m lmforge.train` that stops for good right after logging step HOLD_AT (the trainer has no test
+# hook): the test then kills it from outside, so the kill lands after exactly that step, every time.
+HOLD_AT = """
+import sys, time
+from lmforge.track.run import RunDir
+hold_at, log = int(sys.argv.pop(1)), RunDir.log_metrics
+def log_then_hold(self, row):
+    log(self, row)
+    if row.get("step") == hold_at:
+        time.sleep(3600)
+RunDir.log_metrics = log_then_hold
+from lmforge.train.commands import train_app
+train_app(prog_name="lmforge.train")
+"""
+
+
+def killed_after_step(step: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`lmforge train ...` SIGKILLed from outside once step `step` is in metrics.jsonl."""
+    out = Path(args[args.index("--out") + 1]) / "metrics.jsonl"
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_AT, str(step), *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if out.is_file() and any(json.loads(x).get("step") == step for x in out.read_text().splitlines() if x):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[1]
+    os.kill(proc.pid, signal.SIGKILL)
+    stdout, stderr = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def make_packed(root: Path, n_docs: int = 120, seq_len: int = 64) -> Path:
@@ -87,7 +121,7 @@ def test_exact_resume_after_sigkill(packed, home, run_a, tmp_path):
     args = [TINY, f"data.path={packed}", f"train.max_steps={2 * N}", f"train.ckpt_every={N // 2}",
             f"train.eval_every={N}", "train.target_val_loss=100", "--out", out]
     env = {"LMFORGE_HOME": str(home)}
-    killed = lmforge_train(*args, env={**env, "LMFORGE_TEST_SIGKILL_AT_STEP": str(N + 2)}, check=False)
+    killed = killed_after_step(N + 2, *args, env=env)
     assert killed.returncode == -9, killed.stderr
     assert [m["step"] for m in metrics(out)] == list(range(1, N + 3))  # N+1, N+2 were logged, then lost
     # A newer checkpoint that a crash left corrupt: resume must skip it with a warning.
@@ -122,7 +156,7 @@ def test_resume_tolerates_a_torn_metrics_line_and_a_fallback_to_step_0(packed, h
     args = [TINY, f"data.path={packed}", "train.max_steps=4", "train.ckpt_every=2", "train.eval_every=0",
             "--out", out]
     env = {"LMFORGE_HOME": str(home)}
-    killed = lmforge_train(*args, env={**env, "LMFORGE_TEST_SIGKILL_AT_STEP": "3"}, check=False)
+    killed = killed_after_step(3, *args, env=env)
     assert killed.returncode == -9, killed.stderr
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "loss": 3.1')  # torn: no closing brace, no newline
@@ -274,3 +308,17 @@ def test_whole_val_split_eval_does_not_depend_on_batch_size(packed, home, tmp_pa
         assert sum(len(b["input_ids"]) for b in trainer.data.make_val()) == rows
         losses.append(trainer.evaluate()["val_loss"])
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_read_metrics_skips_a_torn_line_with_a_warning(tmp_path, capsys):
+    """The one reader of metrics.jsonl (track.runs): a run dir or the file; a torn last line is dropped,
+    named on stderr, and the rows before it stand; truncate_metrics rewrites the file without it."""
+    from lmforge.track.runs import read_metrics, truncate_metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n\n{"step": 2, "loss": 2.5}\n{"step": 3, "lo')
+    assert read_metrics(tmp_path) == read_metrics(tmp_path / "metrics.jsonl") == [
+        {"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5}]
+    assert "metrics.jsonl:4: not a JSON line" in capsys.readouterr().err
+    assert read_metrics(tmp_path / "missing") == []
+    truncate_metrics(tmp_path, 1)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 3.0}\n'

@@ -37,8 +37,9 @@ import torch.distributed as dist
 
 from lmforge.config import ConfigError, to_dict
 from lmforge.train import checkpoint as ckpt
-from lmforge.train.loop import IGNORE, Dist, Trainer, TrainingDiverged, _mem_bytes, _truncate_metrics, init_distributed
+from lmforge.train.loop import IGNORE, Dist, Trainer, TrainingDiverged, _mem_bytes, init_distributed
 from lmforge.track.io import atomic_write_json, sha256_dir, sha256_file
+from lmforge.track.runs import truncate_metrics
 
 from .parity import split_microbatches
 from .pipeline import PipelineExecutor, PipelineStageModule, tied_group
@@ -335,7 +336,7 @@ class ParallelTrainer(Trainer):
             for newer in ckpt.list_checkpoints(self.out):
                 if newer.name > path.name:
                     shutil.rmtree(newer, ignore_errors=True)
-            _truncate_metrics(self.out / "metrics.jsonl", self.step)
+            truncate_metrics(self.out, self.step)
             print(f"resumed from {path} (step {self.step})", file=sys.stderr, flush=True)
 
     def _static_record(self) -> dict[str, Any]:

@@ -4,7 +4,8 @@ A run directory is what `RunDir` writes: `config.yaml`, `record.json`, `metrics.
 `list_runs` finds every run below a folder, `summarize` pulls the headline numbers out of a
 record, `config_diff` flattens two resolved configs to dotted keys and returns those that
 differ, and `metrics_side_by_side` aligns two runs' metrics by step. Knows nothing about any
-stage's internals, only the files.
+stage's internals, only the files. `read_metrics` is the one reader of metrics.jsonl (it tolerates
+the torn last line of a killed process); `truncate_metrics` cuts it back to a resumed step.
 
     from lmforge.track.runs import list_runs, config_diff
     for run in list_runs("runs"): print(run)
@@ -14,10 +15,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from lmforge.track.io import atomic_write_text
 
 RECORD, CONFIG, METRICS = "record.json", "config.yaml", "metrics.jsonl"
 HEADLINE = ("final_train_loss", "final_val_loss", "tokens_per_s", "mfu", "peak_mem", "steps")
@@ -36,17 +40,30 @@ def read_config(run: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_metrics(run: str | os.PathLike) -> list[dict[str, Any]]:
-    path = Path(run) / METRICS
+    """The rows of a run's metrics.jsonl (`run` is the run directory or the file itself); [] when absent.
+    A line that does not parse (the torn last line of a process killed mid-write) is skipped with a
+    warning on stderr: the lines before it stand, and `truncate_metrics` rewrites the file without it."""
+    path = Path(run)
+    if path.is_dir() or not path.name.endswith(".jsonl"):
+        path = path / METRICS
     if not path.is_file():
         return []
-    out = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by a crash: the previous lines stand
-    return out
+    rows = []
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            print(f"warning: {path}:{n}: not a JSON line (torn by a kill?); dropped", file=sys.stderr, flush=True)
+    return rows
+
+
+def truncate_metrics(run: str | os.PathLike, step: int) -> None:
+    """Drop the rows logged after `step` (the checkpoint a run resumes from): those steps run again."""
+    path = Path(run) / METRICS
+    lines = [json.dumps(m) for m in read_metrics(path) if m.get("step", 0) <= step]
+    atomic_write_text(path, "".join(line + "\n" for line in lines))
 
 
 def list_runs(root: str | os.PathLike = "runs") -> list[Path]:

@@ -26,7 +26,6 @@ import json
 import math
 import os
 import random
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -42,7 +41,9 @@ from lmforge.config import ConfigError, load_config, to_dict
 from lmforge.model import ModelConfig, Transformer, resolve_device
 from lmforge.model.checkpoint import DTYPES
 from lmforge.model.config import alignment_warnings
+from lmforge.quant import load_pretrained
 from lmforge.track.run import RunDir, peak_memory
+from lmforge.track.runs import read_metrics, truncate_metrics
 
 from . import checkpoint as ckpt
 from . import guards
@@ -56,8 +57,6 @@ RECORD_FIELDS = ("experiment_id", "git", "data_hash", "tokenizer_hash", "config"
                  "batch_size", "grad_accum", "world_size", "effective_batch", "effective_batch_tokens",
                  "device", "hardware", "packages", "seed", "final_train_loss", "final_val_loss", "eval",
                  "peak_mem", "wall_time_s", "tokens_per_s", "mfu", "flops_per_token", "peak_flops")
-# Fault injection for the resume test: SIGKILL this process right after the given step is logged.
-KILL_ENV = "LMFORGE_TEST_SIGKILL_AT_STEP"
 
 
 class TrainingDiverged(RuntimeError):
@@ -207,7 +206,7 @@ def build_model(cfg: TrainConfig, data: Data, device: torch.device | None = None
             from .lora import base_load_dtype
 
             dtype = base_load_dtype(m.init, cfg.lora, device or torch.device("cpu"))
-        return Transformer.from_pretrained(m.init, dtype=dtype, device="cpu").train()
+        return load_pretrained(m.init, dtype=dtype, device="cpu").train()
     vocab = m.vocab_size or data.vocab_size
     if vocab < data.vocab_size:
         raise ConfigError(f"model.vocab_size={vocab} is smaller than the data's vocabulary ({data.vocab_size})")
@@ -331,7 +330,7 @@ class Trainer:
         if found is None:
             self.warn(f"--resume: no valid checkpoint in {self.out / ckpt.CKPT_DIR}; starting from step 0")
             if self.d.main:  # every logged step runs again: none may appear twice
-                _truncate_metrics(self.out / "metrics.jsonl", 0)
+                truncate_metrics(self.out, 0)
             return
         path, meta = found
         state = ckpt.load_state(path, map_location="cpu")  # RNG states must stay CPU tensors; load_state_dict moves the rest
@@ -352,7 +351,7 @@ class Trainer:
                     import shutil
 
                     shutil.rmtree(newer, ignore_errors=True)
-            _truncate_metrics(self.out / "metrics.jsonl", self.step)
+            truncate_metrics(self.out, self.step)
             print(f"resumed from {path} (step {self.step})", file=sys.stderr, flush=True)
 
     # ---- the loop ---------------------------------------------------------------------------
@@ -486,7 +485,6 @@ class Trainer:
         t, d = self.cfg.train, self.d
         if d.main:
             self.run.write_record(self._static_record())
-        kill_at = int(os.environ.get(KILL_ENV, "0") or 0)
         last_train_loss, last_eval = None, None
         while self.step < t.max_steps:
             try:
@@ -519,13 +517,11 @@ class Trainer:
                 if t.log_every and (self.step % t.log_every == 0 or done or "val_loss" in row):
                     print(_format_row(row, t.max_steps), flush=True)
                 if t.target_val_loss is not None and val_loss is not None and val_loss <= t.target_val_loss:
-                    hit = target_reached(_read_metrics(self.out / "metrics.jsonl"), t.target_val_loss)
+                    hit = target_reached(read_metrics(self.out), t.target_val_loss)
                     if hit["step"] == self.step:  # the first evaluation at or below it, also after a resume
                         print(f"val_loss {val_loss:.4f} <= target {t.target_val_loss} at step {hit['step']}: "
                               f"{hit['train_s']:.1f} s of training ({hit['train_plus_eval_s']:.1f} s with "
                               f"evaluation), {hit['tokens']:,} tokens", flush=True)
-                if kill_at and self.step == kill_at:
-                    os.kill(os.getpid(), signal.SIGKILL)
         return self._finish(last_train_loss, last_eval)
 
     # ---- the record -------------------------------------------------------------------------
@@ -548,7 +544,7 @@ class Trainer:
     def _finish(self, train_loss: float | None, last_eval: dict | None) -> dict[str, Any]:
         if not self.d.main:
             return {}
-        metrics = _read_metrics(self.out / "metrics.jsonl")
+        metrics = read_metrics(self.out)
         timed = [m for m in metrics if "dt_s" in m][1:] or [m for m in metrics if "dt_s" in m]  # step 1 warms up
         seconds = sum(m["dt_s"] for m in timed)
         tps = sum(m["tokens_per_s"] * m["dt_s"] for m in timed) / seconds if seconds else None
@@ -617,30 +613,6 @@ def _format_row(row: dict, max_steps: int) -> str:
     if "val_loss" in row:
         parts.append(f"val {row['val_loss']:.4f}" + (f" bpb {row['val_bpb']:.3f}" if row.get("val_bpb") else ""))
     return " | ".join(parts)
-
-
-def _read_metrics(path: Path) -> list[dict]:
-    """The rows of metrics.jsonl. A line that does not parse (the torn last line of a process killed
-    mid-write) is skipped, with a warning: `_truncate_metrics` then rewrites the file without it."""
-    if not path.is_file():
-        return []
-    rows = []
-    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            print(f"warning: {path}:{n}: not a JSON line (torn by a kill?); dropped", file=sys.stderr, flush=True)
-    return rows
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop lines logged after the checkpoint we resume from: those steps run again."""
-    from lmforge.track.io import atomic_write_text
-
-    lines = [json.dumps(m) for m in _read_metrics(path) if m.get("step", 0) <= step]
-    atomic_write_text(path, "".join(line + "\n" for line in lines))
 
 
 def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:

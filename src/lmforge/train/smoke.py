@@ -27,6 +27,8 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
+from lmforge.track.runs import read_metrics
+
 FRACTION = 0.01
 
 
@@ -96,7 +98,7 @@ def smoke(config: str, overrides: list[str], out: Path, max_steps: int = 20, ste
                     log_every=0)
         rec = Trainer(cfg, out / "train", overwrite=True).fit()
         res = rec.get("results", rec)
-        rows = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines() if line]
+        rows = read_metrics(out / "train")
         losses = [r["loss"] for r in rows if "loss" in r]
         if not losses or not all(math.isfinite(x) for x in losses):
             raise RuntimeError(f"non-finite loss: {losses}")

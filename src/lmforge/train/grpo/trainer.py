@@ -39,9 +39,11 @@ import numpy as np
 import torch
 
 from lmforge.config import ConfigError, to_dict
-from lmforge.eval.reasoning import ReasoningFormat
-from lmforge.model import Transformer, resolve_device
+from lmforge.tasks.reasoning import ReasoningFormat
+from lmforge.model import resolve_device
+from lmforge.quant import load_pretrained
 from lmforge.track.run import RunDir, peak_memory
+from lmforge.track.runs import read_metrics, truncate_metrics
 
 from .. import checkpoint as ckpt
 from ..config import TrainConfig
@@ -169,7 +171,7 @@ class GRPOTrainer:
         # the engine first: it seeds torch's global generator when it starts
         self.engine = RolloutEngine(init, str(self.device), g.group_size, g.max_tokens, g.temperature, g.top_p, t.seed)
         torch.manual_seed(t.seed)
-        self.model = Transformer.from_pretrained(init, dtype="float32", device=str(self.device)).train()
+        self.model = load_pretrained(init, dtype="float32", device=str(self.device)).train()
         self.ref = copy.deepcopy(self.model).eval().requires_grad_(False) if g.beta > 0 else None
         self.opt = build_optimizer(self.model, t, self.device)
         self.sched = build_scheduler(self.opt, t)
@@ -188,9 +190,7 @@ class GRPOTrainer:
             step = self.checkpointer.restore()
             if step is None:
                 print(f"warning: --resume: no valid checkpoint in {self.out / ckpt.CKPT_DIR}; starting from step 0")
-            from ..loop import _truncate_metrics
-
-            _truncate_metrics(self.out / "metrics.jsonl", step or 0)
+            truncate_metrics(self.out, step or 0)
             self.engine.load_weights(self.model)
 
     # ---- one step -------------------------------------------------------------------------------
@@ -297,8 +297,6 @@ class GRPOTrainer:
                 "num_parameters": self.model.num_parameters()}
 
     def _finish(self) -> dict[str, Any]:
-        from lmforge.track.runs import read_metrics
-
         rows = [m for m in read_metrics(self.out) if "reward_mean" in m]
         k = max(1, min(5, len(rows) // 4))  # first and last few steps: sampled accuracy is noisy per step
         first, last = rows[:k], rows[-k:]
@@ -327,8 +325,6 @@ class GRPOTrainer:
 def plot_rewards(run: str | Path, out: str | Path | None = None) -> Path:
     """RUN/reward.png: reward mean, accuracy and format rate of the rollouts per step."""
     from lmforge.track.plots import _pyplot
-    from lmforge.track.runs import read_metrics
-
     plt = _pyplot()
     rows = [m for m in read_metrics(run) if "reward_mean" in m]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
