@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import multiprocessing as mp
 import os
 import time
 from collections.abc import Iterator
@@ -29,6 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tokenizers import Tokenizer
+
+from lmforge.tokenizer.load import _tokenizer_json, tokenizer_hash
+from lmforge.tokenizer.special import BOS, EOS
+from lmforge.track.io import atomic_write_json, sha256_file
+from lmforge.track.run import RunDir
 
 FORMAT = "lmforge-packed-v1"
 SPLITS = ("train", "val", "test")
@@ -39,10 +46,6 @@ _worker_tok: Any = None
 
 
 def _load_raw_tokenizer(tokenizer_dir: str | os.PathLike) -> Any:
-    from tokenizers import Tokenizer
-
-    from lmforge.tokenizer.load import _tokenizer_json
-
     return Tokenizer.from_file(str(_tokenizer_json(tokenizer_dir)))
 
 
@@ -118,8 +121,6 @@ def _prepared_data_hash(prepared: Path) -> str:
     matches its manifest, so the output of a killed or still-running prepare is refused, naming the
     file. A folder of splits a user made by hand (no record) uses its manifest's `data_hash` when it
 has one, else a hash of its split files."""
-    from lmforge.track.io import sha256_file
-
     record, manifest = prepared / "record.json", prepared / "manifest.json"
     if record.is_file():  # `data prepare` writes it first thing, so even a killed run leaves one
         status = _json(record).get("status")
@@ -176,6 +177,60 @@ def _pack_split(src: Path, writer: _ShardWriter, pool: Any, tokenizer_dir: str, 
     return {"tokens": tokens, "documents": documents, "bytes": nbytes}
 
 
+def _split_sources(prepared: Path) -> dict[str, Path]:
+    sources = {s: prepared / "splits" / f"{s}.jsonl" for s in SPLITS}
+    sources = {s: p for s, p in sources.items() if p.is_file()}
+    if not sources:
+        raise FileNotFoundError(f"{prepared}: no splits/train.jsonl, val.jsonl or test.jsonl; "
+                                f"run `lmforge data prepare INPUT... --out {prepared}` first")
+    return sources
+
+
+def _special_ids(tok: Any, tokenizer_dir: str | os.PathLike) -> tuple[int, int]:
+    bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
+    if bos is None or eos is None:
+        raise ValueError(f"{tokenizer_dir}: tokenizer lacks {BOS} or {EOS}; train it with "
+                         "`lmforge tokenizer train`")
+    return bos, eos
+
+
+def _split_entry(writer: _ShardWriter, counts: dict[str, int], seq_len: int) -> dict[str, Any]:
+    """A split's manifest entry: its shards, and its rows of seq_len + 1 tokens (one shared)."""
+    rows = max(0, (counts["tokens"] - 1) // seq_len)
+    return {"files": [f["name"] for f in writer.files], "file_tokens": [f["tokens"] for f in writer.files],
+            "rows": rows, "tokens": counts["tokens"], "documents": counts["documents"],
+            "tail_tokens": counts["tokens"] - rows * seq_len, "text_bytes": counts["bytes"]}
+
+
+def _pack_splits(out: Path, sources: dict[str, Path], tokenizer_dir: str, bos: int, eos: int, dtype: str,
+                 seq_len: int, workers: int, shard_tokens: int, show_progress: bool) -> dict[str, dict]:
+    """Tokenize and write every split's shards (in a spawn pool when workers > 1)."""
+    splits: dict[str, dict] = {}
+    pool = None
+    progress = None
+    try:
+        if workers > 1:
+            pool = mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer_dir,))
+        if show_progress:
+            # deferred: rich's progress bar only for an interactive run; spawned workers re-import this module
+            from rich.progress import Progress
+
+            progress = Progress(transient=True)
+            progress.start()
+        for split, src in sources.items():
+            task = (progress, progress.add_task(f"pack {split}", total=src.stat().st_size)) if progress else None
+            writer = _ShardWriter(out, split, np.dtype(dtype).itemsize, shard_tokens)
+            counts = _pack_split(src, writer, pool, tokenizer_dir, bos, eos, dtype, task)
+            splits[split] = _split_entry(writer, counts, seq_len)
+    finally:
+        if progress is not None:
+            progress.stop()
+        if pool is not None:
+            pool.close()
+            pool.join()
+    return splits
+
+
 def pack_dataset(prepared_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike, seq_len: int,
                  out_dir: str | os.PathLike, workers: int | None = None, *,
                  shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False,
@@ -185,28 +240,14 @@ def pack_dataset(prepared_dir: str | os.PathLike, tokenizer_dir: str | os.PathLi
     Returns the manifest. Raises FileNotFoundError when the prepared dir has no splits or the
     tokenizer folder has no tokenizer.json, ValueError for a bad seq_len or a malformed split line.
     """
-    import multiprocessing as mp
-
-    from lmforge.tokenizer.load import tokenizer_hash
-    from lmforge.tokenizer.special import BOS, EOS
-    from lmforge.track.io import atomic_write_json
-    from lmforge.track.run import RunDir
-
     prepared = Path(prepared_dir)
     if seq_len < 1:
         raise ValueError(f"seq_len must be a positive number of tokens, got {seq_len}")
-    sources = {s: prepared / "splits" / f"{s}.jsonl" for s in SPLITS}
-    sources = {s: p for s, p in sources.items() if p.is_file()}
-    if not sources:
-        raise FileNotFoundError(f"{prepared}: no splits/train.jsonl, val.jsonl or test.jsonl; "
-                                f"run `lmforge data prepare INPUT... --out {prepared}` first")
+    sources = _split_sources(prepared)
     data_hash = _prepared_data_hash(prepared)  # before any work: refuses an unfinished prepare
     tok = _load_raw_tokenizer(tokenizer_dir)  # raises naming the folder when tokenizer.json is missing
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
-    if bos is None or eos is None:
-        raise ValueError(f"{tokenizer_dir}: tokenizer lacks {BOS} or {EOS}; train it with "
-                         "`lmforge tokenizer train`")
+    bos, eos = _special_ids(tok, tokenizer_dir)
     dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
     workers = max(1, workers or os.cpu_count() or 1)
 
@@ -215,32 +256,8 @@ def pack_dataset(prepared_dir: str | os.PathLike, tokenizer_dir: str | os.PathLi
     for old in out.glob("*.bin"):
         old.unlink()
     t0 = time.monotonic()
-    splits: dict[str, dict] = {}
-    pool = None
-    progress = None
-    try:
-        if workers > 1:
-            pool = mp.get_context("spawn").Pool(workers, _init_worker, (os.fspath(tokenizer_dir),))
-        if show_progress:
-            from rich.progress import Progress
-
-            progress = Progress(transient=True)
-            progress.start()
-        for split, src in sources.items():
-            task = (progress, progress.add_task(f"pack {split}", total=src.stat().st_size)) if progress else None
-            writer = _ShardWriter(out, split, np.dtype(dtype).itemsize, shard_tokens)
-            counts = _pack_split(src, writer, pool, os.fspath(tokenizer_dir), bos, eos, dtype, task)
-            rows = max(0, (counts["tokens"] - 1) // seq_len)
-            splits[split] = {"files": [f["name"] for f in writer.files],
-                             "file_tokens": [f["tokens"] for f in writer.files],
-                             "rows": rows, "tokens": counts["tokens"], "documents": counts["documents"],
-                             "tail_tokens": counts["tokens"] - rows * seq_len, "text_bytes": counts["bytes"]}
-    finally:
-        if progress is not None:
-            progress.stop()
-        if pool is not None:
-            pool.close()
-            pool.join()
+    splits = _pack_splits(out, sources, os.fspath(tokenizer_dir), bos, eos, dtype, seq_len, workers,
+                          shard_tokens, show_progress)
     seconds = time.monotonic() - t0
     total_bytes = sum(s["text_bytes"] for s in splits.values())
     manifest = {
@@ -250,8 +267,6 @@ def pack_dataset(prepared_dir: str | os.PathLike, tokenizer_dir: str | os.PathLi
         "tokenizer_hash": tokenizer_hash(tokenizer_dir), "data_hash": data_hash,
         "prepared_dir": os.fspath(prepared), "splits": splits,
     }
-    from lmforge.track.io import sha256_file
-
     manifest["packed_hash"] = hashlib.sha256("".join(
         sha256_file(out / f) for s in splits.values() for f in s["files"]).encode()).hexdigest()
     atomic_write_json(out / "manifest.json", manifest)

@@ -27,6 +27,7 @@ import hashlib
 import itertools
 import json
 import logging
+import multiprocessing as mp
 import os
 import pickle
 import shutil
@@ -36,13 +37,19 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from lmforge.config import load_config, to_dict
 from lmforge.data.boilerplate import boilerplate_keys, line_keys, strip_boilerplate
 from lmforge.data.config import PrepareConfig
+from lmforge.data.contamination import ContaminationIndex, eval_strings
 from lmforge.data.dedup import NearDedup, exact_key, signatures
 from lmforge.data.normalize import normalize_text
 from lmforge.data.pii import mask_pii_many
 from lmforge.data.quality import quality_reasons, split_long
+from lmforge.data.readers import iter_records, resolve_inputs
+from lmforge.data.sources import python_docs_snapshot
 from lmforge.data.split import SPLITS, assign_split
+from lmforge.track.io import atomic_write_json, atomic_write_text, sha256_file
+from lmforge.track.run import RunDir
 
 log = logging.getLogger("lmforge.data")
 
@@ -339,8 +346,6 @@ class _Pipeline:
 
     def pass3(self, eval_sets: list[str]) -> None:
         """Drop train documents sharing a 13-gram with val, test or an eval set."""
-        from lmforge.data.contamination import ContaminationIndex, eval_strings
-
         st = self.stats.steps["contamination"]
         train = _Writer(self.out / "splits" / "train.jsonl")
         index = ContaminationIndex(self.cfg.contamination.ngram)
@@ -376,13 +381,9 @@ def _hashing_records(sources: list, cfg: PrepareConfig, quarantine: Any, builtin
                      warnings: list[str]) -> Iterator[dict]:
     """Documents of every source; a built-in source (it has no file to hash) comes with its manifest
     digest, both from the snapshot next to its cache (`sources.python_docs_snapshot`)."""
-    from lmforge.data.readers import iter_records
-
     for s in sources:
         n = 0
         if s.kind == "builtin":  # the only one, python-docs: documents and digest kept next to its cache
-            from lmforge.data.sources import python_docs_snapshot
-
             docs, builtin[s.location] = python_docs_snapshot(_BUILTIN_DIGEST, _builtin_digest)
             n = len(docs)
             yield from docs
@@ -410,8 +411,6 @@ def _builtin_digest(docs: Iterable[dict]) -> dict:
 
 
 def _input_entries(sources: list, builtin: dict) -> list[dict]:
-    from lmforge.track.io import sha256_file
-
     entries = []
     for s in sources:
         if s.kind == "builtin":
@@ -455,42 +454,29 @@ def _make_pool(workers: int, cfg: PrepareConfig) -> Any:
     """One spawn pool for both passes (each start re-imports this module: ~0.3 s of CPU), or None."""
     if workers <= 1:
         return None
-    import multiprocessing as mp
-
     return mp.get_context("spawn").Pool(workers, _init_worker, (cfg,))
 
 
-def prepare_dataset(inputs: list[str] | tuple[str, ...] | str, out_dir: str | os.PathLike,
-                    config: str | os.PathLike | PrepareConfig | None = None, eval_sets: Iterable[str] = (),
-                    overrides: Iterable[str] = (), workers: int | None = None, *, overwrite: bool = False,
-                    show_progress: bool = False) -> dict[str, Any]:
-    """Run the whole prepare pipeline into `out_dir`; returns the stats (also in stats.json).
-
-    Every input and eval set is checked before any work (FileNotFoundError / ReaderError naming
-    it); config errors raise ConfigError naming the key.
-    """
-    from lmforge.config import load_config, to_dict
-    from lmforge.data.readers import resolve_inputs
-    from lmforge.track.io import atomic_write_json, atomic_write_text, sha256_file
-    from lmforge.track.run import RunDir
-
-    t0 = time.monotonic()
-    inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else [os.fspath(i) for i in inputs]
+def _load_prepare_config(config: str | os.PathLike | PrepareConfig | None,
+                         overrides: Iterable[str]) -> PrepareConfig:
     if isinstance(config, PrepareConfig):
         cfg = config
         if overrides:
             raise ValueError("pass overrides with a config path, not with a PrepareConfig object")
     else:
         cfg = load_config(PrepareConfig, config, list(overrides))
-    cfg.validate()
-    sources = resolve_inputs(inputs)
+    return cfg.validate()
+
+
+def _checked_eval_sets(eval_sets: Iterable[str]) -> list[str]:
     eval_sets = [os.fspath(e) for e in eval_sets]
     for path in eval_sets:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--eval-set {path}: no such file")
-    requested = max(1, workers or os.cpu_count() or 1)
-    workers = _pool_workers(requested, sources)
-    out = Path(out_dir)
+    return eval_sets
+
+
+def _open_run(out: Path, cfg: PrepareConfig, overwrite: bool) -> RunDir:
     run = RunDir(out, overwrite=overwrite)
     # A previous run's manifest must not outlive its splits: until this run writes its own, the
     # folder has none, so `data pack` refuses it (instead of stamping new partial splits with an
@@ -500,15 +486,23 @@ def prepare_dataset(inputs: list[str] | tuple[str, ...] | str, out_dir: str | os
     run.write_config(cfg)
     for stale in ("splits", ".work"):
         shutil.rmtree(out / stale, ignore_errors=True)
+    return run
 
-    progress = None
-    if show_progress:
-        from rich.progress import Progress
 
-        bar = Progress(transient=True)
-        bar.start()
-        progress = (bar, {"read": bar.add_task("read + normalize", total=None),
-                          "clean": bar.add_task("clean + dedup", total=None)})
+def _start_progress() -> tuple[Any, dict]:
+    # deferred: rich's progress bar only for an interactive run; spawned workers re-import this module
+    from rich.progress import Progress
+
+    bar = Progress(transient=True)
+    bar.start()
+    return bar, {"read": bar.add_task("read + normalize", total=None),
+                 "clean": bar.add_task("clean + dedup", total=None)}
+
+
+def _run_passes(cfg: PrepareConfig, out: Path, sources: list, eval_sets: list[str], workers: int,
+                show_progress: bool) -> tuple[_Pipeline, dict[str, dict], list[str]]:
+    """The three passes; returns the pipeline (its counts), built-in sources' digests and warnings."""
+    progress = _start_progress() if show_progress else None
     pool = _make_pool(workers, cfg)
     try:
         pipe = _Pipeline(cfg, out, pool, progress)
@@ -529,8 +523,12 @@ def prepare_dataset(inputs: list[str] | tuple[str, ...] | str, out_dir: str | os
     pipe.rejected.close()
     pipe.quarantine.close()
     shutil.rmtree(out / ".work", ignore_errors=True)
-    seconds = time.monotonic() - t0
+    return pipe, builtin, warnings
 
+
+def _write_stats(out: Path, pipe: _Pipeline, warnings: list[str], seconds: float, workers: int,
+                 requested: int) -> dict[str, Any]:
+    """stats.json, then the check that the counts reconcile (the stats stay on disk to debug it)."""
     steps = pipe.stats.as_dict()
     kept = steps["contamination"]["out"] + steps["split"]["sizes"]["val"] + steps["split"]["sizes"]["test"]
     totals = {"read": steps["read"]["in"], "kept": kept, "rejected": pipe.rejected.count,
@@ -546,18 +544,48 @@ def prepare_dataset(inputs: list[str] | tuple[str, ...] | str, out_dir: str | os
         raise RuntimeError(f"counts do not reconcile: read {totals['read']} + parts {totals['parts_added']} != "
                            f"kept {kept} + rejected {totals['rejected']} + quarantined {totals['quarantined']}; "
                            f"see {out / 'stats.json'} (a bug: please report it)")
+    return stats
 
+
+def _write_manifest(out: Path, cfg: PrepareConfig, sources: list, builtin: dict, eval_sets: list[str],
+                    stats: dict[str, Any]) -> dict[str, Any]:
+    """manifest.json: inputs, config, each output's sha256 and the data_hash over the splits."""
     outputs = {name: sha256_file(out / name) for name in
                [f"splits/{s}.jsonl" for s in SPLITS] + ["rejected.jsonl", "quarantine.jsonl"]}
     data_hash = hashlib.sha256("".join(f"{s}\0{outputs[f'splits/{s}.jsonl']}\n" for s in SPLITS).encode()).hexdigest()
     manifest = {"format": "lmforge-prepared-v1", "inputs": _input_entries(sources, builtin),
                 "eval_sets": [{"path": p, "sha256": sha256_file(p)} for p in eval_sets],
-                "config": to_dict(cfg), "outputs": outputs, "counts": totals,
-                "splits": steps["split"]["sizes"], "data_hash": data_hash}
+                "config": to_dict(cfg), "outputs": outputs, "counts": stats["totals"],
+                "splits": stats["steps"]["split"]["sizes"], "data_hash": data_hash}
     atomic_write_json(out / "manifest.json", manifest)
+    return manifest
+
+
+def prepare_dataset(inputs: list[str] | tuple[str, ...] | str, out_dir: str | os.PathLike,
+                    config: str | os.PathLike | PrepareConfig | None = None, eval_sets: Iterable[str] = (),
+                    overrides: Iterable[str] = (), workers: int | None = None, *, overwrite: bool = False,
+                    show_progress: bool = False) -> dict[str, Any]:
+    """Run the whole prepare pipeline into `out_dir`; returns the stats (also in stats.json).
+
+    Every input and eval set is checked before any work (FileNotFoundError / ReaderError naming
+    it); config errors raise ConfigError naming the key.
+    """
+    t0 = time.monotonic()
+    inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else [os.fspath(i) for i in inputs]
+    cfg = _load_prepare_config(config, overrides)
+    sources = resolve_inputs(inputs)
+    eval_sets = _checked_eval_sets(eval_sets)
+    requested = max(1, workers or os.cpu_count() or 1)
+    workers = _pool_workers(requested, sources)
+    out = Path(out_dir)
+    run = _open_run(out, cfg, overwrite)
+    pipe, builtin, warnings = _run_passes(cfg, out, sources, eval_sets, workers, show_progress)
+    stats = _write_stats(out, pipe, warnings, time.monotonic() - t0, workers, requested)
+    manifest = _write_manifest(out, cfg, sources, builtin, eval_sets, stats)
     atomic_write_text(out / "report.md", _report(stats))
+    outputs = manifest["outputs"]
     run.write_record({"inputs": {"files": manifest["inputs"], "eval_sets": manifest["eval_sets"]},
-                      "outputs": {**outputs, "data_hash": data_hash}})
-    run.finish(**totals, data_hash=data_hash, seconds=stats["seconds"], mb_per_s=stats["mb_per_s"],
-               workers=workers)
+                      "outputs": {**outputs, "data_hash": manifest["data_hash"]}})
+    run.finish(**stats["totals"], data_hash=manifest["data_hash"], seconds=stats["seconds"],
+               mb_per_s=stats["mb_per_s"], workers=workers)
     return stats
