@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lmforge.engine import LLM, SamplingParams, kernels
-from lmforge.engine.attention import PagedAttention, build_metadata
+from lmforge.engine.attention import KernelBackend, KVPool, SdpaBackend
 
 from hf_models import save_hf_model
 
@@ -109,8 +109,8 @@ def test_write_kv_matches_index_copy():
 
 
 def test_paged_attention_with_kernel_matches_torch_path():
-    """The whole PagedAttention step (K/V write, decode rows by the kernel, prefill chunks by SDPA)
-    against the same step on the torch path."""
+    """The whole C-kernel backend step (K/V write, decode rows by the kernel, prefill chunks by SDPA)
+    against the same step on the torch SDPA backend."""
     lib = kernels.load()
     if not HAVE_CC:
         assert lib is None
@@ -125,15 +125,15 @@ def test_paged_attention_with_kernel_matches_torch_path():
     q, k, v = torch.randn(1, T, N, H).bfloat16(), torch.randn(1, T, K, H).bfloat16(), torch.randn(1, T, K, H).bfloat16()
     outs, pools = [], []
     for use in (lib, None):
-        attn = PagedAttention(Lyr, P, B, K, H, torch.bfloat16, torch.device("cpu"), kernels=use)
+        kv = KVPool(Lyr, P, B, K, H, torch.bfloat16, torch.device("cpu"), kernels=use)
+        attn = SdpaBackend(kv) if use is None else KernelBackend(kv, use)
         torch.manual_seed(1)
-        for pool in attn.k_pools_PBKH + attn.v_pools_PBKH:
+        for pool in kv.k_pools_PBKH + kv.v_pools_PBKH:
             pool.normal_()
-        meta = build_metadata(tables, computed, q_lens, B, torch.device("cpu"), kernel=use is not None)
-        assert (meta.kernel is not None) == (use is not None)
-        attn.set_metadata(meta)
+        attn.prepare(tables, computed, q_lens)
+        assert (getattr(attn.meta, "decode", None) is not None) == (use is not None)
         outs.append(torch.cat([attn(layer, q, k, v) for layer in range(Lyr)]).float())
-        pools.append(attn.k_pools_PBKH + attn.v_pools_PBKH)
+        pools.append(kv.k_pools_PBKH + kv.v_pools_PBKH)
     for a, b in zip(*pools):
         assert torch.equal(a, b)
     torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=1e-2)

@@ -144,7 +144,7 @@ def test_tp2_greedy_tokens_equal_tp1_float32_with_cpu_kernels(served, doomed, pa
     r1, r2 = tp1.llm_engine.model_runner, tp2.llm_engine.model_runner
     assert r1.attention_backend == r2.attention_backend == "paged-decode kernel (C)"
     assert r2.fused_modules == r1.fused_modules > 0
-    assert r2.attn.k_pools_PBKH[0].shape[2] == 1  # rank 0 caches its 1 of the 2 kv heads
+    assert r2.attn.kv.k_pools_PBKH[0].shape[2] == 1  # rank 0 caches its 1 of the 2 kv heads
     ones, twos = generate_both(pair, PROMPTS)
     assert [o.token_ids for o in twos] == [o.token_ids for o in ones]
     for a, b in zip(ones, twos):  # the partial sums add in another order: float32 rounding apart

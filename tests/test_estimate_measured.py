@@ -35,7 +35,7 @@ def test_kv_bytes_equal_the_engine_pool(tmp_path, dtype, one_thread):
     stats = llm.stats()
     est = E.kv_cache(model_dir, seq_len=stats["kv_pool_tokens"], dtype=dtype)
     assert stats["kv_bytes_per_token"] == est["per token"]
-    attn = llm.llm_engine.model_runner.attn  # read only: the tensors the pool really holds
+    attn = llm.llm_engine.model_runner.attn.kv  # read only: the tensors the pool really holds
     pool_bytes = sum(t.numel() * t.element_size() for t in attn.k_pools_PBKH + attn.v_pools_PBKH)
     assert pool_bytes == est["per sequence"] == 24 * 4 * est["per token"]
     assert all(t.dtype == getattr(torch, dtype) for t in attn.k_pools_PBKH)

@@ -9,10 +9,9 @@ import torch
 from torch import nn
 
 from lmforge.engine import LLM, SamplingParams
-from lmforge.engine.attention import PagedAttention, build_metadata, quantize_kv
-from lmforge.model import Transformer
+from lmforge.engine.attention import Int8KVPool, KVPool, ReferenceBackend, SdpaBackend, quantize_kv
 from lmforge.model.reference import save_hf_model
-from lmforge.quant import QuantScheme, quantize_rtn
+from lmforge.quant import QuantScheme, load_pretrained, quantize_rtn
 from lmforge.engine import kernels
 from lmforge.quant.linear import DequantLinear, Int4Linear, Int8Linear, QmmLinear, QuantizedLinear, quantized_linears
 from lmforge.quant.quantize import QuantizeConfig, quantize_model
@@ -87,7 +86,7 @@ def test_qmm_kernel_matches_dequantized_float32_matmul(scheme, K, build, tmp_pat
 
 def _dense_copy(quant_dir, out_dir) -> None:
     """The same model with every quantized linear replaced by an nn.Linear holding its dequantized weight."""
-    model = Transformer.from_pretrained(quant_dir, dtype="float32", device="cpu")
+    model = load_pretrained(quant_dir, dtype="float32", device="cpu")
     for parent, name, q in quantized_linears(model):
         lin = nn.Linear(q.in_features, q.out_features, bias=q.bias is not None)
         lin.weight.data = q.dequantized_weight()
@@ -152,22 +151,21 @@ def test_int8_kv_decode_matches_float32_reference():
     """Paged decode over an int8 cache (fast gather path) against plain attention over the float32 K/V."""
     L, P, B, K, N, H = 1, 32, 4, 2, 4, 16
     g = torch.Generator().manual_seed(0)
-    attn = PagedAttention(L, P, B, K, H, torch.float32, torch.device("cpu"), kv_int8=True)
-    ref = PagedAttention(L, P, B, K, H, torch.float32, torch.device("cpu"))
+    int8 = Int8KVPool(L, P, B, K, H, torch.float32, torch.device("cpu"))
+    attn, ref = SdpaBackend(int8), ReferenceBackend(KVPool(L, P, B, K, H, torch.float32, torch.device("cpu")))
     tables, computed = [[3, 7, 1], [10, 11, 12, 13, 14], [20]], [9, 17, 2]
     # fill the cache: one prefill per sequence of its computed tokens
     kv = {i: (torch.randn(1, c, K, H, generator=g), torch.randn(1, c, K, H, generator=g))
           for i, c in enumerate(computed)}
     for a in (attn, ref):
         for i, c in enumerate(computed):
-            a.set_metadata(build_metadata([tables[i]], [0], [c], B, torch.device("cpu")))
+            a.prepare([tables[i]], [0], [c])
             a(0, torch.randn(1, c, N, H, generator=g), *kv[i])
     q = torch.randn(1, 3, N, H, generator=g)
     k, v = torch.randn(1, 3, K, H, generator=g), torch.randn(1, 3, K, H, generator=g)
     outs = []
-    for a, reference in ((attn, False), (attn, True), (ref, True)):
-        a.set_metadata(build_metadata(tables, computed, [1, 1, 1], B, torch.device("cpu"), reference,
-                                      read_in_place=False))
+    for a in (attn, ReferenceBackend(int8), ref):  # the int8 pool read by both backends, then float32
+        a.prepare(tables, computed, [1, 1, 1])
         outs.append(a(0, q, k, v))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)  # fast == reference over the same codes
     err = (outs[0] - outs[2]).abs().max().item()

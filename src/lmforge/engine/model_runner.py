@@ -1,11 +1,14 @@
-"""`ModelRunner`: one scheduled step -> one forward pass -> logits of the sequences that sample.
+"""`ModelRunner`: one scheduled step -> one `StepInputs` value -> one forward pass -> logits of the
+sequences that sample.
 
-All scheduled tokens (prefill chunks and decode tokens together) form one flat row (1, T) with
-their positions; `build_metadata` turns block tables into `slot_mapping` and gather indices once
-per step, and `PagedAttention` does the rest inside each layer. `lm_head` runs only on the last
-token of each sequence whose chunk reaches its end. Under tensor parallelism `run` first hands the
-step, as plain ints (`StepInputs`), to the worker ranks (`executor.py`), which `execute` the same
-forward on their shards. This module knows nothing about scheduling policy, sampling or text.
+All scheduled tokens (prefill chunks and decode tokens together) form one flat row (1, T) with their
+positions. `prepare` turns the scheduled sequences into `StepInputs` (plain ints); `execute` runs
+them: the attention backend, chosen once at construction (`attention.select_backend`), builds its
+indices from the block tables once per step and does the rest inside each layer. `lm_head` runs only
+on the last token of each sequence whose chunk reaches its end. Under tensor parallelism `run` first
+hands the same `StepInputs` to the worker ranks (`workers`: the executor), which `execute` the same
+forward on their shards. This module knows nothing about scheduling policy, sampling, text or
+processes.
 
 Shape legend: T flat tokens this step, S sequences that sample, D hidden, V vocabulary.
 """
@@ -13,18 +16,41 @@ Shape legend: T flat tokens this step, S sequences that sample, D hidden, V voca
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from lmforge.model import Transformer
-from lmforge.quant.linear import select_backend, swap_backend
+from lmforge.quant.linear import select_backend as select_linear_backend
+from lmforge.quant.linear import swap_backend
 
 from . import kernels
-from .attention import PagedAttention, build_metadata, kv_bytes_per_token
-from .executor import MultiprocExecutor, StepInputs
+from .attention import kv_bytes_per_token, select_backend
 from .fused import fuse_elementwise
 from .scheduler import ScheduledSeq
+
+
+@dataclass
+class StepInputs:
+    """What every rank needs for one forward: plain ints, cheap to pickle. Sequence s computes tokens
+    [computed[s], computed[s] + q_lens[s]); `last_rows` are the flat rows whose logits rank 0 samples."""
+    input_ids: list[int]
+    positions: list[int]
+    last_rows: list[int]
+    block_tables: list[list[int]]
+    computed: list[int]
+    q_lens: list[int]
+
+
+class StepWorkers(Protocol):
+    """The other tensor-parallel ranks, as the runner sees them (`executor.MultiprocExecutor`)."""
+
+    def send(self, inputs: StepInputs) -> None: ...
+
+    def guard(self) -> AbstractContextManager: ...
 
 
 def local_heads(model: Transformer) -> tuple[int, int]:
@@ -88,38 +114,44 @@ def pack_linear_weights(model: nn.Module) -> int:
 
 
 class ModelRunner:
-    workers: MultiprocExecutor | None = None  # tensor parallelism: ranks 1.. get every step's inputs first
+    """The mechanism of a step (nano-vllm's `ModelRunner`): the model, its engine-only module swaps and
+    the attention backend with its KV pool; `attention_backend` names the backend for stats and logs."""
+
+    workers: StepWorkers | None = None  # tensor parallelism: ranks 1.. get every step's inputs first
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, reference: bool = False,
                  pack_weights: bool = True, cpu_kernels: bool = True, kv_cache_dtype: str = "auto"):
-        c = model.config
-        self.model, self.block_size, self.reference = model.eval(), block_size, reference
+        self.model, self.block_size = model.eval(), block_size
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         lib = None
         if cpu_kernels and not reference and p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float32):
             lib = kernels.load()  # None without a compiler: the torch path, same contract
-        # one linear backend for every quantized layer, chosen once (lmforge.quant.linear); on float32
-        # activations the compiled int8/int4 matmul when the library has it
-        backend = select_backend(model, p.device, reference, qmm=getattr(lib, "qmm_f32", None))
+        self._swap_modules(lib, reference, pack_weights)
+        c = model.config
+        n_heads, n_kv_heads = local_heads(model)
+        self.attn = select_backend(c.num_hidden_layers, num_blocks, block_size, n_heads, n_kv_heads, c.head_dim,
+                                   p.dtype, p.device, reference, lib, kv_cache_dtype)
+        self.attention_backend = self.attn.name
+        self.timings = {"prepare": 0.0, "forward": 0.0}  # seconds, cumulative
+
+    def _swap_modules(self, lib: kernels.CpuKernels | None, reference: bool, pack_weights: bool) -> None:
+        """The engine-only stand-ins, in order: one linear backend for every quantized layer, chosen once
+        (`lmforge.quant.linear`; on float32 activations the compiled int8/int4 matmul when the library has
+        it), oneDNN-packed bf16 linears, the fused elementwise modules."""
+        model, device, dtype = self.model, self.device, self.dtype
+        backend = select_linear_backend(model, device, reference, qmm=getattr(lib, "qmm_f32", None))
         self.linear_backend = backend.name if backend is not None else "dense"
-        self.quantized_linears = swap_backend(model, backend, p.dtype) if backend is not None else 0
+        self.quantized_linears = swap_backend(model, backend, dtype) if backend is not None else 0
         self.weight_bytes = weight_bytes(model)
         # every weight under its checkpoint name, captured before any swap below: the fused stand-ins
         # hold these same tensors (not copies), so `load_weights` can write through them in place
         self.named_weights = dict(model.state_dict()) if not self.quantized_linears else {}
         self.packed_linears = 0
-        if pack_weights and not reference and can_pack_linear(p.device, p.dtype):
+        if pack_weights and not reference and can_pack_linear(device, dtype):
             with torch.no_grad():
                 self.packed_linears = pack_linear_weights(model)
         self.fused_modules = fuse_elementwise(model, lib) if lib is not None else 0
-        kv_int8 = kv_cache_dtype == "int8"
-        n_heads, n_kv_heads = local_heads(model)
-        attn_lib = lib if lib is not None and kernels.supports(n_heads, n_kv_heads, c.head_dim) else None
-        self.attn = PagedAttention(c.num_hidden_layers, num_blocks, block_size, n_kv_heads,
-                                   c.head_dim, p.dtype, p.device, kernels=attn_lib, kv_int8=kv_int8)
-        self.attention_backend = self.attn.name
-        self.timings = {"prepare": 0.0, "forward": 0.0}  # seconds, cumulative
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
@@ -151,16 +183,14 @@ class ModelRunner:
     def execute(self, inputs: StepInputs, logits: bool = True, t0: float | None = None) -> torch.Tensor | None:
         """One forward; the logits of `inputs.last_rows` (tensor-parallel workers pass `logits=False`)."""
         t0 = time.perf_counter() if t0 is None else t0
-        self.attn.set_metadata(build_metadata(inputs.block_tables, inputs.computed, inputs.q_lens, self.block_size,
-                                              self.device, self.reference, kernel=self.attn.kernels is not None,
-                                              read_in_place=not self.attn.kv_int8))
+        self.attn.prepare(inputs.block_tables, inputs.computed, inputs.q_lens)
         to_dev = dict(dtype=torch.long, device=self.device)
         input_ids_1T = torch.tensor([inputs.input_ids], **to_dev)
         positions_1T = torch.tensor([inputs.positions], **to_dev)
         last_rows_S = torch.tensor(inputs.last_rows, **to_dev)
         t1 = time.perf_counter()
         h_1TD = self.model.hidden_states(input_ids_1T, positions_1T, attn=self.attn)
-        self.attn.set_metadata(None)
+        self.attn.finish()
         if not logits:
             logits_SV = None
         elif inputs.last_rows:

@@ -1,0 +1,81 @@
+"""The C-kernel attention backend (CPU, bfloat16 or float32): every decoding sequence of a step in one
+call to the compiled paged-decode kernel (`lmforge.engine.kernels`), which reads each sequence's blocks
+in place whatever their order (no views, no buckets, no gather; int8 codes dequantized inside the
+kernel); prefill chunks go through the torch backend's `attend_groups`.
+
+bf16 K/V with bf16 queries run the tuned body (`decode`); float32 queries or K/V, and int8 K/V, run
+`decode_any`. The kernel is chosen at run time from this CPU's flags when the library is built; with
+no compiler the engine selects the torch backend instead (`attention.select_backend`).
+This module knows nothing about scheduling or the model beyond the hook's signature.
+
+Shape legend: T flat tokens this step, N query heads, K kv heads, H head dim, S decoding sequences,
+M blocks per sequence (padded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import CpuKernels
+from .base import AttentionBackend, GroupedMetadata, StepIndex, chunk_groups, largest_gather, slot_mapping
+from .kv_pool import KVPool
+from .sdpa import attend_groups
+
+
+@dataclass
+class KernelMetadata(GroupedMetadata):
+    # the decoding sequences for the kernel: rows (S,) int64, lens (S,) int32, block tables (S, M) int32
+    # padded with 0; None when no sequence decodes this step
+    decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+class KernelBackend(AttentionBackend):
+    label = "paged-decode kernel (C)"
+
+    def __init__(self, kv: KVPool, kernels: CpuKernels):
+        super().__init__(kv)
+        self.kernels = kernels
+
+    def build(self, step: StepIndex) -> KernelMetadata:
+        B, device = self.kv.block_size, self.kv.device
+        slot_mapping_T = slot_mapping(step, B, device)
+        decode, decoding = None, step.decoding
+        if decoding:
+            lens = [step.computed[i] + 1 for i in decoding]
+            M = -(-max(lens) // B)
+            tables = [step.block_tables[i][:M] + [0] * (M - len(step.block_tables[i][:M])) for i in decoding]
+            decode = (torch.tensor([step.q_starts[i] for i in decoding], dtype=torch.long),
+                      torch.tensor(lens, dtype=torch.int32), torch.tensor(tables, dtype=torch.int32))
+        groups = chunk_groups(step, B, device)
+        return KernelMetadata(slot_mapping_T, groups, largest_gather(groups), decode)
+
+    def __call__(self, layer_idx: int, q_BTNH: torch.Tensor, k_BTKH: torch.Tensor,
+                 v_BTKH: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        self.kv.write(layer_idx, k_BTKH, v_BTKH, meta.slot_mapping_T)
+        q_TNH = q_BTNH[0] if meta.decode is None else q_BTNH[0].contiguous()  # the kernel reads raw rows
+        out_TNH = torch.empty(q_TNH.shape, dtype=q_TNH.dtype, device=q_TNH.device)
+        if meta.decode is not None:
+            self._decode(layer_idx, q_TNH, out_TNH)
+        attend_groups(self.kv, layer_idx, q_BTNH, k_BTKH, v_BTKH, q_TNH, meta.groups, out_TNH)
+        return out_TNH.unsqueeze(0)
+
+    def _decode(self, layer_idx: int, q_TNH: torch.Tensor, out_TNH: torch.Tensor) -> None:
+        """Every decoding sequence in one C call: bf16 (the tuned body) or float32 / int8 K/V (`decode_any`)."""
+        rows_S, lens_S, tables_SM = self.meta.decode
+        (k_cache, v_cache), (k_scale, v_scale) = self.kv.rows(layer_idx), self.kv.scales(layer_idx)
+        N, (K, H) = q_TNH.shape[1], k_cache.shape[1:]
+        common = (tables_SM.data_ptr(), tables_SM.shape[1], lens_S.data_ptr(), rows_S.data_ptr(), len(rows_S), N, K, H,
+                  self.kv.block_size, H ** -0.5, out_TNH.data_ptr(), torch.get_num_threads())
+        if q_TNH.dtype == torch.bfloat16 and k_scale is None:
+            rc = self.kernels.decode(q_TNH.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *common)
+        else:
+            kv_kind = 2 if k_scale is not None else int(k_cache.dtype == torch.float32)  # int8 | f32 | bf16
+            rc = self.kernels.decode_any(q_TNH.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                         None if k_scale is None else k_scale.data_ptr(),
+                                         None if v_scale is None else v_scale.data_ptr(), *common,
+                                         int(q_TNH.dtype == torch.float32), kv_kind)
+        if rc != 0:
+            raise RuntimeError(f"paged decode kernel refused heads={N} kv_heads={K} head_dim={H}")
