@@ -208,32 +208,48 @@ def _ngram_reasons(words: Words, size: np.ndarray, cfg: GopherRepetitionConfig) 
         count[order] = np.repeat(sizes, sizes)
         tpos, limit = text[pos], limits[n] * size
         if n <= 4:  # share of the most frequent n-gram, counted with overlaps ("the the the")
-            gram_chars = csum[pos + n] - csum[pos] + n - 1
-            top = _per_text_max(count, tpos, words.n_texts)
-            bound = _per_text_max(gram_chars, tpos, words.n_texts) * top
-            for t in np.flatnonzero((top > 1) & (bound > limit)).tolist():
-                lo = np.searchsorted(tpos, t)  # ties: the earliest n-gram, as Counter.most_common
-                i = lo + int(np.argmax(count[lo:np.searchsorted(tpos, t, side="right")] == top[t]))
-                if reasons[t] is None and int(gram_chars[i]) * int(top[t]) > limit[t]:
-                    reasons[t] = f"gopher_top_{n}gram"
+            _top_ngram(reasons, n, pos, tpos, count, csum, limit)
         else:  # characters inside n-grams that repeat an earlier one
             repeat = np.empty(len(h), dtype=bool)
             repeat[order] = ~new  # all but the first (in position order) of each group
-            # upper bound of the scan: the characters of the words inside any repeated n-gram,
-            # once. Repeats [p, p + n) are ascending and equally long, so the part of one that
-            # the next does not cover is [p, min(p + n, next p)); those parts add up to the union.
-            rp = pos[repeat]
-            covered_end = np.minimum(rp + n, np.append(rp[1:], len(wh)))
-            over = np.bincount(text[rp], weights=csum[covered_end] - csum[rp], minlength=words.n_texts) > limit
-            for t in np.flatnonzero(over).tolist():
-                lo, hi = np.searchsorted(tpos, t), np.searchsorted(tpos, t, side="right")
-                m = count[lo:hi] > 1
-                p = pos[lo:hi][m]
-                if reasons[t] is None and _dup_scan(p, h[lo:hi][m], csum[p + n] - csum[p], n) > limit[t]:
-                    reasons[t] = f"gopher_dup_{n}gram"
+            _dup_ngram(reasons, n, pos, tpos, text, h, count, repeat, csum, limit)
         shared = count > 1
         pos, acc = pos[shared], acc[shared]
     return reasons
+
+
+def _top_ngram(reasons: list[str | None], n: int, pos: np.ndarray, tpos: np.ndarray, count: np.ndarray,
+               csum: np.ndarray, limit: np.ndarray) -> None:
+    """Mark each text whose most frequent n-gram covers more than `limit` characters: an upper
+    bound (longest n-gram x top count) first, the exact count only where the bound exceeds it."""
+    n_texts = len(reasons)
+    gram_chars = csum[pos + n] - csum[pos] + n - 1
+    top = _per_text_max(count, tpos, n_texts)
+    bound = _per_text_max(gram_chars, tpos, n_texts) * top
+    for t in np.flatnonzero((top > 1) & (bound > limit)).tolist():
+        lo = np.searchsorted(tpos, t)  # ties: the earliest n-gram, as Counter.most_common
+        i = lo + int(np.argmax(count[lo:np.searchsorted(tpos, t, side="right")] == top[t]))
+        if reasons[t] is None and int(gram_chars[i]) * int(top[t]) > limit[t]:
+            reasons[t] = f"gopher_top_{n}gram"
+
+
+def _dup_ngram(reasons: list[str | None], n: int, pos: np.ndarray, tpos: np.ndarray, text: np.ndarray,
+               h: np.ndarray, count: np.ndarray, repeat: np.ndarray, csum: np.ndarray, limit: np.ndarray) -> None:
+    """Mark each text whose repeated n-grams cover more than `limit` characters (`_dup_scan`, run
+    only where an upper bound exceeds the limit)."""
+    n_texts = len(reasons)
+    # upper bound of the scan: the characters of the words inside any repeated n-gram,
+    # once. Repeats [p, p + n) are ascending and equally long, so the part of one that
+    # the next does not cover is [p, min(p + n, next p)); those parts add up to the union.
+    rp = pos[repeat]
+    covered_end = np.minimum(rp + n, np.append(rp[1:], len(csum) - 1))
+    over = np.bincount(text[rp], weights=csum[covered_end] - csum[rp], minlength=n_texts) > limit
+    for t in np.flatnonzero(over).tolist():
+        lo, hi = np.searchsorted(tpos, t), np.searchsorted(tpos, t, side="right")
+        m = count[lo:hi] > 1
+        p = pos[lo:hi][m]
+        if reasons[t] is None and _dup_scan(p, h[lo:hi][m], csum[p + n] - csum[p], n) > limit[t]:
+            reasons[t] = f"gopher_dup_{n}gram"
 
 
 def gopher_repetition_reasons(texts: list[str], cfg: GopherRepetitionConfig,
