@@ -10,7 +10,7 @@ import torch
 
 from lmforge.model import Transformer, UnsupportedConfigError
 from lmforge.model.reference import save_hf_model
-from lmforge.quant import QuantScheme, dequantize, pack_int32, quantize_rtn, scratch, unpack_int32, unpack_int32_into
+from lmforge.quant import QuantScheme, dequantize, load_pretrained, pack_int32, quantize_rtn, scratch, unpack_int32, unpack_int32_into
 from lmforge.quant.quantize import QuantizeConfig, quantize_model
 
 SCHEMES = [QuantScheme(8, None), QuantScheme(4, 32), QuantScheme(4, 128)]
@@ -79,13 +79,13 @@ def test_transformers_loads_our_folder_with_our_logits(folders, name):
 
     cfg = json.loads((folders[name] / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "pack-quantized"
-    ours = Transformer.from_pretrained(folders[name], dtype="float32", device="cpu")
+    ours = load_pretrained(folders[name], dtype="float32", device="cpu")
     hf = transformers.AutoModelForCausalLM.from_pretrained(folders[name], dtype=torch.float32).eval()
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=0, atol=1e-5)
     # and ours is the source model within the scheme's error, not the source itself
-    src = Transformer.from_pretrained(folders["src"], dtype="float32", device="cpu")
+    src = load_pretrained(folders["src"], dtype="float32", device="cpu")
     with torch.no_grad():
         diff = (ours(ids) - src(ids)).abs().max().item()
     assert 0 < diff < {"w8": 0.02, "w4": 0.2}[name]
@@ -122,8 +122,19 @@ def test_unsupported_quantization_is_refused_by_field(folders, tmp_path, path, v
     node[path[-1]] = value
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedConfigError) as err:
-        Transformer.from_pretrained(d, device="cpu")
+        load_pretrained(d, device="cpu")
     assert err.value.field == field
+
+
+def test_the_plain_model_loader_refuses_a_quantized_folder_naming_the_quant_loader(folders):
+    """The model package sits below quant: its loader reads float folders and points to the one that
+    decompresses; quant's loader reads both (a float folder through the plain loader, same numbers)."""
+    with pytest.raises(ValueError, match=r"lmforge\.quant\.load_pretrained"):
+        Transformer.from_pretrained(folders["w4"], device="cpu")
+    plain, via_quant = (f(folders["src"], dtype="float32", device="cpu") for f in (Transformer.from_pretrained,
+                                                                                 load_pretrained))
+    for (k, a), (k2, b) in zip(plain.state_dict().items(), via_quant.state_dict().items()):
+        assert k == k2 and torch.equal(a, b)
 
 
 def test_quantize_refuses_bad_group_size_naming_the_layer(folders, tmp_path):

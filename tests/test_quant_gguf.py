@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from lmforge.model import Transformer
 from lmforge.model.reference import save_hf_model
+from lmforge.quant import load_pretrained
 from lmforge.quant.gguf_export import export_gguf, read_gguf, unpermute_qk
 from lmforge.quant.quantize import QuantizeConfig, quantize_model
 
@@ -36,7 +36,7 @@ def test_gguf_reads_back_names_shapes_values(model_dir, tmp_path, gguf_type, tol
     assert fields["general.architecture"] == "llama" and fields["llama.block_count"] == 2
     assert fields["llama.attention.head_count"] == 4 and fields["llama.attention.head_count_kv"] == 2
     assert fields["llama.embedding_length"] == 64 and fields["tokenizer.ggml.model"] == "gpt2"
-    model = Transformer.from_pretrained(model_dir, dtype="float32", device="cpu")
+    model = load_pretrained(model_dir, dtype="float32", device="cpu")
     state = model.state_dict()
     assert len(tensors) == len(state) == sum(info["tensors"].values())
     pairs = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
@@ -67,7 +67,7 @@ def test_gguf_vocabulary_and_quantized_source(model_dir, tmp_path):
     q8 = {t.name: t for t in reader.tensors}["blk.0.ffn_up.weight"]
     assert q8.tensor_type == gguf.GGMLQuantizationType.Q8_0
     _, tensors = read_gguf(tmp_path / "w8.gguf")
-    ours = Transformer.from_pretrained(w8, dtype="float32", device="cpu").model.layers[0].mlp.up_proj
+    ours = load_pretrained(w8, dtype="float32", device="cpu").model.layers[0].mlp.up_proj
     want = ours.dequantized_weight().numpy()
     assert np.abs(tensors["blk.0.ffn_up.weight"] - want).max() <= 1e-2 * np.abs(want).max()
 

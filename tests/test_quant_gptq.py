@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lmforge.model import Transformer, UnsupportedConfigError
+from lmforge.model import UnsupportedConfigError
 from lmforge.model.reference import save_hf_model
-from lmforge.quant import QuantScheme, unpack_int32
+from lmforge.quant import QuantScheme, load_pretrained, unpack_int32
 from lmforge.quant.gptq_awq import AWQ_ORDER, _pack, _unpack, gptq_tensors
 from lmforge.quant.quantize import QuantizeConfig, quantize_model
 
@@ -78,8 +78,8 @@ def folders(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["w4-gptq", "w4-gptq_v2", "w4-awq", "w8-gptq"])
 def test_gptq_and_awq_folders_load_to_our_codes_scales_and_logits(folders, name):
-    ours = Transformer.from_pretrained(folders[name.split("-")[0]], dtype="float32", device="cpu")
-    theirs = Transformer.from_pretrained(folders[name], dtype="float32", device="cpu")
+    ours = load_pretrained(folders[name.split("-")[0]], dtype="float32", device="cpu")
+    theirs = load_pretrained(folders[name], dtype="float32", device="cpu")
     a, b = ours.state_dict(), theirs.state_dict()
     assert a.keys() == b.keys()
     for k in a:  # scales went through float16 in the GPTQ/AWQ files: equal to its rounding
@@ -116,7 +116,7 @@ def test_gptq_configs_that_do_not_map_are_refused_by_field(folders, tmp_path, ke
     cfg["quantization_config"][key] = value
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedConfigError) as err:
-        Transformer.from_pretrained(d, device="cpu")
+        load_pretrained(d, device="cpu")
     assert err.value.field == field
 
 
@@ -126,7 +126,7 @@ def test_awq_gemv_packing_is_refused(folders, tmp_path):
     cfg["quantization_config"]["version"] = "gemv"
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedConfigError) as err:
-        Transformer.from_pretrained(d, device="cpu")
+        load_pretrained(d, device="cpu")
     assert err.value.field == "quantization_config.version"
 
 
@@ -141,5 +141,5 @@ def test_asymmetric_zeros_and_activation_order_are_refused_naming_the_tensor(fol
         t[name] = t[name].flip(0).contiguous()  # groups no longer in column order
     save_file(t, str(d / "model.safetensors"))
     with pytest.raises(UnsupportedConfigError) as err:
-        Transformer.from_pretrained(d, device="cpu")
+        load_pretrained(d, device="cpu")
     assert err.value.field == name

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmforge.model import Transformer
 from lmforge.model.reference import save_hf_model
+from lmforge.quant import load_pretrained
 from lmforge.train.lora import FrozenLinear, LoraConfig, apply_lora, merge_lora
 
 
@@ -26,7 +26,7 @@ def test_light_base_trains_only_adapters_and_merges(src, tmp_path, kind):
     import transformers
 
     torch.manual_seed(0)
-    model = Transformer.from_pretrained(src, dtype="float32", device="cpu")
+    model = load_pretrained(src, dtype="float32", device="cpu")
     dense = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
     cfg = LoraConfig(rank=4, target_modules=["q_proj", "v_proj", "up_proj"],
                      base_dtype="bfloat16" if kind == "bfloat16" else "float32",
@@ -55,7 +55,7 @@ def test_light_base_trains_only_adapters_and_merges(src, tmp_path, kind):
 
 
 def test_bad_base_settings_are_refused(src):
-    model = Transformer.from_pretrained(src, dtype="float32", device="cpu")
+    model = load_pretrained(src, dtype="float32", device="cpu")
     with pytest.raises(ValueError, match="base_quant"):
         apply_lora(model, LoraConfig(base_quant="nf4"))
     with pytest.raises(ValueError, match="base_dtype"):
@@ -95,8 +95,8 @@ def test_a_16_bit_checkpoint_builds_the_same_light_base_without_a_float32_copy(t
                      base_quant=None if kind == "bfloat16" else kind)
     assert base_load_dtype(path, LoraConfig(rank=4), torch.device("cpu")) == "float32"  # a float32 base: as before
     assert base_load_dtype(path, cfg, torch.device("cpu")) == "bfloat16"
-    light = apply_lora(Transformer.from_pretrained(path, dtype="bfloat16", device="cpu"), cfg)
-    ref = apply_lora(Transformer.from_pretrained(path, dtype="float32", device="cpu"), cfg)
+    light = apply_lora(load_pretrained(path, dtype="bfloat16", device="cpu"), cfg)
+    ref = apply_lora(load_pretrained(path, dtype="float32", device="cpu"), cfg)
     assert all(p.dtype == torch.float32 for p in light.parameters())  # embeddings, norms, adapters train in float32
     ref_buffers = dict(ref.named_buffers())
     for name, b in light.named_buffers():  # bf16 weights, int4 codes and scales: identical

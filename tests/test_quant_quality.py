@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 from lmforge.model.reference import save_hf_model
-from lmforge.quant import check_suite
+from lmforge.quant import check_suite, load_pretrained
 from lmforge.quant.quantize import QuantizeConfig, quantize_model
 from lmforge.track.io import sha256_file
 
@@ -96,8 +96,6 @@ def test_gptq_beats_rtn_on_its_calibration_inputs():
 def test_quantize_gptq_folder_loads_and_fits_calibration_better(pair, tmp_path):
     import torch
 
-    from lmforge.model import Transformer
-
     src, rtn_dir, _ = pair
     calib = tmp_path / "calib.jsonl"
     texts = [it["text"] for it in check_suite.load().items[::12]]
@@ -109,9 +107,9 @@ def test_quantize_gptq_folder_loads_and_fits_calibration_better(pair, tmp_path):
 
     tok = AutoTokenizer.from_pretrained(str(src))
     ids = torch.tensor([tok.encode(texts[0])[:64]])
-    ref = Transformer.from_pretrained(src, dtype="float32", device="cpu")
+    ref = load_pretrained(src, dtype="float32", device="cpu")
     errs = []
     for d in (tmp_path / "g", rtn_dir):
         with torch.no_grad():
-            errs.append((Transformer.from_pretrained(d, dtype="float32", device="cpu")(ids) - ref(ids)).norm().item())
+            errs.append((load_pretrained(d, dtype="float32", device="cpu")(ids) - ref(ids)).norm().item())
     assert errs[0] < errs[1], errs

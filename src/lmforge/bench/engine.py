@@ -247,9 +247,9 @@ def torch_zeros(shape, dtype, device):
 def run_static(model_dir: Path, dtype: str, reqs: list[Request], batch_size: int, max_model_len: int) -> dict[str, Any]:
     import torch
 
-    from lmforge.model import Transformer
+    from lmforge.quant import load_pretrained
 
-    model = Transformer.from_pretrained(model_dir, dtype=dtype, device="cpu").eval()
+    model = load_pretrained(model_dir, dtype=dtype, device="cpu").eval()
     c = model.config
     kv = ContiguousKV(c.num_hidden_layers, batch_size, max_model_len, c.num_key_value_heads, c.head_dim,
                       next(model.parameters()).dtype, "cpu")

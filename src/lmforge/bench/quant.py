@@ -193,7 +193,7 @@ def bench_linears(K: int, N: int, group_size: int) -> list[dict[str, Any]]:
 
 LORA_STEP = """
 import ctypes, gc, json, sys, threading, time, peft, psutil, torch
-from lmforge.model import Transformer
+from lmforge.quant import load_pretrained
 from lmforge.train.lora import LoraConfig, apply_lora, base_load_dtype
 torch.set_num_threads(1)
 model_dir, kind, batch, seq, ckpt = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
@@ -215,7 +215,7 @@ cfg = LoraConfig(rank=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"
                  base_dtype="bfloat16" if kind == "bfloat16" else "float32",
                  base_quant=kind if kind in ("int8", "int4") else None)
 load_dtype = base_load_dtype(model_dir, cfg, torch.device("cpu"))  # as the trainer loads it
-m = apply_lora(Transformer.from_pretrained(model_dir, dtype=load_dtype, device="cpu"), cfg)
+m = apply_lora(load_pretrained(model_dir, dtype=load_dtype, device="cpu"), cfg)
 m.model.gradient_checkpointing = ckpt
 m.train()
 for b in list(m.buffers()) + list(m.parameters()):  # fault in every page: a bf16 base can still be a lazy

@@ -359,7 +359,7 @@ def _exit(code: int) -> None:
 
 
 def _load(conn: Connection, config: EngineConfig, rank: int, port: int):
-    from lmforge.model import Transformer
+    from lmforge.quant import load_pretrained
 
     from .model_runner import ModelRunner
 
@@ -369,7 +369,7 @@ def _load(conn: Connection, config: EngineConfig, rank: int, port: int):
                           timeout=timedelta(seconds=LOAD_TIMEOUT_S))
     group = new_group(store, rank, config.tensor_parallel_size, device)
     torch.manual_seed(config.seed)
-    model = Transformer.from_pretrained(Path(config.model), dtype=config.dtype, device=device)
+    model = load_pretrained(Path(config.model), dtype=config.dtype, device=device)
     shard_model(model, rank, config.tensor_parallel_size, group, CommCounter())
     num_blocks = conn.recv()
     if num_blocks is None:

@@ -92,9 +92,9 @@ class TransformerBackend:
     @property
     def model(self) -> Any:
         if self._model is None:
-            from lmforge.model import Transformer
+            from lmforge.quant import load_pretrained
 
-            self._model = Transformer.from_pretrained(self.model_dir, dtype=self.dtype, device=self.device).eval()
+            self._model = load_pretrained(self.model_dir, dtype=self.dtype, device=self.device).eval()
         return self._model
 
     def info(self) -> dict[str, Any]:

@@ -117,7 +117,7 @@ def diff_models(model_a: str | os.PathLike, model_b: str | os.PathLike, suite, o
     starts with it (newly wrong / newly right); per category: perplexity of each and its change,
     mean agreement, counts. Writes per_sample.jsonl, diff.json, diff.md and a record into `out`."""
     from lmforge.engine import LLM, SamplingParams
-    from lmforge.model import Transformer
+    from lmforge.quant import load_pretrained
     from lmforge.track.io import atomic_write_json, atomic_write_text
     from lmforge.track.run import RunDir
 
@@ -138,7 +138,7 @@ def diff_models(model_a: str | os.PathLike, model_b: str | os.PathLike, suite, o
         del llms
         nlls = []
         for m in (model_a, model_b):
-            model = Transformer.from_pretrained(m, dtype=dtype, device="cpu")
+            model = load_pretrained(m, dtype=dtype, device="cpu")
             nlls.append([_nll(model, i) for i in ids])
             del model
         rows = []

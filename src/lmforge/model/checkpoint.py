@@ -2,8 +2,10 @@
 
 Our parameter names are Hugging Face's, so loading is reading tensors and checking that every
 expected name is present and nothing unknown is left over. Saving writes what
-`transformers.AutoModelForCausalLM.from_pretrained` reads. This module knows nothing about
-training or the engine.
+`transformers.AutoModelForCausalLM.from_pretrained` reads. `Transformer.from_pretrained` puts these
+steps together for a float checkpoint; `lmforge.quant.load_pretrained` for one that may be quantized
+(quantization is a layer above the model). This module knows nothing about the Transformer class,
+quantization, training or the engine: it reads and checks tensors for any module with a `config`.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
 
 from ..track.io import atomic_write_json
-from .config import ModelConfig
-from .transformer import Transformer
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -58,7 +61,8 @@ def read_hf_config(path: str | Path) -> dict:
         raise ValueError(f"{cfg_path}: invalid JSON at line {e.lineno}: {e.msg}") from e
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
+    """The folder's safetensors files: the shards its index names, else every `*.safetensors`."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -74,43 +78,30 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto",
-                    device: str | torch.device = "auto") -> Transformer:
-    """Read a LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM directory."""
-    from safetensors import safe_open
+def weight_names(path: Path) -> set[str]:
+    """Every tensor name the folder's safetensors files hold (no tensor is read)."""
+    keys: set[str] = set()
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            keys.update(f.keys())
+    return keys
 
-    path = Path(path)
-    hf = read_hf_config(path)
-    config = ModelConfig.from_hf(hf)
-    torch_dtype = resolve_dtype(dtype, hf.get("torch_dtype") or hf.get("dtype"))
-    device = resolve_device(device)
-    with torch.device("meta"):
-        model = Transformer(config)
-    quantized, stored, foreign = [], {}, None
-    method = (hf.get("quantization_config") or {}).get("quant_method")
-    if method in ("gptq", "awq"):  # AutoGPTQ / AutoAWQ layouts, where they map onto ours
-        from lmforge.quant import gptq_awq
-        from lmforge.quant.compressed_tensors import install_quantized_linears
 
-        scheme, foreign = gptq_awq.read_scheme(hf)
-        keys = set()
-        for file in _weight_files(path):
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                keys.update(f.keys())
-        wanted = set(gptq_awq.quantized_modules(keys))
-        ignore = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in wanted]
-        quantized = install_quantized_linears(model, scheme, ignore, torch_dtype)
-        stored = {f"{m}.{s}" for m in quantized for s in gptq_awq.STORED}
-    elif hf.get("quantization_config"):  # compressed-tensors W8A16/W4A16 (refused otherwise, naming the field)
-        from lmforge.quant.compressed_tensors import (SUFFIXES, decompress_names, install_quantized_linears,
-                                                      read_scheme)
+def refuse_quantized(hf: dict, path: Path) -> None:
+    """The plain loader reads float checkpoints only; a quantized folder names the loader that reads it."""
+    qc = hf.get("quantization_config")
+    if qc:
+        raise ValueError(f"{path}: a quantized checkpoint (quantization_config.quant_method="
+                         f"{qc.get('quant_method')!r}); load it with lmforge.quant.load_pretrained(path, dtype, "
+                         "device), which decompresses it")
 
-        scheme, ignore = read_scheme(hf)
-        quantized = install_quantized_linears(model, scheme, ignore, torch_dtype)
-        stored = {f"{m}.{s}" for m in quantized for s in SUFFIXES}
-    expected = set(model.state_dict())
+
+def read_weights(path: Path, expected: set[str], stored: set[str], device: torch.device,
+                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The folder's tensors on `device`: floats cast to `dtype`, except the `stored` names (quantized
+    codes and scales, kept as stored); a name neither expected nor stored is an error."""
     state: dict[str, torch.Tensor] = {}
-    for file in _weight_files(path):
+    for file in weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.endswith("rotary_emb.inv_freq"):
@@ -120,14 +111,15 @@ def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto",
                                      f"the checkpoint does not match its config.json")
                 t = f.get_tensor(name)
                 cast = t.is_floating_point() and name not in stored  # codes and scales stay as stored
-                state[name] = t.to(device=device, dtype=torch_dtype if cast else None)
-    if quantized and foreign:
-        state = gptq_awq.convert(state, quantized, scheme, foreign, str(path))
-        for m in quantized:  # scales as the model's dtype, as a compressed-tensors folder's are
-            state[f"{m}.weight_scale"] = state[f"{m}.weight_scale"].to(torch_dtype)
-    elif quantized:
-        state = decompress_names(state, quantized, scheme, str(path))
-    if config.tie_word_embeddings:
+                state[name] = t.to(device=device, dtype=dtype if cast else None)
+    return state
+
+
+def assign_weights(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> nn.Module:
+    """Check `state` against the (meta-device) model's names and shapes, then assign it; ties lm_head."""
+    expected = set(model.state_dict())
+    tied = model.config.tie_word_embeddings
+    if tied:
         state.pop("lm_head.weight", None)  # some exporters save the tied copy as well
         expected.discard("lm_head.weight")
     missing = sorted(expected - set(state))
@@ -139,15 +131,13 @@ def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto",
         if t.shape != want:
             raise ValueError(f"{path}: tensor {name} has shape {tuple(t.shape)}, config implies {tuple(want)}")
     model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
+    if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
 
 
-def save_pretrained(model: Transformer, path: str | Path, max_shard_bytes: int = 5 * 1024**3) -> Path:
+def save_pretrained(model: nn.Module, path: str | Path, max_shard_bytes: int = 5 * 1024**3) -> Path:
     """Write config.json, generation_config.json and safetensors weights (sharded above `max_shard_bytes`)."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = model.config

@@ -3,7 +3,7 @@
 Module and parameter names are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`), so a
 checkpoint's state dict loads with no converter, and every operation follows `transformers`'
 order (RMSNorm and RoPE tables in float32, then cast back) so logits agree to rounding error.
-This file knows nothing about training loops or KV-cache paging: the attention math is a
+This file knows nothing about training loops, quantization or KV-cache paging: the attention math is a
 pluggable `attn` callable. The default (`DenseAttention`) attends causally within the batch
 row, optionally masked per document for packed rows; the inference engine passes its own paged
 implementation with the same signature.
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from . import checkpoint
 from .config import ModelConfig
 
 # attn(layer_idx, q_BTNH, k_BTKH, v_BTKH) -> out_BTNH
@@ -259,11 +260,18 @@ class Transformer(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "auto",
                         device: str | torch.device = "auto") -> Transformer:
-        from .checkpoint import load_pretrained
-
-        return load_pretrained(path, dtype=dtype, device=device)
+        """Read a float LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM
+        directory. A quantized one is refused, naming `lmforge.quant.load_pretrained`."""
+        path = Path(path)
+        hf = checkpoint.read_hf_config(path)
+        config = ModelConfig.from_hf(hf)
+        checkpoint.refuse_quantized(hf, path)
+        torch_dtype = checkpoint.resolve_dtype(dtype, hf.get("torch_dtype") or hf.get("dtype"))
+        with torch.device("meta"):
+            model = cls(config)
+        state = checkpoint.read_weights(path, set(model.state_dict()), set(), checkpoint.resolve_device(device),
+                                        torch_dtype)
+        return checkpoint.assign_weights(model, state, path)
 
     def save_pretrained(self, path: str | Path, max_shard_bytes: int = 5 * 1024**3) -> Path:
-        from .checkpoint import save_pretrained
-
-        return save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
+        return checkpoint.save_pretrained(self, path, max_shard_bytes=max_shard_bytes)

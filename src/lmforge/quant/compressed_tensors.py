@@ -22,7 +22,8 @@ import torch
 
 from lmforge.model.config import UnsupportedConfigError
 
-from .scheme import QuantScheme
+from .linear import QuantizedLinear
+from .scheme import QuantScheme, pack_int32, unpack_int32
 
 SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
 
@@ -95,8 +96,6 @@ def is_ignored(module_name: str, ignore: list[str]) -> bool:
 
 def compress_linear(prefix: str, q_NK: torch.Tensor, scale_NG: torch.Tensor,
                     scheme: QuantScheme) -> dict[str, torch.Tensor]:
-    from .scheme import pack_int32
-
     return {f"{prefix}.weight_packed": pack_int32(q_NK, scheme.num_bits),
             f"{prefix}.weight_scale": scale_NG.contiguous(),
             f"{prefix}.weight_shape": torch.tensor(list(q_NK.shape), dtype=torch.int64)}
@@ -106,8 +105,6 @@ def install_quantized_linears(model: torch.nn.Module, scheme: QuantScheme, ignor
                               scale_dtype: torch.dtype) -> list[str]:
     """Replace each `nn.Linear` not in `ignore` (built on the meta device) by a `QuantizedLinear`
     of the same shape; returns the replaced module names."""
-    from .linear import QuantizedLinear
-
     todo = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
             and not is_ignored(name, ignore)]
     for name, m in todo:
@@ -123,8 +120,6 @@ def decompress_names(tensors: dict[str, torch.Tensor], modules: list[str], schem
                      where: str) -> dict[str, torch.Tensor]:
     """Stored tensors -> our module state: `weight_packed` + `weight_shape` become `qweight` (int8 codes),
     `weight_scale` is kept; a quantized module without its three tensors is an error naming it."""
-    from .scheme import unpack_int32
-
     out = {k: v for k, v in tensors.items() if k.rpartition(".")[2] not in SUFFIXES}
     for m in modules:
         missing = [s for s in SUFFIXES if f"{m}.{s}" not in tensors]

@@ -7,7 +7,8 @@ tensor names (`blk.N.attn_q.weight`, ...), and the byte-level BPE vocabulary and
 int8 + an f16 scale) or `q4_0` (blocks of 32 int4 + an f16 scale); 1-D tensors (norms, biases) and
 matrices whose rows are not a multiple of 32 stay f32. Llama/Mistral q and k rows are permuted from
 Hugging Face's rotate-half RoPE layout to GGML's interleaved one (what llama.cpp's own converter
-does; `unpermute_qk` inverts it for read-back). This module knows nothing about the engine.
+does; `unpermute_qk` inverts it for read-back). This module knows nothing about the engine, and only
+an export imports it (`lmforge export --format gguf` does so when asked), so `gguf` loads with it.
 
     lmforge export runs/tiny --out models/tiny --format gguf --type q8_0   # HF folder + model-q8_0.gguf
     python -m lmforge.quant.gguf_export models/tiny models/tiny/model-q4_0.gguf --type q4_0
@@ -19,8 +20,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
+import typer
+
+from lmforge.model.checkpoint import read_hf_config
+
+from .linear import quantized_linears
+from .load import load_pretrained
 
 GGUF_TYPES = ("bf16", "q8_0", "q4_0", "f32")
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -29,8 +37,6 @@ PERMUTED = ("llama",)  # GGML's llama RoPE rotates interleaved pairs; HF's rotat
 
 def _names(layers: int):
     """Our (HF) parameter names -> GGUF names, from gguf's own table."""
-    import gguf
-
     T, M = gguf.TENSOR_NAMES, gguf.MODEL_TENSOR
     out = {"model.embed_tokens.weight": T[M.TOKEN_EMBD] + ".weight", "model.norm.weight": T[M.OUTPUT_NORM] + ".weight",
            "lm_head.weight": T[M.OUTPUT] + ".weight"}
@@ -55,8 +61,6 @@ def unpermute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _qtype(gguf_type: str, t: torch.Tensor):
-    import gguf
-
     Q = gguf.GGMLQuantizationType
     if t.ndim == 1 or gguf_type == "f32" or t.shape[-1] % 32:
         return Q.F32
@@ -100,12 +104,6 @@ def _add_tokenizer(writer, model_dir: Path, hf: dict) -> bool:
 
 def export_gguf(model_dir: str | Path, out_file: str | Path, gguf_type: str = "bf16") -> dict:
     """Write `out_file` from the HF folder `model_dir`; returns a summary (arch, type, tensors, bytes)."""
-    import gguf
-
-    from lmforge.model import Transformer
-    from lmforge.model.checkpoint import read_hf_config
-    from lmforge.quant.linear import quantized_linears
-
     if gguf_type not in GGUF_TYPES:
         raise ValueError(f"--type {gguf_type!r}: choose one of {', '.join(GGUF_TYPES)}")
     model_dir, out_file = Path(model_dir), Path(out_file)
@@ -114,38 +112,57 @@ def export_gguf(model_dir: str | Path, out_file: str | Path, gguf_type: str = "b
     if arch is None:
         raise ValueError(f"{model_dir}: model_type {hf.get('model_type')!r} has no GGUF mapping here "
                          f"(supported: {', '.join(ARCH)})")
-    model = Transformer.from_pretrained(model_dir, dtype="float32", device="cpu")
-    c = model.config
+    model = load_pretrained(model_dir, dtype="float32", device="cpu")
+    state = _float_state(model)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.with_name(f".{out_file.name}.tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    _add_hparams(writer, model_dir, model.config, gguf_type)
+    has_tokenizer = _add_tokenizer(writer, model_dir, hf)
+    counts = _add_tensors(writer, state, model_dir, arch, model.config, gguf_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(out_file)
+    return {"file": str(out_file), "arch": arch, "type": gguf_type, "tensors": counts, "tokenizer": has_tokenizer,
+            "bytes": out_file.stat().st_size}
+
+
+def _float_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state with every quantized linear dequantized (GGUF re-quantizes in its own blocks)."""
     state = {k: v for k, v in model.state_dict().items()}
     for parent, name, q in quantized_linears(model):  # compressed-tensors: write the dequantized weights
         prefix = next(k for k, m in model.named_modules() if m is q)
         state.pop(f"{prefix}.qweight"), state.pop(f"{prefix}.weight_scale")
         state[f"{prefix}.weight"] = q.dequantized_weight()
-    if c.tie_word_embeddings:
+    if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # llama.cpp reuses token_embd when output is absent
-    names = _names(c.num_hidden_layers)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_file.with_name(f".{out_file.name}.tmp")
-    writer = gguf.GGUFWriter(str(tmp), arch)
+    return state
+
+
+def _add_hparams(writer, model_dir: Path, c, gguf_type: str) -> None:
+    """llama.cpp's architecture keys from the model config, and the file type."""
     writer.add_name(model_dir.name)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_rope_dimension_count(c.head_dim)
-    writer.add_rope_freq_base(c.rope_theta)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_vocab_size(c.vocab_size)
+    for add, value in ((writer.add_context_length, c.max_position_embeddings),
+                       (writer.add_embedding_length, c.hidden_size), (writer.add_block_count, c.num_hidden_layers),
+                       (writer.add_feed_forward_length, c.intermediate_size),
+                       (writer.add_head_count, c.num_attention_heads), (writer.add_head_count_kv, c.num_key_value_heads),
+                       (writer.add_key_length, c.head_dim), (writer.add_value_length, c.head_dim),
+                       (writer.add_rope_dimension_count, c.head_dim), (writer.add_rope_freq_base, c.rope_theta),
+                       (writer.add_layer_norm_rms_eps, c.rms_norm_eps), (writer.add_vocab_size, c.vocab_size)):
+        add(value)
     if c.rope_scaling and c.rope_scaling.get("rope_type") == "llama3":
         raise ValueError(f"{model_dir}: llama3 RoPE scaling is not exported to GGUF yet (it needs rope_freqs)")
     ftype = {"bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
              "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "f32": gguf.LlamaFileType.ALL_F32}[gguf_type]
     writer.add_file_type(ftype)
-    has_tokenizer = _add_tokenizer(writer, model_dir, hf)
+
+
+def _add_tensors(writer, state: dict[str, torch.Tensor], model_dir: Path, arch: str, c,
+                 gguf_type: str) -> dict[str, int]:
+    """Every tensor under its GGUF name (q/k rows permuted for GGML's RoPE); returns counts per type."""
+    names = _names(c.num_hidden_layers)
     counts: dict[str, int] = {}
     for name, t in state.items():
         if name not in names:
@@ -162,20 +179,12 @@ def export_gguf(model_dir: str | Path, out_file: str | Path, gguf_type: str = "b
         else:
             writer.add_tensor(names[name], gguf.quants.quantize(data, qtype), raw_dtype=qtype)  # bytes: shape from them
         counts[qtype.name] = counts.get(qtype.name, 0) + 1
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tmp.replace(out_file)
-    return {"file": str(out_file), "arch": arch, "type": gguf_type, "tensors": counts, "tokenizer": has_tokenizer,
-            "bytes": out_file.stat().st_size}
+    return counts
 
 
 def read_gguf(path: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
     """Read back: (metadata fields as Python values where scalar, tensors dequantized to float32 in our
     orientation, (out, in) for matrices)."""
-    import gguf
-
     reader = gguf.GGUFReader(str(path))
     fields = {}
     for key, f in reader.fields.items():
@@ -194,6 +203,4 @@ def main(model_dir: Path, out_file: Path, type: str = "bf16") -> None:  # noqa: 
 
 
 if __name__ == "__main__":
-    import typer
-
     typer.run(main)

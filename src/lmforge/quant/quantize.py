@@ -17,16 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save
 
-from lmforge.model.checkpoint import _weight_files, read_hf_config
+from lmforge.model.checkpoint import read_hf_config, weight_files
 from lmforge.model.config import ModelConfig
 from lmforge.track.io import atomic_write_bytes, atomic_write_json, sha256_dir
 from lmforge.track.run import RunDir
 
 from .compressed_tensors import compress_linear, quantization_config
+from .gptq import gptq_codes
 from .scheme import QuantScheme, dequantize, quantize_rtn
+from .targets import is_quantizable
 
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
               "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")
 
@@ -43,17 +46,9 @@ class QuantizeConfig:
     calibration_seq_len: int = 256  # gptq: tokens per sequence (cut)
 
 
-def is_quantizable(name: str) -> bool:
-    """A decoder projection's weight (HF names): `model.layers.3.mlp.up_proj.weight`."""
-    parts = name.split(".")
-    return name.startswith("model.layers.") and len(parts) >= 3 and parts[-1] == "weight" and parts[-2] in LINEAR_NAMES
-
-
 def read_state(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
     state = {}
-    for file in _weight_files(path):
+    for file in weight_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 state[name] = f.get_tensor(name)
@@ -106,12 +101,8 @@ def quantize_model(cfg: QuantizeConfig, overwrite: bool = False) -> dict:
         state = read_state(src)
         codes = None
         if cfg.method == "gptq":
-            from .gptq import gptq_codes
-
             codes = gptq_codes(src, state, scheme, cfg.calibration, cfg.calibration_samples, cfg.calibration_seq_len)
         qstate, worst = quantize_state(state, scheme, codes)
-        from safetensors.torch import save
-
         atomic_write_bytes(out / "model.safetensors", save(qstate, metadata={"format": "pt"}))
         for old in out.glob("model-*.safetensors"):
             old.unlink()
