@@ -8,7 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
-from lmforge.data.synth import synth_rows
+from lmforge.tasks.arith_cot import synth_rows
 from lmforge.model import ModelConfig, Transformer
 from lmforge.tokenizer import train_tokenizer
 

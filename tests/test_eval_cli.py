@@ -22,7 +22,7 @@ import torch
 
 from hf_models import save_hf_model
 from lmforge.eval.backends import TransformerBackend
-from lmforge.eval.suites import load_suite
+from lmforge.tasks.suite import load_suite
 
 
 def lmforge_eval(*args: str) -> list[str]:

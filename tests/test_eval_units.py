@@ -17,12 +17,15 @@ from hypothesis import strategies as st
 
 from lmforge.eval import metrics as M
 from lmforge.eval.backends import MockBackend, truncate_at_stop
-from lmforge.eval.builtin import SplitMix64, write_builtin_suites
+from lmforge.eval.builtin import write_builtin_suites
 from lmforge.eval.compare import SuiteChangedError, compare_runs
 from lmforge.eval.evaluate import evaluate
-from lmforge.eval.suites import (BUILTIN_DIR, LOCK_FILE, SuiteError, builtin_names, load_suite,
-                                 make_perplexity_suite, verify_builtin_suites, write_suite)
+from lmforge.eval.suites import make_perplexity_suite, write_suite
+from lmforge.tasks.rng import SplitMix64
+from lmforge.tasks.suite import BUILTIN_DIR, LOCK_FILE, SuiteError, builtin_names, load_suite, verify_builtin_suites
 from lmforge.eval.tasks import run_stability
+from lmforge.tasks.reasoning import DEFAULT_FORMAT, extract_last_match, normalize_answer
+from lmforge.train.grpo.reward import correct_reward
 
 
 @pytest.fixture(scope="module")
@@ -65,13 +68,49 @@ def test_bits_per_byte_and_perplexity_formulas():
 
 
 def test_answer_extraction_and_exact_match():
-    assert M.extract_answer(" 3 + 5 = 8, so the answer is 8.", r"-?\d+") == "8"
-    assert M.extract_answer(" 1,024 apples", r"-?\d+") == "1024"
-    assert M.extract_answer(" no idea", r"-?\d+") is None
-    assert M.extract_answer("x=-7", r"x=(-?\d+)") == "-7"
+    assert extract_last_match(" 3 + 5 = 8, so the answer is 8.", r"-?\d+") == "8"
+    assert extract_last_match(" 1,024 apples", r"-?\d+") == "1024"
+    assert extract_last_match(" no idea", r"-?\d+") is None
+    assert extract_last_match("x=-7", r"x=(-?\d+)") == "-7"
     assert M.score_output(" 42. ", "42", "exact_match", "") == (1.0, "42")
     assert M.score_output(" 42 apples", "42", "exact_match", "")[0] == 0.0
     assert truncate_at_stop(" 12\nQuestion: next", ["\n"]) == (" 12", True)
+
+
+# Eval's exact_match/regex metrics had their own normaliser (trim, drop every comma, one trailing
+# period) while rewards and the `answer` metric used the reasoning one, so a reward and an eval could
+# score one answer differently. One rule set now (lmforge.tasks.reasoning.normalize_answer): these
+# are the inputs where the two disagreed, with the answer every scorer now gives.
+ONE_NORMALISER_WHERE_THE_TWINS_DISAGREED = [
+    ("1,2", "1,2"),                      # old eval: "12" (every comma dropped, even between non-thousands)
+    ("12,34", "12,34"),                  # old eval: "1234"
+    ("Paris, France", "Paris, France"),  # old eval: "Paris France"
+    ("007", "7"),                        # old eval: "007"
+    ("12.0", "12"),                      # old eval: "12.0"
+    ("+5", "5"),                         # old eval: "+5"
+    ("$3", "3"),                         # old eval: "$3"
+    ("$1,000.", "1000"),                 # old eval: "$1000"
+    ("-0", "0"),                         # old eval: "-0"
+    ("-0.0", "0"),                       # old eval: "-0.0"
+    ("3.50", "3.5"),                     # old eval: "3.50"
+    ("1,000.50", "1000.5"),              # old eval: "1000.50"
+    ("0.10", "0.1"),                     # old eval: "0.10"
+]
+
+
+@pytest.mark.parametrize("text,canonical", ONE_NORMALISER_WHERE_THE_TWINS_DISAGREED)
+def test_one_normalize_answer_for_rewards_and_every_eval_metric(text, canonical):
+    assert normalize_answer(text) == canonical
+    # exact_match, regex, the reasoning answer line and the GRPO reward all agree on it
+    assert M.score_output(f" {text} ", canonical, "exact_match", "") == (1.0, canonical)
+    assert M.score_output(DEFAULT_FORMAT.render("work", text), canonical, "answer", "") == (1.0, canonical)
+    assert correct_reward(DEFAULT_FORMAT.render("work", text), {"answer": canonical}) == 1.0
+
+
+def test_regex_metric_normalises_its_match_the_same_way():
+    assert M.score_output(" so 007", "7", "regex", r"-?\d+") == (1.0, "7")
+    assert M.score_output(" x=-0", "0", "regex", r"x=(-?\d+)") == (1.0, "0")
+    assert M.score_output(" costs 1,000.50", "1000.5", "regex", r"\d+\.\d+") == (1.0, "1000.5")
 
 
 # ---- suites and the freezing rule --------------------------------------------------------------------

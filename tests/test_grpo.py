@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lmforge.config import ConfigError, load_config
-from lmforge.eval.reasoning import DEFAULT_FORMAT, extract_answer, normalize_answer
+from lmforge.tasks.reasoning import DEFAULT_FORMAT, extract_answer, normalize_answer
 from lmforge.train.config import TrainConfig
 from lmforge.train.grpo.loss import grpo_loss, group_advantages, kl_k3
 from lmforge.train.grpo.reward import Rewards, correct_reward, format_reward

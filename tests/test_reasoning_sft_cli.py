@@ -27,7 +27,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 def test_sft_on_traces_end_to_end(tmp_path):
     from lmforge.eval.backends import TransformerBackend
     from lmforge.eval.evaluate import evaluate
-    from lmforge.eval.suites import load_suite
+    from lmforge.tasks.suite import load_suite
     from lmforge.tokenizer import train_tokenizer
     from lmforge.train.export import export_run
 

@@ -25,7 +25,7 @@ from lmforge.data.config import PiiConfig
 from lmforge.data.pii import mask_pii_many
 from lmforge.eval.backends import MockBackend
 from lmforge.eval.evaluate import evaluate
-from lmforge.eval.suites import load_suite
+from lmforge.tasks.suite import load_suite
 from lmforge.registry import FeedbackStore, ModelVersion, Registry, RegistryError
 from lmforge.registry.feedback import mask_texts
 from lmforge.registry.store import hash_model

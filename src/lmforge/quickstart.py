@@ -205,7 +205,8 @@ class Quickstart:
     def eval(self) -> None:
         from lmforge.eval.backends import TransformerBackend
         from lmforge.eval.evaluate import evaluate
-        from lmforge.eval.suites import load_suite, make_perplexity_suite
+        from lmforge.eval.suites import make_perplexity_suite
+        from lmforge.tasks.suite import load_suite
 
         val_suite = make_perplexity_suite(self.d["data"], self.out / "suites" / "val-python-docs.jsonl",
                                           name="val-python-docs", max_docs=50)
@@ -297,7 +298,7 @@ class Quickstart:
     def _arith_cot(self, model: Path, out: Path) -> None:
         from lmforge.eval.backends import TransformerBackend
         from lmforge.eval.evaluate import evaluate
-        from lmforge.eval.suites import load_suite
+        from lmforge.tasks.suite import load_suite
 
         backend = TransformerBackend(model, dtype="float32", engine="llm")
         evaluate(backend, [load_suite("arith-cot")], out, model_dir=model, limit=self.s.reasoning_eval_limit,

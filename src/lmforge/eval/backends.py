@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from lmforge.tasks.reasoning import DEFAULT_FORMAT
 from lmforge.track.io import sha256_file
 
 MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
@@ -255,8 +256,6 @@ class MockBackend:
 
     def generate(self, prompts: list[str], *, max_tokens: int, stop: list[str], temperature: float = 0.0,
                  n: int = 1, seed: int | None = None, chat: bool = False) -> list[list[str]]:
-        from lmforge.eval.reasoning import DEFAULT_FORMAT
-
         def right(p: str) -> str:  # chat suites score the reasoning format's answer line
             return DEFAULT_FORMAT.render("", self.answers[p]) if chat else f" {self.answers[p]}"
 

@@ -19,6 +19,14 @@ from pathlib import Path
 import typer
 from typer.core import TyperGroup
 
+from lmforge.eval.backends import TransformerBackend
+from lmforge.eval.builtin import write_builtin_suites
+from lmforge.eval.compare import SuiteChangedError, compare_runs, diff_markdown, diff_models
+from lmforge.eval.evaluate import evaluate, refuse_finished_run
+from lmforge.eval.suites import make_perplexity_suite
+from lmforge.tasks.suite import SuiteError, builtin_names, load_suite, verify_builtin_suites
+from lmforge.track.run import RunExistsError
+
 
 class _DefaultRun(TyperGroup):
     """A group whose default verb is `run` (click has no built-in default command)."""
@@ -39,7 +47,7 @@ def _group() -> None:
 
 
 def _fail(e: Exception) -> None:
-    from rich.console import Console
+    from rich.console import Console  # deferred: rich (~0.15 s) loads only when a verb prints
 
     Console(stderr=True).print(f"[red]error:[/red] {e}", highlight=False)
     raise typer.Exit(code=2)
@@ -66,13 +74,9 @@ def run(
                                                         "loop), auto (llm when installed)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished run in --out."),
 ) -> None:
-    from rich.console import Console
+    from rich.console import Console  # deferred: rich (~0.15 s) loads only when a verb prints
     from rich.table import Table
 
-    from lmforge.eval.backends import TransformerBackend
-    from lmforge.eval.evaluate import evaluate, refuse_finished_run
-    from lmforge.eval.suites import SuiteError, builtin_names, load_suite
-    from lmforge.track.run import RunExistsError
 
     refs = [r.strip() for s in (suite or []) for r in s.split(",") if r.strip()] or builtin_names()
     out = out or Path("runs") / f"eval-{model_dir.resolve().name}"
@@ -119,15 +123,11 @@ def diff(
     limit: int = typer.Option(None, "--limit", help="Only the first N items."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished run in --out."),
 ) -> None:
-    from lmforge.eval.compare import diff_markdown, diff_models
-    from lmforge.eval.suites import SuiteError, load_suite
-    from lmforge.track.run import RunExistsError
-
     try:
         if suite == "quant-check":
-            from lmforge.quant.check_suite import load
+            from lmforge.quant import check_suite  # deferred: lmforge.quant's __init__ loads torch
 
-            s = load()
+            s = check_suite.load()
         else:
             s = load_suite(suite)
         report = diff_models(model_a, model_b, s, out, dtype=dtype, limit=limit, overwrite=overwrite)
@@ -144,10 +144,8 @@ def compare(
     allow_changed_suite: bool = typer.Option(False, "--allow-changed-suite",
                                              help="Compare even when suite hashes differ; rows are marked."),
 ) -> None:
-    from rich.console import Console
+    from rich.console import Console  # deferred: rich (~0.15 s) loads only when a verb prints
     from rich.table import Table
-
-    from lmforge.eval.compare import SuiteChangedError, compare_runs
 
     try:
         rows, changed = compare_runs(run_a, run_b, allow_changed_suite=allow_changed_suite)
@@ -173,10 +171,8 @@ def compare(
 
 @app.command(help="List the built-in suites and check each frozen file against suites.lock.json.")
 def suites() -> None:
-    from rich.console import Console
+    from rich.console import Console  # deferred: rich (~0.15 s) loads only when a verb prints
     from rich.table import Table
-
-    from lmforge.eval.suites import builtin_names, load_suite, verify_builtin_suites
 
     table = Table(title="built-in eval suites")
     for col in ("suite", "version", "kind", "metric", "n", "sha256", "description"):
@@ -204,15 +200,11 @@ def make_suite(
     max_docs: int = typer.Option(500, "--max-docs", help="Take the first N non-empty documents."),
     max_chars: int = typer.Option(4000, "--max-chars", help="Cut each document to at most N characters."),
 ) -> None:
-    from rich.console import Console
-
-    from lmforge.eval.suites import SuiteError, make_perplexity_suite
+    from rich.console import Console  # deferred: rich (~0.15 s) loads only when a verb prints
 
     console = Console()
     try:
         if kind == "builtins":
-            from lmforge.eval.builtin import write_builtin_suites
-
             for s in write_builtin_suites():
                 console.print(f"{s.name} v{s.version}: {s.n} items, sha256 {s.sha256[:12]} -> {s.path}", highlight=False)
             return

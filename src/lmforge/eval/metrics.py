@@ -1,4 +1,5 @@
 """Scores and their standard errors. Pure functions of numbers and strings; no models here.
+Answers are extracted and normalised by `lmforge.tasks.reasoning`, the one rule set rewards use too.
 
 Standard error of a mean (`mean_stderr`) is the sample standard deviation (ddof=1) over
 sqrt(n), as lm-evaluation-harness computes it (`sample_stddev(arr) / sqrt(len(arr))`). For
@@ -19,9 +20,10 @@ gives the same first-order answer without randomness.)
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
 from collections.abc import Sequence
+
+from lmforge.tasks.reasoning import answers_match, extract_answer, extract_last_match, normalize_answer
 
 
 def mean(values: Sequence[float]) -> float:
@@ -66,33 +68,17 @@ def perplexity_metrics(nlls: Sequence[float], n_tokens: Sequence[int], n_bytes: 
             "tokens": {"value": total_tok, "stderr": None}, "bytes": {"value": total_bytes, "stderr": None}}
 
 
-def normalize_answer(text: str) -> str:
-    """Trim, drop thousands separators and one trailing period: '1,024.' == '1024'."""
-    text = text.strip().replace(",", "")
-    return text[:-1].strip() if text.endswith(".") else text
-
-
-def extract_answer(output: str, pattern: str) -> str | None:
-    """The last match of `pattern` in the output (group 1 when the pattern has a group), or None.
-
-    The last, not the first: a model that reasons before answering ("3 + 5 = 8, so 8") ends with it."""
-    matches = list(re.finditer(pattern, output.replace(",", "")))
-    if not matches:
-        return None
-    m = matches[-1]
-    return normalize_answer(m.group(1) if m.groups() else m.group(0))
-
-
 def score_output(output: str, answer: str, metric: str, pattern: str) -> tuple[float, str | None]:
-    """(1.0 or 0.0, the answer the output gives) under `exact_match`, `regex` or `answer` (the
-    reasoning format's one answer line, `lmforge.eval.reasoning`: the extractor rewards use too)."""
+    """(1.0 or 0.0, the answer the output gives) under `exact_match` (the whole output), `regex` (the last
+    match of `pattern`) or `answer` (the reasoning format's one answer line: the extractor rewards use
+    too). All three compare through the one `normalize_answer` (`lmforge.tasks.reasoning`)."""
     if metric == "answer":
-        from lmforge.eval import reasoning
-
-        given = reasoning.extract_answer(output)
-        return float(reasoning.answers_match(given, answer)), given
-    given = normalize_answer(output) if metric == "exact_match" else extract_answer(output, pattern)
-    return float(given is not None and given == normalize_answer(answer)), given
+        given = extract_answer(output)
+    elif metric == "exact_match":
+        given = normalize_answer(output)
+    else:
+        given = extract_last_match(output, pattern)
+    return float(answers_match(given, answer)), given
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

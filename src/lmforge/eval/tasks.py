@@ -13,7 +13,8 @@ from typing import Any
 
 from lmforge.eval import metrics as M
 from lmforge.eval.backends import Backend
-from lmforge.eval.suites import Suite
+from lmforge.tasks.reasoning import normalize_answer
+from lmforge.tasks.suite import Suite
 
 
 @dataclass
@@ -61,7 +62,7 @@ def run_generate(suite: Suite, backend: Backend) -> TaskResult:
             _, majority = M.agreement([g for _, g in scored])
             s.update(outputs=outs, extracted_all=[g for _, g in scored],
                      pass_at_k=M.pass_at_k(k, int(sum(x for x, _ in scored)), k),
-                     maj_at_k=float(majority is not None and majority == _target(suite, it["answer"])))
+                     maj_at_k=float(majority is not None and majority == normalize_answer(it["answer"])))
         s["failed"] = s["score"] < 1
         samples.append(s)
     name = "exact_match" if suite.metric == "exact_match" else "acc"
@@ -73,15 +74,6 @@ def run_generate(suite: Suite, backend: Backend) -> TaskResult:
         metrics[f"{name}/{cat}"] = _stat([s["score"] for s in samples if s["category"] == cat])
     metrics.update(M.repetition_metrics([o for outs in outputs for o in outs]))  # "the model repeats itself"
     return TaskResult(metrics, name, samples)
-
-
-def _target(suite: Suite, answer: str) -> str:
-    """The answer key in the form the suite's extractor returns answers."""
-    if suite.metric == "answer":
-        from lmforge.eval.reasoning import normalize_answer
-
-        return normalize_answer(answer)
-    return M.normalize_answer(answer)
 
 
 def run_choice(suite: Suite, backend: Backend) -> TaskResult:
@@ -117,7 +109,7 @@ def run_stability(suite: Suite, backend: Backend) -> TaskResult:
         for j, (s, _) in enumerate(scored):
             runs[j].append(s)
         score = M.mean([s for s, _ in scored])
-        maj_correct = float(majority is not None and majority == M.normalize_answer(it["answer"]))
+        maj_correct = float(majority is not None and majority == normalize_answer(it["answer"]))
         samples.append({"id": it["id"], "prompt": it["prompt"], "target": it["answer"], "output": outs,
                         "extracted": answers, "score": score, "agreement": agree, "majority": majority,
                         "majority_correct": maj_correct, "failed": score < 1})

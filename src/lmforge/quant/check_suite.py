@@ -15,7 +15,7 @@ bumping VERSION (then update SHA256):
 
     python -m lmforge.quant.check_suite        # writes the file, prints its sha256
 
-This module knows nothing about models.
+The suite format is `lmforge.tasks.suite`. This module knows nothing about models.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ import ast
 import random
 import sysconfig
 from pathlib import Path
+
+from lmforge.tasks.suite import Suite, SuiteError, load_suite, render_suite
+from lmforge.track.io import atomic_write_text, sha256_file
 
 NAME, VERSION = "quant-check", 1
 SUITE_PATH = Path(__file__).with_name("suites") / f"{NAME}.jsonl"
@@ -119,10 +122,8 @@ def header() -> dict:
                            "agreement with `lmforge eval diff`"}
 
 
-def load():
-    """The frozen suite (`lmforge.eval.suites.Suite`), refused when its bytes no longer match SHA256."""
-    from lmforge.eval.suites import SuiteError, load_suite
-
+def load() -> Suite:
+    """The frozen suite, refused when its bytes no longer match SHA256."""
     suite = load_suite(SUITE_PATH)
     if suite.sha256 != SHA256:
         raise SuiteError(f"{SUITE_PATH}: sha256 {suite.sha256[:12]} != pinned {SHA256[:12]}; a frozen suite never "
@@ -131,14 +132,11 @@ def load():
 
 
 def write(path: Path = SUITE_PATH) -> Path:
-    from lmforge.eval.suites import write_suite
-
-    return write_suite(path, header(), build_items())
+    """Generate the suite and write it atomically (validated first, as `lmforge.eval.suites.write_suite` does)."""
+    return atomic_write_text(path, render_suite(header(), build_items(), str(path)))
 
 
 def main() -> None:
-    from lmforge.track.io import sha256_file
-
     path = write()
     print(f"{path}: sha256 {sha256_file(path)}")
 

@@ -239,7 +239,7 @@ def dedup(records: list[dict], train: Iterable[str], acc: Accounts, cfg: NearDed
 
 
 def suite_files() -> list[Path]:
-    from lmforge.eval.suites import BUILTIN_DIR
+    from lmforge.tasks.suite import BUILTIN_DIR
 
     return sorted(BUILTIN_DIR.glob("*.jsonl"))
 

@@ -244,8 +244,8 @@ def summarize_eval(eval_dir: str | os.PathLike) -> tuple[dict[str, Any], str | N
 
 
 def builtin_suite_hashes() -> dict[str, str]:
-    """{suite name: sha256} of the frozen built-in suites (eval/suites/suites.lock.json)."""
-    from lmforge.eval.suites import BUILTIN_DIR, LOCK_FILE
+    """{suite name: sha256} of the frozen built-in suites (tasks/suites/suites.lock.json)."""
+    from lmforge.tasks.suite import BUILTIN_DIR, LOCK_FILE
 
     lock = _read_json(BUILTIN_DIR / LOCK_FILE) or {}
     return {name: entry.get("sha256") for name, entry in lock.items() if isinstance(entry, dict)}

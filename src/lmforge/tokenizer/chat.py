@@ -5,7 +5,7 @@ Each message renders as `<|im_start|>{role}\\n{content}<|im_end|>\\n`; with
 writes the reply and stops on `<|im_end|>`. An assistant message with a `reasoning_content`
 field (the name Qwen3, DeepSeek-R1 and vLLM's reasoning parsers use) renders it first, as
 `<think>\\n{reasoning}\\n</think>\\n{content}`: the reasoning format of
-`lmforge.eval.reasoning` (its default markers), so a trace stored as two fields and one stored
+`lmforge.tasks.reasoning` (its default markers), so a trace stored as two fields and one stored
 as rendered text become the same tokens. No `<|begin_of_text|>` is added: the template is the
 single source of truth for chat text, and whoever packs documents decides on BOS.
 `transformers`, vLLM and llama.cpp all render this Jinja template the same way. This module

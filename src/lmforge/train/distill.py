@@ -7,7 +7,7 @@ the ones whose final answer is right become SFT data for a smaller student.
 For each task (`lmforge.data.synth.read_tasks`: prompt/answer rows or GSM8K's question/`#### N`)
 the teacher gets the chat-templated prompt and samples K completions (seeded per task). A trace is
 kept when it is well-formed (the reasoning format: `<think>...</think>` then one `Answer:` line) and
-its answer equals the task's (the shared extractor, `lmforge.eval.reasoning`). Kept traces are
+its answer equals the task's (the shared extractor, `lmforge.tasks.reasoning`). Kept traces are
 written as chat rows `{"messages": [user, assistant], "category", "task"}`; the counts reconcile:
 samples = kept + wrong + malformed (a malformed trace may still hold the right answer: it counts
 in the teacher's accuracy, not in the kept data).
@@ -25,7 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from lmforge.eval.reasoning import DEFAULT_FORMAT, answers_match
+from lmforge.tasks.reasoning import DEFAULT_FORMAT, answers_match
 
 
 def distill(teacher: str | os.PathLike, tasks_path: str | os.PathLike, n: int, out: str | os.PathLike, *,

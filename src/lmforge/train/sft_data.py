@@ -128,9 +128,9 @@ def parse_messages(line: str, path: str, lineno: int) -> list[dict[str, str]]:
 
 def task_messages(record: dict, where: str) -> list[dict[str, str]]:
     """A task row (prompt/answer + reasoning, or GSM8K's question/'#### N') as a user turn and an
-    assistant turn in the reasoning format (`lmforge.eval.reasoning`)."""
+    assistant turn in the reasoning format (`lmforge.tasks.reasoning`)."""
     from lmforge.data.synth import TaskFileError, parse_task
-    from lmforge.eval.reasoning import DEFAULT_FORMAT
+    from lmforge.tasks.reasoning import DEFAULT_FORMAT
 
     try:
         task = parse_task(record, where)

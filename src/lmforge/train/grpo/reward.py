@@ -2,7 +2,7 @@
 
 A reward function is `f(completion: str, task: dict) -> float`, where `task` is a task row
 (`prompt`, `answer`, `reasoning`, `category`, as `lmforge.data.synth.read_tasks` returns it).
-Built-ins use the one reasoning format and extractor (`lmforge.eval.reasoning`):
+Built-ins use the one reasoning format and extractor (`lmforge.tasks.reasoning`):
 
     format   1 if the completion is `<think>...</think>` then exactly one `Answer: X` line, else 0
     correct  1 if that one answer line equals the task's answer (1,000 = 1000 = 1000.0), else 0
@@ -21,7 +21,7 @@ from functools import partial
 from typing import Any
 
 from lmforge.config import ConfigError
-from lmforge.eval.reasoning import ReasoningFormat, answers_match
+from lmforge.tasks.reasoning import ReasoningFormat, answers_match
 
 RewardFn = Callable[[str, dict[str, Any]], float]
 

@@ -1,4 +1,5 @@
-"""The one reasoning format and the one answer extractor, shared by data, SFT, eval, GRPO and distill.
+"""The one reasoning format, the answer extractors and the one `normalize_answer`, shared by data
+synthesis, SFT, eval, GRPO rewards and distillation.
 
 An assistant turn that reasons looks like
 
@@ -19,13 +20,17 @@ Extraction rules (rewards, eval and distillation all call `extract_answer`):
   starts with it; no such line, or two of them (a model hedging "Answer: 3 / Answer: 4"), is no
   answer (None). A number inside the reasoning never counts.
 - numbers are normalised before comparing: `1,000` = `1000`, `12.0` = `12`, `+5` = `5`, `$3` = `3`,
-  one trailing period dropped; anything non-numeric is compared as trimmed text.
+  one trailing period dropped; anything non-numeric is compared as trimmed text. This is the only
+  normaliser: eval's `exact_match` and `regex` metrics use it too, so a reward and an eval score
+  the same answer the same way.
+- `extract_last_match` is the `regex` eval metric's extractor: the last match of a pattern in the
+  output (commas dropped first, so `-?\\d+` reads `1,024` as one number), normalised.
 `is_well_formed` is the `format` reward: one think block at the start, closed, then exactly one
 non-empty answer line and nothing else.
 
 This module knows nothing about models, tokens or files.
 
-    from lmforge.eval.reasoning import DEFAULT_FORMAT, extract_answer, answers_match
+    from lmforge.tasks.reasoning import DEFAULT_FORMAT, extract_answer, answers_match
     answers_match(extract_answer(text), "432")
 """
 
@@ -108,3 +113,20 @@ def extract_answer(text: str, fmt: ReasoningFormat = DEFAULT_FORMAT) -> str | No
 
 def answers_match(given: str | None, target: str) -> bool:
     return given is not None and given == normalize_answer(target)
+
+
+def extract_last_match(output: str, pattern: str) -> str | None:
+    """The last match of `pattern` in the output (group 1 when the pattern has a group), normalised; or None.
+
+    The last, not the first: a model that reasons before answering ("3 + 5 = 8, so 8") ends with it.
+    Commas are dropped before matching so that a number pattern reads `1,024` whole."""
+    matches = list(re.finditer(pattern, output.replace(",", "")))
+    if not matches:
+        return None
+    m = matches[-1]
+    return normalize_answer(m.group(1) if m.groups() else m.group(0))
+
+
+def qa_prompt(question: str) -> str:
+    """The plain prompt of the `arith` and `choice-basics` suites (no reasoning format): the answer follows."""
+    return f"Question: {question}\nAnswer:"
