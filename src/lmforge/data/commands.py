@@ -1,7 +1,8 @@
 """`lmforge data ...`: the command-line face of `lmforge.data` (verbs `prepare`, `pack`, `synth`).
 
 Parses arguments, calls `prepare_dataset` / `pack_dataset` / `write_synth`, prints a summary. No logic of its
-own lives here; heavy libraries load only when a verb runs, so `lmforge --help` stays fast.
+own lives here; the stage modules (numpy, tokenizers) load only when a verb runs, so `lmforge --help`
+stays fast.
 
     lmforge data prepare python-docs --out runs/data
     lmforge data pack runs/data --tokenizer runs/tok --seq-len 512 --out runs/packed
@@ -13,6 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from lmforge.config import ConfigError
+from lmforge.data.readers import ReaderError
 
 app = typer.Typer(help="Clean, deduplicate, split and pack text for training.", no_args_is_help=True)
 
@@ -45,11 +51,7 @@ def prepare(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished run in --out."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress bars."),
 ) -> None:
-    from rich.console import Console
-
-    from lmforge.config import ConfigError
-    from lmforge.data.prepare import prepare_dataset
-    from lmforge.data.readers import ReaderError
+    from lmforge.data.prepare import prepare_dataset  # deferred: numpy and the pipeline, not for --help
 
     console = Console(stderr=True, soft_wrap=True)
     overrides = [i for i in inputs if "=" in i and not Path(i).exists()]
@@ -65,9 +67,6 @@ def prepare(
 
 
 def _print_prepare(stats: dict, out: Path) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=f"data prepare -> {out}")
     for col in ("step", "in", "out", "dropped"):
         table.add_column(col, justify="right" if col != "step" else "left")
@@ -100,10 +99,7 @@ def pack(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished pack in --out."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress bars."),
 ) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from lmforge.data.pack import pack_dataset
+    from lmforge.data.pack import pack_dataset  # deferred: numpy and tokenizers, not for --help
 
     console = Console(stderr=True, soft_wrap=True)
     try:
@@ -130,9 +126,7 @@ def synth(
     out: Path = typer.Option(..., "--out", "-o", help="JSONL file to write."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out."),
 ) -> None:
-    from rich.console import Console
-
-    from lmforge.data.synth import write_synth
+    from lmforge.data.synth import write_synth  # deferred: the task generators, not for --help
 
     try:
         rec = write_synth(task, n, seed, out, overwrite=overwrite)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from lmforge.config import ConfigError
+
 
 @dataclass
 class ReadConfig:
@@ -110,8 +112,6 @@ class PrepareConfig:
     contamination: ContaminationConfig = field(default_factory=ContaminationConfig)
 
     def validate(self) -> PrepareConfig:
-        from lmforge.config import ConfigError
-
         s = self.split
         if not (0 <= s.val and 0 <= s.test and s.val + s.test < 1):
             raise ConfigError(f"split.val={s.val} and split.test={s.test} must be >= 0 and sum to < 1")

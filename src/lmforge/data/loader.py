@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 IGNORE_INDEX = -100
 
@@ -133,8 +134,6 @@ class PackedLoader:
         return self
 
     def __next__(self) -> dict[str, Any]:
-        import torch
-
         if self.step >= self.steps_per_epoch:
             self.epoch, self.step = self.epoch + 1, 0
         lo = self.step * self.global_batch

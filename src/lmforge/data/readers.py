@@ -138,7 +138,7 @@ def _check_readable(source: Source) -> None:
                           "fix its permissions or leave it out")
     if source.kind == "parquet":
         try:
-            import pyarrow.parquet  # noqa: F401
+            import pyarrow.parquet  # noqa: F401  # deferred: optional dependency, only for .parquet inputs
         except ImportError:
             raise ReaderError(f"{source.location}: reading .parquet needs pyarrow, which is not "
                               "installed; run `pip install pyarrow` (or convert the file to .jsonl)") from None
@@ -201,7 +201,7 @@ def _read_jsonl(path: str, text_field: str, quarantine: Quarantine | None = None
 
 
 def _read_parquet(path: str, text_field: str, quarantine: Quarantine | None = None) -> Iterator[dict]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # deferred: optional dependency, only for .parquet inputs
 
     table = pq.ParquetFile(path)
     if text_field not in table.schema_arrow.names:

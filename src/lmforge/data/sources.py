@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from lmforge.perf.hardware import lmforge_home
+
 PYTHON_DOCS = "python-docs"
 BUILTIN_SOURCES = (PYTHON_DOCS,)
 
@@ -74,7 +76,7 @@ def _extract(files: list[tuple[str, str]], version: str) -> Iterator[dict]:
             yield {"id": f"python-docs/{rel}", "text": text,
                    "meta": {"source": PYTHON_DOCS, "python": version, "path": rel}}
     try:
-        from pydoc_data.topics import topics
+        from pydoc_data.topics import topics  # deferred: optional (stripped by some distributions), 1 MB
     except ImportError:  # some distributions strip pydoc_data
         return
     for key in sorted(topics):
@@ -85,8 +87,6 @@ def _extract(files: list[tuple[str, str]], version: str) -> Iterator[dict]:
 
 
 def _cache_path(stdlib: str, files: list[tuple[str, str]], version: str) -> Path:
-    from lmforge.perf.hardware import lmforge_home
-
     h = hashlib.sha256(f"python-docs v1\0{sys.version}\0{stdlib}\n".encode())
     for path in [p for p, _ in files] + [os.path.join(stdlib, "pydoc_data", "topics.py")]:
         try:
