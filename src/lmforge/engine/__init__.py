@@ -6,11 +6,11 @@
 See docs/engine.md for the design and the async API the server uses.
 """
 
-from .async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError
+from .async_engine import AsyncLLMEngine, ProcessAsyncLLMEngine
 from .config import EngineConfig
-from .core_process import ProcessAsyncLLMEngine
 from .llm import LLM
 from .llm_engine import LLMEngine
+from .messages import EngineDeadError, EngineStepError
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 

@@ -1,15 +1,17 @@
-"""`AsyncLLMEngine`: `LLMEngine` behind asyncio, for the HTTP server.
+"""`AsyncLLMEngine`: the engine behind asyncio, for the HTTP server; `ProcessAsyncLLMEngine`: the same
+front with the engine core in a child process.
 
-A background thread owns the `LLMEngine`: nothing else touches it. Submissions and aborts are
-commands on a thread-safe queue that the thread applies between steps, so the event loop never
-waits for a step (it used to take a lock the stepping thread re-took right after every step, and
-a burst of requests stalled every stream). The thread sleeps on an event while there is no work.
-Outputs reach each request's `asyncio.Queue` through `loop.call_soon_threadsafe`; `stats()` is a
-snapshot the thread replaces after every step and command (a dict swap: no lock). If a step
-raises, every request that was in flight gets an `EngineStepError` (and is aborted, freeing its
-blocks; the traceback goes to the log, not to the clients); the loop keeps serving new ones. Knows nothing about HTTP.
+The front keeps, per request, where its outputs go (its event loop's `asyncio.Queue`) and, per
+command, the future its caller awaits; everything else goes through an `EngineCoreClient`
+(`core_client.py`): `InprocClient` (a stepping thread in this process) or `MPClient` (a child
+process). Both deliver the same `EngineCoreOutputs`, from a thread of their own, and the front routes
+them with one `loop.call_soon_threadsafe` per event loop per delivery, so the event loop never waits
+for a step. `stats()` is the snapshot the last delivery carried (a dict swap: no lock). If a step
+raises, every request in flight gets an `EngineStepError` (the traceback goes to the log, not to the
+clients); if the core is lost (its process exited), every request gets an `EngineDeadError` naming
+the cause. Knows nothing about HTTP.
 
-    engine = AsyncLLMEngine(EngineConfig(model=...))
+    engine = AsyncLLMEngine(EngineConfig(model=...))     # or ProcessAsyncLLMEngine(...): same surface
     async for out in engine.generate("Hello", SamplingParams(max_tokens=16), request_id="r1"):
         print(out.outputs[0].text)   # cumulative text; the delta is text[len(previous):]
     await engine.abort("r1"); engine.shutdown()
@@ -18,76 +20,67 @@ blocks; the traceback goes to the log, not to the clients); the loop keeps servi
 from __future__ import annotations
 
 import asyncio
-import logging
-import queue
+import dataclasses
+import itertools
 import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from .config import EngineConfig
+from .core_client import EngineCoreClient, InprocClient, MPClient
 from .llm_engine import LLMEngine
+from .messages import EngineCoreOutputs, EngineCoreRequest, EngineDeadError, EngineStepError, RequestType
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 Sink = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
-log = logging.getLogger("lmforge.engine")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine is gone (shut down, or its process exited): the message names the cause."""
-
-
-class EngineStepError(RuntimeError):
-    """A step raised. Requests are validated at admission, so this is a bug, not the client's fault:
-    every request in that step is aborted with this error, which says nothing about its internals
-    (the traceback goes to the log)."""
-
-    def __init__(self, message: str = "internal error: the engine step failed and this request was aborted; "
-                                      "the server log has the details"):
-        super().__init__(message)
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineStepError", "ProcessAsyncLLMEngine"]
 
 
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None):
-        self.engine = engine or LLMEngine(config)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (kind, request_id, payload, done future or None)
-        self._wake = threading.Event()
-        self._sinks: dict[str, Sink] = {}  # the engine thread's alone
-        self._stats = self.engine.stats()
+    """`config` or an already built `engine` run in this process; `client` runs the core elsewhere."""
+
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None,
+                 client: EngineCoreClient | None = None):
+        self.client = client or InprocClient(engine or LLMEngine(config))
+        self.engine: LLMEngine | None = getattr(self.client, "engine", None)  # in-process only
+        self._lock = threading.Lock()  # guards _sinks and _pending: the event loop and the client's thread
+        self._sinks: dict[str, Sink] = {}
+        self._pending: dict[int, asyncio.Future | None] = {}  # command id -> its caller's future
+        self._ids = itertools.count()
+        self._stats = self.client.info.stats
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="lmforge-engine", daemon=True)
-        self._thread.start()
+        self._dead: EngineDeadError | None = None
+        self.client.start(self._on_outputs, self._on_dead)
 
     # ---- what the server reads (fixed after construction, or snapshots) ------------------------------
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.client.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.client.info.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.vocab_size
+        return self.client.info.vocab_size
 
     @property
     def model_path(self) -> str:
-        return self.engine.model_path
+        return self.client.info.model_path
 
     @property
     def is_running(self) -> bool:
-        """True while the stepping thread serves requests (False after `shutdown()`)."""
-        return not self._stopped and self._thread.is_alive()
+        """True while the core serves requests (False after `shutdown()` or once it died)."""
+        return not self._stopped and self.client.is_alive()
 
     @property
     def dead_reason(self) -> str | None:
         """Why the engine is gone (None while it runs)."""
-        if self.is_running:
-            return None
-        return "AsyncLLMEngine shut down" if self._stopped else "the engine thread stopped"
+        return "AsyncLLMEngine shut down" if self._stopped else self.client.dead_reason()
 
     def stats(self) -> dict:
         """`LLMEngine.stats()` as of the last step or command; never waits."""
@@ -104,12 +97,12 @@ class AsyncLLMEngine:
         outputs: asyncio.Queue = asyncio.Queue()
         accepted = loop.create_future()
         # arrival is now, on the caller's clock, so TTFT counts the wait for the step in progress
-        self._submit("add", request_id, (prompt, sampling_params, time.time(), (loop, outputs)), accepted)
+        self._submit(EngineCoreRequest(RequestType.ADD, 0, request_id, prompt, sampling_params, time.time()),
+                     accepted, (loop, outputs))
         try:
             await accepted  # ValueError -> caller; waits for the step in progress, never blocks the loop
         except asyncio.CancelledError:
-            if not self._stopped:
-                self._submit("abort", request_id, None, None)  # applied after the add, in order
+            self._abort_later(request_id)  # applied after the add, in order
             raise
         finished = False
         try:
@@ -120,90 +113,88 @@ class AsyncLLMEngine:
                 finished = item.finished
                 yield item
         finally:
-            if not finished and not self._stopped:  # the consumer went away or an error: free the blocks
-                self._submit("abort", request_id, None, None)
+            if not finished:  # the consumer went away or an error: free the blocks
+                self._abort_later(request_id)
 
     async def abort(self, request_id: str) -> None:
         """End a request; its blocks are free when this returns. Its stream ends with `abort`."""
         done = asyncio.get_running_loop().create_future()
-        self._submit("abort", request_id, None, done)
+        self._submit(EngineCoreRequest(RequestType.ABORT, 0, request_id), done)
         await done
 
     def shutdown(self) -> None:
-        """Stop the loop; requests still in flight (or submitted) get a RuntimeError."""
+        """Stop the core; requests still in flight (or submitted) get an `EngineDeadError`."""
+        if self._stopped:
+            return
         self._stopped = True
-        self._wake.set()
-        self._thread.join(timeout=30)
-        error = EngineDeadError("AsyncLLMEngine shut down")
-        for rid in list(self._sinks):
-            self.engine.abort_request(rid)
-        self._fail(list(self._sinks), error)
-        while not self._inbox.empty():
-            _, _, _, done = self._inbox.get_nowait()
-            _resolve(done, error)
+        self.client.shutdown()
+        self._on_dead(EngineDeadError("AsyncLLMEngine shut down"))
 
-    def _submit(self, kind: str, request_id: str, payload: Any, done: asyncio.Future | None) -> None:
+    def _abort_later(self, request_id: str) -> None:
+        """Abort without waiting (a stream that ends early); after a shutdown there is nothing to free."""
+        if not self._stopped:
+            self._submit(EngineCoreRequest(RequestType.ABORT, 0, request_id), None)
+
+    def _submit(self, request: EngineCoreRequest, done: asyncio.Future | None, sink: Sink | None = None) -> None:
         if self._stopped:
             raise EngineDeadError("AsyncLLMEngine is shut down")
-        self._inbox.put((kind, request_id, payload, done))
-        self._wake.set()
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+        with self._lock:
+            cid = next(self._ids)
+            self._pending[cid] = done
+            if sink is not None:
+                self._sinks[request.request_id] = sink
+        self.client.send(dataclasses.replace(request, cid=cid))
 
-    # ---- the engine thread ---------------------------------------------------------------------------
+    # ---- the client's thread -------------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        while not self._stopped:
-            self._wake.clear()  # before draining: a command put after the drain sets it again
-            self._apply_commands()
-            if self.engine.has_unfinished_requests():
-                self._step()
-            else:
-                self._wake.wait(timeout=0.5)
-
-    def _apply_commands(self) -> None:
-        applied = False
-        while not self._inbox.empty():
-            kind, rid, payload, done = self._inbox.get_nowait()
-            applied = True
-            if kind == "add":
-                prompt, params, arrival_time, sink = payload
-                try:
-                    self.engine.add_request(rid, prompt, params, arrival_time)
-                except Exception as e:  # a bad request: its caller raises it
-                    _resolve(done, e)
-                    continue
-                self._sinks[rid] = sink
-                _resolve(done, None)
-            else:
-                out = self.engine.abort_request(rid)
-                self._stats = self.engine.stats()
-                sink = self._sinks.pop(rid, None)
-                if sink is not None and out is not None:
-                    sink[0].call_soon_threadsafe(sink[1].put_nowait, out)
-                _resolve(done, None)
-        if applied:
-            self._stats = self.engine.stats()
-
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception:  # never wedge: fail the requests in flight, free their blocks
-            log.exception("engine step failed; aborting the %d requests in flight", len(self.engine.requests))
-            ids = list(self.engine.requests)
-            for rid in ids:
-                self.engine.abort_request(rid)
-            self._stats = self.engine.stats()
-            self._fail(ids, EngineStepError())
-            return
-        self._stats = self.engine.stats()  # before delivering: a finished request sees its blocks freed
-        batches: Batches = {}  # one wake-up per loop per step, not per request
-        route_outputs(self._sinks, outputs, batches)
+    def _on_outputs(self, out: EngineCoreOutputs) -> None:
+        self._stats = out.stats  # first: a finished or aborted request sees its blocks freed
+        batches: Batches = {}  # one wake-up per loop per delivery, not per request
+        with self._lock:
+            for reply in out.replies:
+                done = self._pending.pop(reply.cid, None)
+                if reply.type is RequestType.ABORT:
+                    sink = self._sinks.pop(reply.request_id, None)
+                    if sink is not None and reply.output is not None:  # its last output ends its stream
+                        batches.setdefault(sink[0], []).append((sink[1], reply.output))
+                elif reply.error is not None:  # a refused add: its caller raises the error
+                    self._sinks.pop(reply.request_id, None)
+                _resolve(done, reply.error)
+            if out.failure is not None:  # a step raised: every request in flight gets the error
+                for rid in out.failure.request_ids:
+                    if (sink := self._sinks.pop(rid, None)) is not None:
+                        batches.setdefault(sink[0], []).append((sink[1], out.failure.error))
+            route_outputs(self._sinks, out.outputs, batches)
         post_batches(batches)
 
-    def _fail(self, ids: list[str], error: BaseException) -> None:
-        for rid in ids:
-            sink = self._sinks.pop(rid, None)
-            if sink is not None:
-                sink[0].call_soon_threadsafe(sink[1].put_nowait, error)
+    def _on_dead(self, error: EngineDeadError) -> None:
+        """The core is gone: every request in flight and every command waiting gets `error`."""
+        self._dead = self._dead or error
+        with self._lock:
+            sinks, pending = list(self._sinks.values()), list(self._pending.values())
+            self._sinks.clear()
+            self._pending.clear()
+        batches: Batches = {}
+        for loop, q in sinks:
+            batches.setdefault(loop, []).append((q, error))
+        post_batches(batches)
+        for done in pending:
+            _resolve(done, error)
+
+
+class ProcessAsyncLLMEngine(AsyncLLMEngine):
+    """`AsyncLLMEngine` with the engine core in a child process (`core_client.MPClient`): the server's
+    default. With tensor parallelism the child starts the worker ranks; one that dies ends the child
+    with exit code 1, so the server can restart the engine instead of failing every later step."""
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(client=MPClient(config))
+
+    @property
+    def pid(self) -> int:
+        return self.client.pid
 
 
 Batches = dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]]

@@ -8,7 +8,7 @@ few KB) down one pipe per worker; every rank builds the same attention metadata 
 same layers, and the row-parallel projections all-reduce their partial outputs over a private gloo
 (CPU) or NCCL (CUDA) process group. Only rank 0 applies the LM head and samples.
 
-Sharding is Megatron's (Shoeybi et al. 2019; `lmforge.parallel.tensor` does it for training):
+Sharding is Megatron's (Shoeybi et al. 2019; `lmforge.model.tensor_parallel` does it for training):
 q/k/v and gate/up keep rank r's slice of output rows (whole heads: N/tp query and K/tp kv heads, so
 each rank caches only its kv heads), o_proj and down_proj rank r's slice of input columns, followed by
 an all-reduce; embeddings, norms and the LM head stay replicated. Inference needs no autograd, so the
@@ -16,14 +16,15 @@ column shards are plain `nn.Linear`s (the CPU weight packing and the fused C ker
 to an unsharded model) and `RowParallelLinear` all-reduces in its forward. A layer all-reduces two
 activations of T x D elements: 2 * D * dtype bytes per layer per token, whatever N (`CommCounter`).
 
-Workers are plain child interpreters (`python -c ...`, as `core_process.py` starts the engine core)
-rather than multiprocessing's spawn, which re-imports the caller's `__main__`: a user's script needs
-no `if __name__ == "__main__"` guard. A worker exits when rank 0 tells it, when rank 0's end of its
-pipe closes (rank 0 died) or when a collective fails. Rank 0 stops its workers on `shutdown()`, when
-the executor is garbage-collected, and at interpreter exit (`weakref.finalize`); a worker that dies
-surfaces as `WorkerDiedError`, naming the rank and its exit cause. The process group is the
-executor's own, not torch.distributed's default group: a training job's group is untouched and
-several engines can live in one process. This module knows nothing about scheduling or sampling.
+Workers are plain child interpreters (`procs.py`; their side is `worker.py`), and rank 0 speaks to
+each over one pipe in typed messages (`messages.py`: `WorkerStart`, `KVPool`, one `StepInputs` per
+step, `Stop`; a worker answers `Status(JOINING)`, then `Status(READY)` or `Status(ERROR)`). A
+worker exits when rank 0 tells it, when rank 0's end of its pipe closes (rank 0 died) or when a
+collective fails. Rank 0 stops its workers on `shutdown()`, when the executor is garbage-collected,
+and at interpreter exit (`weakref.finalize`); a worker that dies surfaces as `WorkerDiedError`,
+naming the rank and its exit cause. The process group is the executor's own, not
+torch.distributed's default group: a training job's group is untouched and several engines can live
+in one process. This module knows nothing about scheduling or sampling.
 
     llm = LLM("path/to/hf-dir", tensor_parallel_size=2)     # or: lmforge serve DIR --tensor-parallel-size 2
 """
@@ -33,24 +34,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import signal
 import subprocess
-import sys
 import time
-import traceback
 import weakref
-from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, Pipe
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmforge.parallel.tensor import COLUMN, ROW, CommCounter
+from lmforge.model.tensor_parallel import COLUMN, ROW, CommCounter
+
+from lmforge.model.checkpoint import read_hf_config
+from lmforge.model.config import ModelConfig
 
 from .config import EngineConfig
+from .messages import KVPool, Status, StatusKind, Stop, WorkerStart
+from .model_runner import StepInputs
+from .procs import exit_cause, start_python
 
 LOAD_TIMEOUT_S = 600.0  # a worker's import + load, as the engine core's
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a step's all-reduce waits this long for a rank that hangs
@@ -60,25 +62,10 @@ class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker process is gone; the engine cannot step any more."""
 
 
-@dataclass
-class StepInputs:
-    """What every rank needs for one forward: plain ints, cheap to pickle. Sequence s computes tokens
-    [computed[s], computed[s] + q_lens[s]); `last_rows` are the flat rows whose logits rank 0 samples."""
-    input_ids: list[int]
-    positions: list[int]
-    last_rows: list[int]
-    block_tables: list[list[int]]
-    computed: list[int]
-    q_lens: list[int]
-
-
 # ---- sharding ---------------------------------------------------------------------------------------
 
 def check_tensor_parallel(config: EngineConfig) -> None:
     """Refuse, before any process starts, a model or option that tensor parallelism here does not take."""
-    from lmforge.model.checkpoint import read_hf_config
-    from lmforge.model.config import ModelConfig
-
     size = config.tensor_parallel_size
     hf = read_hf_config(config.model)
     if hf.get("quantization_config"):
@@ -177,8 +164,6 @@ class MultiprocExecutor:
 
     def __init__(self, config: EngineConfig):
         check_tensor_parallel(config)
-        from .core_process import _pythonpath
-
         self.size = config.tensor_parallel_size
         self.device = _device(config)
         self.counter = CommCounter()  # rank 0's all-reduces; every rank runs the same ones
@@ -195,30 +180,28 @@ class MultiprocExecutor:
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns, self._loaded)
         for rank in range(1, self.size):
             ours, theirs = Pipe(duplex=True)
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-c",
-                 f"from lmforge.engine.executor import worker_main; worker_main({theirs.fileno()})"],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": _pythonpath()}))
+            self.procs.append(start_python(f"from lmforge.engine.worker import worker_main; "
+                                           f"worker_main({theirs.fileno()})", (theirs.fileno(),)))
             theirs.close()
             self.conns.append(ours)
-            ours.send((dataclasses.replace(config, device=str(_device(config, rank))), rank, self._store.port,
-                       self.threads))
+            ours.send(WorkerStart(dataclasses.replace(config, device=str(_device(config, rank))), rank,
+                                  self._store.port, self.threads))
         self.pids = [p.pid for p in self.procs]
 
     def shard(self, model: nn.Module) -> None:
         """Join the group once every worker is ready to, then keep rank 0's shard of `model`."""
-        self._wait("joining")
+        self._wait(StatusKind.JOINING)
         self.group = new_group(self._store, 0, self.size, self.device)
         shard_model(model, 0, self.size, self.group, self.counter)
 
     def start(self, num_blocks: int) -> None:
         """Tell every worker its KV pool size (rank 0 decides, so all pools match) and wait until they are ready."""
         for conn in self.conns:
-            conn.send(num_blocks)
-        self._wait("ready")
+            conn.send(KVPool(num_blocks))
+        self._wait(StatusKind.READY)
         self._loaded[0] = True
 
-    def _wait(self, what: str) -> None:
+    def _wait(self, what: StatusKind) -> None:
         deadline = time.monotonic() + LOAD_TIMEOUT_S
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
             while not conn.poll(0.2):
@@ -228,10 +211,10 @@ class MultiprocExecutor:
             try:
                 msg = conn.recv()
             except EOFError:
-                msg = ("error", "closed its pipe")
-            if msg[0] != what:
+                msg = Status(StatusKind.ERROR, "closed its pipe")
+            if msg.kind is not what:
                 self.shutdown()
-                raise WorkerDiedError(f"tensor-parallel worker {rank} failed while loading: {msg[1]}")
+                raise WorkerDiedError(f"tensor-parallel worker {rank} failed while loading: {msg.detail}")
 
     def send(self, inputs: StepInputs) -> None:
         """Hand one step's inputs to every worker (they start their forward at once)."""
@@ -292,8 +275,6 @@ class MultiprocExecutor:
     def _cause(proc: subprocess.Popen) -> str:
         if proc.poll() is None:
             return "did not answer in time"
-        from .core_process import exit_cause
-
         return f"exited ({exit_cause(proc.returncode)})"
 
     def shutdown(self) -> None:
@@ -306,7 +287,7 @@ def _stop_workers(procs: list[subprocess.Popen], conns: list[Connection], loaded
     worker still loading may be blocked joining the group, so it is killed at once."""
     for conn in conns:
         with contextlib.suppress(OSError, ValueError):
-            conn.send(None)
+            conn.send(Stop())
         conn.close()
     for proc in procs:
         try:
@@ -314,67 +295,3 @@ def _stop_workers(procs: list[subprocess.Popen], conns: list[Connection], loaded
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
-
-
-# ---- ranks 1..N-1 -----------------------------------------------------------------------------------
-
-def worker_main(fd: int) -> None:
-    """A worker's entry point: the first message is (EngineConfig, rank, store port, torch threads); then
-    the KV pool size; then one `StepInputs` per step, until None or EOF (rank 0 is gone)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; rank 0 decides
-    conn = Connection(fd)
-    try:
-        config, rank, port, threads = conn.recv()
-    except EOFError:
-        return
-    torch.set_num_threads(threads)
-    try:
-        runner = _load(conn, config, rank, port)
-    except Exception as e:
-        traceback.print_exc()
-        with contextlib.suppress(OSError):
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-        _exit(1)
-    if runner is None:  # rank 0 stopped before the KV pool was sized
-        _exit(0)
-    while True:
-        try:
-            inputs = conn.recv()
-        except EOFError:  # rank 0 is gone
-            _exit(0)
-        if inputs is None:
-            _exit(0)
-        try:
-            runner.execute(inputs, logits=False)
-        except Exception:  # a peer left mid-step or a bug: exiting breaks rank 0's all-reduce, which says so
-            traceback.print_exc()
-            _exit(1)
-
-
-def _exit(code: int) -> None:
-    """Exit now: a worker has nothing to save, and tearing torch down takes a second of rank 0's shutdown."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _load(conn: Connection, config: EngineConfig, rank: int, port: int):
-    from lmforge.quant import load_pretrained
-
-    from .model_runner import ModelRunner
-
-    device = torch.device(config.device)
-    conn.send(("joining",))
-    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False,
-                          timeout=timedelta(seconds=LOAD_TIMEOUT_S))
-    group = new_group(store, rank, config.tensor_parallel_size, device)
-    torch.manual_seed(config.seed)
-    model = load_pretrained(Path(config.model), dtype=config.dtype, device=device)
-    shard_model(model, rank, config.tensor_parallel_size, group, CommCounter())
-    num_blocks = conn.recv()
-    if num_blocks is None:
-        return None
-    runner = ModelRunner(model, num_blocks, config.block_size, config.attention == "reference",
-                         config.pack_weights, config.cpu_kernels, config.kv_cache_dtype)
-    conn.send(("ready",))
-    return runner
