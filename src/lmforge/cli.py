@@ -16,12 +16,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from lmforge.bench import engine as bench_engine
-from lmforge.bench import grpo as grpo_bench
-from lmforge.bench import quant as bench_quant
+from lmforge.bench.commands import app as bench_app
 from lmforge.data.commands import app as data_app
 from lmforge.eval.commands import app as eval_app
-from lmforge.parallel import commands as parallel_commands
 from lmforge.parallel.commands import app as parallel_app
 from lmforge.perf import commands as perf_commands
 from lmforge.perf.commands import app as estimate_app
@@ -57,32 +54,8 @@ app.add_typer(registry_commands.app, name="registry", help="Model versions, alia
 app.add_typer(registry_commands.flywheel_app, name="flywheel", help="Feedback -> scrubbed SFT and preference data.")
 app.command("serve", help="Serve MODEL_DIR over an OpenAI-compatible HTTP API with Prometheus /metrics.")(
     serve_commands.serve)
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that write bench.json and a Markdown table.")
-bench_app.command("serve", help="Load-test an OpenAI-compatible server: TTFT, TPOT, ITL, E2E, throughput, "
-                                "goodput; writes bench.json and bench.md.")(serve_commands.bench_serve)
-
-
-@bench_app.command("data")
-def bench_data_cmd(
-    inputs: Annotated[Optional[list[str]], typer.Argument(help="Inputs to prepare (default: python-docs).")] = None,
-    workers: Annotated[list[int], typer.Option("--workers", help="Worker counts to compare; repeat.")] = [1, 2],
-    repeats: Annotated[int, typer.Option(help="Timed repeats per setting (best is kept).")] = 3,
-    out: Annotated[Path, typer.Option(help="Folder for bench_data.json and bench_data.md.")] = Path("runs/bench-data"),
-) -> None:
-    """Throughput of `lmforge data prepare` per step and end to end (MB/s, CPU time) with 1 and 2
-    workers; checks that the outputs are identical across worker counts."""
-    from lmforge.bench.data import run_bench
-
-    run_bench(inputs=tuple(inputs or ["python-docs"]), workers=tuple(workers), repeats=repeats, out_dir=out)
-
-
-bench_app.command("engine")(bench_engine.bench_engine)
-bench_app.command("mfu")(perf_commands.bench_mfu_cmd)
 app.command("report")(perf_commands.report_cmd)
 app.command("smoke")(smoke.smoke_cmd)
-bench_app.command("grpo")(grpo_bench.bench_grpo)
-bench_app.command("parallel")(parallel_commands.bench_parallel)
-bench_app.command("quant")(bench_quant.bench_quant)
 app.add_typer(bench_app, name="bench")
 app.add_typer(estimate_app, name="estimate", help="Estimate before measuring: memory, KV cache, intensity, roofline, "
                                                  "throughput ceiling, MFU, communication, quantized sizes.")

@@ -1,8 +1,8 @@
-"""`lmforge parallel ...` (and `lmforge bench parallel`): the command-line face of `lmforge.parallel`.
+"""`lmforge parallel ...`: the command-line face of `lmforge.parallel` (`lmforge bench parallel` is in
+`lmforge.bench.commands`).
 
     lmforge parallel simulate --schedule 1f1b --stages 4 --microbatches 8 --fwd 1 --bwd 2 --out runs/sim
     lmforge parallel simulate --stages 4 --microbatches 1 --microbatches 8 --fwd 1,1,1,1.5 --bwd 2 --send 0.1
-    lmforge bench parallel --out runs/bench-parallel
 
 Parses options and calls one function; torch loads only when a verb that needs it runs.
 """
@@ -118,54 +118,3 @@ def scan_cmd(
                gain_over_best_naive=report["gain_over_best_naive"])
     print(f"wrote {run.path}")
 
-
-def bench_parallel(
-    stages: Annotated[list[int], typer.Option("--stages", "-p", help="Pipeline stages; repeat.")] = [2, 4],
-    microbatches: Annotated[list[int], typer.Option("--microbatches", "-m", help="Micro-batches; repeat.")] = [
-        1, 2, 4, 8, 16],
-    schedule: Annotated[list[str], typer.Option("--schedule", help="gpipe and/or 1f1b; repeat.")] = ["gpipe", "1f1b"],
-    steps: Annotated[int, typer.Option(help="Timed steps per cell (after one warm-up); the median is kept.")] = 3,
-    threads: Annotated[int, typer.Option(help="torch threads per stage process.")] = 1,
-    tp: Annotated[list[int], typer.Option("--tp", help="TP degrees for the bytes-per-layer table; repeat; "
-                                                       "0 skips it.")] = [1, 2, 4],
-    out: Annotated[Path, typer.Option(help="Run directory for bench_parallel.json/.md and timelines.")] = Path(
-        "runs/bench-parallel"),
-    overwrite: Annotated[bool, typer.Option(help="Replace a finished run in --out.")] = False,
-) -> None:
-    """Run the real pipeline (one gloo process per stage) over stages x micro-batches x schedules and
-    print, per cell, the formula's bubble, the simulator's (fed with each stage's measured times) and
-    the measured one (idle / stage time from every action's timestamps), with the errors; then the
-    all-reduce bytes per layer of tensor parallelism at each --tp degree."""
-    from lmforge.track.io import atomic_write_json, atomic_write_text
-    from lmforge.track.run import RunDir
-
-    from lmforge.bench.parallel import BenchSpec, bench_parallel as run, tp_bytes, tp_markdown, to_markdown
-
-    spec = BenchSpec(stages=tuple(stages), microbatches=tuple(microbatches), schedules=tuple(schedule),
-                     steps=steps, threads=threads)
-    rd = RunDir(out, overwrite=overwrite)
-    rd.write_config(spec)
-    report = run(spec)
-    md = to_markdown(report)
-    degrees = tuple(n for n in tp if n > 0)
-    if degrees:
-        report["tp"] = tp_bytes(degrees)
-        md += "\n" + tp_markdown(report["tp"])
-    print(md)
-    from .plots import plot_timeline
-    from .simulate import simulate
-
-    calib = report["calibration"]
-    for c in report["cells"]:
-        if c["microbatches"] == max(microbatches):  # measured beside simulated, for the largest M
-            tag = f"{c['schedule']}-P{c['stages']}-M{c['microbatches']}"
-            plot_timeline(c["timeline"], rd.path / f"timeline-{tag}-measured.png",
-                          title=f"{tag} measured (bubble {c['bubble_measured']:.3f}, CPU/wall {c['cpu_over_wall']:.2f})")
-            k = calib[str(c["stages"])]
-            sim = simulate(c["schedule"], c["stages"], c["microbatches"], k["fwd_s"], k["bwd_s"], k["send_s"])
-            plot_timeline(sim.events, rd.path / f"timeline-{tag}-simulated.png",
-                          title=f"{tag} simulated from the calibration (bubble {sim.bubble:.3f})")
-    atomic_write_json(rd.path / "bench_parallel.json", report)
-    atomic_write_text(rd.path / "bench_parallel.md", md)
-    rd.finish(cells=len(report["cells"]), wall_s=report["wall_s"])
-    print(f"wrote {rd.path}")

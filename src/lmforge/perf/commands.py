@@ -152,27 +152,6 @@ def quant_cmd(model: Model, group_size: Annotated[int, typer.Option(help="int4 w
     _emit(lambda: quant_sizes(model, group_size, zero_point=zero_point), as_json, out)
 
 
-def bench_mfu_cmd(
-    config: Annotated[Path, typer.Argument(help="Training YAML config, e.g. configs/quickstart.yaml.")],
-    overrides: Annotated[Optional[list[str]], typer.Argument(metavar="[KEY=VALUE]...", help="Dotted overrides.")] = None,
-    steps: Annotated[int, typer.Option(help="Timed steps per rung (median; 2 warm-up steps before).")] = 6,
-    max_batch: Annotated[Optional[int], typer.Option(help="Micro-batch of the last rung [default: 2 × train.batch_size].")] = None,
-    skip: Annotated[Optional[list[str]], typer.Option("--skip", help="Rung numbers to skip, e.g. --skip 5.")] = None,
-    out: Annotated[Path, typer.Option(help="Folder for bench_mfu.json and bench_mfu.md.")] = Path("runs/bench-mfu"),
-) -> None:
-    """The MFU ladder on CONFIG: float32 → bf16 autocast → fused loss → data pipeline → varlen attention →
-    torch.compile → batch size; each rung a short measured run, kept only when faster; table with Δ,
-    physical reason and roofline headroom."""
-    from lmforge.config import ConfigError
-    from lmforge.bench.mfu import bench_mfu
-
-    try:
-        bench_mfu(str(config), list(overrides or []), steps, out, max_batch, tuple(skip or ()))
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-
-
 def report_cmd(
     items: Annotated[list[str], typer.Argument(help="Run directories and/or `bench mfu` folders, baseline first.")],
     out: Annotated[Path, typer.Option("--out", help="Markdown file to write.")] = Path("report.md"),

@@ -1,0 +1,165 @@
+"""`lmforge bench ...`: every benchmark verb in one Typer app, mounted by `lmforge.cli`.
+
+Each verb parses its options and calls one runner of this package (`bench/serve.py`, `bench/data.py`,
+`bench/engine.py`, `bench/mfu.py`, `bench/grpo.py`, `bench/parallel.py`, `bench/quant.py`), which
+measures and writes JSON + Markdown. It knows nothing about how the runners measure.
+
+    lmforge bench serve --base-url http://127.0.0.1:8000 --max-concurrency 32 --out runs/bench
+    lmforge bench engine --model M --num-requests 200
+    lmforge bench parallel --out runs/bench-parallel
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from lmforge.bench import engine as bench_engine
+from lmforge.bench import grpo as bench_grpo
+from lmforge.bench import parallel as pipeline_bench
+from lmforge.bench import quant as bench_quant
+from lmforge.bench.data import run_bench
+from lmforge.bench.mfu import bench_mfu
+from lmforge.config import ConfigError
+from lmforge.parallel.plots import plot_timeline
+from lmforge.parallel.simulate import simulate
+from lmforge.track.io import atomic_write_json, atomic_write_text
+from lmforge.track.run import RunDir
+
+app = typer.Typer(no_args_is_help=True, help="Benchmarks that write bench.json and a Markdown table.")
+
+
+@app.command("serve", help="Load-test an OpenAI-compatible server: TTFT, TPOT, ITL, E2E, throughput, "
+                           "goodput; writes bench.json and bench.md.")
+def bench_serve(
+    base_url: Annotated[str, typer.Option(help="The server, e.g. http://127.0.0.1:8000.")],
+    model: Annotated[Optional[str], typer.Option(help="Model id (default: the server's first).")] = None,
+    num_prompts: Annotated[int, typer.Option(help="Requests to send.")] = 100,
+    request_rate: Annotated[float, typer.Option(help="Poisson arrival rate, req/s; inf = all at once.")] = math.inf,
+    max_concurrency: Annotated[Optional[int], typer.Option(help="Most requests in flight.")] = None,
+    workload: Annotated[str, typer.Option(help="high-variance | uniform | shared-prefix.")] = "high-variance",
+    input_len: Annotated[int, typer.Option(help="Prompt tokens (uniform, shared-prefix).")] = 128,
+    output_len: Annotated[int, typer.Option(help="Output tokens (uniform, shared-prefix).")] = 128,
+    seed: Annotated[int, typer.Option(help="Workload and arrival seed.")] = 0,
+    slo: Annotated[Optional[str], typer.Option(help="SLOs for goodput, ms: 'ttft=500,tpot=50'.")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="LMFORGE_API_KEY", help="Bearer key.")] = None,
+    offline_model: Annotated[Optional[Path], typer.Option(
+        help="Also run the same requests through the offline engine on this model dir (HTTP cost).")] = None,
+    offline_dtype: Annotated[str, typer.Option(help="dtype for --offline-model.")] = "auto",
+    out: Annotated[Optional[Path], typer.Option(help="Write bench.json and bench.md here.")] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Load-test an OpenAI-compatible server: TTFT, TPOT, ITL, E2E percentiles, throughput, goodput,
+    and the server's own /metrics view beside them."""
+    # deferred: httpx (and the HTTP client runner) only for this verb; `lmforge --help` stays lighter
+    import httpx
+
+    from lmforge.bench.serve import BenchConfig, bench_serve as run, parse_slo, to_markdown  # deferred: same
+
+    try:
+        cfg = BenchConfig(base_url.rstrip("/"), model, num_prompts, request_rate, max_concurrency, workload,
+                          input_len, output_len, seed, parse_slo(slo), api_key,
+                          str(offline_model) if offline_model else None, offline_dtype, progress)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        report = run(cfg, out)
+    except httpx.HTTPError as e:
+        typer.echo(f"error: {base_url}: {type(e).__name__}: {e}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(to_markdown(report))
+    raise typer.Exit(0 if report["client"]["failed"] == 0 else 1)
+
+
+@app.command("data")
+def bench_data_cmd(
+    inputs: Annotated[Optional[list[str]], typer.Argument(help="Inputs to prepare (default: python-docs).")] = None,
+    workers: Annotated[list[int], typer.Option("--workers", help="Worker counts to compare; repeat.")] = [1, 2],
+    repeats: Annotated[int, typer.Option(help="Timed repeats per setting (best is kept).")] = 3,
+    out: Annotated[Path, typer.Option(help="Folder for bench_data.json and bench_data.md.")] = Path("runs/bench-data"),
+) -> None:
+    """Throughput of `lmforge data prepare` per step and end to end (MB/s, CPU time) with 1 and 2
+    workers; checks that the outputs are identical across worker counts."""
+    run_bench(inputs=tuple(inputs or ["python-docs"]), workers=tuple(workers), repeats=repeats, out_dir=out)
+
+
+app.command("engine")(bench_engine.bench_engine)
+
+
+@app.command("mfu")
+def bench_mfu_cmd(
+    config: Annotated[Path, typer.Argument(help="Training YAML config, e.g. configs/quickstart.yaml.")],
+    overrides: Annotated[Optional[list[str]], typer.Argument(metavar="[KEY=VALUE]...", help="Dotted overrides.")] = None,
+    steps: Annotated[int, typer.Option(help="Timed steps per rung (median; 2 warm-up steps before).")] = 6,
+    max_batch: Annotated[Optional[int], typer.Option(help="Micro-batch of the last rung [default: 2 × train.batch_size].")] = None,
+    skip: Annotated[Optional[list[str]], typer.Option("--skip", help="Rung numbers to skip, e.g. --skip 5.")] = None,
+    out: Annotated[Path, typer.Option(help="Folder for bench_mfu.json and bench_mfu.md.")] = Path("runs/bench-mfu"),
+) -> None:
+    """The MFU ladder on CONFIG: float32 → bf16 autocast → fused loss → data pipeline → varlen attention →
+    torch.compile → batch size; each rung a short measured run, kept only when faster; table with Δ,
+    physical reason and roofline headroom."""
+    try:
+        bench_mfu(str(config), list(overrides or []), steps, out, max_batch, tuple(skip or ()))
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+app.command("grpo")(bench_grpo.bench_grpo)
+
+
+@app.command("parallel")
+def bench_parallel(
+    stages: Annotated[list[int], typer.Option("--stages", "-p", help="Pipeline stages; repeat.")] = [2, 4],
+    microbatches: Annotated[list[int], typer.Option("--microbatches", "-m", help="Micro-batches; repeat.")] = [
+        1, 2, 4, 8, 16],
+    schedule: Annotated[list[str], typer.Option("--schedule", help="gpipe and/or 1f1b; repeat.")] = ["gpipe", "1f1b"],
+    steps: Annotated[int, typer.Option(help="Timed steps per cell (after one warm-up); the median is kept.")] = 3,
+    threads: Annotated[int, typer.Option(help="torch threads per stage process.")] = 1,
+    tp: Annotated[list[int], typer.Option("--tp", help="TP degrees for the bytes-per-layer table; repeat; "
+                                                       "0 skips it.")] = [1, 2, 4],
+    out: Annotated[Path, typer.Option(help="Run directory for bench_parallel.json/.md and timelines.")] = Path(
+        "runs/bench-parallel"),
+    overwrite: Annotated[bool, typer.Option(help="Replace a finished run in --out.")] = False,
+) -> None:
+    """Run the real pipeline (one gloo process per stage) over stages x micro-batches x schedules and
+    print, per cell, the formula's bubble, the simulator's (fed with each stage's measured times) and
+    the measured one (idle / stage time from every action's timestamps), with the errors; then the
+    all-reduce bytes per layer of tensor parallelism at each --tp degree."""
+    spec = pipeline_bench.BenchSpec(stages=tuple(stages), microbatches=tuple(microbatches),
+                                     schedules=tuple(schedule), steps=steps, threads=threads)
+    rd = RunDir(out, overwrite=overwrite)
+    rd.write_config(spec)
+    report = pipeline_bench.bench_parallel(spec)
+    md = pipeline_bench.to_markdown(report)
+    degrees = tuple(n for n in tp if n > 0)
+    if degrees:
+        report["tp"] = pipeline_bench.tp_bytes(degrees)
+        md += "\n" + pipeline_bench.tp_markdown(report["tp"])
+    print(md)
+    _plot_timelines(report, max(microbatches), rd.path)
+    atomic_write_json(rd.path / "bench_parallel.json", report)
+    atomic_write_text(rd.path / "bench_parallel.md", md)
+    rd.finish(cells=len(report["cells"]), wall_s=report["wall_s"])
+    print(f"wrote {rd.path}")
+
+
+def _plot_timelines(report: dict, microbatches: int, folder: Path) -> None:
+    """Measured beside simulated timelines, for the cells with the largest M."""
+    calib = report["calibration"]
+    for c in report["cells"]:
+        if c["microbatches"] == microbatches:
+            tag = f"{c['schedule']}-P{c['stages']}-M{c['microbatches']}"
+            plot_timeline(c["timeline"], folder / f"timeline-{tag}-measured.png",
+                          title=f"{tag} measured (bubble {c['bubble_measured']:.3f}, CPU/wall {c['cpu_over_wall']:.2f})")
+            k = calib[str(c["stages"])]
+            sim = simulate(c["schedule"], c["stages"], c["microbatches"], k["fwd_s"], k["bwd_s"], k["send_s"])
+            plot_timeline(sim.events, folder / f"timeline-{tag}-simulated.png",
+                          title=f"{tag} simulated from the calibration (bubble {sim.bubble:.3f})")
+
+
+app.command("quant")(bench_quant.bench_quant)
