@@ -37,9 +37,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from lmforge.perf import hardware
+from lmforge.perf.mfu import flops_per_token, mfu
 
 GB = 1e9  # decimal gigabytes, as datasheets and the seed's table use
 GiB = 2**30
@@ -323,13 +327,7 @@ def memory(shape: ModelShape | Any, mode: str = "full", dtype: str = "bfloat16",
     The `total` excludes the framework overhead (CUDA context, allocator), given as its own term.
     """
     shape = ModelShape.from_config(shape)
-    if mode not in MODES:
-        raise ValueError(f"mode {mode!r}: choose one of {', '.join(MODES)}")
-    if optimizer not in OPTIMIZER_BYTES:
-        raise ValueError(f"optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_BYTES)}")
-    for name, v in (("batch", batch), ("seq_len", seq_len), ("dp_shard", dp_shard), ("tp", tp), ("pp", pp)):
-        if v < 1:
-            raise ValueError(f"{name} must be >= 1, got {v}")
+    _check_memory_args(mode, optimizer, batch=batch, seq_len=seq_len, dp_shard=dp_shard, tp=tp, pp=pp)
     wb = dtype_bytes(dtype)
     # Training computes in 16 bit: the weights' dtype, or bf16 autocast over fp32 weights (lmforge's
     # trainer); pass compute_dtype="float32" for a run without autocast.
@@ -339,6 +337,44 @@ def memory(shape: ModelShape | Any, mode: str = "full", dtype: str = "bfloat16",
                    + f", batch={batch}, seq_len={seq_len}" + (", grad_ckpt" if grad_ckpt else "")
                    + (f", dp_shard={dp_shard}" if dp_shard > 1 else "") + (f", tp={tp}" if tp > 1 else "")
                    + (f", pp={pp}" if pp > 1 else ""))
+    if quant_bits is None and mode == "qlora":
+        quant_bits = 4
+    weights, n_here, layers_here = _weight_terms(est, shape, dtype, dp_shard, tp, pp, quant_bits, group_size)
+    if mode == "inference":
+        return _inference_terms(est, shape, weights, batch, seq_len, kv_dtype or ("bfloat16" if wb < 4 else dtype),
+                                tp, pp, device_kind)
+    trainable = n_here if mode == "full" else lora_params(shape, lora_rank, lora_targets or
+                                                          ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                           "up_proj", "down_proj")) * layers_here / shape.layers / tp
+    _optimizer_terms(est, mode, trainable, wb, optimizer, dp_shard, master_weights, lora_rank)
+    acts, loss_b = _activation_terms(est, shape, batch * seq_len, seq_len, act_b, 4.0 if wb == 4 else 2.0, tp,
+                                     grad_ckpt, fused_loss, dense_attention)
+    # Autocast keeps a 16-bit copy of each fp32 weight it casts, for the backward's matmuls.
+    if mode == "full" and wb == 4 and act_b == 2:
+        est.add("autocast weight copies", n_here * 2 / dp_shard, "B", f"{fmt_num(n_here)} × 2 B (bf16 casts, kept for backward)")
+    _training_totals(est, acts, loss_b, device_kind)
+    est.assumptions += [
+        "the sum is conservative: gradients grow while activations are freed during backward",
+        "activations: bytes saved for backward by our Llama block, attention through SDPA "
+        + ("(dense T×T mask: scores kept)" if dense_attention else "(flash/efficient kernel: no T×T scores)"),
+    ]
+    return est
+
+
+def _check_memory_args(mode: str, optimizer: str, **sizes: int) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: choose one of {', '.join(MODES)}")
+    if optimizer not in OPTIMIZER_BYTES:
+        raise ValueError(f"optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_BYTES)}")
+    for name, v in sizes.items():
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+
+
+def _weight_terms(est: Estimate, shape: ModelShape, dtype: str, dp_shard: int, tp: int, pp: int,
+                  quant_bits: int | None, group_size: int) -> tuple[float, float, int]:
+    """The `parameters` and `weights` terms; returns (weight bytes, parameters and layers on one device)."""
+    wb = dtype_bytes(dtype)
     n = shape.params()
     # What one device holds of the weights: layers split over tp and pp, embeddings/head over tp.
     layers_here = math.ceil(shape.layers / pp)
@@ -348,9 +384,6 @@ def memory(shape: ModelShape | Any, mode: str = "full", dtype: str = "bfloat16",
             f"embedding {fmt_num(shape.embedding_params())}" + ("" if shape.tied else f" + head {fmt_num(shape.head_params())}"))
     shard = f" / dp_shard {dp_shard}" if dp_shard > 1 else ""
     layer_txt = f"({layers_here} of {shape.layers} layers)" if pp > 1 else ""
-    if quant_bits is None and mode == "qlora":
-        quant_bits = 4
-
     if quant_bits:
         q = quant_sizes(shape, group_size=group_size)
         key = {8: "int8", 4: "int4"}.get(quant_bits)
@@ -362,14 +395,13 @@ def memory(shape: ModelShape | Any, mode: str = "full", dtype: str = "bfloat16",
     else:
         weights = est.add("weights", n_here * wb / dp_shard, "B",
                           f"{fmt_num(n_here)} params {layer_txt} × {fmt_num(wb)} B ({dtype}){split}{shard}")
+    return weights, n_here, layers_here
 
-    if mode == "inference":
-        return _inference_terms(est, shape, weights, batch, seq_len, kv_dtype or ("bfloat16" if wb < 4 else dtype),
-                                tp, pp, device_kind)
 
-    trainable = n_here if mode == "full" else lora_params(shape, lora_rank, lora_targets or
-                                                          ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                           "up_proj", "down_proj")) * layers_here / shape.layers / tp
+def _optimizer_terms(est: Estimate, mode: str, trainable: float, wb: float, optimizer: str, dp_shard: int,
+                     master_weights: bool | None, lora_rank: int) -> None:
+    """Trainable parameters' gradients, fp32 master copy and optimizer state (and LoRA's adapters)."""
+    shard = f" / dp_shard {dp_shard}" if dp_shard > 1 else ""
     if mode != "full":
         est.add("trainable parameters", trainable, "", f"LoRA rank {lora_rank}: r·(in+out) per targeted matmul")
     grad_b = wb
@@ -383,9 +415,12 @@ def memory(shape: ModelShape | Any, mode: str = "full", dtype: str = "bfloat16",
     ob = OPTIMIZER_BYTES[optimizer]
     est.add("optimizer state", trainable * ob / dp_shard, "B", f"{fmt_num(trainable)} × {ob} B ({optimizer}){shard}")
 
-    # Activations: the residual stream is fp32 when the weights are (autocast), else 16-bit.
-    resid_b = 4.0 if wb == 4 else 2.0
-    tokens = batch * seq_len
+
+def _activation_terms(est: Estimate, shape: ModelShape, tokens: int, seq_len: int, act_b: float, resid_b: float,
+                      tp: int, grad_ckpt: bool, fused_loss: bool, dense_attention: bool) -> tuple[float, float]:
+    """Activations with and without checkpointing, the loss's logits and backward's transient;
+    returns (activation bytes, loss bytes). `resid_b`: the residual stream is fp32 when the weights
+    are (autocast), else 16-bit."""
     per_layer, per_layer_txt = activation_bytes_per_token_layer(shape, act_b, resid_b, seq_len, dense_attention, tp)
     full_acts = shape.layers * per_layer * tokens  # pp > 1, 1F1B: L/pp layers × pp micro-batches in flight
     # Checkpointing keeps each layer's input and recomputes one layer at a time in backward.
@@ -410,9 +445,11 @@ def memory(shape: ModelShape | Any, mode: str = "full", dtype: str = "bfloat16",
     if not grad_ckpt:
         est.add("backward transient", per_layer * tokens, "B",
                 f"one layer's activation gradients: {fmt_num(per_layer)} B × {fmt_num(tokens)} tokens")
-    # Autocast keeps a 16-bit copy of each fp32 weight it casts, for the backward's matmuls.
-    if mode == "full" and wb == 4 and act_b == 2:
-        est.add("autocast weight copies", n_here * 2 / dp_shard, "B", f"{fmt_num(n_here)} × 2 B (bf16 casts, kept for backward)")
+    return acts, loss_b
+
+
+def _training_totals(est: Estimate, acts: float, loss_b: float, device_kind: str) -> None:
+    """Model states, the total, and the framework overhead beside it."""
     transient = est.get("backward transient", 0.0)
     states = sum(t.value for t in est.terms if t.unit == "B" and not t.name.startswith("activations")
                  and t.name not in ("logits / loss", "backward transient"))
@@ -421,12 +458,6 @@ def memory(shape: ModelShape | Any, mode: str = "full", dtype: str = "bfloat16",
                     "model states + activations + logits/loss" + (" + backward transient" if transient else ""))
     est.add("framework overhead", OVERHEAD_BYTES[device_kind] + FRAGMENTATION * total, "B",
             f"{fmt_bytes(OVERHEAD_BYTES[device_kind])} {device_kind} runtime + {FRAGMENTATION:.0%} allocator fragmentation")
-    est.assumptions += [
-        "the sum is conservative: gradients grow while activations are freed during backward",
-        "activations: bytes saved for backward by our Llama block, attention through SDPA "
-        + ("(dense T×T mask: scores kept)" if dense_attention else "(flash/efficient kernel: no T×T scores)"),
-    ]
-    return est
 
 
 def _inference_terms(est: Estimate, shape: ModelShape, weights: float, batch: int, seq_len: int, kv_dtype: str,
@@ -597,8 +628,6 @@ def mfu_estimate(shape: ModelShape | Any, tokens_per_s: float, device: Device | 
                  seq_len: int = 2048, dtype: str = "bfloat16", training: bool = True, n_devices: int = 1) -> Estimate:
     """MFU = FLOP/token × tokens/s ÷ (peak × devices), with the training formula 6·N + 12·L·H·Q·T
     (`perf/mfu.py`) or, for inference, 2·N + 4·L·H·Q·T. Above 100% is an error naming the formula."""
-    from lmforge.perf.mfu import flops_per_token, mfu
-
     shape = ModelShape.from_config(shape)
     dev = device_spec(device)
     peak = dev.peak(dtype) * n_devices
@@ -766,9 +795,7 @@ class Device:
     kind: str = "cuda"
 
     def peak(self, dtype: str) -> float:
-        from lmforge.perf.hardware import canonical_dtype
-
-        d = canonical_dtype(dtype)
+        d = hardware.canonical_dtype(dtype)
         if not self.peaks.get(d):
             raise ValueError(f"{self.name}: no {d} peak (known: {sorted(k for k, v in self.peaks.items() if v)}); "
                              f"run `lmforge doctor` or pick another dtype")
@@ -784,8 +811,6 @@ class Device:
 def device_spec(device: Device | str | None = None, profile: dict | None = None) -> Device:
     """A `Device` from a datasheet GPU name ("A100", "H100 SXM", "RTX 4090"), or "cpu"/"this"/None
     for this machine's `lmforge doctor` profile (measured peaks and bandwidth)."""
-    from lmforge.perf import hardware
-
     if isinstance(device, Device):
         return device
     if device in (None, "", "this", "cpu", "local"):
@@ -805,8 +830,6 @@ def device_spec(device: Device | str | None = None, profile: dict | None = None)
 
 
 def main() -> None:  # python -m lmforge.perf.estimate [MODEL]
-    import sys
-
     model = sys.argv[1] if len(sys.argv) > 1 else "llama-7b"
     for mode, kw in (("full", {}), ("lora", {"batch": 4, "grad_ckpt": True}), ("inference", {"quant_bits": 4, "seq_len": 4096})):
         print(memory(model, mode=mode, **kw).to_text(), end="\n\n")

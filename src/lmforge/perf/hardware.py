@@ -191,7 +191,7 @@ def peak_flops(device: str, dtype: str, profile: dict | None = None,
     kind = device.split(":")[0]
     if kind == "cuda":
         if device_name is None:
-            import torch
+            import torch  # deferred: only to name a CUDA device; the calculators run without torch
 
             index = int(device.split(":")[1]) if ":" in device else 0
             device_name = torch.cuda.get_device_name(index)

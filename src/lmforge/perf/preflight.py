@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.config import ConfigError
-from lmforge.perf.estimate import Estimate, ModelShape, fmt_bytes, memory
+from lmforge.perf.estimate import Estimate, ModelShape, fmt_bytes, kv_cache, memory
 
 
 def _need(est: Estimate) -> float:
@@ -48,7 +48,7 @@ def available_memory(device: Any) -> tuple[int | None, str]:
     """
     kind = getattr(device, "type", str(device).split(":")[0])
     if kind == "cuda":
-        import torch
+        import torch  # deferred: only for a CUDA device; the calculators run without torch
 
         free, total = torch.cuda.mem_get_info(device)
         return int(free), f"torch.cuda.mem_get_info ({fmt_bytes(total)} total)"
@@ -86,8 +86,6 @@ def preflight_inference(model: Any, dtype: str = "bfloat16", max_num_seqs: int =
         available, source = available_memory(device)
     if available is None or _need(est) <= available:
         return est
-    from lmforge.perf.estimate import kv_cache
-
     per_seq = kv_cache(shape, max_model_len, 1, dtype)["per sequence"]
     room = available - est["weights"] - est.overhead
     fits = max(0, int(room // per_seq))

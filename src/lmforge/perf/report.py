@@ -16,6 +16,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from lmforge.perf.estimate import ModelShape, memory
+from lmforge.track.io import atomic_write_text
+
 GAP = 0.15  # an estimate this far from its measurement gets an "I expected" row
 
 
@@ -46,8 +49,6 @@ def _gflops(v: float | None) -> str:
 def run_memory_gap(rec: dict) -> dict | None:
     """The memory estimate of a training record against its measured peak (CUDA allocated, or CPU
     RSS, which also holds the framework: compared with the estimate plus its overhead)."""
-    from lmforge.perf.estimate import ModelShape, memory
-
     cfg, res = rec.get("config") or {}, rec.get("results") or {}
     peak, mc = res.get("peak_mem"), rec.get("model_config")
     if not peak or not mc:
@@ -180,6 +181,4 @@ def _headroom(mfu: list[dict]) -> list[str]:
 
 
 def report(items: list[str], out: Path, goal: str = "") -> Path:
-    from lmforge.track.io import atomic_write_text
-
     return atomic_write_text(out, build_report(items, goal))
