@@ -19,6 +19,7 @@ import pytest
 from lmforge.engine import AsyncLLMEngine, EngineConfig
 from lmforge.registry import FeedbackStore
 from lmforge.serve.app import VERSION_HEADER, build_app
+from lmforge.serve.config import ServerConfig, VersionsConfig
 from lmforge.serve.testing import ServerThread
 from lmforge.serve.engine_client import ReloadResult, VersionRouterClient
 from lmforge.serve.versions import CanaryGuard, Router, Served
@@ -101,7 +102,8 @@ def test_the_engine_client_reloads_new_version_first_and_drains_the_old_one():
 
 def test_feedback_is_stored_beside_a_pii_masked_exchange(model_dir, tmp_path):
     store = FeedbackStore(tmp_path / "fb.db")
-    app = build_app(loader(model_dir), MODEL, feedback=store, log_requests=True, version="7")
+    app = build_app(loader(model_dir), ServerConfig(MODEL, feedback=store, log_requests=True,
+                                                  versions=VersionsConfig(version="7")))
     with ServerThread(app) as srv:
         _ready(srv)
         r = httpx.post(srv.url + C, json={"prompt": "mail me at jane.doe@example.com", "max_tokens": 4})
@@ -139,7 +141,8 @@ def test_reload_swaps_versions_with_no_failed_request(model_dir, tmp_path):
     other = tmp_path / "v2"
     shutil.copytree(model_dir, other)
     target = {"champion": ("1", loader(model_dir), str(model_dir))}
-    app = build_app(loader(model_dir), MODEL, api_key="k", version="1", reloader=lambda: dict(target))
+    app = build_app(loader(model_dir), ServerConfig(MODEL, api_key="k", versions=VersionsConfig(
+        version="1", reloader=lambda: dict(target))))
     with ServerThread(app) as srv:
         _ready(srv)
         assert httpx.post(srv.url + "/admin/reload").status_code == 401  # the key is required
@@ -179,7 +182,8 @@ def test_console_streams_a_reply_and_counts_a_thumbs_down(model_dir, tmp_path):
     from playwright.sync_api import sync_playwright
 
     store = FeedbackStore(tmp_path / "fb.db")
-    app = build_app(loader(model_dir), MODEL, feedback=store, log_requests=True, version="1")
+    app = build_app(loader(model_dir), ServerConfig(MODEL, feedback=store, log_requests=True,
+                                                  versions=VersionsConfig(version="1")))
     with ServerThread(app) as srv, sync_playwright() as pw:
         _ready(srv)
         browser = pw.chromium.launch(executable_path=shutil.which("chromium") or "/usr/bin/chromium", args=[
@@ -217,7 +221,7 @@ def test_the_loop_serve_feedback_flywheel_lora_registry_canary_promote_rollback(
     from lmforge.registry import Registry
     from lmforge.registry.flywheel import build as flywheel
     from lmforge.train.export import export_run
-    from lmforge.train.loop import main as train_main
+    from lmforge.train.commands import main as train_main
 
     v1 = tmp_path / "v1"
     shutil.copytree(model_dir, v1)
@@ -226,7 +230,8 @@ def test_the_loop_serve_feedback_flywheel_lora_registry_canary_promote_rollback(
     assert reg.add("tiny", v1).version == 1 and reg.get("tiny", "champion").version == 1
     store = FeedbackStore(tmp_path / "feedback.db")
 
-    app = build_app(loader(v1), "tiny", feedback=store, log_requests=True, version="1")
+    app = build_app(loader(v1), ServerConfig("tiny", feedback=store, log_requests=True,
+                                            versions=VersionsConfig(version="1")))
     with ServerThread(app) as srv:
         _ready(srv)
         questions = ["How do I reverse a list?", "What does a dict map?", "Name a sorting algorithm.",
@@ -245,7 +250,8 @@ def test_the_loop_serve_feedback_flywheel_lora_registry_canary_promote_rollback(
     assert reg.add("tiny", v2).version == 2
     reg.set_alias("tiny", "challenger", 2)
 
-    app = build_app(loader(v1), "tiny", version="1", challenger=("2", loader(v2)), canary_percent=50)
+    app = build_app(loader(v1), ServerConfig("tiny", versions=VersionsConfig(
+        version="1", challenger=("2", loader(v2)), canary_percent=50)))
     with ServerThread(app) as srv:
         _ready(srv)
         seen = {httpx.post(srv.url + C, json={"prompt": "The city of", "max_tokens": 2, "user": f"u{i}"}

@@ -49,13 +49,14 @@ def run(out: Path) -> dict:
 
     from lmforge.config import load_config
     from lmforge.train.config import TrainConfig
-    from lmforge.train.loop import init_distributed, main
+    from lmforge.train.commands import main
+    from lmforge.train.loop import Trainer
 
     from lmforge.bench.comm import QUICK_SIZES, comm_worker
     from lmforge.bench.parallel import BenchSpec, bench_worker
     from lmforge.bench.scan import random_packed
     from .parity import Spec, pp_worker, tp_worker
-    from .trainer import ParallelTrainer
+    from .distributed import init_distributed
 
     init_distributed("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -69,13 +70,13 @@ def run(out: Path) -> dict:
     if rank == 0:
         random_packed(packed)
     dist.barrier()
-    # ParallelTrainer directly: loop.train() would end the process group after the first run
+    # the Trainer directly: loop.train() would end the process group after the first run
     for name, extra in (("fsdp", ["train.batch_size=1", "train.parallel.fsdp=true"]),
                         ("pp", ["train.batch_size=2", f"train.parallel.pp={world}", "train.parallel.microbatches=2"])):
         cfg = lambda: load_config(TrainConfig, None, train_overrides(packed, *extra))  # noqa: E731 (fresh each run)
-        ParallelTrainer(cfg(), out / name).fit()
+        Trainer(cfg(), out / name).fit()
         _interrupted_copy(out / name, out / f"{name}-resumed", rank)
-        ParallelTrainer(cfg(), out / f"{name}-resumed", resume=True).fit()
+        Trainer(cfg(), out / f"{name}-resumed", resume=True).fit()
     # last: exactly what `torchrun ... -m lmforge.train ... train.parallel.tp=N` runs (it ends the group)
     main(None, train_overrides(packed, "train.batch_size=2", f"train.parallel.tp={world}"), str(out / "tp"))
     (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(res))

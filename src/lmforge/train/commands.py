@@ -1,7 +1,8 @@
 """`lmforge train`, `lmforge export` and `lmforge distill`: the command-line face of `lmforge.train`.
 
-Parses arguments and calls `loop.main` / `export.export_run` / `distill.distill`; no logic of its own. Heavy
-imports (torch) happen only when a verb runs, so `lmforge --help` stays fast.
+Parses arguments and calls `run` / `export.export_run` / `distill.distill`. `run` is where the stage is
+chosen, once: GRPO (`grpo/trainer.py`) or the one pretrain/SFT loop (`loop.py`, which applies the
+parallelism plan). Heavy imports (torch) happen only when a verb runs, so `lmforge --help` stays fast.
 
     lmforge train configs/tiny.yaml data.path=runs/packed train.max_steps=50 --out runs/tiny
     lmforge train configs/tiny.yaml --out runs/tiny --resume
@@ -14,10 +15,37 @@ imports (torch) happen only when a verb runs, so `lmforge --help` stays fast.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
+from lmforge.config import ConfigError, load_config
+
+from .config import TrainConfig
+from .guards import TrainingDiverged
+
 app = typer.Typer(help="Train models (pretrain / SFT, full / LoRA) and export them.", no_args_is_help=True)
+
+def run(cfg: Any, out: str | Path, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Train `cfg` into `out` with the stage it names; the final record (rank 0) or {} (other ranks)."""
+    if cfg.train.stage == "grpo":  # its own stage (rollouts, rewards, policy loss)
+        # deferred: torch and the engine load only when a verb runs (`lmforge --help` stays fast)
+        from .grpo.trainer import train_grpo
+
+        return train_grpo(cfg, out, resume=resume, overwrite=overwrite)
+    # deferred: as above
+    from .loop import train as train_loop
+
+    return train_loop(cfg, out, resume=resume, overwrite=overwrite)
+
+
+def main(config: str | None, overrides: list[str], out: str | None, resume: bool = False,
+         overwrite: bool = False) -> dict[str, Any]:
+    """`lmforge train CONFIG [KEY=VALUE ...]`: load and override the config, then `run` it."""
+    cfg = load_config(TrainConfig, config, overrides)
+    out = out or cfg.run.out or str(Path("runs") / Path(config).stem)
+    return run(cfg, out, resume=resume, overwrite=overwrite)
+
 
 _TRAIN_HELP = (
     "Train from CONFIG (YAML with sections run, data, model, train, lora, sft), with dotted KEY=VALUE "
@@ -33,10 +61,8 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest valid checkpoint in --out."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the run in --out, checkpoints included."),
 ) -> None:
-    from lmforge.config import ConfigError
-
+    # deferred: torch loads only when a verb runs
     from .checkpoint import CheckpointError
-    from .loop import TrainingDiverged, main
 
     try:
         record = main(str(config), list(overrides or []), out, resume=resume, overwrite=overwrite)

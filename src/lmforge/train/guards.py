@@ -9,6 +9,8 @@
 - `SpikeDetector`: z-score of the loss and the gradient norm over a trailing window; a spike
   names the step and the packed rows of its batch, and may skip the update.
 - `graph_breaks`: what dynamo recorded after `torch.compile` ran (count and reasons).
+- `TrainingDiverged`: a NaN/Inf loss, naming the step and the last good checkpoint; `mem_bytes`:
+  the memory figure of a step's metrics row.
 - `set_deterministic`: `torch.use_deterministic_algorithms`, the cuDNN flags and
   `CUBLAS_WORKSPACE_CONFIG`, returned as a record.
 
@@ -30,6 +32,7 @@ from typing import Any
 from lmforge.config import ConfigError
 from lmforge.perf.estimate import Estimate, ModelShape, fmt_bytes, memory
 from lmforge.perf.preflight import PreflightError, available_memory, preflight_inference  # noqa: F401 (re-exported)
+from lmforge.track.run import peak_memory
 
 
 # ---- pre-flight ------------------------------------------------------------------------------
@@ -233,3 +236,14 @@ def set_deterministic(enabled: bool) -> dict[str, Any]:
 class TrainingOOM(ConfigError):
     """Out of memory during a step; the message has the estimate, the measured peak and the remedies
     (a ConfigError: what fixes it is a config change, and `lmforge train` prints it as one)."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or Inf; the message names the step and the last good checkpoint."""
+
+
+def mem_bytes(device: Any) -> int:
+    """This step's memory figure for metrics.jsonl: CUDA's peak allocation on a GPU, the RSS peak on CPU."""
+    mem = peak_memory()
+    return mem.get("cuda_max_allocated_bytes", mem["cpu_max_rss_bytes"]) if device.type == "cuda" \
+        else mem["cpu_max_rss_bytes"]

@@ -37,11 +37,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lmforge.config import ConfigError, load_config, to_dict
-from lmforge.model import ModelConfig, Transformer, resolve_device
+from lmforge.config import ConfigError, to_dict
+from lmforge.model import ModelConfig, Transformer
 from lmforge.model.checkpoint import DTYPES
 from lmforge.model.config import alignment_warnings
 from lmforge.quant import load_pretrained
+from lmforge.parallel.distributed import Dist
+from lmforge.parallel.parallelize import pipeline_evaluate, pipeline_step, plan_for
+from lmforge.track.provenance import git_info
 from lmforge.track.run import RunDir, peak_memory
 from lmforge.track.runs import read_metrics, truncate_metrics
 
@@ -49,6 +52,7 @@ from . import checkpoint as ckpt
 from . import guards
 from .config import TrainConfig
 from .fused_ce import TrainLoss, can_fuse
+from .guards import TrainingDiverged
 from .optim import build_optimizer, build_scheduler
 
 IGNORE = -100
@@ -57,46 +61,6 @@ RECORD_FIELDS = ("experiment_id", "git", "data_hash", "tokenizer_hash", "config"
                  "batch_size", "grad_accum", "world_size", "effective_batch", "effective_batch_tokens",
                  "device", "hardware", "packages", "seed", "final_train_loss", "final_val_loss", "eval",
                  "peak_mem", "wall_time_s", "tokens_per_s", "mfu", "flops_per_token", "peak_flops")
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN or Inf; the message names the step and the last good checkpoint."""
-
-
-@dataclass
-class Dist:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    group: Any = None  # the data-parallel process group (None: the whole world)
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def all_sum(self, *values: float) -> list[float]:
-        if self.world_size == 1:
-            return [float(v) for v in values]
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64)
-        if dist.get_backend() == "nccl":
-            t = t.cuda()
-        dist.all_reduce(t, group=self.group)
-        return t.tolist()
-
-
-def init_distributed(device_name: str) -> tuple[Dist, torch.device]:
-    """Join the process group torchrun describes (RANK/WORLD_SIZE/LOCAL_RANK), or run alone."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return Dist(), resolve_device(device_name)
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    device = resolve_device(device_name)
-    if device.type == "cuda":
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return Dist(rank, world, local), device
 
 
 @dataclass
@@ -236,10 +200,11 @@ def seed_everything(seed: int) -> None:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, out: Path, resume: bool = False, overwrite: bool = False):
+        self.par = plan_for(cfg)  # checks the parallel options before anything starts
         self.cfg, self.out = cfg.validate(), Path(out)
         t = cfg.train
         self.determinism = guards.set_deterministic(t.deterministic)  # before CUDA initialises
-        self.d, self.device = self.setup_distributed(t.device)
+        self.d, self.device = self.par.setup(t.device)
         self.warnings: list[str] = []
         self.mfu_error: str | None = None
         if self.device.type == "cuda" and t.dtype == "float32":
@@ -258,7 +223,7 @@ class Trainer:
         self.model_config = self.raw_model.config
         for msg in alignment_warnings(self.model_config):
             self.warn(msg)
-        self.model = self.parallelize(apply_method(cfg, self.raw_model).to(self.device))
+        self.model = self.par.parallelize(apply_method(cfg, self.raw_model).to(self.device), self.raw_model, cfg)
         if t.gradient_checkpointing:
             self.raw_model.model.gradient_checkpointing = True
         self.opt = build_optimizer(self.model, t, self.device)
@@ -268,31 +233,17 @@ class Trainer:
         self.step, self.tokens_seen, self.train_time = 0, 0, 0.0
         self.last_ckpt: Path | None = None
         self.best_val: float | None = None
+        self.checkpointer = self._checkpointer()
         if resume:
             self._restore()
         self.fused = t.fused_loss and can_fuse(self.model)
-        self.fwd = self.wrap_data_parallel(TrainLoss(self.model) if self.fused else self.model)
+        self.fwd = self.par.wrap_data_parallel(TrainLoss(self.model) if self.fused else self.model)
         if t.compile:
             self.fwd = torch.compile(self.fwd)
         self.train_iter = iter(self.data.train)
         self.flops_per_token, self.peak = self._flops()
-
-    # ---- parallelism hooks (lmforge.parallel.trainer overrides them for TP and FSDP) ----------
-
-    def setup_distributed(self, device_name: str) -> tuple[Dist, torch.device]:
-        return init_distributed(device_name)
-
-    def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model
-
-    def wrap_data_parallel(self, fwd: torch.nn.Module) -> torch.nn.Module:
-        if self.d.world_size == 1:
-            return fwd
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        return torch.nn.parallel.DistributedDataParallel(fwd, device_ids=ids)
-
-    def clip_gradients(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if self.par.note:
+            self.warn(self.par.note)
 
     # ---- setup helpers ----------------------------------------------------------------------
 
@@ -325,32 +276,28 @@ class Trainer:
             self.warn(f"mfu is null: {e} (run `lmforge doctor` to measure this machine's peak)")
             return fpt, None
 
+    def _checkpointer(self) -> ckpt.Checkpointer:
+        """The run's state as components: what the parallelism plan says for the model and optimizer
+        (plain, or shards beside an unsharded copy), then schedule, scaler, counters, per-rank loader
+        position and RNG streams."""
+        parts = self.par.checkpoint_parts(self.model, self.raw_model, self.opt)
+        components = {**parts["components"], "scheduler": self.sched, "scaler": self.scaler,
+                      "counters": ckpt.Attributes(self, ("step", "tokens_seen", "train_time")),
+                      "loader": self.data.train, "rng": ckpt.RNGState(), **parts["extra"]}
+        t = self.cfg.train
+        return ckpt.Checkpointer(self.out, components, t.ckpt_every, t.keep_last, per_rank=("loader", "rng"),
+                                 flat=("counters", "layout"), shards=parts["shards"], validate=parts["validate"])
+
     def _restore(self) -> None:
-        found = ckpt.latest_valid(self.out)
+        found = self.checkpointer.restore()
         if found is None:
             self.warn(f"--resume: no valid checkpoint in {self.out / ckpt.CKPT_DIR}; starting from step 0")
             if self.d.main:  # every logged step runs again: none may appear twice
                 truncate_metrics(self.out, 0)
             return
         path, meta = found
-        state = ckpt.load_state(path, map_location="cpu")  # RNG states must stay CPU tensors; load_state_dict moves the rest
-        if len(state["loader"]) != self.d.world_size:
-            raise ConfigError(f"{path} was written by {len(state['loader'])} processes; resume with the same "
-                              f"--nproc-per-node (now {self.d.world_size})")
-        self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optimizer"])
-        self.sched.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
-        self.data.train.load_state_dict(state["loader"][self.d.rank])
-        ckpt.set_rng_state(state["rng"][self.d.rank])
-        self.step, self.tokens_seen, self.train_time = state["step"], state["tokens_seen"], state["train_time"]
         self.last_ckpt, self.best_val = path, meta.get("best_val_loss")
         if self.d.main:
-            for newer in ckpt.list_checkpoints(self.out):  # partial/corrupt ones latest_valid skipped
-                if newer.name > path.name:
-                    import shutil
-
-                    shutil.rmtree(newer, ignore_errors=True)
             truncate_metrics(self.out, self.step)
             print(f"resumed from {path} (step {self.step})", file=sys.stderr, flush=True)
 
@@ -390,7 +337,7 @@ class Trainer:
                                    f"Lower train.lr, raise train.warmup_steps or use train.dtype=bfloat16/float32")
         self.scaler.unscale_(self.opt)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = self.clip_gradients(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+        grad_norm = self.par.clip_gradients(self.model, params, t.grad_clip if t.grad_clip > 0 else float("inf"))
         lr = self.opt.param_groups[0]["lr"]
         spikes = self.check_spikes(loss, float(grad_norm), loader_state)
         if not (spikes and t.skip_spikes):
@@ -408,7 +355,7 @@ class Trainer:
         tps = step_tokens / dt
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                 "tokens": self.tokens_seen, "dt_s": round(dt, 6), "tokens_per_s": round(tps, 2),
-                "mfu": self.mfu(tps), "mem_bytes": _mem_bytes(self.device),
+                "mfu": self.mfu(tps), "mem_bytes": guards.mem_bytes(self.device),
                 **({"spike": [s.metric for s in spikes], "skipped": t.skip_spikes} if spikes else {})}
 
     def check_spikes(self, loss: float, grad_norm: float, loader_state: dict | None) -> list:
@@ -458,28 +405,20 @@ class Trainer:
                 "val_bpb": byte_loss / (math.log(2) * n_bytes) if n_bytes else None}
 
     def save(self, val_loss: float | None) -> None:
+        """Checkpoint this step (collective); rank 0 also tracks the best val loss."""
         t = self.cfg.train
-        loaders = [None] * self.d.world_size
-        rngs = [None] * self.d.world_size
-        if self.d.world_size > 1:
-            dist.all_gather_object(loaders, self.data.train.state_dict())
-            dist.all_gather_object(rngs, ckpt.rng_state())
-        else:
-            loaders, rngs = [self.data.train.state_dict()], [ckpt.rng_state()]
-        if not self.d.main:
-            return
-        if val_loss is not None and (self.best_val is None or val_loss < self.best_val):
-            self.best_val = val_loss
-        state = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-                 "scheduler": self.sched.state_dict(), "scaler": self.scaler.state_dict(), "step": self.step,
-                 "tokens_seen": self.tokens_seen, "train_time": self.train_time, "loader": loaders, "rng": rngs}
-        from lmforge.track.provenance import git_info
 
-        meta = {"val_loss": val_loss, "best_val_loss": self.best_val, "tokens_seen": self.tokens_seen,
-                "method": t.method, "stage": t.stage, "config": to_dict(self.cfg),
-                "model_config": self.model_config.to_hf(dtype="float32"), "git": git_info(),
-                "tokenizer_dir": self.data.tokenizer_dir}
-        self.last_ckpt = ckpt.save_checkpoint(self.out, self.step, state, meta, keep_last=t.keep_last)
+        def meta() -> dict[str, Any]:  # rank 0 only
+            if val_loss is not None and (self.best_val is None or val_loss < self.best_val):
+                self.best_val = val_loss
+            return {"val_loss": val_loss, "best_val_loss": self.best_val, "tokens_seen": self.tokens_seen,
+                    "method": t.method, "stage": t.stage, "config": to_dict(self.cfg),
+                    "model_config": self.model_config.to_hf(dtype="float32"), "git": git_info(),
+                    "tokenizer_dir": self.data.tokenizer_dir}
+
+        path = self.checkpointer.save(self.step, meta)
+        if path is not None:
+            self.last_ckpt = path
 
     def fit(self) -> dict[str, Any]:
         t, d = self.cfg.train, self.d
@@ -488,7 +427,7 @@ class Trainer:
         last_train_loss, last_eval = None, None
         while self.step < t.max_steps:
             try:
-                row = self.train_step()
+                row = pipeline_step(self) if self.par.pipelined else self.train_step()
             except (torch.OutOfMemoryError, RuntimeError) as e:
                 if not guards.is_oom(e):
                     raise
@@ -506,11 +445,11 @@ class Trainer:
             val_loss = None
             if done or (t.eval_every and self.step % t.eval_every == 0):
                 t_eval = time.perf_counter()
-                ev = self.evaluate()
+                ev = pipeline_evaluate(self) if self.par.pipelined else self.evaluate()
                 if ev is not None:
                     row.update(ev, eval_s=round(time.perf_counter() - t_eval, 6))
                     last_eval, val_loss = ev, ev["val_loss"]
-            if done or (t.ckpt_every and self.step % t.ckpt_every == 0):
+            if self.checkpointer.due(self.step, done):
                 self.save(val_loss)
             if d.main:
                 self.run.log_metrics(row)
@@ -529,7 +468,7 @@ class Trainer:
     def _static_record(self) -> dict[str, Any]:
         t = self.cfg.train
         eff = t.batch_size * t.grad_accum * self.d.world_size
-        return {"experiment_id": self.cfg.run.name or self.out.name, "stage": t.stage, "method": t.method,
+        rec = {"experiment_id": self.cfg.run.name or self.out.name, "stage": t.stage, "method": t.method,
                 "config": to_dict(self.cfg), "data_hash": self.data.data_hash,
                 "tokenizer_hash": self.data.tokenizer_hash, "tokenizer_dir": self.data.tokenizer_dir,
                 "lr": t.lr, "batch_size": t.batch_size, "grad_accum": t.grad_accum, "world_size": self.d.world_size,
@@ -540,6 +479,7 @@ class Trainer:
                 "trainable_parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
                 "flops_per_token": self.flops_per_token, "peak_flops": self.peak,
                 "determinism": self.determinism}
+        return self.par.update_record(rec, self.cfg, self.data.seq_len)
 
     def _finish(self, train_loss: float | None, last_eval: dict | None) -> dict[str, Any]:
         if not self.d.main:
@@ -599,12 +539,6 @@ def token_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torc
     return loss_N.view_as(labels_BT)
 
 
-def _mem_bytes(device: torch.device) -> int:
-    mem = peak_memory()
-    return mem.get("cuda_max_allocated_bytes", mem["cpu_max_rss_bytes"]) if device.type == "cuda" \
-        else mem["cpu_max_rss_bytes"]
-
-
 def _format_row(row: dict, max_steps: int) -> str:
     parts = [f"step {row['step']}/{max_steps}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.2e}",
              f"gnorm {row['grad_norm']:.3f}", f"{row['tokens_per_s']:,.0f} tok/s"]
@@ -616,16 +550,11 @@ def _format_row(row: dict, max_steps: int) -> str:
 
 
 def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
-    """Train `cfg` into run directory `out`; returns the final record (rank 0) or {} (other ranks)."""
-    if cfg.train.stage == "grpo":  # its own stage (rollouts, rewards, policy loss): train/grpo/
-        from .grpo.trainer import train_grpo
-
-        return train_grpo(cfg, out, resume=resume, overwrite=overwrite)
-    if cfg.train.parallel.active:  # tensor parallel / FSDP: the same loop with its hooks overridden
-        from lmforge.parallel.trainer import ParallelTrainer as trainer_cls
-    else:
-        trainer_cls = Trainer
-    trainer = trainer_cls(cfg, Path(out), resume=resume, overwrite=overwrite)
+    """Pretrain or fine-tune `cfg` (any parallelism) into run directory `out`; returns the final record
+    (rank 0) or {} (other ranks). GRPO is its own stage (`grpo.trainer.train_grpo`; `commands.run` chooses)."""
+    if cfg.train.stage == "grpo":
+        raise ConfigError("train.stage=grpo runs through lmforge.train.commands.run (or grpo.trainer.train_grpo)")
+    trainer = Trainer(cfg, Path(out), resume=resume, overwrite=overwrite)
     try:
         return trainer.fit()
     except BaseException as e:
@@ -636,9 +565,3 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def main(config: str, overrides: list[str], out: str | None, resume: bool = False, overwrite: bool = False) -> dict:
-    cfg = load_config(TrainConfig, config, overrides)
-    out = out or cfg.run.out or str(Path("runs") / Path(config).stem)
-    return train(cfg, out, resume=resume, overwrite=overwrite)

@@ -33,7 +33,7 @@ import copy
 import math
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,12 +51,6 @@ from ..optim import build_optimizer, build_scheduler
 from .loss import completion_logprobs, grpo_loss, group_advantages
 from .reward import Rewards
 from .rollout import Rollout, RolloutEngine
-
-
-class Stateful(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class TaskSampler:
@@ -99,33 +93,6 @@ class Progress:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.rollout_tokens, self.train_time = state["step"], state["rollout_tokens"], state["train_time"]
-
-
-class Checkpointer:
-    """Saves and restores a set of named Stateful components (plus RNG states) every `every` steps."""
-
-    def __init__(self, out: Path, components: dict[str, Stateful], every: int, keep_last: int, meta: dict[str, Any]):
-        self.out, self.components, self.every, self.keep_last, self.meta = out, components, every, keep_last, meta
-        self.last: Path | None = None
-
-    def maybe_save(self, step: int, done: bool) -> None:
-        if done or (self.every and step % self.every == 0):
-            state = {name: c.state_dict() for name, c in self.components.items()}
-            state["rng"] = ckpt.rng_state()
-            self.last = ckpt.save_checkpoint(self.out, step, state, {**self.meta, "step": step}, keep_last=self.keep_last)
-
-    def restore(self) -> int | None:
-        """Load the newest valid checkpoint into the components; its step, or None when there is none."""
-        found = ckpt.latest_valid(self.out)
-        if found is None:
-            return None
-        path, meta = found
-        state = ckpt.load_state(path, map_location="cpu")
-        for name, c in self.components.items():
-            c.load_state_dict(state[name])
-        ckpt.set_rng_state(state["rng"])
-        self.last = path
-        return int(meta["step"])
 
 
 def _batch(rollouts: list[Rollout], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -183,11 +150,14 @@ class GRPOTrainer:
         self.pad_id = pad if pad is not None else 0
         meta = {"stage": "grpo", "method": "full", "config": to_dict(cfg), "val_loss": None, "best_val_loss": None,
                 "model_config": self.model.config.to_hf(dtype="float32"), "git": git_info(), "tokenizer_dir": init}
-        self.checkpointer = Checkpointer(self.out, {"model": self.model, "optimizer": self.opt,
-                                                    "scheduler": self.sched, "tasks": self.sampler,
-                                                    "progress": self.progress}, t.ckpt_every, t.keep_last, meta)
+        self.meta = meta
+        self.checkpointer = ckpt.Checkpointer(self.out, {"model": self.model, "optimizer": self.opt,
+                                                         "scheduler": self.sched, "tasks": self.sampler,
+                                                         "progress": self.progress, "rng": ckpt.RNGState()},
+                                              t.ckpt_every, t.keep_last)
         if resume:
-            step = self.checkpointer.restore()
+            found = self.checkpointer.restore()
+            step = int(found[1]["step"]) if found else None
             if step is None:
                 print(f"warning: --resume: no valid checkpoint in {self.out / ckpt.CKPT_DIR}; starting from step 0")
             truncate_metrics(self.out, step or 0)
@@ -277,7 +247,8 @@ class GRPOTrainer:
             row = self.step()
             self.run.log_metrics(row)
             done = self.progress.step == t.max_steps
-            self.checkpointer.maybe_save(self.progress.step, done)
+            if self.checkpointer.due(self.progress.step, done):
+                self.checkpointer.save(self.progress.step, lambda: self.meta)
             if t.log_every and (self.progress.step % t.log_every == 0 or done):
                 print(_format_row(row, t.max_steps), flush=True)
         return self._finish()

@@ -17,7 +17,7 @@ that is the measurement `bytes_per_layer` reports. It knows nothing about optimi
 
 Shape legend: b rows, T tokens, D hidden, N/K query/kv heads, H head dim, F MLP hidden.
 
-    from lmforge.parallel.tensor import apply_tensor_parallel
+    from lmforge.model.tensor_parallel import apply_tensor_parallel
     counter = apply_tensor_parallel(model, group=None)   # the default group: tp = world size
 """
 
