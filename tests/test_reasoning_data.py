@@ -159,6 +159,7 @@ def test_distill_keeps_only_correct_traces(tmp_path, monkeypatch):
     """The engine is replaced by a scripted one: this checks the rejection rule and the counts, which
     depend only on the texts the teacher writes."""
     import lmforge.engine as engine
+    import lmforge.train.distill as distill_module
     from lmforge.train.distill import distill
     from reasoning_fixtures import tiny_model, write_tasks
 
@@ -177,7 +178,7 @@ def test_distill_keeps_only_correct_traces(tmp_path, monkeypatch):
                      Out([f"Answer: {a[1]}", DEFAULT_FORMAT.render("ok", a[1])]),  # malformed but right, then kept
                      Out(["nothing", "<think>\n</think>\nAnswer: 1\nAnswer: 2"])]
 
-    monkeypatch.setattr(engine, "LLM", FakeLLM)
+    monkeypatch.setattr(distill_module, "LLM", FakeLLM)  # where distill looks it up
     res = distill(model, tasks, 2, tmp_path / "d", dtype="float32")
     kept = [json.loads(x) for x in (tmp_path / "d" / "sft.jsonl").read_text().splitlines()]
     assert [k["task"] for k in kept] == [0, 1]

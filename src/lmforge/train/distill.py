@@ -25,21 +25,22 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from lmforge.data.synth import read_tasks
+from lmforge.engine import LLM, SamplingParams
+from lmforge.eval.backends import model_hash
 from lmforge.tasks.reasoning import DEFAULT_FORMAT, answers_match
+from lmforge.track.io import atomic_write_text, sha256_file
+from lmforge.track.run import RunDir
+
+from .grpo.rollout import chat_prompt_ids
+
+COUNTS = ("tasks", "samples", "kept", "wrong", "malformed", "correct", "tasks_solved")
 
 
 def distill(teacher: str | os.PathLike, tasks_path: str | os.PathLike, n: int, out: str | os.PathLike, *,
             temperature: float = 0.8, top_p: float = 1.0, max_tokens: int = 320, seed: int = 0,
             limit: int | None = None, dtype: str = "auto", device: str = "auto",
             overwrite: bool = False) -> dict[str, Any]:
-    from lmforge.data.synth import read_tasks
-    from lmforge.engine import LLM, SamplingParams
-    from lmforge.eval.backends import model_hash
-    from lmforge.track.io import atomic_write_text, sha256_file
-    from lmforge.track.run import RunDir
-
-    from .grpo.rollout import chat_prompt_ids
-
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
     tasks = read_tasks(tasks_path)[:limit] if limit else read_tasks(tasks_path)
@@ -47,50 +48,68 @@ def distill(teacher: str | os.PathLike, tasks_path: str | os.PathLike, n: int, o
               "max_tokens": max_tokens, "seed": seed, "limit": limit, "dtype": dtype, "device": device}
     with RunDir(out, overwrite=overwrite) as run:
         run.write_config(config)
-        llm = LLM(str(teacher), dtype=dtype, device=device)
-        tok = llm.get_tokenizer()
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ValueError(f"{teacher}: the teacher needs a tokenizer with a chat template")
-        ids = [chat_prompt_ids(tok, t["prompt"]) for t in tasks]
-        room = llm.llm_engine.max_model_len - max(len(i) for i in ids)
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=min(max_tokens, room),
-                                 seed=seed * 1_000_003 + i) for i in range(len(tasks))]
-        outputs = llm.generate(ids, params, use_tqdm=True)
-        rows, per_cat = [], defaultdict(lambda: {"tasks": 0, "samples": 0, "kept": 0, "wrong": 0, "malformed": 0,
-                                                 "correct": 0, "tasks_solved": 0})
-        for i, (task, o) in enumerate(zip(tasks, outputs)):
-            c = per_cat[task["category"]]
-            c["tasks"] += 1
-            solved = False
-            for comp in o.outputs:
-                c["samples"] += 1
-                right = answers_match(DEFAULT_FORMAT.extract(comp.text), task["answer"])
-                solved |= right
-                c["correct"] += right
-                if not DEFAULT_FORMAT.is_well_formed(comp.text):
-                    c["malformed"] += 1
-                elif not right:
-                    c["wrong"] += 1
-                else:
-                    c["kept"] += 1
-                    rows.append({"messages": [{"role": "user", "content": task["prompt"]},
-                                              {"role": "assistant", "content": comp.text.strip()}],
-                                 "category": task["category"], "task": i})
-            c["tasks_solved"] += solved
+        outputs = sample_traces(teacher, tasks, n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                seed=seed, dtype=dtype, device=device)
+        rows, per_cat = judge_traces(tasks, outputs)
         sft = Path(out) / "sft.jsonl"
         atomic_write_text(sft, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-        total = {k: sum(c[k] for c in per_cat.values()) for k in ("tasks", "samples", "kept", "wrong", "malformed",
-                                                                  "correct", "tasks_solved")}
         for cat, c in sorted(per_cat.items()):
             run.log_metrics({"event": "category", "category": cat, **c})
-        results = {**total, "teacher_accuracy": total_ratio(total["correct"], total["samples"]),
-                   f"teacher_pass@{n}": total_ratio(total["tasks_solved"], total["tasks"]),
-                   "kept_fraction": total_ratio(total["kept"], total["samples"]),
-                   "per_category": dict(per_cat)}
+        results = summarize(per_cat, n)
         run.write_record({"inputs": {"teacher_hash": model_hash(teacher), "tasks_sha256": sha256_file(tasks_path)},
                           "outputs": {"sft.jsonl": sha256_file(sft)}})
         run.finish(**results)
     return results
+
+
+def sample_traces(teacher: str | os.PathLike, tasks: list[dict[str, Any]], n: int, *, temperature: float,
+                  top_p: float, max_tokens: int, seed: int, dtype: str, device: str) -> list[Any]:
+    """K completions per task from the teacher through the engine, chat-templated, seeded per task."""
+    llm = LLM(str(teacher), dtype=dtype, device=device)
+    tok = llm.get_tokenizer()
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise ValueError(f"{teacher}: the teacher needs a tokenizer with a chat template")
+    ids = [chat_prompt_ids(tok, t["prompt"]) for t in tasks]
+    room = llm.llm_engine.max_model_len - max(len(i) for i in ids)
+    params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=min(max_tokens, room),
+                             seed=seed * 1_000_003 + i) for i in range(len(tasks))]
+    return llm.generate(ids, params, use_tqdm=True)
+
+
+def judge_traces(tasks: list[dict[str, Any]], outputs: list[Any]) -> tuple[list[dict[str, Any]], dict[str, dict]]:
+    """(the kept SFT rows, per-category counts): a trace is kept when well-formed and right; a malformed
+    trace with the right answer counts in `correct` (the teacher's accuracy) but is not kept."""
+    rows: list[dict[str, Any]] = []
+    per_cat: dict[str, dict] = defaultdict(lambda: dict.fromkeys(COUNTS, 0))
+    for i, (task, o) in enumerate(zip(tasks, outputs)):
+        c = per_cat[task["category"]]
+        c["tasks"] += 1
+        solved = False
+        for comp in o.outputs:
+            c["samples"] += 1
+            right = answers_match(DEFAULT_FORMAT.extract(comp.text), task["answer"])
+            solved |= right
+            c["correct"] += right
+            if not DEFAULT_FORMAT.is_well_formed(comp.text):
+                c["malformed"] += 1
+            elif not right:
+                c["wrong"] += 1
+            else:
+                c["kept"] += 1
+                rows.append({"messages": [{"role": "user", "content": task["prompt"]},
+                                          {"role": "assistant", "content": comp.text.strip()}],
+                             "category": task["category"], "task": i})
+        c["tasks_solved"] += solved
+    return rows, per_cat
+
+
+def summarize(per_cat: dict[str, dict], n: int) -> dict[str, Any]:
+    """Totals over categories, the teacher's accuracy and pass@K, the kept fraction, and the per-category counts."""
+    total = {k: sum(c[k] for c in per_cat.values()) for k in COUNTS}
+    return {**total, "teacher_accuracy": total_ratio(total["correct"], total["samples"]),
+            f"teacher_pass@{n}": total_ratio(total["tasks_solved"], total["tasks"]),
+            "kept_fraction": total_ratio(total["kept"], total["samples"]),
+            "per_category": dict(per_cat)}
 
 
 def total_ratio(a: float, b: float) -> float | None:
