@@ -25,11 +25,12 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from lmforge.tools.procs import Status, StatusKind, ignore_sigint
+
 from .executor import WorkerDiedError
 from .llm_engine import LLMEngine
 from .messages import (CoreStart, EngineCoreOutputs, EngineCoreRequest, EngineInfo, EngineStepError, Reply,
-                       RequestType, Status, StatusKind, StepFailure, picklable)
-from .procs import ignore_sigint
+                       RequestType, StepFailure, picklable)
 
 log = logging.getLogger("lmforge.engine")
 

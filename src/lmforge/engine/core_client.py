@@ -40,13 +40,12 @@ from typing import Any
 import torch
 
 from lmforge.tokenizer.load import load_tokenizer
+from lmforge.tools.procs import Status, StatusKind, exit_cause, kill, start_python, stop
 
 from .config import EngineConfig
 from .core import EngineCore
 from .llm_engine import LLMEngine
-from .messages import (CoreStart, EngineCoreOutputs, EngineCoreRequest, EngineDeadError, EngineInfo, RequestType,
-                       Status, StatusKind)
-from .procs import exit_cause, kill, start_python, stop
+from .messages import CoreStart, EngineCoreOutputs, EngineCoreRequest, EngineDeadError, EngineInfo, RequestType
 
 LOAD_TIMEOUT_S = 600.0
 OnOutputs = Callable[[EngineCoreOutputs], None]

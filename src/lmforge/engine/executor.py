@@ -16,10 +16,10 @@ column shards are plain `nn.Linear`s (the CPU weight packing and the fused C ker
 to an unsharded model) and `RowParallelLinear` all-reduces in its forward. A layer all-reduces two
 activations of T x D elements: 2 * D * dtype bytes per layer per token, whatever N (`CommCounter`).
 
-Workers are plain child interpreters (`procs.py`; their side is `worker.py`), and rank 0 speaks to
-each over one pipe in typed messages (`messages.py`: `WorkerStart`, `KVPool`, one `StepInputs` per
-step, `Stop`; a worker answers `Status(JOINING)`, then `Status(READY)` or `Status(ERROR)`). A
-worker exits when rank 0 tells it, when rank 0's end of its pipe closes (rank 0 died) or when a
+Workers are plain child interpreters (`lmforge.tools.procs`; their side is `worker.py`), and rank 0
+speaks to each over one pipe in typed messages (`messages.py`: `WorkerStart`, `KVPool`, one
+`StepInputs` per step, `Stop`; a worker answers `Status(JOINING)`, then `Status(READY)` or
+`Status(ERROR)`). A worker exits when rank 0 tells it, when rank 0's end of its pipe closes (rank 0 died) or when a
 collective fails. Rank 0 stops its workers on `shutdown()`, when the executor is garbage-collected,
 and at interpreter exit (`weakref.finalize`); a worker that dies surfaces as `WorkerDiedError`,
 naming the rank and its exit cause. The process group is the executor's own, not
@@ -44,15 +44,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmforge.model.tensor_parallel import COLUMN, ROW, CommCounter
+from lmforge.model.tensor_parallel import COLUMN, ROW, CommCounter, GroupAllReduce, RowParallelLinear, plain_linear
 
 from lmforge.model.checkpoint import read_hf_config
 from lmforge.model.config import ModelConfig
+from lmforge.tools.procs import Status, StatusKind, exit_cause, start_python
 
 from .config import EngineConfig
-from .messages import KVPool, Status, StatusKind, Stop, WorkerStart
+from .messages import KVPool, Stop, WorkerStart
 from .model_runner import StepInputs
-from .procs import exit_cause, start_python
 
 LOAD_TIMEOUT_S = 600.0  # a worker's import + load, as the engine core's
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a step's all-reduce waits this long for a rank that hangs
@@ -89,33 +89,6 @@ def _device(config: EngineConfig, rank: int = 0) -> torch.device:
     return torch.device("cuda", rank) if cuda else torch.device("cpu")
 
 
-class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_local @ W[:, cols of rank r].T) + b: each rank's partial product, summed over ranks,
-    then the replicated bias once. `linear` is a plain `nn.Linear` (so the CPU packing can replace it)."""
-
-    def __init__(self, linear: nn.Linear, rank: int, size: int, group, counter: CommCounter, layer: int, kind: str):
-        super().__init__()
-        cols = linear.in_features // size
-        self.linear = _linear(linear.weight.detach()[:, rank * cols:(rank + 1) * cols], None)
-        self.bias = None if linear.bias is None else linear.bias.detach().clone()
-        self.group, self.counter, self.layer, self.kind = group, counter, layer, kind
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear(x).contiguous()
-        self.counter.add(self.layer, self.kind, y)
-        self.group.allreduce([y]).wait()
-        return y + self.bias if self.bias is not None else y
-
-
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    out_f, in_f = weight.shape
-    lin = nn.Linear(in_f, out_f, bias=bias is not None, device="meta")
-    lin.weight = nn.Parameter(weight.clone(), requires_grad=False)
-    if bias is not None:
-        lin.bias = nn.Parameter(bias.clone(), requires_grad=False)
-    return lin
-
-
 def shard_model(model: nn.Module, rank: int, size: int, group, counter: CommCounter) -> None:
     """Keep rank r's Megatron shard of every decoder layer of a loaded `Transformer`, in place."""
     for i, layer in enumerate(model.model.layers):
@@ -127,13 +100,13 @@ def shard_model(model: nn.Module, rank: int, size: int, group, counter: CommCoun
                     raise ValueError(f"tensor parallelism shards nn.Linear layers; layer {i} {name} is "
                                      f"{type(lin).__name__}")
                 if name in ROW:
-                    setattr(block, name, RowParallelLinear(lin, rank, size, group, counter, i, kind))
+                    setattr(block, name, RowParallelLinear(lin, rank, size, GroupAllReduce(group, counter, i, kind)))
                 else:
                     assert name in COLUMN
                     rows = lin.out_features // size
                     part = slice(rank * rows, (rank + 1) * rows)
-                    setattr(block, name, _linear(lin.weight.detach()[part],
-                                                 None if lin.bias is None else lin.bias.detach()[part]))
+                    setattr(block, name, plain_linear(lin.weight.detach()[part],
+                                                      None if lin.bias is None else lin.bias.detach()[part]))
         attn = layer.self_attn
         attn.n_heads, attn.n_kv_heads = attn.n_heads // size, attn.n_kv_heads // size
     model.tensor_parallel = (rank, size)

@@ -12,7 +12,9 @@ Three conversations use them:
     server <-> its exchange-log writer (serve/exchange_log.py)
         list of rows ... <- Status(READY), then Status(OK, rows) | Status(ERROR, text) per batch
 
-The in-process engine client speaks the same requests and outputs, minus the pipe. This module knows
+`Status` (a child's state change or acknowledgement) lives in `lmforge.tools.procs`, which the
+exchange-log writer imports without torch. The in-process engine client speaks the same requests
+and outputs, minus the pipe. This module knows
 nothing about how messages travel or what handles them.
 """
 
@@ -21,7 +23,6 @@ from __future__ import annotations
 import enum
 import pickle
 from dataclasses import dataclass, field
-from typing import Any
 
 from .config import EngineConfig
 from .outputs import RequestOutput
@@ -40,21 +41,6 @@ class EngineStepError(RuntimeError):
     def __init__(self, message: str = "internal error: the engine step failed and this request was aborted; "
                                       "the server log has the details"):
         super().__init__(message)
-
-
-class StatusKind(enum.Enum):
-    JOINING = "joining"  # a worker is about to join the process group
-    READY = "ready"  # loaded (detail: the EngineInfo of an engine core)
-    OK = "ok"  # a batch is done (detail: how many items)
-    ERROR = "error"  # failed (detail: the exception, or its text)
-    CLOSED = "closed"  # the engine core stopped on request
-
-
-@dataclass(frozen=True)
-class Status:
-    """A child process's state change or acknowledgement."""
-    kind: StatusKind
-    detail: Any = None
 
 
 # ---- front <-> engine core ------------------------------------------------------------------------

@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 
 from lmforge.quant import load_pretrained
+from lmforge.tools.procs import Status, StatusKind, exit_now, ignore_sigint
 
 from .config import EngineConfig
 from .executor import LOAD_TIMEOUT_S, CommCounter, new_group, shard_model  # executor owns the TP layer
-from .messages import KVPool, Status, StatusKind, Stop, WorkerStart
+from .messages import KVPool, Stop, WorkerStart
 from .model_runner import ModelRunner
-from .procs import exit_now, ignore_sigint
 
 
 def worker_main(fd: int) -> None:

@@ -30,14 +30,14 @@ CMD_FD ACK_FD DB_PATH` (started by `ExchangeLog`).
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import subprocess
 import sys
 import threading
 from collections import OrderedDict
 from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
+
+from lmforge.registry import FeedbackStore
+from lmforge.tools.procs import Status, StatusKind, ignore_sigint, kill, start_child, stop
 
 log = logging.getLogger("lmforge.serve")
 MAX_PENDING, MAX_BATCH, RECENT = 10_000, 512, 100_000
@@ -46,7 +46,7 @@ START_TIMEOUT_S = 60.0
 
 
 class ExchangeLog:
-    def __init__(self, store, max_pending: int = MAX_PENDING):
+    def __init__(self, store: FeedbackStore, max_pending: int = MAX_PENDING):
         """`store`: the `FeedbackStore` to write (the writer process opens its own connection to the file)."""
         self.path, self.max_pending = Path(store.path), max_pending
         self._rows: list[tuple[int, dict]] = []  # (seq, row) added and not yet sent
@@ -61,15 +61,13 @@ class ExchangeLog:
         child_cmd, self._cmd = Pipe(duplex=False)
         self._ack, child_ack = Pipe(duplex=False)
         fds = (child_cmd.fileno(), child_ack.fileno())
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "lmforge.serve.exchange_log", str(fds[0]), str(fds[1]), str(self.path)],
-            pass_fds=fds, stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": _pythonpath()})
+        self._proc = start_child(["-m", "lmforge.serve.exchange_log", str(fds[0]), str(fds[1]), str(self.path)], fds)
         child_cmd.close()
         child_ack.close()
-        if not self._ack.poll(START_TIMEOUT_S) or self._recv() != ("ready",):
-            self._proc.kill()
+        if not self._ack.poll(START_TIMEOUT_S) or self._recv().kind is not StatusKind.READY:
+            kill(self._proc)
             raise RuntimeError(f"the exchange-log writer for {self.path} did not start "
-                               f"(exit {self._proc.wait(timeout=10)}); the server log has its error")
+                               f"(exit {self._proc.returncode}); the server log has its error")
         self._thread = threading.Thread(target=self._run, name="lmforge-exchange-log", daemon=True)
         self._thread.start()
 
@@ -128,11 +126,7 @@ class ExchangeLog:
             self._lock.notify_all()
         self._thread.join(timeout=30)
         self._cmd.close()  # the child's recv sees EOF and exits
-        try:
-            self._proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(timeout=10)
+        stop(self._proc, grace_s=10)
 
     # ---- the sender thread ------------------------------------------------------------------------------
 
@@ -152,25 +146,27 @@ class ExchangeLog:
                 self._cmd.send([row for _, row in batch])  # pickling a few dicts: microseconds
                 reply = self._recv()
             except (OSError, EOFError) as e:
-                reply = ("dead", f"{type(e).__name__}: {e}")
-            if reply[0] == "error":  # a bad batch (a full disk): these rows are lost, the writer goes on
-                log.error("could not write %d exchanges to the feedback store: %s", len(batch), reply[1])
+                reply = Status(StatusKind.EXITED, f"{type(e).__name__}: {e}")
+            if reply.kind is StatusKind.ERROR:  # a bad batch (a full disk): these rows are lost, the writer goes on
+                log.error("could not write %d exchanges to the feedback store: %s", len(batch), reply.detail)
             with self._lock:
-                if reply[0] != "ok":
+                if reply.kind is not StatusKind.OK:
                     self.dropped += len(batch)
-                if reply[0] == "dead":
-                    self._writer_died(reply[1])
+                if reply.kind is StatusKind.EXITED:
+                    self._writer_died(reply.detail)
                 self._written = last
                 self._lock.notify_all()
             if self._dead is not None:
                 return
 
-    def _recv(self) -> tuple:
+    def _recv(self) -> Status:
+        """The writer's answer, or `EXITED` with why it can answer no more."""
         try:
             return self._ack.recv()
         except (OSError, EOFError):
             code = self._proc.poll()
-            return ("dead", f"the writer process exited ({code})" if code is not None else "the pipe closed")
+            return Status(StatusKind.EXITED,
+                          f"the writer process exited ({code})" if code is not None else "the pipe closed")
 
     def _writer_died(self, why: str) -> None:
         """Under the lock: count what can never be written, and release every waiter."""
@@ -181,21 +177,12 @@ class ExchangeLog:
         log.error("the exchange-log writer stopped (%s); exchanges are no longer stored", why)
 
 
-def _pythonpath() -> str:
-    """The child imports this very package, wherever it was imported from."""
-    root = str(Path(__file__).resolve().parents[2])
-    rest = os.environ.get("PYTHONPATH")
-    return root + (os.pathsep + rest if rest else "")
-
-
 def writer_main(cmd: Connection, ack: Connection, path: str) -> None:
     """The writer process: batches in, masked rows into the store, one ack per batch. Exits when the
     parent closes its end (EOF)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
-    from lmforge.registry import FeedbackStore
-
+    ignore_sigint()
     store = FeedbackStore(path)
-    ack.send(("ready",))
+    ack.send(Status(StatusKind.READY))
     while True:
         try:
             rows = cmd.recv()
@@ -203,9 +190,9 @@ def writer_main(cmd: Connection, ack: Connection, path: str) -> None:
             return
         try:
             store.log_exchanges(rows)
-            ack.send(("ok", len(rows)))
+            ack.send(Status(StatusKind.OK, len(rows)))
         except Exception as e:  # noqa: BLE001 - reported to the parent, which logs it and counts the rows
-            ack.send(("error", f"{type(e).__name__}: {e}"))
+            ack.send(Status(StatusKind.ERROR, f"{type(e).__name__}: {e}"))
 
 
 if __name__ == "__main__":

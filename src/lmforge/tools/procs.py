@@ -1,21 +1,42 @@
-"""Child interpreters: start one with inherited pipe ends, say how one ended, stop one (vLLM's
-`vllm/v1/utils.py` process helpers).
+"""Child interpreters: start one with inherited pipe ends, say how one ended, stop one, and the
+`Status` a child reports over its pipe (vLLM's `vllm/v1/utils.py` process helpers).
 
-The engine core (`core.py`), the tensor-parallel workers (`worker.py`) and the server's exchange-log
-writer all run in plain child interpreters (`python -c ...` / `python -m ...`) rather than
-multiprocessing's spawn, which re-imports the caller's `__main__`: a user's script needs no
-`if __name__ == "__main__"` guard. Every child ignores SIGINT (Ctrl-C reaches the whole process
-group; the parent decides when its children stop). This module knows nothing about what the
-children do or what crosses their pipes (`messages.py`).
+The engine core (`engine/core.py`), the tensor-parallel workers (`engine/worker.py`) and the server's
+exchange-log writer (`serve/exchange_log.py`) all run in plain child interpreters (`python -c ...` /
+`python -m ...`) rather than multiprocessing's spawn, which re-imports the caller's `__main__`: a
+user's script needs no `if __name__ == "__main__"` guard. Every child ignores SIGINT (Ctrl-C reaches
+the whole process group; the parent decides when its children stop) and answers its parent with
+`Status` values. A leaf, cheap to import (no torch: the exchange-log writer imports it). It knows
+nothing about what the children do or about the rest of what crosses their pipes
+(`engine/messages.py`).
 """
 
 from __future__ import annotations
 
+import enum
 import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+
+class StatusKind(enum.Enum):
+    JOINING = "joining"  # a tensor-parallel worker is about to join the process group
+    READY = "ready"  # loaded (detail: what the parent needs to know, e.g. an engine core's EngineInfo)
+    OK = "ok"  # a batch is done (detail: how many items)
+    ERROR = "error"  # failed (detail: the exception, or its text)
+    CLOSED = "closed"  # stopped on request
+    EXITED = "exited"  # made by the parent, not sent: the child is gone (detail: why)
+
+
+@dataclass(frozen=True)
+class Status:
+    """A child process's state change or acknowledgement."""
+    kind: StatusKind
+    detail: Any = None
 
 
 def pythonpath() -> str:
