@@ -16,13 +16,16 @@ from typing import Annotated, Optional
 
 import typer
 
+from lmforge.bench.comm import comm_doctor
 from lmforge.bench.commands import app as bench_app
+from lmforge.bench.doctor import doctor
 from lmforge.data.commands import app as data_app
 from lmforge.eval.commands import app as eval_app
 from lmforge.parallel.commands import app as parallel_app
 from lmforge.perf import commands as perf_commands
 from lmforge.perf.commands import app as estimate_app
 from lmforge.quant import commands as quant_commands
+from lmforge.quickstart import quickstart
 from lmforge.registry import commands as registry_commands
 from lmforge.serve import commands as serve_commands
 from lmforge.tokenizer.commands import app as tokenizer_app
@@ -74,12 +77,8 @@ def doctor_cmd(
     """Check Python, torch, transformers and the accelerator; measure matmul peaks (GFLOP/s) for
     float32 and bfloat16; write the hardware profile that MFU figures use. Exits non-zero with a
     reason when something is broken."""
-    from lmforge.perf.doctor import doctor
-
     code = doctor(out, quick)
     if comm:
-        from lmforge.bench.comm import comm_doctor
-
         code = code or comm_doctor(out.parent if out else None, quick)
     raise typer.Exit(code)
 
@@ -96,8 +95,6 @@ def quickstart_cmd(
     benchmark, serve + OpenAI-client requests; then the reasoning track (SFT on synthetic traces ->
     GRPO -> arith-cot). Writes OUT/report.md (the report card) and prints it. Rerunning skips stages
     whose outputs are complete."""
-    from lmforge.quickstart import quickstart
-
     raise typer.Exit(quickstart(out, tiny=tiny, reasoning=reasoning))
 
 

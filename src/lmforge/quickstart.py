@@ -129,7 +129,7 @@ class Quickstart:
         """Measure this machine's matmul peaks once: the trainer's MFU divides by them."""
         import shutil
 
-        from lmforge.perf.doctor import doctor
+        from lmforge.bench.doctor import doctor
         from lmforge.perf.hardware import default_profile_path, load_profile
 
         if load_profile() is None and doctor(default_profile_path()) != 0:
@@ -602,7 +602,7 @@ def _fast_dtype() -> str:
     float32: on an AVX2-only CPU bf16 is emulated and the quickstart would crawl."""
     import torch
 
-    from lmforge.perf.doctor import cpu_bf16_flags
+    from lmforge.bench.doctor import cpu_bf16_flags
 
     if torch.cuda.is_available():
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"

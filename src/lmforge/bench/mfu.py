@@ -225,7 +225,7 @@ def plan(base: Setting, device: str, cpu_bf16_native: bool, max_batch: int) -> l
 def run_ladder(cfg: Any, steps: int = 6, max_batch: int | None = None, skip: tuple[str, ...] = (),
                progress: Any = print) -> dict[str, Any]:
     """Measure every rung, keeping a change only when it is faster; returns the table and headroom."""
-    from lmforge.perf.doctor import cpu_bf16_flags
+    from lmforge.bench.doctor import cpu_bf16_flags
     from lmforge.perf.mfu import model_flops_per_token
 
     device = "cuda" if torch.cuda.is_available() and cfg.train.device in ("auto", "cuda") else "cpu"
@@ -308,7 +308,7 @@ def _mfu(rung: Rung, fpt: float, tokens_per_s: float, peak: float | None) -> flo
 
 def _not_applicable(rung: Rung, device: str) -> str:
     """Why a rung cannot help on this device, from measurements (the doctor's profile), or ""."""
-    from lmforge.perf.doctor import cpu_bf16_flags
+    from lmforge.bench.doctor import cpu_bf16_flags
 
     if rung.step == "1" and device == "cpu" and not cpu_bf16_flags():
         fp32, bf16 = _peak("cpu", "float32"), _peak("cpu", "bfloat16")

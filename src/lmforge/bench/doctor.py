@@ -1,4 +1,5 @@
 """`lmforge doctor`: is this machine ready to train and serve, and how fast can it multiply?
+(In `bench/` because it measures; `perf/hardware.py` reads the profile it writes.)
 
 It checks the Python stack (torch, transformers, tokenizers, safetensors, numpy), the
 accelerator (CUDA; MPS when present) and bf16 support, then *measures* the dense matmul peak
@@ -7,7 +8,7 @@ synchronized) and the memory bandwidth (STREAM-like copy and triad on arrays far
 the caches), and saves them as the hardware profile that `perf.hardware.peak_flops`, every MFU
 figure and the roofline of `lmforge estimate` read on CPU. It knows nothing about models, data or runs.
 
-    python -m lmforge.perf.doctor [--quick] [--out PATH]
+    python -m lmforge.bench.doctor [--quick] [--out PATH]
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ import platform
 import sys
 import time
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any, Callable
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
 from lmforge.perf.hardware import default_profile_path
 from lmforge.track.io import atomic_write_json
@@ -92,7 +96,7 @@ def measure_matmul_flops(device: str, dtype: str, sizes: tuple[int, ...],
     interference, not the hardware. Sizes whose projected cost (n³ scaling from the last size)
     would exceed `budget_s` are skipped, so an emulated dtype cannot stall the doctor for minutes.
     """
-    import torch
+    import torch  # deferred: the doctor must run, and report it, when torch is missing or broken
 
     kind = device.split(":")[0]
     sync: Callable[[], None] = {"cuda": torch.cuda.synchronize,
@@ -139,7 +143,7 @@ def measure_bandwidth(device: str = "cpu", n: int = 64 * 2**20, repeats: int = 5
     As in McCalpin's STREAM, bytes count what the kernel must read and write, not the
     write-allocate reads a CPU adds, so the figure is the bandwidth a streaming kernel sees.
     """
-    import torch
+    import torch  # deferred: the doctor must run, and report it, when torch is missing or broken
 
     kind = device.split(":")[0]
     sync = torch.cuda.synchronize if kind == "cuda" else (lambda: None)
@@ -186,8 +190,6 @@ def _measure_bandwidth(r: DoctorResult, kind: str, quick: bool) -> dict | None:
 
 
 def _check_stack(r: DoctorResult) -> dict[str, str | None]:
-    from importlib import metadata
-
     r.add("python", platform.python_version(), "ok" if sys.version_info >= (3, 11) else "fail",
           "lmforge needs Python >= 3.11")
     versions: dict[str, str | None] = {}
@@ -242,7 +244,7 @@ def _check_cpu_bf16(r: DoctorResult, torch: Any) -> bool:
 
 def _check_engine_kernels(r: DoctorResult) -> str:
     """The engine's compiled CPU decode-attention kernel: built (or cached) here, or why not."""
-    from lmforge.engine import kernels
+    from lmforge.engine import kernels  # deferred: loads torch; the doctor must run (and say so) without it
 
     status = kernels.status()
     fix = "" if status.startswith("on") else "install a C compiler (gcc or clang); the engine runs without it, slower"
@@ -273,7 +275,7 @@ def run_checks(quick: bool = False) -> DoctorResult:
     versions = _check_stack(r)
     if versions.get("torch") is None:
         return r
-    import torch
+    import torch  # deferred: the doctor must run, and report it, when torch is missing or broken
 
     devices: dict[str, dict] = {"cpu": {"kind": "cpu", "name": cpu_name(), "bf16_flags": cpu_bf16_flags()}}
     cuda = _check_cuda(r, torch)
@@ -313,9 +315,6 @@ def run_checks(quick: bool = False) -> DoctorResult:
 
 def doctor(out: Path | None = None, quick: bool = False) -> int:
     """The verb: print the table, save the profile, return 0 when nothing is broken."""
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console()
     result = run_checks(quick)
     table = Table(title="lmforge doctor")
