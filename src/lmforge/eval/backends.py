@@ -21,6 +21,7 @@ This module knows nothing about suites' files or metrics.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import math
 from collections.abc import Iterable
@@ -46,8 +47,6 @@ class Backend(Protocol):
 
 def model_hash(model_dir: str | Path) -> str:
     """sha256 over the files that decide the model's outputs (config, weights, tokenizer), by name."""
-    import hashlib
-
     root = Path(model_dir)
     files = sorted({*(root / f for f in MODEL_FILES if (root / f).is_file()), *root.glob("*.safetensors")})
     h = hashlib.sha256()
@@ -67,6 +66,7 @@ class TransformerBackend:
 
     def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "auto", batch_size: int = 16,
                  engine: str = "auto"):
+        # deferred: torch and lmforge.model load only when a backend is built (importing lmforge.eval is cheap)
         import torch
 
         from lmforge.model import resolve_device
@@ -93,7 +93,7 @@ class TransformerBackend:
     @property
     def model(self) -> Any:
         if self._model is None:
-            from lmforge.quant import load_pretrained
+            from lmforge.quant import load_pretrained  # deferred: loads torch (see __init__)
 
             self._model = load_pretrained(self.model_dir, dtype=self.dtype, device=self.device).eval()
         return self._model
@@ -194,7 +194,7 @@ class TransformerBackend:
 
     def _generate_llm(self, ids: list[list[int]], max_tokens: int, stop: list[str], temperature: float,
                       n: int, seed: int | None) -> list[list[str]]:
-        from lmforge.engine import LLM, SamplingParams
+        from lmforge.engine import LLM, SamplingParams  # deferred: the engine loads torch
 
         if self._llm is None:
             self._llm = LLM(str(self.model_dir), dtype=self.dtype, device=str(self.device))

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.eval.evaluate import RESULTS
+from lmforge.track.io import atomic_write_json, atomic_write_text
+from lmforge.track.run import RunDir
 
 
 class SuiteChangedError(ValueError):
@@ -94,7 +96,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 def _nll(model, ids: list[int]) -> float:
     """Summed next-token negative log-likelihood of ids[1:] given the prefix (float32 math)."""
-    import torch
+    import torch  # deferred: importing lmforge.eval stays cheap (torch loads when a model runs)
 
     with torch.no_grad():
         x = torch.tensor([ids])
@@ -116,10 +118,9 @@ def diff_models(model_a: str | os.PathLike, model_b: str | os.PathLike, suite, o
     common-prefix length / GREEDY_TOKENS), and for items with an `answer`, whether each continuation
     starts with it (newly wrong / newly right); per category: perplexity of each and its change,
     mean agreement, counts. Writes per_sample.jsonl, diff.json, diff.md and a record into `out`."""
+    # deferred: the engine and lmforge.quant load torch
     from lmforge.engine import LLM, SamplingParams
     from lmforge.quant import load_pretrained
-    from lmforge.track.io import atomic_write_json, atomic_write_text
-    from lmforge.track.run import RunDir
 
     run = RunDir(out, overwrite=overwrite)
     with run:
