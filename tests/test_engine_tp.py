@@ -217,6 +217,7 @@ def test_serve_tp2_float64_equals_one_process_and_no_orphan_when_rank_0_dies(ser
     import openai
 
     from lmforge.serve.app import build_app
+    from lmforge.serve.config import ServerConfig
     from lmforge.serve.testing import ServerThread
 
     config, bg = served
@@ -225,7 +226,7 @@ def test_serve_tp2_float64_equals_one_process_and_no_orphan_when_rank_0_dies(ser
     engine = bg.get()
     tree = [engine.pid] + descendants(engine.pid)
     assert len(tree) == 2  # the engine core and its tensor-parallel worker
-    with ServerThread(build_app(engine, "tiny")) as srv:
+    with ServerThread(build_app(engine, ServerConfig("tiny"))) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
         chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
                                               max_tokens=8, temperature=0)

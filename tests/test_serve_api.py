@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lmforge.engine import LLM, AsyncLLMEngine, EngineConfig, SamplingParams
 from lmforge.serve.app import build_app
+from lmforge.serve.config import ServerConfig, ServerLimits
 from lmforge.serve.testing import ServerThread
 
 MODEL = "tiny"
@@ -44,7 +45,7 @@ def engine(model_dir):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    with ServerThread(build_app(engine, MODEL)) as srv:
+    with ServerThread(build_app(engine, ServerConfig(MODEL))) as srv:
         yield srv
 
 
@@ -275,7 +276,8 @@ def test_bad_inputs_get_openai_errors_and_the_server_survives(server, client):
 
 
 def test_api_key_and_full_queue(engine):
-    with ServerThread(build_app(engine, MODEL, api_key="sekrit", max_waiting=0)) as srv:
+    config = ServerConfig(MODEL, api_key="sekrit", limits=ServerLimits(max_waiting=0))
+    with ServerThread(build_app(engine, config)) as srv:
         for key in (None, "wrong"):
             headers = {"Authorization": f"Bearer {key}"} if key else {}
             r = httpx.post(srv.url + C, json={"prompt": "hi"}, headers=headers)
@@ -296,7 +298,7 @@ def test_503_until_the_engine_is_loaded(engine):
         gate.wait(30)
         return engine
 
-    app = build_app(loader, MODEL)
+    app = build_app(loader, ServerConfig(MODEL))
     with ServerThread(app) as srv:
         assert httpx.get(srv.url + "/health").status_code == 503
         r = httpx.post(srv.url + C, json={"prompt": "hi"})

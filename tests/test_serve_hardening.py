@@ -27,7 +27,7 @@ import pytest
 
 from lmforge.engine import LLM, AsyncLLMEngine, EngineConfig, SamplingParams
 from lmforge.serve.app import _encode_chat, build_app
-from lmforge.serve.guard import ServerLimits
+from lmforge.serve.config import ServerConfig, ServerLimits
 from lmforge.serve.testing import ServerThread, free_port
 
 MODEL = "tiny"
@@ -50,7 +50,7 @@ def engine(model_dir):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    with ServerThread(build_app(engine, MODEL, limits=ServerLimits(read_timeout_s=1.0))) as srv:
+    with ServerThread(build_app(engine, ServerConfig(MODEL, limits=ServerLimits(read_timeout_s=1.0)))) as srv:
         yield srv
 
 
@@ -103,7 +103,7 @@ def test_a_failed_step_tells_others_internal_error_not_that_their_value_was_bad(
 
     eng.engine.model_runner.run = flaky
     try:
-        with ServerThread(build_app(eng, MODEL)) as srv:
+        with ServerThread(build_app(eng, ServerConfig(MODEL))) as srv:
             r = post(srv, C, {"prompt": "hi", "max_tokens": 6, "ignore_eos": True})
             err = error(r, 500)
             assert err["code"] == "engine_error" and "internal error" in err["message"]
@@ -160,7 +160,7 @@ def test_slow_body_gets_408_and_frees_the_connection(server):
 
 def test_max_waiting_holds_under_a_burst_and_counts_sequences(engine):
     N = 4
-    with ServerThread(build_app(engine, MODEL, max_waiting=N)) as srv:
+    with ServerThread(build_app(engine, ServerConfig(MODEL, limits=ServerLimits(max_waiting=N)))) as srv:
         assert error(post(srv, C, {"prompt": "hi", "n": N + 1}), 400)["code"] == "too_many_sequences"
         peak, stop = [0], threading.Event()
 
@@ -200,7 +200,7 @@ def test_lone_surrogates_are_400_with_openai_json(server):
 
 
 def test_auth_comes_before_the_body_and_accepts_any_case_bearer(engine):
-    with ServerThread(build_app(engine, MODEL, api_key="sekrit")) as srv:
+    with ServerThread(build_app(engine, ServerConfig(MODEL, api_key="sekrit"))) as srv:
         junk = httpx.post(srv.url + C, content=b"{not json", headers={"content-type": "application/json"})
         assert error(junk, 401)["code"] == "invalid_api_key"
         huge = httpx.post(srv.url + C, content=b"x" * (ServerLimits().body_limit(MAX_LEN) + 1))

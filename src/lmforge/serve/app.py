@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: the assembly of routes, serving classes and the engine client.
 
-`build_app(engine, served_model_name)` returns the app; `lmforge serve` runs it under uvicorn.
+`build_app(engine, ServerConfig(served_model_name, ...))` returns the app (`config.py` holds the typed
+settings); `lmforge serve` runs it under uvicorn.
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/feedback`,
 `POST /admin/reload`, `GET /v1/models`, `GET /health` (`/live`, `/ready`), `GET /metrics`,
 `GET /version`, `/ui`. Streams are SSE (`data: {json}\\n\\n` ... `data: [DONE]\\n\\n`).
@@ -38,8 +39,10 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
+from lmforge import __version__
 from lmforge.engine import AsyncLLMEngine
 
+from .config import ServerConfig
 from .console import mount_console
 from .engine_client import VersionRouterClient
 from .errors import OpenAIError, document_errors, install_error_handlers
@@ -126,41 +129,43 @@ class ServerState:
         await self.client.abort_all()
 
 
-# ---- the app -----------------------------------------------------------------------------------------
+def build_app(engine: EngineOrLoader, config: ServerConfig) -> FastAPI:
+    """An app over `engine`, set up by `config`. Pass a loader (a callable returning the engine) to
+    answer 503 while the model loads; the app then owns the engine, restarts it if it dies
+    (`config.limits.max_engine_restarts` times) and shuts it down on exit. A ready engine passed in
+    stays the caller's. Versions, feedback and request logging: see `ServerConfig`."""
+    state = ServerState(config.served_model_name, config.api_key, config.limits, config.versions.on_rollback)
+    state.reloader, state.feedback = config.versions.reloader, config.feedback
+    app = FastAPI(title="lmforge", lifespan=_lifespan(state, engine, config), docs_url=None, redoc_url=None)
+    app.state.server = state
+    count_error = lambda status: state.metrics and state.metrics.count_error(status)  # noqa: E731
+    install_error_handlers(app, on_error=count_error)
+    app.add_middleware(GuardMiddleware, api_key=config.api_key, limits=config.limits,
+                       max_model_len_fn=lambda: state.max_model_len or 2048, on_error=count_error)
+    _add_health_routes(app, state)
+    _add_info_routes(app, state)
+    _add_openai_routes(app, state)
+    mount_console(app)
+    document_errors(app, auth=config.api_key is not None)
+    return app
 
 
-def build_app(engine: EngineOrLoader, served_model_name: str, api_key: str | None = None,
-              max_waiting: int | None = None, log_interval_s: float = 5.0,
-              limits: ServerLimits | None = None, *, version: str = "local",
-              challenger: tuple[str, Callable[[], AsyncLLMEngine]] | None = None, canary_percent: float = 0.0,
-              reloader: Callable[[], dict] | None = None, on_rollback=None,
-              feedback=None, log_requests: bool = False) -> FastAPI:
-    """An app over `engine`. Pass a loader (a callable returning the engine) to answer 503 while the
-    model loads; the app then owns the engine, restarts it if it dies (`limits.max_engine_restarts`
-    times) and shuts it down on exit. A ready engine passed in stays the caller's.
-
-    Versions: `version` labels the champion; `challenger=(label, loader)` serves a second version to
-    `canary_percent` of requests (sticky per `user`), rolled back automatically when it does worse;
-    `reloader()` returns `{role: (label, loader, path)}` for `POST /admin/reload`; `on_rollback(kind,
-    details)` records rollbacks (the registry). `feedback` (a FeedbackStore) enables `POST
-    /v1/feedback`, and with `log_requests` every exchange is stored (PII masked by the store)."""
-    limits = limits or ServerLimits()
-    if max_waiting is not None:
-        limits.max_waiting = max_waiting
-    state = ServerState(served_model_name, api_key, limits, on_rollback)
-    state.reloader, state.feedback = reloader, feedback
-    client = state.client
+def _lifespan(state: ServerState, engine: EngineOrLoader, config: ServerConfig):
+    """Start: the load logger, the exchange log, and the engine (attached, or loaded in the background
+    and watched). Stop: refuse new work, wait for a load in progress, shut down what the app owns."""
+    client, versions = state.client, config.versions
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        tasks = [asyncio.create_task(_log_load(state, log_interval_s))]
+        tasks = [asyncio.create_task(_log_load(state, config.log_interval_s))]
         loading = None
-        if feedback is not None and log_requests:
-            state.exchange_log = await asyncio.to_thread(ExchangeLog, feedback)
+        if config.feedback is not None and config.log_requests:
+            state.exchange_log = await asyncio.to_thread(ExchangeLog, config.feedback)
         if isinstance(engine, AsyncLLMEngine):
-            client.attach(Served("champion", version, engine))
+            client.attach(Served("champion", versions.version, engine))
         else:
-            loading = asyncio.create_task(client.load(version, engine, challenger, canary_percent))
+            loading = asyncio.create_task(client.load(versions.version, engine, versions.challenger,
+                                                      versions.canary_percent))
             tasks.append(asyncio.create_task(client.watch()))
         try:
             yield
@@ -175,18 +180,21 @@ def build_app(engine: EngineOrLoader, served_model_name: str, api_key: str | Non
                 await asyncio.to_thread(state.exchange_log.close)
             state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="lmforge", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.server = state
-    count_error = lambda status: state.metrics and state.metrics.count_error(status)  # noqa: E731
-    install_error_handlers(app, on_error=count_error)
-    app.add_middleware(GuardMiddleware, api_key=api_key, limits=limits,
-                       max_model_len_fn=lambda: state.max_model_len or 2048, on_error=count_error)
+    return lifespan
 
+
+def _ready_dependency(state: ServerState):
+    """A FastAPI dependency: the state when the engine serves, else 503 with the reason."""
     async def ready(request: Request) -> ServerState:
         if not state.ready:
             raise OpenAIError(503, state.not_ready_reason(), None, "engine_not_ready")
         return state
 
+    return ready
+
+
+def _add_health_routes(app: FastAPI, state: ServerState) -> None:
+    """`/health` (= `/health/ready`) and `/health/live`, as Kubernetes probes read them."""
     @app.get("/health", summary="Readiness (as /health/ready): 200 when the engine serves requests")
     async def health() -> dict:
         return await health_ready()
@@ -203,11 +211,14 @@ def build_app(engine: EngineOrLoader, served_model_name: str, api_key: str | Non
             raise OpenAIError(503, state.not_ready_reason(), None, "engine_not_ready")
         return {"status": "ready"}
 
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    """`/version`, `/metrics` (Prometheus) and `/v1/models`."""
+    ready = _ready_dependency(state)
+
     @app.get("/version")
     async def version_info() -> dict:
-        from lmforge import __version__
-
-        info = client.info()
+        info = state.client.info()
         return {"version": __version__, "models": info.models, "canary_percent": info.canary_percent,
                 "rolled_back": info.rolled_back}
 
@@ -225,6 +236,10 @@ def build_app(engine: EngineOrLoader, served_model_name: str, api_key: str | Non
                                             "owned_by": "lmforge", "root": st.served_model_name, "parent": None,
                                             "max_model_len": st.max_model_len}]}
 
+
+def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
+    """The work endpoints, each one line over its serving class."""
+    ready = _ready_dependency(state)
     serving_completion, serving_chat = OpenAIServingCompletion(state), OpenAIServingChat(state)
     serving_feedback, serving_admin = ServingFeedback(state), ServingAdmin(state)
 
@@ -248,10 +263,6 @@ def build_app(engine: EngineOrLoader, served_model_name: str, api_key: str | Non
                                        "finish on the versions they started on")
     async def admin_reload() -> dict:
         return await serving_admin.reload()
-
-    mount_console(app)
-    document_errors(app, auth=api_key is not None)
-    return app
 
 
 async def _log_load(state: ServerState, interval: float) -> None:

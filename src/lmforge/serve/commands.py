@@ -15,13 +15,32 @@ stand-alone: `python -c "from lmforge.serve.commands import app; app()" serve MO
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import signal
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
 
 import typer
 
+from .config import ListenConfig, ServerConfig, ServerLimits, VersionsConfig
+
+if TYPE_CHECKING:
+    from lmforge.engine import EngineConfig
+    from lmforge.registry import FeedbackStore
+
 app = typer.Typer(name="serve", no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
                   help="Serve a model over the OpenAI API.")
+
+
+@app.callback()
+def _verbs() -> None:
+    pass  # a callback keeps `app` a group (`app() serve MODEL_DIR`, as cli mounts it) with `serve` its only verb
 
 
 def serve(
@@ -72,61 +91,81 @@ def serve(
 ) -> None:
     """Serve MODEL_DIR over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
     with /health, /metrics (Prometheus, vLLM's names) and /version."""
-    import logging
-
-    if (model_dir is None) == (registry is None) or (registry is not None and not model):
-        typer.echo("error: pass either MODEL_DIR or --registry R --model NAME", err=True)
-        raise typer.Exit(2)
-    if not 0 <= canary <= 100 or (canary and registry is None):
-        typer.echo("error: --canary is a percent in [0, 100] and needs --registry", err=True)
-        raise typer.Exit(2)
-    versions = None
+    _check_source(model_dir, registry, model, canary)
     if registry is not None:
-        from lmforge.registry import RegistryError
-
-        try:
-            versions = registry_versions(registry, model)
-        except RegistryError as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2) from None
-        model_dir = Path(versions["champion"][1])
+        model_dir = _champion_dir(registry, model)
     if not (model_dir / "config.json").exists():  # before importing torch: a typo should fail fast
-        typer.echo(f"error: {model_dir}: no config.json; pass a Hugging Face layout model directory", err=True)
-        raise typer.Exit(2)
-    from lmforge.engine import EngineConfig
+        _usage_error(f"{model_dir}: no config.json; pass a Hugging Face layout model directory")
+    config = _engine_config(model=str(model_dir), dtype=dtype, device=device, block_size=block_size,
+                            num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                            kv_cache_dtype=kv_cache_dtype,
+                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, seed=seed,
+                            tensor_parallel_size=tensor_parallel_size)
+    limits = _server_limits(max_waiting, max_body_bytes, read_timeout, max_engine_restarts, shutdown_timeout)
+    preflight(model_dir, dtype, device, max_num_seqs, max_model_len, kv_cache_memory_bytes)
+    feedback = _feedback_store(feedback_db) if log_requests or feedback_db is not None or registry is not None \
+        else None
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = ServerConfig(served_model_name or model or model_dir.name, api_key, limits, feedback=feedback,
+                          log_requests=log_requests)
+    raise typer.Exit(run_server(config, server, ListenConfig(host, port, shutdown_timeout, log_level), engine_process,
+                                registry=(registry, model) if registry else None, canary=canary))
+
+
+def _usage_error(message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _check_source(model_dir: Path | None, registry: Path | None, model: str | None, canary: float) -> None:
+    """Exactly one source (MODEL_DIR, or --registry with --model); --canary only with a registry."""
+    if (model_dir is None) == (registry is None) or (registry is not None and not model):
+        _usage_error("pass either MODEL_DIR or --registry R --model NAME")
+    if not 0 <= canary <= 100 or (canary and registry is None):
+        _usage_error("--canary is a percent in [0, 100] and needs --registry")
+
+
+def _champion_dir(registry: Path, model: str) -> Path:
+    """The registry's champion folder (weights verified), or exit 2 with the registry's reason."""
+    from lmforge.registry import RegistryError  # deferred: the registry pulls numpy; a CLI verb starts light
 
     try:
-        config = EngineConfig(model=str(model_dir), dtype=dtype, device=device, block_size=block_size,
-                              num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                              kv_cache_dtype=kv_cache_dtype,
-                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, seed=seed,
-                              tensor_parallel_size=tensor_parallel_size)
+        versions = registry_versions(registry, model)
+    except RegistryError as e:
+        _usage_error(str(e))
+    return Path(versions["champion"][1])
+
+
+def _engine_config(**kwargs) -> EngineConfig:
+    """The engine's config from the flags; a value it refuses exits 2 with its message."""
+    from lmforge.engine import EngineConfig  # deferred: torch, after the cheap checks
+
+    try:
+        return EngineConfig(**kwargs)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    from .guard import ServerLimits
 
+
+def _server_limits(max_waiting: int | None, max_body_bytes: int | None, read_timeout: float,
+                   max_engine_restarts: int, shutdown_timeout: float) -> ServerLimits:
+    """The request limits from the flags, each checked against its lowest sensible value (exit 2)."""
     for name, value, low in (("--max-waiting", max_waiting, 0), ("--max-body-bytes", max_body_bytes, 1024),
                              ("--read-timeout", read_timeout, 0.001), ("--max-engine-restarts", max_engine_restarts, 0),
                              ("--shutdown-timeout", shutdown_timeout, 0)):
         if value is not None and value < low:
-            typer.echo(f"error: {name} must be >= {low}", err=True)
-            raise typer.Exit(2)
-    limits = ServerLimits(max_body_bytes=max_body_bytes, read_timeout_s=read_timeout, max_waiting=max_waiting,
-                          max_engine_restarts=max_engine_restarts)
-    preflight(model_dir, dtype, device, max_num_seqs, max_model_len, kv_cache_memory_bytes)
-    feedback = None
-    if log_requests or feedback_db is not None or registry is not None:
-        from lmforge.registry import FeedbackStore
-        from lmforge.registry.store import default_path
+            _usage_error(f"{name} must be >= {low}")
+    return ServerLimits(max_body_bytes=max_body_bytes, read_timeout_s=read_timeout, max_waiting=max_waiting,
+                        max_engine_restarts=max_engine_restarts)
 
-        feedback = FeedbackStore(feedback_db or default_path().with_name("feedback.db"))
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    raise typer.Exit(run_server(config, served_model_name or model or model_dir.name, host, port, api_key,
-                                max_waiting, shutdown_timeout, log_level, engine_process, limits,
-                                registry=(registry, model) if registry else None, canary=canary, feedback=feedback,
-                                log_requests=log_requests))
+
+def _feedback_store(feedback_db: Path | None) -> FeedbackStore:
+    """--feedback-db, by default `feedback.db` beside the registry's default store."""
+    from lmforge.registry import FeedbackStore  # deferred: the registry pulls numpy
+    from lmforge.registry.store import default_path
+
+    return FeedbackStore(feedback_db or default_path().with_name("feedback.db"))
 
 
 def preflight(model_dir: Path, dtype: str, device: str, max_num_seqs: int, max_model_len: int | None,
@@ -134,10 +173,7 @@ def preflight(model_dir: Path, dtype: str, device: str, max_num_seqs: int, max_m
     """Refuse, before loading anything, a model and KV pool that cannot fit the device's memory
     (`lmforge.perf.preflight`); exit 2 with what would fit. The pool is what the engine would take:
     the given budget, on CPU at most 2 GiB, on CUDA what is left after the weights."""
-    import json
-    import logging
-
-    from lmforge.engine.llm_engine import CPU_KV_CACHE_BYTES
+    from lmforge.engine.llm_engine import CPU_KV_CACHE_BYTES  # deferred: torch, only when serving
     from lmforge.perf.preflight import PreflightError, preflight_inference
 
     cuda = device.startswith("cuda") or (device == "auto" and _cuda_available())
@@ -154,7 +190,7 @@ def preflight(model_dir: Path, dtype: str, device: str, max_num_seqs: int, max_m
 
 
 def _cuda_available() -> bool:
-    import torch
+    import torch  # deferred: a CLI verb starts without torch
 
     return torch.cuda.is_available()
 
@@ -162,7 +198,7 @@ def _cuda_available() -> bool:
 def registry_versions(registry: Path, name: str) -> dict:
     """role -> (label, path) of the registry's `champion` and `challenger` aliases, weights verified
     against their hashes (a changed file is refused before anything loads)."""
-    from lmforge.registry import Registry, RegistryError
+    from lmforge.registry import Registry, RegistryError  # deferred: the registry pulls numpy
 
     reg = Registry(registry)
     out = {}
@@ -184,51 +220,58 @@ EXIT_LOAD_FAILED, EXIT_ENGINE_FAILED = 1, 3
 ABORT_GRACE_S = 5.0  # after aborting what still runs, the time streams get to send their last chunk
 
 
-def run_server(config, served_model_name: str, host: str, port: int, api_key: str | None,
-               max_waiting: int | None, shutdown_timeout: float, log_level: str = "info",
-               engine_process: bool = True, limits=None, registry: tuple[Path, str] | None = None,
-               canary: float = 0.0, feedback=None, log_requests: bool = False) -> int:
-    """Block serving until SIGTERM/SIGINT (see the exit codes above).
+def run_server(config: EngineConfig, server: ServerConfig, listen: ListenConfig, engine_process: bool = True,
+               registry: tuple[Path, str] | None = None, canary: float = 0.0) -> int:
+    """Block serving until SIGTERM/SIGINT (see the exit codes above). `config` is every engine's (a
+    registry version's differs only in its model folder); with `registry=(path, name)` the champion
+    and challenger come from there, the challenger taking `canary` percent of requests.
 
-    Shutdown: uvicorn stops accepting first, then in-flight requests get `shutdown_timeout` seconds to
-    finish; whatever still runs then is aborted in the engine, so every stream still ends with
-    `finish_reason: "abort"` and `[DONE]` (not a cut connection), within `ABORT_GRACE_S` more."""
-    import asyncio
-    import contextlib
-    import signal
-    import threading
+    Shutdown: uvicorn stops accepting first, then in-flight requests get `listen.shutdown_timeout`
+    seconds to finish; whatever still runs then is aborted in the engine, so every stream still ends
+    with `finish_reason: "abort"` and `[DONE]` (not a cut connection), within `ABORT_GRACE_S` more."""
+    from lmforge.engine import AsyncLLMEngine, ProcessAsyncLLMEngine  # deferred: torch, only when serving
 
-    import uvicorn
+    from .app import build_app  # deferred: fastapi and the engine, only when serving
 
-    from lmforge.engine import AsyncLLMEngine, ProcessAsyncLLMEngine
+    loader = _engine_loader(config, ProcessAsyncLLMEngine if engine_process else AsyncLLMEngine)
+    if registry is not None:
+        server = dataclasses.replace(server, versions=_registry_versions_config(*registry, canary, loader))
+    fastapi_app = build_app(loader(config.model), server)
+    state = fastapi_app.state.server
+    _uvicorn_server(fastapi_app, listen).run()
+    if state.load_error is not None:
+        return EXIT_LOAD_FAILED
+    return EXIT_ENGINE_FAILED if state.fatal is not None else 0
 
-    from .app import build_app
 
-    import dataclasses
-
-    engine_cls = ProcessAsyncLLMEngine if engine_process else AsyncLLMEngine
-
+def _engine_loader(config: EngineConfig, engine_cls: type) -> Callable[[str], Callable[[], object]]:
+    """path -> a loader of an engine on that model folder, with the rest of `config`."""
     def loader(path: str):
         return lambda: engine_cls(dataclasses.replace(config, model=path))
 
-    kw: dict = {}
-    if registry is not None:
-        from lmforge.registry import Registry
+    return loader
 
-        reg_path, name = registry
-        first = registry_versions(reg_path, name)
-        kw["version"] = first["champion"][0]
-        if "challenger" in first:
-            kw["challenger"] = (first["challenger"][0], loader(first["challenger"][1]))
-            kw["canary_percent"] = canary
 
-        def reloader() -> dict:
-            return {role: (label, loader(path), path) for role, (label, path) in registry_versions(reg_path, name).items()}
+def _registry_versions_config(reg_path: Path, name: str, canary: float, loader) -> VersionsConfig:
+    """The registry's champion (and challenger, at `canary` percent), its reload and rollback hooks."""
+    from lmforge.registry import Registry  # deferred: the registry pulls numpy
 
-        kw["reloader"] = reloader
-        kw["on_rollback"] = lambda kind, details: Registry(reg_path).record_event(name, kind, details)
-    fastapi_app = build_app(loader(config.model), served_model_name, api_key, max_waiting, limits=limits,
-                            feedback=feedback, log_requests=log_requests, **kw)
+    first = registry_versions(reg_path, name)
+    challenger = (first["challenger"][0], loader(first["challenger"][1])) if "challenger" in first else None
+
+    def reloader() -> dict:
+        return {role: (label, loader(path), path) for role, (label, path) in registry_versions(reg_path, name).items()}
+
+    return VersionsConfig(version=first["champion"][0], challenger=challenger,
+                          canary_percent=canary if challenger else 0.0, reloader=reloader,
+                          on_rollback=lambda kind, details: Registry(reg_path).record_event(name, kind, details))
+
+
+def _uvicorn_server(fastapi_app, listen: ListenConfig):
+    """uvicorn's server with our shutdown: a clean exit code on SIGTERM, a stop when the engine fails
+    for good, and in-flight requests aborted `listen.shutdown_timeout` seconds into the shutdown."""
+    import uvicorn  # deferred: only `lmforge serve` needs it, not every CLI verb
+
     state = fastapi_app.state.server
 
     class Server(uvicorn.Server):
@@ -252,18 +295,14 @@ def run_server(config, served_model_name: str, host: str, port: int, api_key: st
         async def shutdown(self, sockets=None) -> None:
             state.closing = True
             loop = asyncio.get_running_loop()
-            timer = loop.call_later(shutdown_timeout, lambda: loop.create_task(state.abort_all()))
+            timer = loop.call_later(listen.shutdown_timeout, lambda: loop.create_task(state.abort_all()))
             try:
                 await super().shutdown(sockets)
             finally:
                 timer.cancel()
 
-    server = Server(uvicorn.Config(fastapi_app, host=host, port=port, log_level=log_level, access_log=False,
-                                   timeout_graceful_shutdown=shutdown_timeout + ABORT_GRACE_S))
-    server.run()
-    if state.load_error is not None:
-        return EXIT_LOAD_FAILED
-    return EXIT_ENGINE_FAILED if state.fatal is not None else 0
+    return Server(uvicorn.Config(fastapi_app, host=listen.host, port=listen.port, log_level=listen.log_level,
+                                 access_log=False, timeout_graceful_shutdown=listen.shutdown_timeout + ABORT_GRACE_S))
 
 
 app.command("serve")(serve)

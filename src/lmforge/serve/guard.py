@@ -1,7 +1,7 @@
 """What keeps one client from hurting another: limits checked before any work is done for a request.
 
-* `ServerLimits`: every limit in one place, with the defaults `lmforge serve` uses (docs/serving.md
-  lists them with their flags).
+* `ServerLimits` (defined in `config.py`, with the rest of the server's settings): every limit in one
+  place, with the defaults `lmforge serve` uses (docs/serving.md lists them with their flags).
 * `GuardMiddleware` (pure ASGI, outermost): the API key is checked from the headers before a byte of
   the body is read; a POST body is read here, in full, under a size limit (413) and a per-read
   timeout (408, so a slow client cannot hold a connection forever), then replayed to the app. No
@@ -23,29 +23,11 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-from dataclasses import dataclass
-
+from .config import ServerLimits
 from .errors import OpenAIError, bad_request
 
 AUTH_PREFIXES = ("/v1/", "/admin/")
 BODY_METHODS = (b"POST", b"PUT", b"PATCH")
-
-
-@dataclass
-class ServerLimits:
-    max_body_bytes: int | None = None  # None: sized for the context, see body_limit()
-    read_timeout_s: float = 30.0  # longest wait for the next piece of a request body
-    max_waiting: int | None = None  # sequences admitted without a first token yet (None: unbounded)
-    max_stop_strings: int = 16
-    max_stop_len: int = 256  # characters per stop string
-    max_engine_restarts: int = 3  # then the server exits non-zero, so a supervisor learns
-
-    def body_limit(self, max_model_len: int) -> int:
-        """A context's worth of prompt in the worst JSON encoding (a token id is <= 7 bytes with its
-        comma; a character escaped as \\uXXXX is 6), times a batch of 16, plus 1 MiB for the rest."""
-        if self.max_body_bytes is not None:
-            return self.max_body_bytes
-        return 2**20 + 16 * 8 * max_model_len
 
 
 def _json_error(status: int, message: str, code: str, headers: dict[str, str] | None = None):

@@ -2,7 +2,8 @@
 and a uvicorn server on a free loopback port in a background thread.
 
     model_dir = make_model_with_tokenizer(tmp / "model", tmp / "tok")   # seconds on a CPU
-    with ServerThread(build_app(AsyncLLMEngine(EngineConfig(model=str(model_dir))), "tiny")) as srv:
+    app = build_app(AsyncLLMEngine(EngineConfig(model=str(model_dir))), ServerConfig("tiny"))
+    with ServerThread(app) as srv:
         openai.OpenAI(base_url=srv.url + "/v1", api_key="x").completions.create(...)
 
 The corpus is generated from a seed, so the tokenizer (and the model on top of it) are the same

@@ -1,0 +1,85 @@
+"""The server's typed configuration, validated once: what `build_app` needs besides the engine.
+
+`ServerConfig` holds the app-level settings (the served name, the API key, the request limits
+`ServerLimits`, the load-log interval, versions and feedback); `VersionsConfig` the champion's
+label, a challenger and its canary share, the reloader and the rollback recorder; `ListenConfig`
+what uvicorn needs (`lmforge serve` only). `lmforge serve` fills them from its
+flags (`commands.py`); tests build them directly. This module knows nothing about HTTP routes, the
+engine or the registry: a loader is any callable returning an engine, a feedback store any object
+with the `FeedbackStore` methods.
+
+    app = build_app(engine, ServerConfig("tiny", api_key="k", limits=ServerLimits(max_waiting=8)))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+Loader = Callable[[], Any]  # () -> AsyncLLMEngine: builds an engine when called (the app then owns it)
+
+
+@dataclass
+class ServerLimits:
+    """Limits checked before any work is done for a request (`guard.py` enforces them)."""
+
+    max_body_bytes: int | None = None  # None: sized for the context, see body_limit()
+    read_timeout_s: float = 30.0  # longest wait for the next piece of a request body
+    max_waiting: int | None = None  # sequences admitted without a first token yet (None: unbounded)
+    max_stop_strings: int = 16
+    max_stop_len: int = 256  # characters per stop string
+    max_engine_restarts: int = 3  # then the server exits non-zero, so a supervisor learns
+
+    def body_limit(self, max_model_len: int) -> int:
+        """A context's worth of prompt in the worst JSON encoding (a token id is <= 7 bytes with its
+        comma; a character escaped as \\uXXXX is 6), times a batch of 16, plus 1 MiB for the rest."""
+        if self.max_body_bytes is not None:
+            return self.max_body_bytes
+        return 2**20 + 16 * 8 * max_model_len
+
+
+@dataclass
+class VersionsConfig:
+    """`version` labels the champion; `challenger=(label, loader)` serves a second version to
+    `canary_percent` of requests (sticky per `user`), rolled back automatically when it does worse;
+    `reloader()` returns `{role: (label, loader, path)}` for `POST /admin/reload`; `on_rollback(kind,
+    details)` records rollbacks (the registry)."""
+
+    version: str = "local"
+    challenger: tuple[str, Loader] | None = None
+    canary_percent: float = 0.0
+    reloader: Callable[[], dict] | None = None
+    on_rollback: Callable[[str, dict], None] | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.canary_percent <= 100:
+            raise ValueError(f"canary_percent={self.canary_percent}: a percent in [0, 100]")
+
+
+@dataclass
+class ServerConfig:
+    """`feedback` (a FeedbackStore) enables `POST /v1/feedback`; with `log_requests` every exchange is
+    stored there too (PII masked by the store)."""
+
+    served_model_name: str
+    api_key: str | None = None  # required as 'Authorization: Bearer KEY' on /v1/* when set
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    log_interval_s: float = 5.0  # seconds between load log lines
+    versions: VersionsConfig = field(default_factory=VersionsConfig)
+    feedback: Any = None
+    log_requests: bool = False
+
+    def __post_init__(self) -> None:
+        if self.log_interval_s <= 0:
+            raise ValueError(f"log_interval_s={self.log_interval_s}: must be > 0")
+
+
+@dataclass
+class ListenConfig:
+    """Where uvicorn listens, its log level, and the seconds in-flight requests get after SIGTERM/SIGINT."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    shutdown_timeout: float = 10.0
+    log_level: str = "info"
