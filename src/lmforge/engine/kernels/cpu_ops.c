@@ -51,6 +51,32 @@ void lmf_write_kv_bf16(const uint16_t *k, const uint16_t *v, const int64_t *slot
     }
 }
 
+/* One tile of the online softmax for one query head, in float32 (the scalar bodies): p[0..nt) holds the
+ * tile's scaled scores on entry and exp(score - new max) on exit; the running max and sum, and the
+ * accumulator acc[0..H), are rescaled to the new max. */
+static inline void softmax_tile(float *p, int64_t nt, float *mx, float *sum, float *acc, int64_t H) {
+    float m = *mx;
+    for (int64_t i = 0; i < nt; i++) m = p[i] > m ? p[i] : m;
+    const float alpha = expf(*mx - m);
+    float tile_sum = 0.0f;
+    for (int64_t i = 0; i < nt; i++) {
+        p[i] = expf(p[i] - m);
+        tile_sum += p[i];
+    }
+    *sum = *sum * alpha + tile_sum;
+    *mx = m;
+    for (int64_t h = 0; h < H; h++) acc[h] *= alpha;
+}
+
+/* The pool row (an index into P * B * K head rows) of kv head g for a tile's tokens [t0, t0 + nt). */
+static inline void tile_rows(const int32_t *table, int64_t t0, int64_t nt, int64_t B, int64_t K, int64_t g,
+                             int64_t *row) {
+    for (int64_t i = 0; i < nt; i++) {
+        const int64_t j = t0 + i;
+        row[i] = ((int64_t)table[j / B] * B + j % B) * K + g;
+    }
+}
+
 #if defined(__AVX512F__) && !defined(LMF_PORTABLE)
 #include <immintrin.h>
 
@@ -176,55 +202,11 @@ static void decode_seq(const uint16_t *q, const uint16_t *k_pool, const uint16_t
     }
 }
 
-#else /* portable C */
+#else /* portable C: the float32 body below (`decode_one_any`), reading bf16 q and K/V */
 
-static void decode_one(const uint16_t *q, const uint16_t *k_pool, const uint16_t *v_pool, const int32_t *table,
-                       int64_t len, int64_t g, int64_t G, int64_t K, int64_t H, int64_t B, float scale,
-                       uint16_t *out) {
-    float qf[MAX_G][MAX_H], acc[MAX_G][MAX_H], p[MAX_G][TILE], mx[MAX_G], sum[MAX_G];
-    for (int64_t n = 0; n < G; n++) {
-        for (int64_t h = 0; h < H; h++) {
-            qf[n][h] = bf16_to_f32(q[n * H + h]);
-            acc[n][h] = 0.0f;
-        }
-        mx[n] = -INFINITY;
-        sum[n] = 0.0f;
-    }
-    for (int64_t t0 = 0; t0 < len; t0 += TILE) {
-        const int64_t nt = len - t0 < TILE ? len - t0 : TILE;
-        int64_t row[TILE];
-        for (int64_t i = 0; i < nt; i++) {
-            const int64_t j = t0 + i;
-            row[i] = ((int64_t)table[j / B] * B + j % B) * K + g;
-        }
-        for (int64_t n = 0; n < G; n++) {
-            for (int64_t i = 0; i < nt; i++) {
-                const uint16_t *kr = k_pool + row[i] * H;
-                float d = 0.0f;
-                for (int64_t h = 0; h < H; h++) d += qf[n][h] * bf16_to_f32(kr[h]);
-                p[n][i] = d * scale;
-            }
-            float m = mx[n];
-            for (int64_t i = 0; i < nt; i++) m = p[n][i] > m ? p[n][i] : m;
-            const float alpha = expf(mx[n] - m);
-            float tile_sum = 0.0f;
-            for (int64_t i = 0; i < nt; i++) {
-                p[n][i] = expf(p[n][i] - m);
-                tile_sum += p[n][i];
-            }
-            sum[n] = sum[n] * alpha + tile_sum;
-            mx[n] = m;
-            for (int64_t h = 0; h < H; h++) acc[n][h] *= alpha;
-        }
-        for (int64_t i = 0; i < nt; i++) {
-            const uint16_t *vr = v_pool + row[i] * H;
-            for (int64_t n = 0; n < G; n++)
-                for (int64_t h = 0; h < H; h++) acc[n][h] += p[n][i] * bf16_to_f32(vr[h]);
-        }
-    }
-    for (int64_t n = 0; n < G; n++)
-        for (int64_t h = 0; h < H; h++) out[n * H + h] = f32_to_bf16(acc[n][h] / sum[n]);
-}
+static void decode_one_any(const void *q, const void *k_pool, const void *v_pool, const uint16_t *k_scales,
+                           const uint16_t *v_scales, const int32_t *table, int64_t len, int64_t g, int64_t G,
+                           int64_t K, int64_t H, int64_t B, float scale, void *out, int act, int kv);
 
 #endif
 
@@ -247,8 +229,9 @@ static void *decode_range(void *arg) {  /* sequences [first, last) */
 #else
         const int64_t G = N / j->K;
         for (int64_t g = 0; g < j->K; g++)
-            decode_one(j->q + (j->rows[s] * N + g * G) * H, j->k_pool, j->v_pool, j->block_tables + s * j->M, j->lens[s],
-                       g, G, j->K, H, j->B, j->scale, j->out + (j->rows[s] * N + g * G) * H);
+            decode_one_any(j->q + (j->rows[s] * N + g * G) * H, j->k_pool, j->v_pool, NULL, NULL,
+                           j->block_tables + s * j->M, j->lens[s], g, G, j->K, H, j->B, j->scale,
+                           j->out + (j->rows[s] * N + g * G) * H, 0, 0);
 #endif
     }
     return NULL;
@@ -279,6 +262,27 @@ static void run_jobs(void *(*fn)(void *), void *jobs, size_t size, int64_t threa
 #endif
 }
 
+/* Cut sequences [0, S) into consecutive ranges [bounds[t], bounds[t + 1]) of about equal total context
+ * (the work is K/V bytes read), one per thread. Returns how many ranges, or -1 if a sequence is empty. */
+static int64_t split_by_context(const int32_t *lens, int64_t S, int64_t threads, int64_t *bounds) {
+    int64_t total = 0;
+    for (int64_t s = 0; s < S; s++) {
+        if (lens[s] < 1) return -1;
+        total += lens[s];
+    }
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > S) threads = S;
+    if (threads < 1 || total < 4096) threads = 1;  /* below ~4k tokens a thread start costs more than it saves */
+    int64_t s = 0, acc = 0;
+    bounds[0] = 0;
+    for (int64_t t = 0; t < threads; t++) {
+        const int64_t goal = total * (t + 1) / threads;
+        while (s < S && (t == threads - 1 || acc + lens[s] / 2 < goal)) acc += lens[s++];
+        bounds[t + 1] = s;
+    }
+    return threads;
+}
+
 /* `threads` > 1: the sequences are cut into that many consecutive ranges of about equal total
  * context (the work is K/V bytes read), each run by its own thread (OpenMP when built with it,
  * else pthreads), this one included. */
@@ -293,22 +297,13 @@ int lmf_paged_decode_bf16(const uint16_t *q, const uint16_t *k_pool, const uint1
     if (H % 32 != 0) return -1;
 #endif
 #endif
-    int64_t total = 0;
-    for (int64_t s = 0; s < S; s++) {
-        if (lens[s] < 1) return -1;
-        total += lens[s];
-    }
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > S) threads = S;
-    if (threads < 1 || total < 4096) threads = 1;  /* below ~4k tokens a thread start costs more than it saves */
+    int64_t bounds[MAX_THREADS + 1];
+    threads = split_by_context(lens, S, threads, bounds);
+    if (threads < 0) return -1;
     decode_job jobs[MAX_THREADS];
-    int64_t s = 0, acc = 0;
-    for (int64_t t = 0; t < threads; t++) {
-        const int64_t first = s;
-        const int64_t goal = total * (t + 1) / threads;
-        while (s < S && (t == threads - 1 || acc + lens[s] / 2 < goal)) acc += lens[s++];
-        jobs[t] = (decode_job){q, k_pool, v_pool, block_tables, lens, rows, M, first, s, N, K, H, B, scale, out};
-    }
+    for (int64_t t = 0; t < threads; t++)
+        jobs[t] = (decode_job){q, k_pool, v_pool, block_tables, lens, rows, M, bounds[t], bounds[t + 1], N, K, H, B,
+                               scale, out};
     run_jobs(decode_range, jobs, sizeof jobs[0], threads);
     return 0;
 }
@@ -462,10 +457,7 @@ static void decode_one_any(const void *q, const void *k_pool, const void *v_pool
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {
         const int64_t nt = len - t0 < TILE ? len - t0 : TILE;
         int64_t row[TILE];
-        for (int64_t i = 0; i < nt; i++) {
-            const int64_t j = t0 + i;
-            row[i] = ((int64_t)table[j / B] * B + j % B) * K + g;
-        }
+        tile_rows(table, t0, nt, B, K, g, row);
         for (int64_t i = 0; i < nt; i++) {  /* scores: each K row widened once, dotted with every query head */
             load_head(k_pool, k_scales, kv, row[i], H, row_f);
             for (int64_t n = 0; n < G; n++) {
@@ -474,19 +466,7 @@ static void decode_one_any(const void *q, const void *k_pool, const void *v_pool
                 p[n][i] = d * scale;
             }
         }
-        for (int64_t n = 0; n < G; n++) {
-            float m = mx[n];
-            for (int64_t i = 0; i < nt; i++) m = p[n][i] > m ? p[n][i] : m;
-            const float alpha = expf(mx[n] - m);
-            float tile_sum = 0.0f;
-            for (int64_t i = 0; i < nt; i++) {
-                p[n][i] = expf(p[n][i] - m);
-                tile_sum += p[n][i];
-            }
-            sum[n] = sum[n] * alpha + tile_sum;
-            mx[n] = m;
-            for (int64_t h = 0; h < H; h++) acc[n][h] *= alpha;
-        }
+        for (int64_t n = 0; n < G; n++) softmax_tile(p[n], nt, &mx[n], &sum[n], acc[n], H);
         for (int64_t i = 0; i < nt; i++) {
             load_head(v_pool, v_scales, kv, row[i], H, row_f);
             for (int64_t n = 0; n < G; n++)
@@ -529,23 +509,13 @@ int lmf_paged_decode_any(const void *q, const void *k_pool, const void *v_pool, 
     if (K < 1 || N % K != 0 || N / K > MAX_G || H > MAX_H || B < 1 || act < 0 || act > 1 || kv < 0 || kv > 2)
         return -1;
     if (kv == 2 && (k_scales == NULL || v_scales == NULL)) return -1;
-    int64_t total = 0;
-    for (int64_t s = 0; s < S; s++) {
-        if (lens[s] < 1) return -1;
-        total += lens[s];
-    }
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > S) threads = S;
-    if (threads < 1 || total < 4096) threads = 1;
+    int64_t bounds[MAX_THREADS + 1];
+    threads = split_by_context(lens, S, threads, bounds);
+    if (threads < 0) return -1;
     decode_any_job jobs[MAX_THREADS];
-    int64_t s = 0, acc = 0;
-    for (int64_t t = 0; t < threads; t++) {
-        const int64_t first = s;
-        const int64_t goal = total * (t + 1) / threads;
-        while (s < S && (t == threads - 1 || acc + lens[s] / 2 < goal)) acc += lens[s++];
-        jobs[t] = (decode_any_job){q, k_pool, v_pool, k_scales, v_scales, block_tables, lens, rows, M, first, s,
-                                   N, K, H, B, scale, out, (int)act, (int)kv};
-    }
+    for (int64_t t = 0; t < threads; t++)
+        jobs[t] = (decode_any_job){q, k_pool, v_pool, k_scales, v_scales, block_tables, lens, rows, M, bounds[t],
+                                   bounds[t + 1], N, K, H, B, scale, out, (int)act, (int)kv};
     run_jobs(decode_any_range, jobs, sizeof jobs[0], threads);
     return 0;
 }
