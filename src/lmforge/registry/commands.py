@@ -22,6 +22,10 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from lmforge.registry.store import Registry, RegistryError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   rich_markup_mode="markdown",
@@ -36,15 +40,11 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a t
 
 
 def _fail(e: Exception) -> None:
-    from rich.console import Console
-
     Console(stderr=True, width=200).print(f"[red]error:[/red] {e}", highlight=False, markup=True)
     raise typer.Exit(code=2)
 
 
 def _open(registry: Path | None) -> Any:
-    from lmforge.registry.store import Registry, RegistryError
-
     try:
         return Registry(registry)
     except RegistryError as e:
@@ -52,8 +52,6 @@ def _open(registry: Path | None) -> Any:
 
 
 def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    from lmforge.registry.store import RegistryError
-
     try:
         return fn(*args, **kwargs)
     except RegistryError as e:
@@ -65,9 +63,6 @@ def _echo_json(obj: Any) -> None:
 
 
 def _table(versions: list, title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=title)
     for col in ("name", "version", "aliases", "sha256", "created", "evals", "training run", "notes", "path"):
         table.add_column(col)
@@ -169,8 +164,6 @@ def promote_cmd(name: str = typer.Argument(...), version: int = typer.Argument(.
                 registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
     """champion <- VERSION, previous <- the old champion, when VERSION's attached eval does not regress
     against the champion's on a suite both scored. The decision and its reason are recorded either way."""
-    from lmforge.registry.store import RegistryError
-
     reg = _open(registry)
     try:
         decision = reg.promote(name, version, max_regression=max_regression, force=force)
@@ -187,9 +180,6 @@ def promote_cmd(name: str = typer.Argument(...), version: int = typer.Argument(.
 
 
 def _print_gate(decision: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     g = decision.get("gate") or {}
     if not g.get("tasks"):
         return
@@ -246,8 +236,8 @@ def flywheel_build_cmd(
     """Low-scored and corrected exchanges -> PII scrub -> dedup (training data, each other) ->
     contamination check (every frozen eval suite) -> sft.jsonl + preferences.jsonl + a LoRA SFT config
     on the champion. stats.json accounts for every exchange. Nothing is trained."""
+    # deferred: the flywheel's data steps and run folders; `python -m lmforge.registry` loads neither
     from lmforge.registry.flywheel import build
-    from lmforge.registry.store import RegistryError
     from lmforge.track.run import RunExistsError
 
     try:

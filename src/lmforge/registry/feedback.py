@@ -38,7 +38,7 @@ from typing import Any
 from lmforge.data.config import PiiConfig
 from lmforge.data import pii
 from lmforge.data.pii import mask_pii_many
-from lmforge.registry.store import BUSY_TIMEOUT_MS, RegistryError, now, refuse_foreign
+from lmforge.registry.store import BUSY_TIMEOUT_MS, RegistryError, commit_or_rollback, now, refuse_foreign
 
 LOW, HIGH = 0.5, 0.75  # normalized score: below LOW is low, at or above HIGH is high
 KINDS = ("completion", "chat")
@@ -147,12 +147,8 @@ class FeedbackStore:
             db.execute("BEGIN IMMEDIATE")
         except sqlite3.DatabaseError as e:
             raise RegistryError(f"{self.path}: not a feedback store, or not writable ({e})") from None
-        try:
+        with commit_or_rollback(db):
             yield db
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
 
     def close(self) -> None:
         db = getattr(self._local, "db", None)

@@ -40,6 +40,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer
+
+from lmforge.config import dump_yaml, load_config
 from lmforge.data.config import ContaminationConfig, NearDedupConfig, PiiConfig
 from lmforge.data.contamination import ContaminationIndex, eval_strings
 from lmforge.data.dedup import NearDedup, exact_key, signatures
@@ -47,8 +50,10 @@ from lmforge.data.normalize import normalize_text
 from lmforge.data.pii import mask_pii_many
 from lmforge.registry.feedback import HIGH, LOW, FeedbackStore
 from lmforge.registry.store import Registry, RegistryError
+from lmforge.tasks.suite import BUILTIN_DIR
 from lmforge.track.io import atomic_write_json, atomic_write_text, sha256_file
 from lmforge.track.run import RunDir
+from lmforge.train.config import TrainConfig
 
 DROP_REASONS = ("other_model", "no_feedback", "neutral_score", "control_tokens", "empty",
                 "duplicate_of_training_data", "duplicate", "contamination", "low_score_unpaired",
@@ -239,8 +244,6 @@ def dedup(records: list[dict], train: Iterable[str], acc: Accounts, cfg: NearDed
 
 
 def suite_files() -> list[Path]:
-    from lmforge.tasks.suite import BUILTIN_DIR
-
     return sorted(BUILTIN_DIR.glob("*.jsonl"))
 
 
@@ -330,8 +333,6 @@ def longest_conversation(model_dir: str | os.PathLike, sft: list[dict]) -> int |
     path = Path(model_dir) / "tokenizer.json"
     if not path.is_file() or not sft:
         return None
-    from tokenizers import Tokenizer
-
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception:  # noqa: BLE001 - a folder whose tokenizer does not load: size rows by the context
@@ -395,37 +396,9 @@ def build(feedback: str | os.PathLike, registry: Registry, model: str, out: str 
         indexes, too_short = contamination_indexes(files, ContaminationConfig())
         records = decontaminate(records, indexes, acc)
         sft, prefs, used = assemble(records, acc)
-        kept = len(used)
-        by_version = Counter(str(r["model_version"]) for r in records if r["id"] in used)
-        stats: dict[str, Any] = {
-            "in": acc.n_in, "kept": kept, "dropped": dict(acc.dropped), "sft": len(sft), "preferences": len(prefs),
-            "preferences_from_corrections": sum(p["meta"]["source"] == "correction" for p in prefs),
-            "preferences_from_scores": sum(p["meta"]["source"] == "scores" for p in prefs),
-            "kept_by_version": dict(sorted(by_version.items())),
-            "pii_masked": dict(sorted(pii.items())), "train_documents": n_docs,
-            "eval_suites": {f.stem: sha256_file(f) for f in files}, "eval_strings_too_short": too_short,
-            "champion": {"name": model, "version": champion.version, "sha256": champion.sha256,
-                         "path": champion.path},
-            "min_count": min_count, "ready": len(sft) >= min_count}
-        if acc.n_in != kept + sum(acc.dropped.values()):  # every record lands somewhere, exactly once
-            raise RuntimeError(f"flywheel accounting does not reconcile: in {acc.n_in} != kept {kept} + dropped "
-                               f"{sum(acc.dropped.values())} (a bug: please report it)")
+        stats = _stats(acc, records, sft, prefs, used, pii, n_docs, files, too_short, champion, model, min_count)
         out = Path(out)
-        atomic_write_text(out / SFT_FILE, _jsonl(sft))
-        atomic_write_text(out / PREF_FILE, _jsonl(prefs))
-        atomic_write_text(out / REJECTED_FILE, _jsonl(acc.rejected))
-        outputs = [SFT_FILE, PREF_FILE, REJECTED_FILE]
-        if sft:
-            from lmforge.config import dump_yaml, load_config
-            from lmforge.train.config import TrainConfig
-
-            header = (f"# LoRA SFT on {model} v{champion.version} (champion, sha256 {champion.sha256[:12]}) from "
-                      f"{len(sft)} corrected exchanges; made by `lmforge flywheel build`.\n"
-                      f"#   lmforge train {out / CONFIG_FILE} --out runs/{model}-flywheel\n")
-            atomic_write_text(out / CONFIG_FILE, header + dump_yaml(train_config(champion, out / SFT_FILE, sft,
-                                                                                 model)))
-            load_config(TrainConfig, out / CONFIG_FILE).validate()  # "ready" means `lmforge train` accepts it
-            outputs.append(CONFIG_FILE)
+        outputs = _write_products(out, acc, sft, prefs, champion, model)
         stats["verdict"] = _verdict(stats, out)
         atomic_write_json(out / STATS_FILE, stats)
         run.write_record({"inputs": {"feedback": str(feedback.resolve()), "champion": stats["champion"],
@@ -433,6 +406,46 @@ def build(feedback: str | os.PathLike, registry: Registry, model: str, out: str 
                           "outputs": {f: sha256_file(out / f) for f in [*outputs, STATS_FILE]}})
         run.finish(**{k: stats[k] for k in ("in", "kept", "dropped", "sft", "preferences", "ready")})
     return stats
+
+
+def _stats(acc: Accounts, records: list[dict], sft: list[dict], prefs: list[dict], used: set, pii: Counter,
+           n_docs: int, files: list[Path], too_short: int, champion: Any, model: str,
+           min_count: int) -> dict[str, Any]:
+    """stats.json's counts, after checking that every record landed somewhere exactly once."""
+    kept = len(used)
+    by_version = Counter(str(r["model_version"]) for r in records if r["id"] in used)
+    stats: dict[str, Any] = {
+        "in": acc.n_in, "kept": kept, "dropped": dict(acc.dropped), "sft": len(sft), "preferences": len(prefs),
+        "preferences_from_corrections": sum(p["meta"]["source"] == "correction" for p in prefs),
+        "preferences_from_scores": sum(p["meta"]["source"] == "scores" for p in prefs),
+        "kept_by_version": dict(sorted(by_version.items())),
+        "pii_masked": dict(sorted(pii.items())), "train_documents": n_docs,
+        "eval_suites": {f.stem: sha256_file(f) for f in files}, "eval_strings_too_short": too_short,
+        "champion": {"name": model, "version": champion.version, "sha256": champion.sha256,
+                     "path": champion.path},
+        "min_count": min_count, "ready": len(sft) >= min_count}
+    if acc.n_in != kept + sum(acc.dropped.values()):  # every record lands somewhere, exactly once
+        raise RuntimeError(f"flywheel accounting does not reconcile: in {acc.n_in} != kept {kept} + dropped "
+                           f"{sum(acc.dropped.values())} (a bug: please report it)")
+    return stats
+
+
+def _write_products(out: Path, acc: Accounts, sft: list[dict], prefs: list[dict], champion: Any,
+                    model: str) -> list[str]:
+    """sft.jsonl, preferences.jsonl, rejected.jsonl and, with any SFT example, the LoRA config
+    (validated: "ready" means `lmforge train` accepts it); returns the files written."""
+    atomic_write_text(out / SFT_FILE, _jsonl(sft))
+    atomic_write_text(out / PREF_FILE, _jsonl(prefs))
+    atomic_write_text(out / REJECTED_FILE, _jsonl(acc.rejected))
+    outputs = [SFT_FILE, PREF_FILE, REJECTED_FILE]
+    if sft:
+        header = (f"# LoRA SFT on {model} v{champion.version} (champion, sha256 {champion.sha256[:12]}) from "
+                  f"{len(sft)} corrected exchanges; made by `lmforge flywheel build`.\n"
+                  f"#   lmforge train {out / CONFIG_FILE} --out runs/{model}-flywheel\n")
+        atomic_write_text(out / CONFIG_FILE, header + dump_yaml(train_config(champion, out / SFT_FILE, sft, model)))
+        load_config(TrainConfig, out / CONFIG_FILE).validate()  # "ready" means `lmforge train` accepts it
+        outputs.append(CONFIG_FILE)
+    return outputs
 
 
 def _verdict(stats: dict[str, Any], out: Path) -> str:

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lmforge.tasks.suite import BUILTIN_DIR, LOCK_FILE
 from lmforge.track.io import sha256_file
 
 # Files whose bytes decide what a model folder outputs (Hugging Face layout, as `lmforge export` writes).
@@ -142,6 +143,17 @@ def refuse_foreign(db: sqlite3.Connection, path: Path, table: str, what: str) ->
 
 
 # ---- content hashes ------------------------------------------------------------------------------
+
+@contextmanager
+def commit_or_rollback(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """The body of a transaction the caller has begun: COMMIT after it, ROLLBACK when it raises."""
+    try:
+        yield db
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
 
 def model_files(folder: str | os.PathLike) -> list[Path]:
     root = Path(folder)
@@ -245,8 +257,6 @@ def summarize_eval(eval_dir: str | os.PathLike) -> tuple[dict[str, Any], str | N
 
 def builtin_suite_hashes() -> dict[str, str]:
     """{suite name: sha256} of the frozen built-in suites (tasks/suites/suites.lock.json)."""
-    from lmforge.tasks.suite import BUILTIN_DIR, LOCK_FILE
-
     lock = _read_json(BUILTIN_DIR / LOCK_FILE) or {}
     return {name: entry.get("sha256") for name, entry in lock.items() if isinstance(entry, dict)}
 
@@ -340,12 +350,8 @@ class Registry:
                 time.sleep(0.01 * (attempt + 1))
         else:
             raise RegistryError(f"{self.path}: the registry stayed locked by another writer; retry")
-        try:
+        with commit_or_rollback(db):
             yield db
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
@@ -497,6 +503,7 @@ class Registry:
         tasks, eval_hash = summarize_eval(eval_dir)
         mv = self.get(name, version)
         if eval_hash is not None:
+            # deferred: the eval package (~0.1 s), which the registry's other verbs never load
             from lmforge.eval.backends import model_hash  # the eval's own recipe, not ours
 
             if Path(mv.path).is_dir() and model_hash(mv.path) != eval_hash:
