@@ -9,7 +9,8 @@ calls after a warm-up:
   bandwidth S / t at large S).
 The smallest size gives the latency alpha and the largest the bandwidth beta of the
 alpha + S/beta model that `perf/estimate.py`'s communication formulas and the scan use. On GPUs,
-`nvidia-smi topo -m` is recorded beside the figures. It knows nothing about models.
+`nvidia-smi topo -m` is recorded beside the figures. The timing worker (`comm_worker`) is in
+`parallel/probes.py`, where the parallel self-test runs it too. It knows nothing about models.
 
     lmforge doctor --comm              # table + comm.json in $LMFORGE_HOME (or --out's folder)
     python -m lmforge.bench.comm --nproc 4 --out runs/comm
@@ -19,72 +20,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import statistics
 import subprocess
-import time
 from pathlib import Path
 from typing import Annotated, Optional
 
+import torch
 import typer
 
-SIZES = (8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 23)  # bytes: 8 B .. 8 MiB
-QUICK_SIZES = (8, 1 << 12, 1 << 18)
-
-
-def _time(fn, reps: int) -> float:
-    fn()  # warm-up (connections, buffers)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def comm_worker(rank: int, world: int, sizes: tuple[int, ...], reps: int) -> list[dict] | None:
-    import torch
-    import torch.distributed as dist
-
-    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    rows = []
-    for size in sizes:
-        buf = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
-        nbytes = buf.numel() * 4
-
-        def all_reduce():
-            dist.all_reduce(buf)
-            sync()
-
-        def ping_pong():
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif rank == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            sync()
-
-        dist.barrier()
-        t_ar = _time(all_reduce, reps)
-        dist.barrier()
-        t_pp = _time(ping_pong, reps) / 2 if world > 1 else float("nan")
-        t_ar = max(_gather_max(t_ar), 1e-9)  # an all-reduce is done when the slowest rank is
-        rows.append({"bytes": nbytes, "all_reduce_s": t_ar, "all_reduce_algbw_GBps": nbytes / t_ar / 1e9,
-                     "all_reduce_busbw_GBps": nbytes / t_ar * 2 * (world - 1) / world / 1e9,
-                     "p2p_one_way_s": t_pp, "p2p_GBps": nbytes / t_pp / 1e9 if world > 1 else None})
-    return rows if rank == 0 else None
-
-
-def _gather_max(x: float) -> float:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([x], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+from lmforge.parallel.launch import run_local
+from lmforge.parallel.probes import QUICK_SIZES, SIZES, comm_worker
+from lmforge.perf.hardware import lmforge_home
+from lmforge.track.io import atomic_write_json, atomic_write_text
 
 
 def topology() -> str | None:
@@ -98,10 +44,6 @@ def topology() -> str | None:
 
 
 def measure(nproc: int = 2, quick: bool = False, reps: int | None = None) -> dict:
-    import torch
-
-    from lmforge.parallel.launch import run_local
-
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nproc else "gloo"
     sizes, reps = (QUICK_SIZES, reps or 5) if quick else (SIZES, reps or 20)
     load = os.getloadavg()
@@ -132,16 +74,12 @@ def to_markdown(r: dict) -> str:
 
 def comm_doctor(out: Path | None = None, quick: bool = False, nproc: int = 2) -> int:
     """Measure, print, and write comm.json + comm.md into `out` (a folder; default $LMFORGE_HOME)."""
-    from lmforge.track.io import atomic_write_json, atomic_write_text
-
     if nproc < 2:
         print("doctor --comm: needs at least 2 processes")
         return 2
     report = measure(nproc, quick)
     md = to_markdown(report)
     print(md)
-    from lmforge.perf.hardware import lmforge_home
-
     folder = Path(out) if out is not None else lmforge_home()
     atomic_write_json(folder / "comm.json", report)
     atomic_write_text(folder / "comm.md", md)

@@ -5,7 +5,7 @@ batch this trains 1 process (the reference) and the 2-process layouts the traine
 TP=2, PP=2 with 1F1B) for a few steps each through `torchrun`, and keeps each run's median step
 time. It predicts the same layouts with `scan.evaluate`, with this machine's numbers in place of a
 datasheet's: the compute rate is calibrated on the 1-process run (its measured step = FLOPs / rate),
-the link's bandwidth and latency come from `comm_bench` (measured now, 2 processes), so the
+the link's bandwidth and latency come from `bench/comm.py` (measured now, 2 processes), so the
 prediction of the 2-process layouts is out of sample. It reports both orderings and the ratios.
 What the scan's model does not know (Python per-call overhead, gloo's own threads competing for 2
 cores) shows up as the gap. Random tokens; nothing is downloaded.
@@ -21,11 +21,20 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
-import numpy as np
 import typer
+
+from lmforge.model import ModelConfig
+from lmforge.parallel.launch import free_port
+from lmforge.parallel.probes import random_packed
+from lmforge.parallel.scan import ScanSpec, evaluate
+from lmforge.perf import estimate as E
+from lmforge.track.io import atomic_write_json, atomic_write_text
+
+from .comm import measure
 
 ROOT = Path(__file__).resolve().parents[3]
 MODEL = ["model.hidden_size=256", "model.intermediate_size=688", "model.num_hidden_layers=4",
@@ -40,28 +49,8 @@ LAYOUTS = {  # name -> (processes, dp, tp, pp, fsdp, overrides); global batch 8 
 }
 
 
-def random_packed(path: Path, seq_len: int = 32, vocab: int = 128, train_tokens: int = 4001,
-                  val_tokens: int = 641, seed: int = 0) -> Path:
-    """A packed folder in `lmforge-packed-v1` layout with random tokens (no tokenizer: no bits per byte)."""
-    rng = np.random.default_rng(seed)
-    path.mkdir(parents=True, exist_ok=True)
-    splits = {}
-    for split, n in (("train", train_tokens), ("val", val_tokens)):
-        toks = rng.integers(3, vocab, n).astype(np.uint16)
-        toks[::40] = 1  # a document boundary (eos) every 40 tokens
-        toks.tofile(path / f"{split}_00000.bin")
-        splits[split] = {"files": [f"{split}_00000.bin"], "file_tokens": [n], "rows": (n - 1) // seq_len,
-                         "tokens": n}
-    (path / "manifest.json").write_text(json.dumps({
-        "format": "lmforge-packed-v1", "seq_len": seq_len, "dtype": "uint16", "vocab_size": vocab,
-        "eos_token_id": 1, "bos_token_id": 0, "splits": splits, "data_hash": f"random-{seed}"}))
-    return path
-
-
 def _train(name: str, nproc: int, overrides: list[str], packed: Path, out: Path, steps: int,
            reuse: bool = False) -> float:
-    from lmforge.parallel.launch import free_port
-
     if reuse and (out / "record.json").is_file() and json.loads((out / "record.json").read_text()).get(
             "status") == "finished":
         return _median_step(out)
@@ -84,12 +73,6 @@ def _median_step(out: Path) -> float:
 
 
 def check(out: Path, steps: int = 8, reuse: bool = False) -> dict:
-    from lmforge.model import ModelConfig
-    from lmforge.perf import estimate as E
-
-    from .comm import measure
-    from lmforge.parallel.scan import ScanSpec, evaluate
-
     packed = random_packed(out / "packed", seq_len=64, vocab=512, train_tokens=64 * 8 * (steps + 4) + 1)
     load = os.getloadavg()
     measured = {name: _train(name, n, ov, packed, out / name.split()[0], steps, reuse)
@@ -125,10 +108,6 @@ def check(out: Path, steps: int = 8, reuse: bool = False) -> dict:
 
 def _rate(dev, spec, shape, single_s: float):
     """The device with its float32 'peak' set so that the 1-process step is predicted as measured."""
-    from dataclasses import replace
-
-    from lmforge.perf import estimate as E
-
     flops = 3 * E.forward_flops_per_token(shape, spec.seq_len / 2) * spec.global_batch * spec.seq_len
     return replace(dev, peaks={"float32": flops / single_s})
 
@@ -154,8 +133,6 @@ def main(out: Annotated[Path, typer.Option(help="Run directory.")] = Path("runs/
          steps: Annotated[int, typer.Option(help="Steps per layout (the first two are not timed).")] = 8,
          reuse: Annotated[bool, typer.Option(help="Keep finished layout runs in --out (recompute the rest).")] = False,
          ) -> None:
-    from lmforge.track.io import atomic_write_json, atomic_write_text
-
     report = check(out, steps, reuse)
     md = to_markdown(report)
     print(md)

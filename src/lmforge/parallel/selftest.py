@@ -52,10 +52,8 @@ def run(out: Path) -> dict:
     from lmforge.train.commands import main
     from lmforge.train.loop import Trainer
 
-    from lmforge.bench.comm import QUICK_SIZES, comm_worker
-    from lmforge.bench.parallel import BenchSpec, bench_worker
-    from lmforge.bench.scan import random_packed
     from .parity import Spec, pp_worker, tp_worker
+    from .probes import QUICK_SIZES, BenchSpec, bench_worker, comm_worker, random_packed
     from .distributed import init_distributed
 
     init_distributed("cpu")
