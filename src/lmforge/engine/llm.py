@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import torch
+
 from .config import EngineConfig
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
@@ -58,8 +60,6 @@ class LLM:
         the compiled CPU kernels (the fused modules hold the model's own tensors); needs weights that were
         not repacked or quantized: float32, or bf16 with `pack_weights=False`. Call it between `generate`
         calls."""
-        import torch
-
         engine = self.llm_engine
         runner = engine.model_runner
         if engine.has_unfinished_requests():
@@ -82,14 +82,7 @@ class LLM:
                     raise ValueError(f"load_weights: {name} has shape {tuple(src.shape)}, the engine's "
                                      f"{tuple(t.shape)}")
                 t.copy_(src)  # into the existing storage, which the fused modules share
-        bm = engine.block_manager
-        bm.hash_to_block.clear()
-        for block in bm.blocks:  # every block is free between generate() calls: drop what they cached
-            block.reset()
-        # and hand them out in a fresh pool's order: which blocks a sequence gets decides whether the
-        # attention reads them in place or gathers them (another summation order), so the next outputs
-        # are bit-for-bit those of an engine started on these weights, whatever ran before
-        bm.free = type(bm.free).fromkeys(range(bm.num_blocks))
+        _forget_prefix_cache(engine)
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -118,7 +111,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # deferred: only for a progress bar (tqdm.auto probes for a notebook)
 
             bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
         try:
@@ -132,3 +125,15 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[rid] for rid in ids]
+
+
+def _forget_prefix_cache(engine: LLMEngine) -> None:
+    """Drop every cached block (its K/V came from the old weights)."""
+    bm = engine.block_manager
+    bm.hash_to_block.clear()
+    for block in bm.blocks:  # every block is free between generate() calls: drop what they cached
+        block.reset()
+    # and hand them out in a fresh pool's order: which blocks a sequence gets decides whether the
+    # attention reads them in place or gathers them (another summation order), so the next outputs
+    # are bit-for-bit those of an engine started on these weights, whatever ran before
+    bm.free = type(bm.free).fromkeys(range(bm.num_blocks))

@@ -34,7 +34,7 @@ from .model_runner import ModelRunner, kv_bytes_per_block
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampler import Sampler, SampleResult, make_generator
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence
 
 CPU_KV_CACHE_BYTES = 2 * 1024**3  # default pool cap on CPU, where memory is shared with everything
@@ -205,23 +205,38 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        scheduled = self.scheduler.schedule()
+        """schedule -> run -> sample -> postprocess; each phase adds its seconds to `timings`."""
+        scheduled = self._schedule()
         if not scheduled:
             return self._idle()
-        t1 = time.perf_counter()
         logits_SV = self.model_runner.run(scheduled)
-        t2 = time.perf_counter()
+        sampling, results = self._sample(scheduled, logits_SV)
+        return self._update(scheduled, sampling, results)
+
+    def _schedule(self) -> list[ScheduledSeq]:
+        t0 = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        if scheduled:  # an idle step is not counted
+            self.timings["schedule"] += time.perf_counter() - t0
+        return scheduled
+
+    def _sample(self, scheduled: list[ScheduledSeq],
+                logits_SV: torch.Tensor) -> tuple[list[Sequence], list[SampleResult]]:
+        """The sequences that sample this step (their chunk reached its end), and their tokens."""
+        t0 = time.perf_counter()
         sampling = [s.seq for s in scheduled if s.samples]
         results = self.sampler(logits_SV, sampling) if sampling else []
-        t3 = time.perf_counter()
+        self.timings["sample"] += time.perf_counter() - t0
+        return sampling, results
+
+    def _update(self, scheduled: list[ScheduledSeq], sampling: list[Sequence],
+                results: list[SampleResult]) -> list[RequestOutput]:
+        """Advance the scheduler, count the step, append the tokens, end requests, build the outputs."""
+        t0 = time.perf_counter()
         self.scheduler.update(scheduled)
         self._count(scheduled)
         outputs = self._postprocess(sampling, results)
-        t = self.timings
-        t["schedule"] += t1 - t0
-        t["sample"] += t3 - t2
-        t["postprocess"] += time.perf_counter() - t3
+        self.timings["postprocess"] += time.perf_counter() - t0
         return outputs
 
     def step_profile(self) -> dict[str, float]:
