@@ -15,6 +15,11 @@ per-head q/k norms see only their heads, so their gradients are all-reduced by a
 Every all-reduce goes through a `CommCounter`, which records its payload bytes by layer and kind;
 that is the measurement `bytes_per_layer` reports. It knows nothing about optimizers or data.
 
+These are the one set of tensor-parallel layers: training (`apply_tensor_parallel`, autograd through
+`AutogradAllReduce`) and the inference engine (`lmforge.engine.executor.shard_model`: plain
+`nn.Linear` shards the CPU packing can replace, `GroupAllReduce` over the engine's own process group)
+both build `RowParallelLinear` and count with `CommCounter`. They live with the model, below both.
+
 Shape legend: b rows, T tokens, D hidden, N/K query/kv heads, H head dim, F MLP hidden.
 
     from lmforge.model.tensor_parallel import apply_tensor_parallel
@@ -24,6 +29,7 @@ Shape legend: b rows, T tokens, D hidden, N/K query/kv heads, H head dim, F MLP 
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -101,25 +107,83 @@ class ColumnParallelLinear(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_local @ W[:, cols of rank r].T) + b: partial sums, then the replicated bias."""
+class AutogradAllReduce:
+    """Training's reduction of a row-parallel output: Megatron's g (all-reduce forward, identity backward)."""
 
-    def __init__(self, linear: nn.Linear, rank: int, size: int, group, counter: CommCounter, layer: int,
-                 kind: str):
+    def __init__(self, group, counter: CommCounter, layer: int, kind: str):
+        self.group, self.counter, self.layer, self.kind = group, counter, layer, kind
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        return _ReduceFromTP.apply(y, self.group, self.counter, self.layer, self.kind)
+
+
+class GroupAllReduce:
+    """Inference's reduction: in place over a process-group object of its own (not torch.distributed's
+    default group, so an engine never touches a training job's group); no autograd."""
+
+    def __init__(self, group, counter: CommCounter, layer: int, kind: str):
+        self.group, self.counter, self.layer, self.kind = group, counter, layer, kind
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        y = y.contiguous()
+        self.counter.add(self.layer, self.kind, y)
+        self.group.allreduce([y]).wait()
+        return y
+
+
+def plain_linear(weight: torch.Tensor, bias: torch.Tensor | None, trainable: bool = False) -> nn.Linear:
+    """An `nn.Linear` holding copies of `weight` (out, in) and `bias`; frozen unless `trainable`."""
+    out_f, in_f = weight.shape
+    lin = nn.Linear(in_f, out_f, bias=bias is not None, device="meta")
+    lin.weight = nn.Parameter(weight.clone(), requires_grad=trainable)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.clone(), requires_grad=trainable)
+    return lin
+
+
+class RowParallelLinear(nn.Module):
+    """y = reduce(x_local @ W[:, cols of rank r].T) + b: each rank's partial product, summed over ranks by
+    `reduce`, then the replicated bias once. The shard is a plain `nn.Linear` (`linear`), so inference's
+    CPU weight packing can replace it as it replaces any other linear. For training (`trainable`), the
+    weight and bias are trained and the state dict keeps Hugging Face's names (`o_proj.weight`, not
+    `o_proj.linear.weight`), so sharded checkpoints read as before."""
+
+    def __init__(self, linear: nn.Linear, rank: int, size: int, reduce: Callable[[torch.Tensor], torch.Tensor],
+                 trainable: bool = False):
         super().__init__()
         inp = linear.in_features
         if inp % size:
             raise ValueError(f"{inp} input features do not split over tensor_parallel={size}")
         cols = slice(rank * inp // size, (rank + 1) * inp // size)
-        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
-        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
-        self.full_shape, self.split_dim = tuple(linear.weight.shape), 1
-        self.group, self.counter, self.layer, self.kind = group, counter, layer, kind
+        self.linear = plain_linear(linear.weight.detach()[:, cols], None, trainable)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.bias = nn.Parameter(bias) if trainable and bias is not None else bias
+        self.full_shape, self.split_dim, self.reduce = tuple(linear.weight.shape), 1, reduce
+        if trainable:
+            self._register_state_dict_hook(_hf_names)
+            self._register_load_state_dict_pre_hook(_from_hf_names)
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _ReduceFromTP.apply(nn.functional.linear(x, self.weight), self.group, self.counter, self.layer,
-                                self.kind)
+        y = self.reduce(self.linear(x))
         return y + self.bias if self.bias is not None else y
+
+
+def _hf_names(module: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
+    """`prefix.linear.weight` -> `prefix.weight`, ahead of the bias (the order of an unsharded nn.Linear)."""
+    weight = state.pop(prefix + "linear.weight")
+    bias = state.pop(prefix + "bias", None)
+    state[prefix + "weight"] = weight
+    if bias is not None:
+        state[prefix + "bias"] = bias
+
+
+def _from_hf_names(state: dict, prefix: str, *args: Any) -> None:
+    if prefix + "weight" in state:
+        state[prefix + "linear.weight"] = state.pop(prefix + "weight")
 
 
 def _split_check(model: nn.Module, size: int) -> None:
@@ -142,8 +206,8 @@ def apply_tensor_parallel(model: nn.Module, group=None, counter: CommCounter | N
                                    (layer.mlp, "mlp", ("gate_proj", "up_proj", "down_proj"))):
             for name in names:
                 lin = getattr(block, name)
-                setattr(block, name, RowParallelLinear(lin, rank, size, group, counter, i, kind) if name in ROW
-                        else ColumnParallelLinear(lin, rank, size))
+                setattr(block, name, ColumnParallelLinear(lin, rank, size) if name not in ROW else RowParallelLinear(
+                    lin, rank, size, AutogradAllReduce(group, counter, i, kind), trainable=True))
             # f once per block: q, k and v (gate and up) share the input, so one all-reduce of its gradient
             block.register_forward_pre_hook(
                 lambda _m, args, i=i, kind=kind: (_CopyToTP.apply(args[0], group, counter, i, kind), *args[1:]))
@@ -156,71 +220,63 @@ def apply_tensor_parallel(model: nn.Module, group=None, counter: CommCounter | N
     return counter
 
 
-def is_sharded(p_module: nn.Module) -> bool:
-    return isinstance(p_module, (ColumnParallelLinear, RowParallelLinear))
+def split_dims(model: nn.Module) -> dict[int, int]:
+    """id(parameter) -> the dimension it is split along, for every sharded parameter of `model`
+    (a row-parallel bias is replicated: not in it)."""
+    dims = {}
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear):
+            dims[id(module.weight)] = 0
+            if module.bias is not None:
+                dims[id(module.bias)] = 0
+        elif isinstance(module, RowParallelLinear):
+            dims[id(module.linear.weight)] = 1
+    return dims
+
+
+def _gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Every rank's shard of `t`, concatenated along `dim` (collective)."""
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    if size == 1:
+        return torch.cat([t.detach()], dim=dim)
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
 
 
 def full_state_dict(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
     """The unsharded state dict (Hugging Face names, on every rank): shards are all-gathered and
     concatenated along their split dimension. Collective: every rank of `group` must call it."""
-    size = dist.get_world_size(group) if dist.is_initialized() else 1
-    out = {}
-    for mname, module in model.named_modules():
-        if is_sharded(module):
-            for pname in ("weight", "bias"):
-                p = getattr(module, pname)
-                if p is None:
-                    continue
-                key = f"{mname}.{pname}"
-                if isinstance(module, RowParallelLinear) and pname == "bias":
-                    out[key] = p.detach().clone()
-                    continue
-                dim = module.split_dim if pname == "weight" else 0
-                parts = [torch.empty_like(p) for _ in range(size)]
-                if size > 1:
-                    dist.all_gather(parts, p.detach().contiguous(), group=group)
-                else:
-                    parts = [p.detach()]
-                out[key] = torch.cat(parts, dim=dim)
-    for k, v in model.state_dict().items():
-        out.setdefault(k, v.detach().clone())
-    return {k: out[k] for k in model.state_dict()}
+    dims = split_dims(model)
+    return {k: _gather(v, dims[id(v)], group) if id(v) in dims else v.detach().clone()
+            for k, v in model.state_dict(keep_vars=True).items()}
 
 
 def full_grads(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
-    """Unsharded gradients by parameter name (collective), for parity checks."""
-    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    """Unsharded gradients by parameter name (Hugging Face names; collective), for parity checks."""
+    dims = split_dims(model)
     out = {}
-    for mname, module in model.named_modules():
-        for pname, p in module.named_parameters(recurse=False):
-            key = f"{mname}.{pname}" if mname else pname
-            g = p.grad
-            if is_sharded(module) and not (isinstance(module, RowParallelLinear) and pname == "bias"):
-                dim = module.split_dim if pname == "weight" else 0
-                parts = [torch.empty_like(g) for _ in range(size)]
-                if size > 1:
-                    dist.all_gather(parts, g.contiguous(), group=group)
-                else:
-                    parts = [g]
-                g = torch.cat(parts, dim=dim)
-            out[key] = g.clone()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        key = name.replace(".linear.weight", ".weight") if id(p) in dims and dims[id(p)] == 1 else name
+        out[key] = (_gather(p.grad, dims[id(p)], group) if id(p) in dims else p.grad).clone()
     return out
 
 
 def grad_norm(model: nn.Module, group=None) -> torch.Tensor:
     """The global L2 norm of the gradient: sharded parameters' squares summed over the TP group,
     replicated ones counted once."""
+    dims = split_dims(model)
     sharded, replicated = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
     seen: set[int] = set()
     for module in model.modules():
-        for pname, p in module.named_parameters(recurse=False):
+        for p in module.parameters(recurse=False):
             if p.grad is None or id(p) in seen:  # a tied embedding/LM head counts once
                 continue
             seen.add(id(p))
             sq = p.grad.detach().double().pow(2).sum()
             if hasattr(sq, "full_tensor"):  # an FSDP DTensor: the sum over its shards
                 sq = sq.full_tensor()
-            if is_sharded(module) and not (isinstance(module, RowParallelLinear) and pname == "bias"):
+            if id(p) in dims:
                 sharded += sq
             else:
                 replicated += sq
