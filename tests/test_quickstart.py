@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from lmforge.quickstart import build_report
+
 LMFORGE = str(Path(sys.executable).with_name("lmforge"))
 
 PRODUCTS = [
@@ -95,3 +97,84 @@ def test_rerun_skips_complete_stages(quickstart):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.count("skipped") >= 12
     assert "## Serving" in (out / "report.md").read_text()
+
+
+def _write_fake_stage_files(out: Path, low_sft_accuracy: bool = False) -> None:
+    """Every file build_report reads, with made-up figures."""
+    def put(rel, obj):
+        p = out / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+
+    finished = {"status": "finished"}
+    put("doctor/hardware.json", {"device_name": "cpu", "cpu_count": 2, "torch_version": "2.9",
+                                 "peak_flops": {"float32": 1.2e11, "bfloat16": 3.4e10}})
+    steps = {"read": {"in": 120, "out": 118, "dropped": {"quarantined": 2}},
+             "pii": {"in": 100, "out": 100, "dropped": {}, "counts": {"email": 3}},
+             "near_dedup": {"in": 100, "out": 97, "dropped": {"near_duplicate": 3}, "duplicate_rate": 0.03},
+             "split": {"in": 97, "out": 97, "dropped": {}, "sizes": {"train": 87, "val": 5, "test": 5}}}
+    put("data/stats.json", {"steps": steps, "mb_per_s": 1.23456,
+                            "totals": {"read": 120, "kept": 97, "rejected": 21, "quarantined": 2}})
+    put("data/manifest.json", {"data_hash": "ab" * 32})
+    put("tokenizer/record.json", {"vocab_size": 1024, "bytes": 2_345_678, "seconds": 1.5, "bytes_per_token": 3.21})
+    put("packed/manifest.json", {"seq_len": 128, "splits": {"train": {"tokens": 9000}, "val": {"tokens": 500}}})
+    put("train/record.json", {"num_parameters": 123456, "config": {"train": {"dtype": "float32"}},
+                              "results": {"steps": 30, "final_train_loss": 5.4321, "final_val_loss": 5.6789,
+                                          "tokens_per_s": 12345.6, "mfu": 0.01234, "train_time_s": 12.34,
+                                          "target_val_loss": 6.0,
+                                          "target_reached": {"step": 15, "train_s": 6.1, "train_plus_eval_s": 7.2,
+                                                             "tokens": 61440}}})
+    put("train/metrics.jsonl", "".join(json.dumps(m) + "\n" for m in (
+        {"step": 1, "loss": 6.9}, {"step": 15, "loss": 6.0, "val_loss": 6.1, "val_bpb": 2.5},
+        {"step": 30, "loss": 5.4, "val_loss": 5.6789, "val_bpb": 2.3})))
+    put("model/parity.json", {"architecture": "LlamaForCausalLM", "tokens": 21, "max_abs_err": 1.5e-6,
+                              "argmax_agree": 1.0})
+    put("eval/results.json", {"tasks": {
+        "val-python-docs": {"kind": "perplexity", "n": 50, "suite_sha256": "0123456789abcdef",
+                            "metrics": {"bits_per_byte": {"value": 2.345678, "stderr": 0.01}, "tokens": {"value": 5}}},
+        "arith": {"kind": "generate", "n": 12, "suite_sha256": "fedcba9876543210",
+                  "metrics": {"exact_match": {"value": 0.25, "stderr": 0.12}}}}})
+    put("bench/bench.json", {"command": "lmforge bench engine --model m", "provenance": {"threads": 2},
+                             "systems": [{"system": "hf-sequential", "requests": 2, "output_tok_s": 40.5, "req_s": 0.5,
+                                          "ttft_ms": {"mean": 20.25}, "tpot_ms": {"mean": 24.5}},
+                                         {"system": "lmforge", "requests": 8, "output_tok_s": 400.25, "req_s": 4.5,
+                                          "ttft_ms": {"mean": 30.5}, "tpot_ms": {"mean": 2.5}}]})
+    put("serve/serve.json", {"command": "lmforge serve m --port 1", "ready_s": 2.5, "exit_code": 0,
+                             "metrics": {"vllm:prompt_tokens_total": 40.0},
+                             "exchanges": [{"kind": "chat (streamed)", "prompt": "hi", "output": "a|b\nc" * 30,
+                                            "ttft_s": 0.05, "e2e_s": 0.5},
+                                           {"kind": "completion", "prompt": "x", "output": "y", "ttft_s": None,
+                                            "e2e_s": 0.25}]})
+    sft_acc = 0.05 if low_sft_accuracy else 0.5
+    for stage, acc in (("sft", sft_acc), ("grpo", 0.625)):
+        put(f"reasoning/{stage}/eval/record.json", finished)
+        put(f"reasoning/{stage}/eval/results.json", {"tasks": {"arith-cot": {"n": 16, "metrics": {
+            "acc": {"value": acc, "stderr": 0.125}, "acc/add-2d": {"value": acc}, "acc/mul-2x1": {"value": 0.0}}}}})
+    put("reasoning/sft/run/record.json", {"num_parameters": 5000, "results": {"steps": 6, "train_time_s": 3.0}})
+    put("reasoning/grpo/run/record.json", {"config": {"grpo": {"prompts_per_step": 2, "group_size": 4}},
+                                           "results": {"steps": 2, "train_time_s": 4.0, "accuracy_first": 0.25,
+                                                       "accuracy_last": 0.5, "averaged_over_steps": 1,
+                                                       "format_rate_first": 0.75, "format_rate_last": 1.0}})
+    put("reasoning/data/train.jsonl.record.json", {"n": 400, "seed": 1, "dropped_eval_overlap": 3,
+                                                   "eval_overlap_after": 0})
+
+
+@pytest.mark.parametrize("low_sft_accuracy", [False, True])
+def test_report_sections_from_stage_files(tmp_path, low_sft_accuracy):
+    """The report card from made-up stage files, without running the chain: one section per stage,
+    one "From X to Y" line each, in order, and the timings table when given."""
+    _write_fake_stage_files(tmp_path, low_sft_accuracy)
+    report = build_report(tmp_path, [{"stage": "data", "seconds": 1.25, "skipped": False},
+                                     {"stage": "train", "seconds": None, "skipped": True}])
+    at = [report.index(s) for s in SECTIONS + ["## Time per stage"]]
+    assert at == sorted(at)
+    summary = report.split("## From X to Y", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in summary.splitlines() if line.startswith("- ")]
+    assert [line.split(":", 1)[0] for line in lines] == ["- Data", "- Tokenizer", "- Training", "- Evaluation",
+                                                          "- Engine", "- Serving", "- Reasoning"]
+    assert "- Engine: from 40 output tok/s (transformers, one request at a time) to 400" in summary
+    assert "| data | 1.2 |" in report and "| train | skipped (complete) |" in report
+    assert "| a\\|b ca\\|b c" in report  # output cells escape pipes and join lines
+    assert ("A GRPO group learns only from samples that beat its mean" in report) is low_sft_accuracy
+    assert build_report(tmp_path) == build_report(tmp_path, None)
+    assert "## Time per stage" not in build_report(tmp_path)

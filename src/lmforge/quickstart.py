@@ -10,7 +10,9 @@ on a rerun when its outputs are complete (its `record.json` says finished, or it
 so an interrupted quickstart continues where it stopped. The report is rebuilt from the files on
 disk every time, so it is the same whether a stage ran now or earlier.
 
-This module knows nothing of how a stage works: it calls each package's public function.
+This module knows nothing of how a stage works: it calls each package's public function. The CLI
+imports it for `lmforge --help`, so what loads numpy, torch, transformers or an HTTP client is
+imported inside the stage that needs it; the rest at the top.
 
     lmforge quickstart                 # 7.4M-parameter model, a few minutes on 2 cores
     lmforge quickstart --tiny          # seconds per stage; what the tests run
@@ -20,6 +22,7 @@ This module knows nothing of how a stage works: it calls each package's public f
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,7 +33,19 @@ from typing import Any, Callable
 
 from rich.console import Console
 
+from lmforge.bench.doctor import cpu_bf16_flags, doctor
+from lmforge.config import load_config
+from lmforge.data.sources import iter_python_docs
+from lmforge.data.synth import read_tasks, write_synth
+from lmforge.eval.backends import TransformerBackend
+from lmforge.eval.evaluate import evaluate
+from lmforge.eval.suites import make_perplexity_suite
+from lmforge.perf.hardware import default_profile_path, load_profile
+from lmforge.serve.testing import free_port
+from lmforge.tasks.suite import load_suite
+from lmforge.tokenizer import load_tokenizer, train_tokenizer
 from lmforge.track.io import atomic_write_json, atomic_write_text
+from lmforge.train.config import TrainConfig
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -121,17 +136,10 @@ class Quickstart:
     # ---- stages: each is (done?, run) ---------------------------------------------------------
 
     def doctor_done(self) -> bool:
-        from lmforge.perf.hardware import load_profile
-
         return (self.d["doctor"] / "hardware.json").is_file() and load_profile() is not None
 
     def doctor(self) -> None:
         """Measure this machine's matmul peaks once: the trainer's MFU divides by them."""
-        import shutil
-
-        from lmforge.bench.doctor import doctor
-        from lmforge.perf.hardware import default_profile_path, load_profile
-
         if load_profile() is None and doctor(default_profile_path()) != 0:
             raise RuntimeError("lmforge doctor found a problem; see the table above")
         self.d["doctor"].mkdir(parents=True, exist_ok=True)
@@ -141,8 +149,7 @@ class Quickstart:
         return _finished(self.d["data"]) and (self.d["data"] / "manifest.json").is_file()
 
     def data(self) -> None:
-        from lmforge.data.prepare import prepare_dataset
-        from lmforge.data.sources import iter_python_docs
+        from lmforge.data.prepare import prepare_dataset  # deferred: numpy, not for `lmforge --help`
 
         inputs = ["python-docs"]
         if self.s.docs is not None:  # a fixed slice of python-docs, written as JSONL input
@@ -159,8 +166,6 @@ class Quickstart:
         return (self.d["tokenizer"] / "tokenizer.json").is_file() and (self.d["tokenizer"] / "record.json").is_file()
 
     def tokenizer(self) -> None:
-        from lmforge.tokenizer import train_tokenizer
-
         train_tokenizer([str(self.d["data"] / "splits" / "train.jsonl")], self.d["tokenizer"],
                         vocab_size=self.s.vocab_size, show_progress=True, overwrite=True)
 
@@ -168,7 +173,7 @@ class Quickstart:
         return (self.d["packed"] / "manifest.json").is_file()
 
     def packed(self) -> None:
-        from lmforge.data.pack import pack_dataset
+        from lmforge.data.pack import pack_dataset  # deferred: numpy, not for `lmforge --help`
 
         pack_dataset(self.d["data"], self.d["tokenizer"], self.s.seq_len, self.d["packed"], overwrite=True,
                      show_progress=True)
@@ -177,9 +182,7 @@ class Quickstart:
         return _finished(self.d["train"])
 
     def train(self) -> None:
-        from lmforge.config import load_config
-        from lmforge.train.config import TrainConfig
-        from lmforge.train.loop import train
+        from lmforge.train.loop import train  # deferred: torch, not for `lmforge --help`
 
         overrides = [f"data.path={self.d['packed']}", *self.s.overrides]
         if _fast_dtype() == "float32":  # no bf16 units: emulated bf16 matmuls are ~80x slower than fp32
@@ -192,6 +195,7 @@ class Quickstart:
         return (self.d["model"] / "parity.json").is_file()
 
     def model(self) -> None:
+        # deferred: torch, not for `lmforge --help`
         from lmforge.train.checkpoint import best_checkpoint
         from lmforge.train.export import export_run
 
@@ -203,11 +207,6 @@ class Quickstart:
         return _finished(self.d["eval"])
 
     def eval(self) -> None:
-        from lmforge.eval.backends import TransformerBackend
-        from lmforge.eval.evaluate import evaluate
-        from lmforge.eval.suites import make_perplexity_suite
-        from lmforge.tasks.suite import load_suite
-
         val_suite = make_perplexity_suite(self.d["data"], self.out / "suites" / "val-python-docs.jsonl",
                                           name="val-python-docs", max_docs=50)
         suites = [val_suite] + [load_suite(n) for n in ("tiny-text", "choice-basics", "arith")]
@@ -221,7 +220,7 @@ class Quickstart:
         return (self.d["bench"] / "bench.json").is_file()
 
     def bench(self) -> None:
-        from lmforge.bench.engine import BenchEngineConfig, bench_engine_run
+        from lmforge.bench.engine import BenchEngineConfig, bench_engine_run  # deferred: torch, not for --help
 
         cfg = BenchEngineConfig(model=str(self.d["model"]), workload="high-variance",
                                 num_requests=self.s.bench_requests, hf_sequential_requests=self.s.bench_hf_requests,
@@ -245,9 +244,6 @@ class Quickstart:
 
     def reasoning_data(self) -> None:
         """Tasks with verifiable answers, disjoint from arith-cot, and a tokenizer with one token per digit."""
-        from lmforge.data.synth import read_tasks, write_synth
-        from lmforge.tokenizer import train_tokenizer
-
         d = self.d["reasoning_data"]
         write_synth("mix", self.s.reasoning_tasks, 1, d / "train.jsonl", overwrite=True)
         write_synth("mix", max(self.s.reasoning_tasks // 75, 64), 2, d / "val.jsonl", overwrite=True)
@@ -260,8 +256,7 @@ class Quickstart:
 
     def reasoning_sft(self) -> None:
         """Chain-of-thought SFT from scratch on the traces, exported, scored on arith-cot."""
-        from lmforge.config import load_config
-        from lmforge.train.config import TrainConfig
+        # deferred: torch, not for `lmforge --help`
         from lmforge.train.export import export_run
         from lmforge.train.loop import train
 
@@ -280,8 +275,7 @@ class Quickstart:
 
     def reasoning_grpo(self) -> None:
         """GRPO from the SFT model with the format and correct rewards, exported, scored on arith-cot."""
-        from lmforge.config import load_config
-        from lmforge.train.config import TrainConfig
+        # deferred: torch, not for `lmforge --help`
         from lmforge.train.export import export_run
         from lmforge.train.grpo.trainer import train_grpo
 
@@ -296,10 +290,6 @@ class Quickstart:
         self._arith_cot(d / "model", d / "eval")
 
     def _arith_cot(self, model: Path, out: Path) -> None:
-        from lmforge.eval.backends import TransformerBackend
-        from lmforge.eval.evaluate import evaluate
-        from lmforge.tasks.suite import load_suite
-
         backend = TransformerBackend(model, dtype="float32", engine="llm")
         evaluate(backend, [load_suite("arith-cot")], out, model_dir=model, limit=self.s.reasoning_eval_limit,
                  overwrite=True,
@@ -331,11 +321,11 @@ class Quickstart:
 
 def export_parity(model_dir: Path) -> dict:
     """The exported model read by `transformers` and by lmforge: the same logits on held-out text?"""
+    # deferred: torch and transformers, not for `lmforge --help`
     import torch
     import transformers
 
     from lmforge.model import Transformer
-    from lmforge.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     ids = torch.tensor([tok.encode("The os module provides a portable way of using operating system "
@@ -350,66 +340,88 @@ def export_parity(model_dir: Path) -> dict:
 
 def serve_and_ask(model_dir: Path, max_tokens: int, timeout: float = 120.0) -> dict:
     """Start `lmforge serve` on a free loopback port, ask through the `openai` client, stop it with SIGTERM."""
-    import httpx
-    import openai
-
-    from lmforge.serve.testing import free_port
-
     port = free_port()
     cmd = [str(Path(sys.executable).with_name("lmforge")), "serve", str(model_dir), "--port", str(port),
            "--served-model-name", "quickstart", "--dtype", "float32"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        t0 = time.perf_counter()
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.perf_counter() - t0 > timeout:
-                raise RuntimeError(f"`{' '.join(cmd)}` did not become healthy:\n{proc.stdout.read()}")
-            time.sleep(0.2)
-        ready_s = time.perf_counter() - t0
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-        exchanges = []
-        for prompt in ("What does the os module provide?", "Explain a Python list in one sentence."):
-            t = time.perf_counter()
-            first, text, usage = None, "", None
-            stream = client.chat.completions.create(
-                model="quickstart", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-                temperature=0, stream=True, stream_options={"include_usage": True})
-            for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    first = first or time.perf_counter() - t
-                    text += chunk.choices[0].delta.content
-                if chunk.usage:
-                    usage = chunk.usage.model_dump()
-            exchanges.append({"kind": "chat (streamed)", "prompt": prompt, "output": text,
-                              "ttft_s": first, "e2e_s": time.perf_counter() - t, "usage": usage})
-        for prompt in ("The json module", "def read_file(path):"):
-            t = time.perf_counter()
-            r = client.completions.create(model="quickstart", prompt=prompt, max_tokens=max_tokens, temperature=0)
-            exchanges.append({"kind": "completion", "prompt": prompt, "output": r.choices[0].text,
-                              "ttft_s": None, "e2e_s": time.perf_counter() - t, "usage": r.usage.model_dump()})
-        metrics = httpx.get(f"{base}/metrics", timeout=5).text
-        wanted = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
-                  "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
-        counters = {}
-        for line in metrics.splitlines():
-            if line.startswith(wanted):
-                name, _, value = line.rpartition(" ")
-                counters[name] = float(value)
+        ready_s = _wait_healthy(proc, cmd, base, timeout)
+        exchanges = _ask(base, max_tokens)
+        counters = _server_counters(base)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = proc.wait()
+        code = _stop(proc)
     return {"command": " ".join(cmd), "ready_s": ready_s, "exchanges": exchanges, "metrics": counters,
             "exit_code": code}
+
+
+def _wait_healthy(proc: subprocess.Popen, cmd: list[str], base: str, timeout: float) -> float:
+    """Seconds until the server's /health answers 200; raises with its output when it exits or times out."""
+    import httpx  # deferred: the HTTP client, not for `lmforge --help`
+
+    t0 = time.perf_counter()
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.perf_counter() - t0 > timeout:
+            raise RuntimeError(f"`{' '.join(cmd)}` did not become healthy:\n{proc.stdout.read()}")
+        time.sleep(0.2)
+
+
+def _ask(base: str, max_tokens: int) -> list[dict]:
+    """Two streamed chat requests (time to first token) and two completions, greedy."""
+    import openai  # deferred: the openai client, not for `lmforge --help`
+
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    exchanges = []
+    for prompt in ("What does the os module provide?", "Explain a Python list in one sentence."):
+        t = time.perf_counter()
+        first, text, usage = None, "", None
+        stream = client.chat.completions.create(
+            model="quickstart", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+            temperature=0, stream=True, stream_options={"include_usage": True})
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.perf_counter() - t
+                text += chunk.choices[0].delta.content
+            if chunk.usage:
+                usage = chunk.usage.model_dump()
+        exchanges.append({"kind": "chat (streamed)", "prompt": prompt, "output": text,
+                          "ttft_s": first, "e2e_s": time.perf_counter() - t, "usage": usage})
+    for prompt in ("The json module", "def read_file(path):"):
+        t = time.perf_counter()
+        r = client.completions.create(model="quickstart", prompt=prompt, max_tokens=max_tokens, temperature=0)
+        exchanges.append({"kind": "completion", "prompt": prompt, "output": r.choices[0].text,
+                          "ttft_s": None, "e2e_s": time.perf_counter() - t, "usage": r.usage.model_dump()})
+    return exchanges
+
+
+def _server_counters(base: str) -> dict[str, float]:
+    """The token, request and prefix-cache counters of the server's Prometheus /metrics."""
+    import httpx  # deferred: the HTTP client, not for `lmforge --help`
+
+    metrics = httpx.get(f"{base}/metrics", timeout=5).text
+    wanted = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+              "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+    counters = {}
+    for line in metrics.splitlines():
+        if line.startswith(wanted):
+            name, _, value = line.rpartition(" ")
+            counters[name] = float(value)
+    return counters
+
+
+def _stop(proc: subprocess.Popen) -> int:
+    """SIGTERM, then the exit code (a kill after 60 s)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
 
 
 def stage_dirs(out: Path) -> dict[str, Path]:
@@ -467,16 +479,14 @@ def _reasoning_section(d: dict[str, Path], summary: list[str]) -> list[str]:
     return parts
 
 
-def build_report(out: Path, timings: list[dict] | None = None) -> str:
-    """report.md from the files of each stage's run directory."""
-    d = stage_dirs(out)
-    parts = ["# lmforge quickstart — report card", ""]
-    summary: list[str] = []
+def _machine_section(d: dict[str, Path], summary: list[str]) -> list[str]:
     hw = _read(d["doctor"] / "hardware.json")
     peaks = ", ".join(f"{k} {v / 1e9:,.0f} GFLOP/s" for k, v in (hw.get("peak_flops") or {}).items())
-    parts += [f"Machine: {hw.get('device_name')} ({hw.get('cpu_count')} cores); measured matmul peaks: {peaks}; "
-              f"torch {hw.get('torch_version')}.", ""]
+    return [f"Machine: {hw.get('device_name')} ({hw.get('cpu_count')} cores); measured matmul peaks: {peaks}; "
+            f"torch {hw.get('torch_version')}.", ""]
 
+
+def _data_section(d: dict[str, Path], summary: list[str]) -> list[str]:
     stats = _read(d["data"] / "stats.json")
     steps = stats.get("steps", {})
     rows = [[name, _f(s.get("in")), _f(s.get("out")),
@@ -484,32 +494,40 @@ def build_report(out: Path, timings: list[dict] | None = None) -> str:
             for name, s in steps.items()]
     manifest = _read(d["data"] / "manifest.json")
     pii = steps.get("pii", {}).get("counts") or {}
-    parts += ["## Data", "", _md_table(["step", "in", "out", "dropped (reason: count)"], rows), "",
-              f"Splits (documents): {steps.get('split', {}).get('sizes')}. PII masked: "
-              f"{', '.join(f'{k} {v}' for k, v in pii.items()) or 'none'}. Near-duplicate rate: "
-              f"{_f(steps.get('near_dedup', {}).get('duplicate_rate'), 4)}. Prepare throughput "
-              f"{_f(stats.get('mb_per_s'), 2)} MB/s. `data_hash` {manifest.get('data_hash', '')[:16]}.", ""]
     totals = stats.get("totals", {})
     summary.append(f"Data: from {_f(totals.get('read'))} raw documents to {_f(totals.get('kept'))} clean, "
                    f"deduplicated documents ({_f(totals.get('rejected'))} rejected with a reason, "
                    f"{_f(totals.get('quarantined'))} quarantined).")
+    return ["## Data", "", _md_table(["step", "in", "out", "dropped (reason: count)"], rows), "",
+            f"Splits (documents): {steps.get('split', {}).get('sizes')}. PII masked: "
+            f"{', '.join(f'{k} {v}' for k, v in pii.items()) or 'none'}. Near-duplicate rate: "
+            f"{_f(steps.get('near_dedup', {}).get('duplicate_rate'), 4)}. Prepare throughput "
+            f"{_f(stats.get('mb_per_s'), 2)} MB/s. `data_hash` {manifest.get('data_hash', '')[:16]}.", ""]
 
+
+def _tokenizer_section(d: dict[str, Path], summary: list[str]) -> list[str]:
     tok = _read(d["tokenizer"] / "record.json")
-    parts += ["## Tokenizer", "", _md_table(["", "value"], [
-        ["vocabulary", _f(tok.get("vocab_size"))], ["training text", f"{tok.get('bytes', 0) / 1e6:.2f} MB"],
-        ["seconds", _f(tok.get("seconds"), 2)], ["bytes per token", _f(tok.get("bytes_per_token"), 2)]]), ""]
     packed = _read(d["packed"] / "manifest.json")
     tokens = {k: v.get("tokens") for k, v in packed.get("splits", {}).items()}
-    parts += [f"Packed into rows of {packed.get('seq_len')} tokens: {tokens}.", ""]
     summary.append(f"Tokenizer: from {tok.get('bytes', 0) / 1e6:.2f} MB of text to {_f(tok.get('vocab_size'))} "
                    f"tokens at {_f(tok.get('bytes_per_token'), 2)} bytes/token.")
+    return ["## Tokenizer", "", _md_table(["", "value"], [
+        ["vocabulary", _f(tok.get("vocab_size"))], ["training text", f"{tok.get('bytes', 0) / 1e6:.2f} MB"],
+        ["seconds", _f(tok.get("seconds"), 2)], ["bytes per token", _f(tok.get("bytes_per_token"), 2)]]), "",
+        f"Packed into rows of {packed.get('seq_len')} tokens: {tokens}.", ""]
 
+
+def _training_section(d: dict[str, Path], summary: list[str]) -> list[str]:
     rec = _read(d["train"] / "record.json")
     res = rec.get("results", rec)
     metrics = [json.loads(line) for line in (d["train"] / "metrics.jsonl").read_text().splitlines()]
     evals = [m for m in metrics if "val_loss" in m]
     curve = [[e["step"], _f(e["val_loss"], 4), _f(e.get("val_bpb"), 4)] for e in evals]
-    parts += ["## Training", "", _md_table(["", "value"], [
+    if evals and metrics:
+        summary.append(f"Training: loss from {metrics[0]['loss']:.3f} nats/token (step 1) to {evals[-1]['val_loss']:.3f} "
+                       f"on validation (step {evals[-1]['step']}), in {_f(res.get('train_time_s'), 0)} s at "
+                       f"{_f(res.get('tokens_per_s'), 0)} tokens/s.")
+    return ["## Training", "", _md_table(["", "value"], [
         ["parameters", _f(rec.get("num_parameters"))], ["steps", _f(res.get("steps"))],
         ["dtype", rec.get("config", {}).get("train", {}).get("dtype", "—")],
         ["final train loss", _f(res.get("final_train_loss"), 4)], ["final val loss", _f(res.get("final_val_loss"), 4)],
@@ -519,16 +537,16 @@ def build_report(out: Path, timings: list[dict] | None = None) -> str:
           if res.get("target_val_loss") is not None else [])]), "",
         "Validation curve:", "", _md_table(["step", "val loss (nats/token)", "val bits/byte"], curve), "",
         "![loss curve](train/loss.png)", ""]
-    if evals and metrics:
-        summary.append(f"Training: loss from {metrics[0]['loss']:.3f} nats/token (step 1) to {evals[-1]['val_loss']:.3f} "
-                       f"on validation (step {evals[-1]['step']}), in {_f(res.get('train_time_s'), 0)} s at "
-                       f"{_f(res.get('tokens_per_s'), 0)} tokens/s.")
 
+
+def _model_section(d: dict[str, Path], summary: list[str]) -> list[str]:
     par = _read(d["model"] / "parity.json")
-    parts += ["## Model", "", f"Exported to `{d['model']}` as `{par['architecture']}` (Hugging Face layout). "
-              f"Read back by `transformers` and by lmforge on {par['tokens']} tokens: max |Δlogit| "
-              f"{par['max_abs_err']:.2e}, argmax agreement {par['argmax_agree']:.0%}.", ""]
+    return ["## Model", "", f"Exported to `{d['model']}` as `{par['architecture']}` (Hugging Face layout). "
+            f"Read back by `transformers` and by lmforge on {par['tokens']} tokens: max |Δlogit| "
+            f"{par['max_abs_err']:.2e}, argmax agreement {par['argmax_agree']:.0%}.", ""]
 
+
+def _evaluation_section(d: dict[str, Path], summary: list[str]) -> list[str]:
     results = _read(d["eval"] / "results.json")
     rows = []
     for name, t in results.get("tasks", {}).items():
@@ -537,47 +555,69 @@ def build_report(out: Path, timings: list[dict] | None = None) -> str:
                 continue
             rows.append([name, t.get("kind"), metric, _f(v.get("value"), 4), _f(v.get("stderr"), 4), t.get("n"),
                          t.get("suite_sha256", "")[:8]])
-    parts += ["## Evaluation", "", _md_table(["suite", "kind", "metric", "value", "stderr", "n", "suite sha256"],
-                                             rows), ""]
     ppl = results.get("tasks", {}).get("val-python-docs", {}).get("metrics", {}).get("bits_per_byte", {})
     if ppl:
         summary.append(f"Evaluation: from 8.000 bits/byte (a uniform byte guess) to {ppl['value']:.3f} bits/byte "
                        f"on held-out python-docs.")
+    return ["## Evaluation", "", _md_table(["suite", "kind", "metric", "value", "stderr", "n", "suite sha256"],
+                                           rows), ""]
 
+
+def _engine_section(d: dict[str, Path], summary: list[str]) -> list[str]:
     bench = _read(d["bench"] / "bench.json")
     rows = [[s["system"], s["requests"], _f(s["output_tok_s"], 1), _f(s["req_s"], 2), _f(s["ttft_ms"]["mean"], 1),
              _f(s["tpot_ms"]["mean"], 1)] for s in bench.get("systems", [])]
-    parts += ["## Engine", "", _md_table(["system", "requests", "output tok/s", "requests/s", "mean TTFT (ms)",
-                                          "mean TPOT (ms)"], rows), "",
-              f"Command: `{bench.get('command', '')}` (bfloat16, {bench['provenance']['threads']} thread(s)).", ""]
     speed = {s["system"]: s["output_tok_s"] for s in bench.get("systems", [])}
     if speed.get("hf-sequential") and speed.get("lmforge"):
         summary.append(f"Engine: from {speed['hf-sequential']:.0f} output tok/s (transformers, one request at a "
                        f"time) to {speed['lmforge']:.0f} (lmforge, continuous batching).")
+    return ["## Engine", "", _md_table(["system", "requests", "output tok/s", "requests/s", "mean TTFT (ms)",
+                                        "mean TPOT (ms)"], rows), "",
+            f"Command: `{bench.get('command', '')}` (bfloat16, {bench['provenance']['threads']} thread(s)).", ""]
 
+
+def _serving_section(d: dict[str, Path], summary: list[str]) -> list[str]:
     srv = _read(d["serve"] / "serve.json")
     rows = [[x["kind"], x["prompt"], x["output"].replace("\n", " ").replace("|", "\\|")[:80],
              _f(x.get("ttft_s"), 3), _f(x.get("e2e_s"), 3)] for x in srv["exchanges"]]
-    parts += ["## Serving", "", f"`{srv['command']}` became healthy in {srv['ready_s']:.1f} s and exited "
-              f"with code {srv['exit_code']} after SIGTERM.", "",
-              _md_table(["request", "prompt", "output (first 80 chars)", "TTFT (s)", "e2e (s)"], rows), "",
-              "Server counters from `/metrics`:", "",
-              _md_table(["metric", "value"], [[k, _f(v, 0)] for k, v in srv["metrics"].items()]), ""]
     ttfts = [x["ttft_s"] for x in srv["exchanges"] if x.get("ttft_s")]
     if ttfts:
         summary.append(f"Serving: from an HTTP request to the first streamed token in {ttfts[0] * 1000:.0f} ms "
                        f"(first request) and {ttfts[-1] * 1000:.0f} ms (warm), through the `openai` client.")
+    return ["## Serving", "", f"`{srv['command']}` became healthy in {srv['ready_s']:.1f} s and exited "
+            f"with code {srv['exit_code']} after SIGTERM.", "",
+            _md_table(["request", "prompt", "output (first 80 chars)", "TTFT (s)", "e2e (s)"], rows), "",
+            "Server counters from `/metrics`:", "",
+            _md_table(["metric", "value"], [[k, _f(v, 0)] for k, v in srv["metrics"].items()]), ""]
 
-    parts += _reasoning_section(d, summary)
 
-    if timings:
-        parts += ["## Time per stage", "", _md_table(["stage", "seconds"], [
-            [t["stage"], "skipped (complete)" if t["skipped"] else f"{t['seconds']:.1f}"] for t in timings]), ""]
+# The report's sections in order; each returns its Markdown lines and appends its "From X to Y" line.
+REPORT_SECTIONS = (_machine_section, _data_section, _tokenizer_section, _training_section, _model_section,
+                   _evaluation_section, _engine_section, _serving_section, _reasoning_section)
+
+
+def _timings_section(timings: list[dict] | None) -> list[str]:
+    if not timings:
+        return []
+    return ["## Time per stage", "", _md_table(["stage", "seconds"], [
+        [t["stage"], "skipped (complete)" if t["skipped"] else f"{t['seconds']:.1f}"] for t in timings]), ""]
+
+
+def build_report(out: Path, timings: list[dict] | None = None) -> str:
+    """report.md from the files of each stage's run directory."""
+    d = stage_dirs(out)
+    parts = ["# lmforge quickstart — report card", ""]
+    summary: list[str] = []
+    for section in REPORT_SECTIONS:
+        parts += section(d, summary)
+    parts += _timings_section(timings)
     head = ["## From X to Y", ""] + [f"- {line}" for line in summary] + [""]
     return "\n".join(parts[:2] + head + parts[2:])
 
 
 def quickstart(out: Path, tiny: bool = False, reasoning: bool = True) -> int:
+    from rich.markdown import Markdown  # deferred: markdown-it and pygments (~0.1 s), only for the report card
+
     console = Console()
     settings = TINY if tiny else FULL
     t0 = time.perf_counter()
@@ -585,8 +625,6 @@ def quickstart(out: Path, tiny: bool = False, reasoning: bool = True) -> int:
     report = build_report(out, timings)
     atomic_write_text(out / "report.md", report)
     console.rule("[bold]report card")
-    from rich.markdown import Markdown
-
     console.print(Markdown(report))
     console.print(f"\n{out / 'report.md'} ({time.perf_counter() - t0:.0f} s in all)")
     return 0
@@ -600,9 +638,7 @@ if __name__ == "__main__":
 def _fast_dtype() -> str:
     """bfloat16 where the hardware computes it (CUDA, or a CPU with AVX512-BF16/AMX/Arm bf16), else
     float32: on an AVX2-only CPU bf16 is emulated and the quickstart would crawl."""
-    import torch
-
-    from lmforge.bench.doctor import cpu_bf16_flags
+    import torch  # deferred: not for `lmforge --help`
 
     if torch.cuda.is_available():
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
