@@ -6,7 +6,8 @@
 
 `scheme` holds the math (RTN, scales, int32 packing), `compressed_tensors` the layout `transformers`
 and vLLM read, `quantize` the verb, `linear` the layers a quantized checkpoint loads into and the
-engine's linear backends, `load` the loader every caller uses for a folder that may be quantized. This package knows nothing about scheduling, serving or training loops.
+engine's linear backends, `load` the loader every caller uses for a folder that may be quantized.
+This package knows nothing about scheduling, serving or training loops.
 """
 
 from .load import load_pretrained

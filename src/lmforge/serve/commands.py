@@ -32,7 +32,6 @@ from .config import ListenConfig, ServerConfig, ServerLimits, VersionsConfig
 
 if TYPE_CHECKING:
     from lmforge.engine import EngineConfig
-    from lmforge.registry import FeedbackStore
 
 app = typer.Typer(name="serve", no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
                   help="Serve a model over the OpenAI API.")
@@ -91,26 +90,28 @@ def serve(
 ) -> None:
     """Serve MODEL_DIR over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
     with /health, /metrics (Prometheus, vLLM's names) and /version."""
+    model_dir = _model_dir(model_dir, registry, model, canary)
+    config = _engine_config(model=str(model_dir), dtype=dtype, device=device, block_size=block_size, seed=seed,
+                            num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                            kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+                            tensor_parallel_size=tensor_parallel_size)
+    limits = _server_limits(max_waiting, max_body_bytes, read_timeout, max_engine_restarts, shutdown_timeout)
+    preflight(model_dir, dtype, device, max_num_seqs, max_model_len, kv_cache_memory_bytes)
+    server = _server_config(served_model_name or model or model_dir.name, api_key, limits, log_requests,
+                            feedback_db, registry is not None)
+    raise typer.Exit(run_server(config, server, ListenConfig(host, port, shutdown_timeout, log_level), engine_process,
+                                registry=(registry, model) if registry else None, canary=canary))
+
+
+def _model_dir(model_dir: Path | None, registry: Path | None, model: str | None, canary: float) -> Path:
+    """MODEL_DIR, or the registry's champion; exit 2 before importing torch when it is not a model folder."""
     _check_source(model_dir, registry, model, canary)
     if registry is not None:
         model_dir = _champion_dir(registry, model)
     if not (model_dir / "config.json").exists():  # before importing torch: a typo should fail fast
         _usage_error(f"{model_dir}: no config.json; pass a Hugging Face layout model directory")
-    config = _engine_config(model=str(model_dir), dtype=dtype, device=device, block_size=block_size,
-                            num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                            kv_cache_dtype=kv_cache_dtype,
-                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, seed=seed,
-                            tensor_parallel_size=tensor_parallel_size)
-    limits = _server_limits(max_waiting, max_body_bytes, read_timeout, max_engine_restarts, shutdown_timeout)
-    preflight(model_dir, dtype, device, max_num_seqs, max_model_len, kv_cache_memory_bytes)
-    feedback = _feedback_store(feedback_db) if log_requests or feedback_db is not None or registry is not None \
-        else None
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = ServerConfig(served_model_name or model or model_dir.name, api_key, limits, feedback=feedback,
-                          log_requests=log_requests)
-    raise typer.Exit(run_server(config, server, ListenConfig(host, port, shutdown_timeout, log_level), engine_process,
-                                registry=(registry, model) if registry else None, canary=canary))
+    return model_dir
 
 
 def _usage_error(message: str) -> NoReturn:
@@ -160,12 +161,17 @@ def _server_limits(max_waiting: int | None, max_body_bytes: int | None, read_tim
                         max_engine_restarts=max_engine_restarts)
 
 
-def _feedback_store(feedback_db: Path | None) -> FeedbackStore:
-    """--feedback-db, by default `feedback.db` beside the registry's default store."""
-    from lmforge.registry import FeedbackStore  # deferred: the registry pulls numpy
-    from lmforge.registry.store import default_path
+def _server_config(served_model_name: str, api_key: str | None, limits: ServerLimits, log_requests: bool,
+                   feedback_db: Path | None, from_registry: bool) -> ServerConfig:
+    """The app's settings; a feedback store (--feedback-db, by default `feedback.db` beside the registry's
+    default store) when requests are logged, a store is named, or versions come from a registry."""
+    feedback = None
+    if log_requests or feedback_db is not None or from_registry:
+        from lmforge.registry import FeedbackStore  # deferred: the registry pulls numpy
+        from lmforge.registry.store import default_path
 
-    return FeedbackStore(feedback_db or default_path().with_name("feedback.db"))
+        feedback = FeedbackStore(feedback_db or default_path().with_name("feedback.db"))
+    return ServerConfig(served_model_name, api_key, limits, feedback=feedback, log_requests=log_requests)
 
 
 def preflight(model_dir: Path, dtype: str, device: str, max_num_seqs: int, max_model_len: int | None,
@@ -233,6 +239,7 @@ def run_server(config: EngineConfig, server: ServerConfig, listen: ListenConfig,
 
     from .app import build_app  # deferred: fastapi and the engine, only when serving
 
+    logging.basicConfig(level=listen.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loader = _engine_loader(config, ProcessAsyncLLMEngine if engine_process else AsyncLLMEngine)
     if registry is not None:
         server = dataclasses.replace(server, versions=_registry_versions_config(*registry, canary, loader))
