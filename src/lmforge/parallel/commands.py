@@ -14,6 +14,15 @@ from typing import Annotated, Optional
 
 import typer
 
+from lmforge.track.io import atomic_write_json, atomic_write_text
+from lmforge.track.run import RunDir
+
+from .plots import plot_heatmap, plot_timeline
+from .scan import ScanSpec, heatmap_grid, scan
+from .scan import to_markdown as scan_markdown
+from .simulate import simulate
+from .simulate import to_markdown as simulate_markdown
+
 app = typer.Typer(no_args_is_help=True, help="Pipeline-schedule simulator, strategy scan.")
 
 
@@ -45,21 +54,15 @@ def simulate_cmd(
 ) -> None:
     """Predict bubble fraction, step time and peak activation memory of GPipe and 1F1B with a
     discrete-event simulation; prints a table beside the (P-1)/(M+P-1) formula."""
-    from .simulate import simulate, to_markdown
-
     try:
         results = [simulate(s, stages, m, _floats(fwd, "--fwd"), _floats(bwd, "--bwd"), send,
                             _floats(act_bytes, "--act-bytes")) for s in schedule for m in microbatches]
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
-    md = to_markdown(results)
+    md = simulate_markdown(results)
     print(md)
     if out is None:
         return
-    from lmforge.track.io import atomic_write_json, atomic_write_text
-    from lmforge.track.run import RunDir
-
-    from .plots import plot_timeline
 
     run = RunDir(out, overwrite=overwrite)
     run.write_config({"schedule": schedule, "stages": stages, "microbatches": microbatches, "fwd": fwd,
@@ -90,22 +93,16 @@ def scan_cmd(
     """Enumerate DP x TP x PP x micro-batch x sharding (DDP/FSDP) x activation checkpointing, drop what
     does not fit (perf/estimate.py's memory), predict step time (roofline + communication model +
     pipeline simulator), rank; show the gain over the naive layouts and why TP across nodes loses."""
-    from .scan import ScanSpec, heatmap_grid, scan, to_markdown
-
     spec = ScanSpec(model=model, gpus=gpus, nodes=nodes, gpu=gpu, intra_bw_GBps=intra_bw, inter_bw_GBps=inter_bw,
                     global_batch=global_batch, seq_len=seq_len, efficiency=efficiency)
     try:
         report = scan(spec)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
-    md = to_markdown(report)
+    md = scan_markdown(report)
     print(md)
     if out is None:
         return
-    from lmforge.track.io import atomic_write_json, atomic_write_text
-    from lmforge.track.run import RunDir
-
-    from .plots import plot_heatmap
 
     run = RunDir(out, overwrite=overwrite)
     run.write_config(spec)

@@ -29,6 +29,7 @@ def free_port() -> int:
 
 def _entry(rank: int, fn: Callable, world: int, port: int, threads: int, out: str, args: tuple,
            backend: str = "gloo") -> None:
+    # deferred: a fresh spawned process; this module is imported by CLIs that must not load torch
     import torch
     import torch.distributed as dist
 
@@ -49,7 +50,7 @@ def _entry(rank: int, fn: Callable, world: int, port: int, threads: int, out: st
 def run_local(fn: Callable, world: int, *args: Any, threads: int = 1, timeout: float = 600,
               backend: str = "gloo") -> list[Any]:
     """Run `fn(rank, world, *args)` in `world` fresh processes (`backend`, `threads` torch threads each)."""
-    import multiprocessing as mp
+    import multiprocessing as mp  # deferred: as torch above, only when processes start
 
     ctx = mp.get_context("spawn")  # fork after torch has started its thread pools can hang
     with tempfile.TemporaryDirectory(prefix="lmforge-launch-") as out:

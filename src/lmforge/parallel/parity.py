@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from lmforge.model import ModelConfig, Transformer
+from lmforge.model.tensor_parallel import apply_tensor_parallel, full_grads
 
 from .pipeline import IGNORE, PipelineExecutor, PipelineStageModule, loss_sum, tied_group
 from .schedules import schedule
@@ -96,8 +97,6 @@ def pp_worker(rank: int, world: int, spec: Spec) -> dict:
 def tp_worker(rank: int, world: int, spec: Spec, group=None) -> dict:
     """Tensor parallelism over `group` (default: all ranks): logits, loss, unsharded gradients and the
     all-reduce payload bytes per layer of one forward + backward of the whole batch."""
-    from lmforge.model.tensor_parallel import apply_tensor_parallel, full_grads
-
     model, batch = make_model(spec), make_batch(spec)
     counter = apply_tensor_parallel(model, group)
     n = int((batch["labels"] != IGNORE).sum())

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
+
 from lmforge.track.plots import _pyplot
 
 
@@ -39,8 +41,6 @@ def plot_heatmap(rows: list[str], cols: list[str], values: list[list[float | str
                  title: str = "", label: str = "") -> Path:
     """A labelled heatmap; None cells (configurations that do not fit) are grey and marked 'OOM',
     string cells (configurations that do not exist) grey with that text."""
-    import numpy as np
-
     plt = _pyplot()
     data = np.array([[np.nan if v is None or isinstance(v, str) else v for v in r] for r in values], dtype=float)
     fig, ax = plt.subplots(figsize=(1.1 * len(cols) + 2.5, 0.5 * len(rows) + 1.8), dpi=110)

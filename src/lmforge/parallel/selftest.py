@@ -20,7 +20,18 @@ import shutil
 from pathlib import Path
 from typing import Annotated
 
+import torch
+import torch.distributed as dist
 import typer
+
+from lmforge.config import load_config
+from lmforge.train.commands import main
+from lmforge.train.config import TrainConfig
+from lmforge.train.loop import Trainer
+
+from .distributed import init_distributed
+from .parity import Spec, pp_worker, tp_worker
+from .probes import QUICK_SIZES, BenchSpec, bench_worker, comm_worker, random_packed
 
 STEPS = 3
 # the trainer runs: configs/tiny.yaml's model (TP=2 and PP=2 split it), float32, a checkpoint at step 2
@@ -36,8 +47,6 @@ def train_overrides(packed: Path, *extra: str) -> list[str]:
 
 def _interrupted_copy(src: Path, dst: Path, rank: int) -> None:
     """`dst` = the finished run `src` without its last checkpoint, as if it had died after step 2."""
-    import torch.distributed as dist
-
     if rank == 0:
         shutil.copytree(src, dst)
         shutil.rmtree(dst / "checkpoints" / f"step-{STEPS:08d}")
@@ -45,17 +54,6 @@ def _interrupted_copy(src: Path, dst: Path, rank: int) -> None:
 
 
 def run(out: Path) -> dict:
-    import torch.distributed as dist
-
-    from lmforge.config import load_config
-    from lmforge.train.config import TrainConfig
-    from lmforge.train.commands import main
-    from lmforge.train.loop import Trainer
-
-    from .parity import Spec, pp_worker, tp_worker
-    from .probes import QUICK_SIZES, BenchSpec, bench_worker, comm_worker, random_packed
-    from .distributed import init_distributed
-
     init_distributed("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     res = {f"pp_{d}": pp_worker(rank, world, Spec(dtype=d)) for d in ("float64", "float32")}
@@ -87,8 +85,6 @@ def load(out: Path, world: int) -> list[dict]:
 
 def cli(out: Annotated[Path, typer.Option(help="Folder for the per-rank results and the training runs.")] = Path(
         "runs/selftest")) -> None:
-    import torch
-
     torch.set_num_threads(1)
     run(out)
 

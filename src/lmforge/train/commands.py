@@ -90,6 +90,7 @@ def export(
     fmt: str = typer.Option("hf", "--format", help="hf (the folder) | gguf (the folder plus OUT/model-TYPE.gguf)."),
     gguf_type: str = typer.Option("bf16", "--type", help="GGUF matrices: bf16 | q8_0 | q4_0 | f32."),
 ) -> None:
+    # deferred: torch loads only when a verb runs
     from .checkpoint import CheckpointError
     from .export import export_run
 
@@ -120,7 +121,7 @@ def distill(
 ) -> None:
     """Rejection-sample reasoning traces from TEACHER: K per task through the engine, keep the well-formed
     ones with the right answer as SFT chat rows (then `lmforge train ... train.stage=sft data.path=OUT/sft.jsonl`)."""
-    from .distill import distill as run_distill
+    from .distill import distill as run_distill  # deferred: torch and the engine load only when a verb runs
 
     try:
         res = run_distill(teacher, tasks, n, out, temperature=temperature, max_tokens=max_tokens, seed=seed,

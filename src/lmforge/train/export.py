@@ -22,6 +22,7 @@ from lmforge.model import ModelConfig, Transformer, resolve_dtype
 from lmforge.track.io import atomic_write_json, sha256_dir
 
 from . import checkpoint as ckpt
+from .lora import LoraConfig, apply_lora, merge_lora
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 STOP_IDS = [1, 4]  # <|end_of_text|>, <|im_end|>
@@ -34,8 +35,6 @@ def load_run_model(run: str | os.PathLike, checkpoint: str = "last") -> tuple[Tr
     model = Transformer(config)  # every weight is overwritten by the checkpoint below
     state = ckpt.load_state(path)["model"]
     if meta.get("method") == "lora":
-        from .lora import LoraConfig, apply_lora, merge_lora
-
         peft_model = apply_lora(model, LoraConfig(**meta["config"]["lora"]))
         peft_model.load_state_dict(state)
         model = merge_lora(peft_model)
@@ -71,7 +70,7 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, checkpoint: str =
         "run": str(run), "checkpoint": f"step-{meta['step']:08d}", "step": meta["step"], "method": meta.get("method"),
         "git": meta.get("git"), "val_loss": meta.get("val_loss"), "weights_sha256": sha256_dir(out, "*.safetensors")})
     if fmt == "gguf":
-        from lmforge.quant.gguf_export import export_gguf
+        from lmforge.quant.gguf_export import export_gguf  # deferred: the optional gguf package, GGUF only
 
         info = export_gguf(out, out / f"model-{gguf_type}.gguf", gguf_type)
         print(f"gguf: {info['file']} ({info['bytes'] / 2**20:.1f} MiB, {info['tensors']})", flush=True)

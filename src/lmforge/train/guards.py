@@ -117,7 +117,7 @@ def preflight_train(cfg: Any, shape: ModelShape, seq_len: int, device: Any, worl
 
 def is_oom(err: BaseException) -> bool:
     """torch.OutOfMemoryError (CUDA) or the CPU allocator's failure, which is a plain RuntimeError."""
-    import torch
+    import torch  # deferred: guards is imported by `lmforge smoke` and the CLI, which must not load torch
 
     return isinstance(err, torch.OutOfMemoryError) or (
         isinstance(err, RuntimeError) and "can't allocate memory" in str(err))
@@ -202,7 +202,7 @@ def batch_rows(loader: Any, state: dict | None) -> list[int]:
 def graph_breaks() -> dict[str, Any]:
     """Graph breaks dynamo counted in this process so far: {"count", "reasons"} (most frequent first)."""
     try:
-        from torch._dynamo.utils import counters
+        from torch._dynamo.utils import counters  # deferred: dynamo is heavy and only compiled runs need it
     except ImportError:
         return {"count": 0, "reasons": []}
     breaks = counters.get("graph_break", {})
@@ -219,7 +219,7 @@ def set_deterministic(enabled: bool) -> dict[str, Any]:
     CUBLAS_WORKSPACE_CONFIG must be set before cuBLAS initialises (PyTorch's reproducibility
     notes), so this runs first in the trainer; ":4096:8" is the value those notes give.
     """
-    import torch
+    import torch  # deferred: as in is_oom
 
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

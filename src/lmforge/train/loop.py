@@ -26,6 +26,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,14 +37,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import yaml
+from tokenizers import Tokenizer
 
 from lmforge.config import ConfigError, to_dict
+from lmforge.data.loader import PackedDataset, PackedLoader, batch_from_rows
 from lmforge.model import ModelConfig, Transformer
 from lmforge.model.checkpoint import DTYPES
 from lmforge.model.config import alignment_warnings
 from lmforge.quant import load_pretrained
 from lmforge.parallel.distributed import Dist
 from lmforge.parallel.parallelize import pipeline_evaluate, pipeline_step, plan_for
+from lmforge.perf.hardware import NoPeakError, peak_flops
+from lmforge.perf.mfu import mfu, model_flops_per_token
+from lmforge.tokenizer.load import load_tokenizer, tokenizer_hash
+from lmforge.track.plots import plot_loss_curve
 from lmforge.track.provenance import git_info
 from lmforge.track.run import RunDir, peak_memory
 from lmforge.track.runs import read_metrics, truncate_metrics
@@ -53,7 +61,9 @@ from . import guards
 from .config import TrainConfig
 from .fused_ce import TrainLoss, can_fuse
 from .guards import TrainingDiverged
+from .lora import apply_lora, base_load_dtype
 from .optim import build_optimizer, build_scheduler
+from .sft_data import SFTLoader
 
 IGNORE = -100
 # Fields every training record.json carries (tests check them; docs/training.md lists them).
@@ -80,8 +90,6 @@ class Data:
 def token_byte_lengths(tokenizer_dir: str) -> torch.Tensor:
     """Bytes each token stands for. Byte-level BPE maps every byte to one character, so the
     length of a token's string is its byte count; added (special/reserved) tokens count 0."""
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
     added = set(tok.get_added_tokens_decoder())
     n = tok.get_vocab_size(with_added_tokens=True)
@@ -91,8 +99,6 @@ def token_byte_lengths(tokenizer_dir: str) -> torch.Tensor:
 def _find_tokenizer(cfg: TrainConfig, packed: Path | None) -> str | None:
     candidates = [cfg.data.tokenizer]
     if packed is not None and (packed / "config.yaml").is_file():
-        import yaml
-
         candidates.append((yaml.safe_load((packed / "config.yaml").read_text()) or {}).get("tokenizer_dir"))
     candidates.append(cfg.model.init)
     for c in candidates:
@@ -102,12 +108,8 @@ def _find_tokenizer(cfg: TrainConfig, packed: Path | None) -> str | None:
 
 
 def build_data(cfg: TrainConfig, d: Dist, device: torch.device) -> Data:
-    from lmforge.tokenizer.load import tokenizer_hash
-
     t = cfg.train
     if t.stage == "pretrain":
-        from lmforge.data.loader import PackedLoader
-
         path = Path(cfg.data.path)
         manifest_path = path / "manifest.json"
         if not manifest_path.is_file():
@@ -131,9 +133,6 @@ def build_data(cfg: TrainConfig, d: Dist, device: torch.device) -> Data:
         return Data(train, make_val, int(manifest["seq_len"]), int(manifest["vocab_size"]), manifest.get("data_hash"),
                     manifest.get("tokenizer_hash"), tok_dir,
                     token_byte_lengths(tok_dir) if tok_dir else None, notes)
-    from lmforge.tokenizer.load import load_tokenizer
-
-    from .sft_data import SFTLoader
 
     tok_dir = _find_tokenizer(cfg, None)
     if tok_dir is None:
@@ -152,8 +151,6 @@ def build_data(cfg: TrainConfig, d: Dist, device: torch.device) -> Data:
 
 def _all_rows(path: str, split: str, batch_size: int, d: Dist, device: str) -> Any:
     """Batches of every row of a packed split exactly once (this rank's rows: `r::world_size`), in order."""
-    from lmforge.data.loader import PackedDataset, batch_from_rows
-
     ds = PackedDataset(path, split)
     mine = list(range(d.rank, ds.num_rows, d.world_size))
     for lo in range(0, len(mine), batch_size):
@@ -167,7 +164,6 @@ def build_model(cfg: TrainConfig, data: Data, device: torch.device | None = None
     if m.init:
         dtype = "float32"
         if cfg.train.method != "full":  # a light LoRA base is built from a 16-bit checkpoint as stored
-            from .lora import base_load_dtype
 
             dtype = base_load_dtype(m.init, cfg.lora, device or torch.device("cpu"))
         return load_pretrained(m.init, dtype=dtype, device="cpu").train()
@@ -187,7 +183,6 @@ def build_model(cfg: TrainConfig, data: Data, device: torch.device | None = None
 def apply_method(cfg: TrainConfig, model: Transformer) -> torch.nn.Module:
     if cfg.train.method == "full":
         return model
-    from .lora import apply_lora
 
     return apply_lora(model, cfg.lora)
 
@@ -257,17 +252,12 @@ class Trainer:
             raise ConfigError(f"{self.out} already holds checkpoints; pass --resume to continue that run "
                               f"or --overwrite to start again")
         if overwrite:
-            import shutil
-
             shutil.rmtree(self.out / ckpt.CKPT_DIR, ignore_errors=True)
         run = RunDir(self.out, overwrite=overwrite, resume=resume)
         run.write_config(self.cfg)
         return run
 
     def _flops(self) -> tuple[float, float | None]:
-        from lmforge.perf.hardware import NoPeakError, peak_flops
-        from lmforge.perf.mfu import model_flops_per_token
-
         fpt = model_flops_per_token(self.model_config, self.data.seq_len)
         dtype = "tf32" if self.device.type == "cuda" and self.cfg.train.dtype == "float32" else self.cfg.train.dtype
         try:
@@ -366,8 +356,6 @@ class Trainer:
         return spikes
 
     def mfu(self, tokens_per_s: float) -> float | None:
-        from lmforge.perf.mfu import mfu
-
         if self.peak is None:
             return None
         try:
@@ -506,8 +494,6 @@ class Trainer:
                    "warnings": self.warnings}
         self.run.write_record(results)
         try:
-            from lmforge.track.plots import plot_loss_curve
-
             results["loss_curve"] = str(plot_loss_curve(self.out))
         except Exception as e:  # a missing plot must not fail a finished training run
             self.warn(f"loss curve not drawn: {e}")

@@ -33,7 +33,8 @@ import torch
 from torch import nn
 
 from lmforge.model import Transformer
-from lmforge.quant import scale_groups_, scratch, unpack_int32_into
+from lmforge.model.checkpoint import read_hf_config
+from lmforge.quant import QuantScheme, pack_int32, quantize_rtn, scale_groups_, scratch, unpack_int32_into
 from lmforge.train.config import LoraConfig  # the public LoRA API: `from lmforge.train.lora import LoraConfig`
 
 ADAPTER_NAME = "default"  # peft's; we keep one adapter per model
@@ -41,7 +42,7 @@ ADAPTER_NAME = "default"  # peft's; we keep one adapter per model
 
 def apply_lora(model: Transformer, cfg: LoraConfig) -> Transformer:
     """Inject LoRA adapters into `model` in place and return it; base weights are frozen."""
-    import peft
+    import peft  # deferred: peft (and transformers under it) is heavy and only LoRA runs need it
 
     if is_lora(model):
         raise ValueError("model already has LoRA adapters; merge_lora() it first")
@@ -69,8 +70,6 @@ def base_load_dtype(path, cfg: LoraConfig, device: torch.device) -> str:
     codes come from the stored values), but the whole model never exists in float32: on the 0.5B
     model the load peak falls from 3.2 GiB to 1.5 (bf16) or 1.8 (int4) GiB (docs/quantization.md).
     Non-linear parameters (embeddings, norms) and the adapters are cast to float32 by `apply_lora`."""
-    from lmforge.model.checkpoint import read_hf_config
-
     if base_kind(cfg, device) == "float32":
         return "float32"
     hf = read_hf_config(path)
@@ -130,7 +129,6 @@ class FrozenLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, kind: str):
         super().__init__()
-        from lmforge.quant import QuantScheme, pack_int32, quantize_rtn
 
         w = linear.weight.detach()
         self.in_features, self.out_features, self.kind = linear.in_features, linear.out_features, kind
@@ -203,7 +201,7 @@ def lighten_base(model: nn.Module, kind: str) -> int:
 
 
 def _lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # deferred: as in apply_lora
 
     return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
 

@@ -51,6 +51,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from lmforge.data.synth import TaskFileError, parse_task
+from lmforge.tasks.reasoning import DEFAULT_FORMAT
 from lmforge.tokenizer.chat import message_text
 from lmforge.tokenizer.special import IM_END, IM_START, PAD
 from lmforge.track.io import sha256_file
@@ -129,9 +131,6 @@ def parse_messages(line: str, path: str, lineno: int) -> list[dict[str, str]]:
 def task_messages(record: dict, where: str) -> list[dict[str, str]]:
     """A task row (prompt/answer + reasoning, or GSM8K's question/'#### N') as a user turn and an
     assistant turn in the reasoning format (`lmforge.tasks.reasoning`)."""
-    from lmforge.data.synth import TaskFileError, parse_task
-    from lmforge.tasks.reasoning import DEFAULT_FORMAT
-
     try:
         task = parse_task(record, where)
     except TaskFileError as e:

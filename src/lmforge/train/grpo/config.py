@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from lmforge.config import ConfigError
+
 
 @dataclass
 class GRPOSection:
@@ -33,8 +35,6 @@ class GRPOSection:
     answer_prefix: str = "Answer:"
 
     def validate(self) -> None:
-        from lmforge.config import ConfigError
-
         for key in ("prompts_per_step", "group_size", "max_tokens", "epochs", "minibatches"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"grpo.{key} must be >= 1, got {getattr(self, key)}")

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from lmforge.engine import LLM, SamplingParams
+
 
 @dataclass
 class Rollout:
@@ -43,8 +45,6 @@ def chat_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
 class RolloutEngine:
     def __init__(self, model_dir: str, device: str, group_size: int, max_tokens: int, temperature: float,
                  top_p: float, seed: int, max_num_seqs: int = 256):
-        from lmforge.engine import LLM
-
         self.llm = LLM(model_dir, dtype="float32", device=device, pack_weights=False,
                        max_num_seqs=max_num_seqs, seed=seed)
         self.tokenizer = self.llm.get_tokenizer()
@@ -61,8 +61,6 @@ class RolloutEngine:
         return time.perf_counter() - t0
 
     def generate(self, prompts: list[str], step: int) -> list[Rollout]:
-        from lmforge.engine import SamplingParams
-
         ids = [chat_prompt_ids(self.tokenizer, p) for p in prompts]
         params = [SamplingParams(n=self.group_size, temperature=self.temperature, top_p=self.top_p,
                                  max_tokens=self.max_tokens, logprobs=0,

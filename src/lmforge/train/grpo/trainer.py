@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -39,9 +40,15 @@ import numpy as np
 import torch
 
 from lmforge.config import ConfigError, to_dict
+from lmforge.data.synth import read_tasks
+from lmforge.eval.backends import model_hash
 from lmforge.tasks.reasoning import ReasoningFormat
 from lmforge.model import resolve_device
 from lmforge.quant import load_pretrained
+from lmforge.tokenizer.load import tokenizer_hash
+from lmforge.track.io import sha256_file
+from lmforge.track.plots import _pyplot
+from lmforge.track.provenance import git_info
 from lmforge.track.run import RunDir, peak_memory
 from lmforge.track.runs import read_metrics, truncate_metrics
 
@@ -117,18 +124,12 @@ def _policy_logprobs(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[t
 
 class GRPOTrainer:
     def __init__(self, cfg: TrainConfig, out: Path, resume: bool = False, overwrite: bool = False):
-        from lmforge.data.synth import read_tasks
-        from lmforge.track.io import sha256_file
-        from lmforge.track.provenance import git_info
-
         self.cfg, self.out, t, g = cfg.validate(), Path(out), cfg.train, cfg.grpo
         self.device = resolve_device(t.device)
         if not resume and not overwrite and ckpt.list_checkpoints(self.out):
             raise ConfigError(f"{self.out} already holds checkpoints; pass --resume to continue that run "
                               f"or --overwrite to start again")
         if overwrite:
-            import shutil
-
             shutil.rmtree(self.out / ckpt.CKPT_DIR, ignore_errors=True)
         self.run = RunDir(self.out, overwrite=overwrite, resume=resume)
         self.run.write_config(cfg)
@@ -254,9 +255,6 @@ class GRPOTrainer:
         return self._finish()
 
     def _static_record(self) -> dict[str, Any]:
-        from lmforge.eval.backends import model_hash
-        from lmforge.tokenizer.load import tokenizer_hash
-
         t, g = self.cfg.train, self.cfg.grpo
         return {"experiment_id": self.cfg.run.name or self.out.name, "stage": "grpo", "method": "full",
                 "config": to_dict(self.cfg), "data_hash": self.data_hash, "num_tasks": len(self.tasks),
@@ -295,7 +293,6 @@ class GRPOTrainer:
 
 def plot_rewards(run: str | Path, out: str | Path | None = None) -> Path:
     """RUN/reward.png: reward mean, accuracy and format rate of the rollouts per step."""
-    from lmforge.track.plots import _pyplot
     plt = _pyplot()
     rows = [m for m in read_metrics(run) if "reward_mean" in m]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
