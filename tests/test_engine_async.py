@@ -199,3 +199,23 @@ def test_output_kinds_reconcile(model_dir):
     assert len(full) == 7 and len(seen["final_only"]) == 1 and seen["final_only"][0].outputs[0].token_ids == full
     assert [t for o in seen["delta"] for t in o.outputs[0].token_ids] == full
     assert sum(len(o.outputs[0].token_times) for o in seen["delta"]) == 7
+
+
+def test_engine_core_answers_typed_messages(model_dir):
+    """Both transports run one `EngineCore`: typed commands in, typed replies and outputs out."""
+    from lmforge.engine.core import EngineCore
+    from lmforge.engine.llm_engine import LLMEngine
+    from lmforge.engine.messages import EngineCoreRequest, RequestType
+
+    core = EngineCore(LLMEngine(EngineConfig(model=str(model_dir), device="cpu", max_model_len=32)))
+    refused = core.apply(EngineCoreRequest(RequestType.ADD, 1, "a", [5] * 30, SamplingParams(max_tokens=8)))
+    assert refused.type is RequestType.ADD and refused.cid == 1 and isinstance(refused.error, ValueError)
+    added = core.apply(EngineCoreRequest(RequestType.ADD, 2, "b", [5, 6], SamplingParams(max_tokens=4, ignore_eos=True)))
+    assert added.error is None and added.request_id == "b"
+    stepped = core.step()
+    assert stepped.failure is None and [o.request_id for o in stepped.outputs] == ["b"]
+    assert stepped.stats["num_requests_running"] == 1
+    aborted = core.apply(EngineCoreRequest(RequestType.ABORT, 3, "b"))
+    assert aborted.output.finished and aborted.output.outputs[0].finish_reason == "abort"
+    assert core.apply(EngineCoreRequest(RequestType.ABORT, 4, "b")).output is None  # unknown by now
+    assert core.engine.stats()["kv_blocks_in_use"] == 0

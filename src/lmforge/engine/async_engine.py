@@ -30,12 +30,11 @@ from typing import Any
 from .config import EngineConfig
 from .core_client import EngineCoreClient, InprocClient, MPClient
 from .llm_engine import LLMEngine
-from .messages import EngineCoreOutputs, EngineCoreRequest, EngineDeadError, EngineStepError, RequestType
+from .messages import EngineCoreOutputs, EngineCoreRequest, EngineDeadError, RequestType
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 Sink = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
-__all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineStepError", "ProcessAsyncLLMEngine"]
 
 
 class AsyncLLMEngine:

@@ -22,12 +22,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from lmforge.engine import RequestOutput, SamplingParams
+from lmforge.engine import AsyncLLMEngine, RequestOutput, SamplingParams
 
 from .versions import CanaryGuard, Router, Served
 
 log = logging.getLogger("lmforge.serve")
-Loader = Callable[[], object]  # returns an engine (AsyncLLMEngine or its process front)
+Loader = Callable[[], AsyncLLMEngine]  # in-process or ProcessAsyncLLMEngine: one front, two transports
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def not_ready(v: Served) -> str:
     if v.down is not None:
         return f"the engine is restarting after: {v.down}"
     if v.engine is not None and not v.engine.is_running:
-        return f"the engine stopped: {getattr(v.engine, 'dead_reason', None) or 'its thread is gone'}"
+        return f"the engine stopped: {v.engine.dead_reason or 'its thread is gone'}"
     return "the engine is not running"
 
 
@@ -198,7 +198,7 @@ class VersionRouterClient:
                     return
 
     async def _restart(self, v: Served) -> None:
-        cause = getattr(v.engine, "dead_reason", None) or "the engine stopped"
+        cause = v.engine.dead_reason or "the engine stopped"
         v.down = cause
         log.error("engine of %s stopped: %s", v.label, cause)
         with contextlib.suppress(Exception):
