@@ -11,6 +11,12 @@ import json
 from pathlib import Path
 
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from lmforge.track.plots import plot_runs
+from lmforge.track.runs import (HEADLINE, config_diff, list_runs, metrics_side_by_side, provenance_diff, read_record,
+                                summarize)
 
 app = typer.Typer(help="List, show and compare run directories.", no_args_is_help=True)
 
@@ -25,11 +31,6 @@ def _fmt(v) -> str:
 
 @app.command("list", help="Every run below DIR (default: runs/) with its headline numbers.")
 def list_(root: Path = typer.Argument(Path("runs"), help="Folder to search for record.json files.")) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from lmforge.track.runs import HEADLINE, list_runs, summarize
-
     try:
         runs = list_runs(root)
     except FileNotFoundError as e:
@@ -47,8 +48,6 @@ def list_(root: Path = typer.Argument(Path("runs"), help="Folder to search for r
 
 @app.command("show", help="A run's record (provenance and results) as JSON.")
 def show(run: Path = typer.Argument(..., help="Run directory.")) -> None:
-    from lmforge.track.runs import read_record
-
     try:
         typer.echo(json.dumps(read_record(run), indent=2))
     except FileNotFoundError as e:
@@ -64,11 +63,6 @@ def compare(
     every: int = typer.Option(1, "--every", help="Show every N-th step."),
     plot: Path = typer.Option(None, "--plot", help="Also write both loss curves into this PNG."),
 ) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from lmforge.track.runs import HEADLINE, config_diff, metrics_side_by_side, summarize
-
     console = Console(width=200)
     try:
         sa, sb = summarize(a), summarize(b)
@@ -94,8 +88,6 @@ def compare(
         side.add_row(str(step), _fmt(va), _fmt(vb))
     console.print(side)
     if plot:
-        from lmforge.track.plots import plot_runs
-
         console.print(f"plot -> {plot_runs([a, b], plot)}")
 
 
@@ -105,8 +97,6 @@ def diff(
     b: Path = typer.Argument(..., help="Second run directory."),
     as_json: bool = typer.Option(False, "--json", help="Print the differences as JSON."),
 ) -> None:
-    from lmforge.track.runs import provenance_diff
-
     try:
         sections = provenance_diff(a, b)
     except FileNotFoundError as e:

@@ -16,10 +16,11 @@ from lmforge.track.runs import read_metrics
 
 
 def _pyplot():
+    # deferred: matplotlib (~0.3 s) only when a plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: after matplotlib.use("Agg"), which must come first
 
     return plt
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -40,8 +41,6 @@ def hardware_info() -> dict:
 
     torch is asked only when the stage already imported it: a data stage that never touches
     torch should not pay ~2 s to import it just to write record.json."""
-    import os
-
     info = {"platform": platform.platform(), "machine": platform.machine(),
             "processor": platform.processor() or None, "cpu_count": os.cpu_count(),
             "python_executable": sys.executable}
