@@ -195,9 +195,8 @@ class Quickstart:
         return (self.d["model"] / "parity.json").is_file()
 
     def model(self) -> None:
-        # deferred: torch, not for `lmforge --help`
-        from lmforge.train.checkpoint import best_checkpoint
-        from lmforge.train.export import export_run
+        from lmforge.train.checkpoint import best_checkpoint  # deferred: torch, not for `lmforge --help`
+        from lmforge.train.export import export_run  # deferred: torch, not for `lmforge --help`
 
         best = best_checkpoint(self.d["train"]) is not None  # lowest val loss, when there was a val split
         export_run(self.d["train"], self.d["model"], checkpoint="best" if best else "last")
@@ -256,9 +255,8 @@ class Quickstart:
 
     def reasoning_sft(self) -> None:
         """Chain-of-thought SFT from scratch on the traces, exported, scored on arith-cot."""
-        # deferred: torch, not for `lmforge --help`
-        from lmforge.train.export import export_run
-        from lmforge.train.loop import train
+        from lmforge.train.export import export_run  # deferred: torch, not for `lmforge --help`
+        from lmforge.train.loop import train  # deferred: torch, not for `lmforge --help`
 
         d, data = self.d["reasoning_sft"], self.d["reasoning_data"]
         cfg = load_config(TrainConfig, REPO_CONFIGS / "reasoning-sft.yaml", [
@@ -275,9 +273,8 @@ class Quickstart:
 
     def reasoning_grpo(self) -> None:
         """GRPO from the SFT model with the format and correct rewards, exported, scored on arith-cot."""
-        # deferred: torch, not for `lmforge --help`
-        from lmforge.train.export import export_run
-        from lmforge.train.grpo.trainer import train_grpo
+        from lmforge.train.export import export_run  # deferred: torch, not for `lmforge --help`
+        from lmforge.train.grpo.trainer import train_grpo  # deferred: torch, not for `lmforge --help`
 
         d = self.d["reasoning_grpo"]
         cfg = load_config(TrainConfig, REPO_CONFIGS / "grpo.yaml", [
@@ -321,11 +318,10 @@ class Quickstart:
 
 def export_parity(model_dir: Path) -> dict:
     """The exported model read by `transformers` and by lmforge: the same logits on held-out text?"""
-    # deferred: torch and transformers, not for `lmforge --help`
-    import torch
-    import transformers
+    import torch  # deferred: not for `lmforge --help`
+    import transformers  # deferred: ~1 s, only for this check
 
-    from lmforge.model import Transformer
+    from lmforge.model import Transformer  # deferred: torch, not for `lmforge --help`
 
     tok = load_tokenizer(model_dir)
     ids = torch.tensor([tok.encode("The os module provides a portable way of using operating system "

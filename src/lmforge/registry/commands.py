@@ -236,9 +236,8 @@ def flywheel_build_cmd(
     """Low-scored and corrected exchanges -> PII scrub -> dedup (training data, each other) ->
     contamination check (every frozen eval suite) -> sft.jsonl + preferences.jsonl + a LoRA SFT config
     on the champion. stats.json accounts for every exchange. Nothing is trained."""
-    # deferred: the flywheel's data steps and run folders; `python -m lmforge.registry` loads neither
-    from lmforge.registry.flywheel import build
-    from lmforge.track.run import RunExistsError
+    from lmforge.registry.flywheel import build  # deferred: numpy data steps, not for the other verbs
+    from lmforge.track.run import RunExistsError  # deferred: run folders (yaml, provenance), only the flywheel's
 
     try:
         stats = build(feedback, _open(registry), model, out, min_count=min_count, train_data=list(train_data or []),
