@@ -12,8 +12,8 @@ template), `special_tokens_map.json`, `config.yaml` (resolved settings) and `rec
 (provenance; written last, so its presence marks a finished tokenizer). It loads with
 `transformers.AutoTokenizer.from_pretrained(out_dir)`.
 
-This module knows nothing about models or packing; heavy imports stay inside functions so
-`lmforge --help` stays fast.
+This module knows nothing about models or packing. Its imports (`tokenizers`, yaml, the readers) are
+light and at the top; `lmforge --help` does not import it.
 
     from lmforge.tokenizer.train import train_tokenizer
     result = train_tokenizer(["python-docs"], "runs/tok", vocab_size=8192)
@@ -29,9 +29,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import yaml
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from lmforge.data.readers import iter_texts
 from lmforge.tokenizer.chat import CHAT_TEMPLATE
 from lmforge.tokenizer.special import (EOS, IM_END, SPECIAL_TOKENS, SPECIAL_TOKENS_MAP, STOP_TOKENS,
                                        min_vocab_size, reserved_token, round_vocab_size)
+from lmforge.track.io import atomic_write_json, atomic_write_text, sha256_file
+from lmforge.track.provenance import git_info, hardware_info, package_versions
 
 # GPT-4's (cl100k_base) split pattern with one change: every digit is its own piece (`\p{N}`, as
 # Qwen2's and Llama-1/2's tokenizers do; GPT-4 and Llama-3 group up to 3). Contractions, letter runs
@@ -106,8 +112,6 @@ class _CountingTexts:
 
 
 def _new_tokenizer():
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
     tok = Tokenizer(models.BPE(byte_fallback=False))  # ByteLevel makes every byte a token already
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(GPT4_SPLIT_PATTERN), behavior="isolated", invert=False),
@@ -119,8 +123,6 @@ def _new_tokenizer():
 
 def _fill_reserved(tok, vocab_size: int) -> int:
     """Add `<|reserved_N|>` specials until the vocabulary is exactly `vocab_size`; return how many."""
-    from tokenizers import AddedToken
-
     missing = vocab_size - tok.get_vocab_size(with_added_tokens=True)
     tok.add_special_tokens([AddedToken(reserved_token(i), special=True, normalized=False)
                             for i in range(missing)])
@@ -161,20 +163,23 @@ def train_tokenizer(inputs: list[str] | str, out_dir: str | os.PathLike, vocab_s
     bytes per token, tokenizer hash, notes). Raises FileNotFoundError naming a missing input
     before any work, and FileExistsError if `out_dir` is finished and `overwrite` is False.
     """
-    import yaml
-    from tokenizers import pre_tokenizers, trainers
-
-    from lmforge.data.readers import iter_texts
-    from lmforge.track.io import atomic_write_json, atomic_write_text, sha256_file
-    from lmforge.track.provenance import git_info, hardware_info, package_versions
-
     inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else [os.fspath(i) for i in inputs]
     settings = TokenizerSettings(inputs, vocab_size, min_frequency, pad_to_multiple_of,
                                  model_max_length, text_field).resolve()
     texts = _CountingTexts(iter_texts(settings.inputs, text_field))  # validates every input now
     out = Path(out_dir)
     _check_out_dir(out, overwrite)
+    tok, seconds = _train_bpe(texts, settings, show_progress)
+    learned = tok.get_vocab_size(with_added_tokens=True)
+    reserved = _pad_vocab(tok, settings, learned)
+    _write_folder(out, tok, settings, reserved)
+    record = _record(out, tok, settings, texts, seconds, learned, len(reserved))
+    atomic_write_json(out / FINISHED_MARKER, record)  # last: its presence means "finished"
+    return record
 
+
+def _train_bpe(texts: _CountingTexts, settings: TokenizerSettings, show_progress: bool):
+    """BPE merges learned over the texts' bytes, the specials first; (tokenizer, seconds)."""
     tok = _new_tokenizer()
     trainer = trainers.BpeTrainer(
         vocab_size=settings.vocab_size, min_frequency=settings.min_frequency,
@@ -185,19 +190,22 @@ def train_tokenizer(inputs: list[str] | str, out_dir: str | os.PathLike, vocab_s
     seconds = time.perf_counter() - started
     if texts.docs == 0:
         raise ValueError(f"inputs {settings.inputs} hold no documents; nothing to train on")
+    return tok, seconds
 
-    learned = tok.get_vocab_size(with_added_tokens=True)
+
+def _pad_vocab(tok, settings: TokenizerSettings, learned: int) -> list[str]:
+    """`<|reserved_N|>` up to the exact vocab size (noted in the settings); returns their texts."""
     n_reserved = _fill_reserved(tok, settings.vocab_size)
-    reserved = [reserved_token(i) for i in range(n_reserved)]
     if n_reserved:
         settings.notes.append(f"BPE learned only {learned - 256 - len(SPECIAL_TOKENS)} merges at "
                               f"min_frequency={settings.min_frequency}; added {n_reserved} "
                               f"<|reserved_N|> tokens to reach vocab_size {settings.vocab_size}")
     assert tok.get_vocab_size(with_added_tokens=True) == settings.vocab_size
+    return [reserved_token(i) for i in range(n_reserved)]
 
-    sample_tokens = sum(len(e.ids) for e in tok.encode_batch(texts.sample, add_special_tokens=False))
-    sample_bytes = sum(len(t.encode("utf-8")) for t in texts.sample)
 
+def _write_folder(out: Path, tok, settings: TokenizerSettings, reserved: list[str]) -> None:
+    """tokenizer.json, tokenizer_config.json, special_tokens_map.json and config.yaml, each atomically."""
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "tokenizer.json", tok.to_str(pretty=True))
     atomic_write_json(out / "tokenizer_config.json", _tokenizer_config(settings, reserved))
@@ -207,8 +215,14 @@ def train_tokenizer(inputs: list[str] | str, out_dir: str | os.PathLike, vocab_s
     resolved = {k: v for k, v in asdict(settings).items() if k != "notes"}  # notes go to record.json
     atomic_write_text(out / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
 
+
+def _record(out: Path, tok, settings: TokenizerSettings, texts: _CountingTexts, seconds: float, learned: int,
+            n_reserved: int) -> dict[str, Any]:
+    """record.json: sizes, special ids, throughput, bytes per token on the sample, hash, provenance."""
+    sample_tokens = sum(len(e.ids) for e in tok.encode_batch(texts.sample, add_special_tokens=False))
+    sample_bytes = sum(len(t.encode("utf-8")) for t in texts.sample)
     vocab = tok.get_vocab(with_added_tokens=True)
-    record = {
+    return {
         "stage": "tokenizer",
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "inputs": settings.inputs,
@@ -235,5 +249,3 @@ def train_tokenizer(inputs: list[str] | str, out_dir: str | os.PathLike, vocab_s
         "packages": package_versions(),
         "hardware": hardware_info(),
     }
-    atomic_write_json(out / FINISHED_MARKER, record)  # last: its presence means "finished"
-    return record
