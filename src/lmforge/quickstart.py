@@ -45,6 +45,7 @@ from lmforge.serve.testing import free_port
 from lmforge.tasks.suite import load_suite
 from lmforge.tokenizer import load_tokenizer, train_tokenizer
 from lmforge.track.io import atomic_write_json, atomic_write_text
+from lmforge.track.runs import read_metrics
 from lmforge.train.config import TrainConfig
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -516,7 +517,7 @@ def _tokenizer_section(d: dict[str, Path], summary: list[str]) -> list[str]:
 def _training_section(d: dict[str, Path], summary: list[str]) -> list[str]:
     rec = _read(d["train"] / "record.json")
     res = rec.get("results", rec)
-    metrics = [json.loads(line) for line in (d["train"] / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(d["train"])
     evals = [m for m in metrics if "val_loss" in m]
     curve = [[e["step"], _f(e["val_loss"], 4), _f(e.get("val_bpb"), 4)] for e in evals]
     if evals and metrics:

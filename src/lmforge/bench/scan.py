@@ -33,6 +33,7 @@ from lmforge.parallel.probes import random_packed
 from lmforge.parallel.scan import ScanSpec, evaluate
 from lmforge.perf import estimate as E
 from lmforge.track.io import atomic_write_json, atomic_write_text
+from lmforge.track.runs import read_metrics
 
 from .comm import measure
 
@@ -68,7 +69,7 @@ def _train(name: str, nproc: int, overrides: list[str], packed: Path, out: Path,
 
 
 def _median_step(out: Path) -> float:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(out)
     return statistics.median(r["dt_s"] for r in rows[2:])  # the first two steps warm up
 
 
