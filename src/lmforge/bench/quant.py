@@ -24,15 +24,29 @@ load recorded in the report (`os.getloadavg()` at start and end); compare within
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import random
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
+import torch
+import torch.nn.functional as F
 import typer
+
+from lmforge.model.reference import save_hf_model
+from lmforge.quant import QuantScheme, quantize_rtn
+from lmforge.quant.linear import Int4Linear, Int8Linear, QmmLinear, QuantizedLinear
+from lmforge.track.provenance import git_info, hardware_info, package_versions
+
+from .engine import _cpu_name, _loadavg, make_requests
+from .linear import best_seconds, emit
 
 
 @dataclass
@@ -59,8 +73,6 @@ class BenchQuantConfig:
 
 
 def _activation_dtype(name: str) -> str:
-    import torch
-
     if name != "auto":
         return name
     native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -68,13 +80,12 @@ def _activation_dtype(name: str) -> str:
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    import random
-
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
 def _decode_tok_s(llm, prompt: list[int], n: int, repeats: int) -> float:
+    # deferred: only when the benchmark runs; `lmforge --help` imports this module
     from lmforge.engine import SamplingParams
 
     best = 0.0
@@ -86,6 +97,7 @@ def _decode_tok_s(llm, prompt: list[int], n: int, repeats: int) -> float:
 
 
 def _batch_tok_s(llm, prompts: list[list[int]], n: int, repeats: int) -> float:
+    # deferred: only when the benchmark runs; `lmforge --help` imports this module
     from lmforge.engine import SamplingParams
 
     best = 0.0
@@ -97,6 +109,7 @@ def _batch_tok_s(llm, prompts: list[list[int]], n: int, repeats: int) -> float:
 
 
 def _greedy(llm, prompts: list[list[int]], n: int = 32) -> list[list[int]]:
+    # deferred: only when the benchmark runs; `lmforge --help` imports this module
     from lmforge.engine import SamplingParams
 
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
@@ -117,6 +130,7 @@ def agreement(got: list[list[int]], want: list[list[int]]) -> dict[str, float]:
 def _kv_run(model_dir: Path, dtype: str, kv_cache_dtype: str, budget_bytes: int, reqs) -> dict[str, Any]:
     """The high-variance requests through one engine at a fixed KV byte budget; the most sequences
     running at once, output tokens/s, preemptions."""
+    # deferred: only when the benchmark runs; `lmforge --help` imports this module
     from lmforge.engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype=dtype, device="cpu", kv_cache_memory_bytes=budget_bytes,
@@ -144,14 +158,8 @@ def _args_after(verb: str) -> list[str]:
 
 
 def bench_linears(K: int, N: int, group_size: int) -> list[dict[str, Any]]:
-    import torch
-    import torch.nn.functional as F
-
-    from lmforge.quant import QuantScheme, quantize_rtn
+    # deferred: only when the benchmark runs; `lmforge --help` imports this module
     from lmforge.engine import kernels
-    from lmforge.quant.linear import Int4Linear, Int8Linear, QmmLinear, QuantizedLinear
-
-    from .linear import best_seconds
 
     lib = kernels.load()
     qmm = getattr(lib, "qmm_f32", None)
@@ -249,9 +257,6 @@ def lora_peak_memory(model_dir: Path, batch: int = 4, seq: int = 256, checkpoint
     peaks less the bare interpreter (what the model and its training cost), `held_vs_float32` the
     model as held when training starts. Each kind runs twice: with glibc's default allocator settings
     and with a fixed mmap threshold (see the comment below)."""
-    import json
-    import subprocess
-
     rows = []
     for malloc in ("default", "fixed"):
         # glibc raises its mmap threshold after large frees and then keeps freed blocks on the heap;
@@ -279,32 +284,22 @@ def lora_peak_memory(model_dir: Path, batch: int = 4, seq: int = 256, checkpoint
     return rows
 
 
-def bench_quant_run(cfg: BenchQuantConfig) -> dict[str, Any]:
-    import torch
-
-    from lmforge.engine import LLM
-    from lmforge.quant.quantize import QuantizeConfig, quantize_model
-    from lmforge.track.provenance import git_info, hardware_info, package_versions
-
-    from .engine import _cpu_name, _loadavg, make_requests
-
-    torch.set_num_threads(cfg.threads)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    dtype = _activation_dtype(cfg.dtype)
+def _base_model(cfg: BenchQuantConfig, out: Path) -> Path:
+    """`--model`, or a random Llama of the configured shape built once under `out`."""
     if cfg.model:
-        base = Path(cfg.model)
-    else:
-        from lmforge.model.reference import save_hf_model
+        return Path(cfg.model)
+    base = out / f"random-llama-h{cfg.hidden}-l{cfg.layers}"
+    if not (base / "config.json").exists():
+        print(f"[bench quant] building {base}", file=sys.stderr, flush=True)
+        save_hf_model("llama", base, vocab_size=cfg.vocab, hidden_size=cfg.hidden, layers=cfg.layers,
+                      intermediate_size=cfg.intermediate, num_attention_heads=cfg.hidden // 64,
+                      num_key_value_heads=max(1, cfg.hidden // 256), max_position_embeddings=2048,
+                      dtype=torch.bfloat16)
+    return base
 
-        base = out / f"random-llama-h{cfg.hidden}-l{cfg.layers}"
-        if not (base / "config.json").exists():
-            print(f"[bench quant] building {base}", file=sys.stderr, flush=True)
-            save_hf_model("llama", base, vocab_size=cfg.vocab, hidden_size=cfg.hidden, layers=cfg.layers,
-                          intermediate_size=cfg.intermediate, num_attention_heads=cfg.hidden // 64,
-                          num_key_value_heads=max(1, cfg.hidden // 256), max_position_embeddings=2048,
-                          dtype=torch.bfloat16)
-    report: dict[str, Any] = {
+
+def _new_report(cfg: BenchQuantConfig, base: Path, dtype: str) -> dict[str, Any]:
+    return {
         "config": asdict(cfg), "command": " ".join(["lmforge bench quant"] + _args_after("quant")), "model": str(base),
         "provenance": {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "threads": torch.get_num_threads(),
                        "dtype": dtype, "machine": f"{platform.node()}, {_cpu_name()}, {os.cpu_count()} cores",
@@ -313,16 +308,12 @@ def bench_quant_run(cfg: BenchQuantConfig) -> dict[str, Any]:
         "variants": [], "kv": [],
     }
 
-    def save() -> None:
-        from .linear import emit
 
-        emit(report, to_markdown, out, "bench_quant")
+def _quantized_folders(cfg: BenchQuantConfig, base: Path, out: Path) -> dict[str, Path]:
+    """dense, w8a16 and w4a16 model folders; a quantization already under `out` is reused."""
+    # deferred: only when the benchmark runs; `lmforge --help` imports this module
+    from lmforge.quant.quantize import QuantizeConfig, quantize_model
 
-    if not cfg.inference:
-        report["lora_memory"] = lora_peak_memory(base, cfg.lora_batch, cfg.lora_seq, cfg.lora_checkpointing)
-        report["provenance"]["load_average_end"] = _loadavg()
-        save()
-        return report
     folders = {"dense": base}
     for scheme in ("w8a16", "w4a16"):
         folders[scheme] = out / f"{base.name}-{scheme}"
@@ -330,31 +321,43 @@ def bench_quant_run(cfg: BenchQuantConfig) -> dict[str, Any]:
             print(f"[bench quant] quantizing {scheme}", file=sys.stderr, flush=True)
             quantize_model(QuantizeConfig(model=str(base), out=str(folders[scheme]), scheme=scheme,
                                           group_size=cfg.group_size), overwrite=True)
-    import json
+    return folders
 
-    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
-    one, batch, quality = _prompts(1, 32, vocab, 1)[0], _prompts(32, 32, vocab, 2), _prompts(16, 16, vocab, 3)
+
+def _variant_row(llm, name: str, path: Path, cfg: BenchQuantConfig, prompts: tuple, n_params: int,
+                 greedy: list, reference: list) -> dict[str, Any]:
+    """Bytes, batch-1 and batch-32 speed and greedy agreement of one loaded variant."""
+    one, batch = prompts
+    st = llm.stats()
+    rec = json.loads((path / "record.json").read_text())["results"] if name != "dense" else {}
+    emb = llm.llm_engine.model.model.embed_tokens.weight  # one row of it is read per token, unless tied
+    tied = emb.data_ptr() in {t.data_ptr() for t in llm.llm_engine.model.lm_head.parameters()}
+    return {"variant": name, "linear_backend": st["linear_backend"], "weight_bytes": st["weight_bytes"],
+            "bytes_read_per_token": st["weight_bytes"] - (0 if tied else emb.numel() * emb.element_size()),
+            "weight_bytes_vs_bf16": round(st["weight_bytes"] / (2 * n_params), 4),
+            "checkpoint_bytes_ratio": rec.get("weight_bytes_ratio", 1.0),
+            "decode_tok_s_batch1": round(_decode_tok_s(llm, one, cfg.decode_tokens, cfg.repeats), 2),
+            "output_tok_s_batch32": round(_batch_tok_s(llm, batch, 32, cfg.repeats), 1),
+            "greedy_agreement_32": agreement(greedy, reference)}
+
+
+def _measure_variants(report: dict, folders: dict[str, Path], cfg: BenchQuantConfig, dtype: str, vocab: int,
+                      quality: list, save: Callable[[], None]) -> list:
+    """One row per variant (saved after each), then the speedups against dense; returns dense's greedy tokens."""
+    # deferred: only when the benchmark runs; `lmforge --help` imports this module
+    from lmforge.engine import LLM
+
+    prompts = (_prompts(1, 32, vocab, 1)[0], _prompts(32, 32, vocab, 2))
     n_params = None
     reference = None
     for name, path in folders.items():
         print(f"[bench quant] {name}", file=sys.stderr, flush=True)
         llm = LLM(str(path), dtype=dtype, device="cpu", max_num_seqs=64)
-        st = llm.stats()
         if n_params is None:
             n_params = sum(p.numel() for p in llm.llm_engine.model.parameters())
         greedy = _greedy(llm, quality)
         reference = reference or greedy
-        rec = json.loads((path / "record.json").read_text())["results"] if name != "dense" else {}
-        emb = llm.llm_engine.model.model.embed_tokens.weight  # one row of it is read per token, unless tied
-        tied = emb.data_ptr() in {t.data_ptr() for t in llm.llm_engine.model.lm_head.parameters()}
-        row = {"variant": name, "linear_backend": st["linear_backend"], "weight_bytes": st["weight_bytes"],
-               "bytes_read_per_token": st["weight_bytes"] - (0 if tied else emb.numel() * emb.element_size()),
-               "weight_bytes_vs_bf16": round(st["weight_bytes"] / (2 * n_params), 4),
-               "checkpoint_bytes_ratio": rec.get("weight_bytes_ratio", 1.0),
-               "decode_tok_s_batch1": round(_decode_tok_s(llm, one, cfg.decode_tokens, cfg.repeats), 2),
-               "output_tok_s_batch32": round(_batch_tok_s(llm, batch, 32, cfg.repeats), 1),
-               "greedy_agreement_32": agreement(greedy, reference)}
-        report["variants"].append(row)
+        report["variants"].append(_variant_row(llm, name, path, cfg, prompts, n_params, greedy, reference))
         save()
         del llm
     d = report["variants"][0]
@@ -363,7 +366,15 @@ def bench_quant_run(cfg: BenchQuantConfig) -> dict[str, Any]:
         row["weight_gb_s_batch1"] = round(row["decode_tok_s_batch1"] * row["bytes_read_per_token"] / 1e9, 2)
         row["decode_speedup"] = round(row["decode_tok_s_batch1"] / d["decode_tok_s_batch1"], 2)
         row["batch32_speedup"] = round(row["output_tok_s_batch32"] / d["output_tok_s_batch32"], 2)
-    # KV int8 at the dense cache's budget for kv_budget_tokens tokens
+    return reference
+
+
+def _measure_kv(report: dict, base: Path, cfg: BenchQuantConfig, dtype: str, vocab: int, quality: list,
+                reference: list, save: Callable[[], None]) -> None:
+    """KV auto vs int8 at the dense cache's budget for kv_budget_tokens tokens, and int8's greedy agreement."""
+    # deferred: only when the benchmark runs; `lmforge --help` imports this module
+    from lmforge.engine import LLM
+
     probe = LLM(str(base), dtype=dtype, device="cpu", num_kv_blocks=1)
     budget = cfg.kv_budget_tokens * probe.stats()["kv_bytes_per_token"]
     del probe
@@ -379,6 +390,29 @@ def bench_quant_run(cfg: BenchQuantConfig) -> dict[str, Any]:
     report["kv_ratios"] = {"pool_tokens": round(b["kv_pool_tokens"] / a["kv_pool_tokens"], 3),
                            "max_running_seqs": round(b["max_running_seqs"] / max(a["max_running_seqs"], 1), 3),
                            "output_tok_s": round(b["output_tok_s"] / a["output_tok_s"], 3)}
+
+
+def bench_quant_run(cfg: BenchQuantConfig) -> dict[str, Any]:
+    torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = _activation_dtype(cfg.dtype)
+    base = _base_model(cfg, out)
+    report = _new_report(cfg, base, dtype)
+
+    def save() -> None:
+        emit(report, to_markdown, out, "bench_quant")
+
+    if not cfg.inference:
+        report["lora_memory"] = lora_peak_memory(base, cfg.lora_batch, cfg.lora_seq, cfg.lora_checkpointing)
+        report["provenance"]["load_average_end"] = _loadavg()
+        save()
+        return report
+    folders = _quantized_folders(cfg, base, out)
+    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
+    quality = _prompts(16, 16, vocab, 3)
+    reference = _measure_variants(report, folders, cfg, dtype, vocab, quality, save)
+    _measure_kv(report, base, cfg, dtype, vocab, quality, reference, save)
     if cfg.linears:
         print("[bench quant] linears", file=sys.stderr, flush=True)
         report["linears"] = bench_linears(cfg.hidden, cfg.intermediate, cfg.group_size)
