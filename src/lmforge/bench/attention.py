@@ -16,7 +16,11 @@ import random
 from pathlib import Path
 from typing import Annotated, Optional
 
+import torch
+import torch.nn.functional as F
 import typer
+
+from lmforge.engine import kernels
 
 from .linear import best_seconds, emit
 
@@ -24,11 +28,6 @@ LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 8, 8, 64, 16
 
 
 def bench_attention(seqs: int = 57, seed: int = 0) -> dict:
-    import torch
-    import torch.nn.functional as F
-
-    from lmforge.engine import kernels
-
     lib = kernels.load()
     if lib is None:
         return {"skipped": f"engine kernels {kernels.status()}", "rows": []}

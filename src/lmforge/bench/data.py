@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import platform
 import resource
 import shutil
@@ -31,10 +32,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from lmforge.data.config import PrepareConfig
+from lmforge.data.pii import mask_pii_many
+from lmforge.data.readers import resolve_inputs
 
 
 def _cpu_seconds() -> float:
@@ -53,8 +57,6 @@ def _best(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def _machine() -> dict[str, Any]:
-    from importlib import metadata
-
     cpu = platform.processor() or None
     try:
         with open("/proc/cpuinfo") as f:
@@ -74,13 +76,12 @@ def _machine() -> dict[str, Any]:
 def step_times(docs: list[dict], cfg: PrepareConfig, repeats: int = 3) -> dict[str, float]:
     """CPU seconds (best of `repeats`) of each prepare step over every document, in one process,
     called as the pipeline calls it (the batched steps on chunks of CHUNK_DOCS documents)."""
-    import pickle
-
+    # deferred: only when the benchmark runs; `lmforge --help` imports this module
     from lmforge.data.boilerplate import line_keys, strip_boilerplate
     from lmforge.data.contamination import ContaminationIndex
     from lmforge.data.dedup import NearDedup, exact_key, signatures
     from lmforge.data.normalize import normalize_text
-    from lmforge.data.pii import mask_pii_many
+    # deferred: only when the benchmark runs; `lmforge --help` imports this module
     from lmforge.data.prepare import CHUNK_DOCS, _dumps
     from lmforge.data.quality import quality_reasons
     from lmforge.data.split import assign_split
@@ -124,6 +125,7 @@ def step_times(docs: list[dict], cfg: PrepareConfig, repeats: int = 3) -> dict[s
 
 def end_to_end(inputs: Sequence[str], workers: int, out: Path) -> dict[str, Any]:
     """One `prepare_dataset` run: wall and CPU seconds (this process + workers) and the data hash."""
+    # deferred: only when the benchmark runs; `lmforge --help` imports this module
     from lmforge.data.prepare import prepare_dataset
 
     shutil.rmtree(out, ignore_errors=True)
@@ -140,8 +142,8 @@ def end_to_end(inputs: Sequence[str], workers: int, out: Path) -> dict[str, Any]
 def run_bench(inputs: Sequence[str] = ("python-docs",), workers: Sequence[int] = (1, 2), repeats: int = 3,
               out_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     """Measure, write `bench_data.json` and `bench_data.md` into `out_dir` (when given), return the result."""
+    # deferred: only when the benchmark runs; `lmforge --help` imports this module
     from lmforge.data.prepare import _hashing_records
-    from lmforge.data.readers import resolve_inputs
 
     machine = _machine()
     cfg = PrepareConfig()

@@ -33,6 +33,7 @@ within one run, never across runs.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -43,7 +44,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
+import torch
+import torch.nn.functional as F
 import typer
+
+from lmforge.model.reference import save_hf_model
+from lmforge.perf.estimate import decode_ceiling
+from lmforge.quant import load_pretrained
+from lmforge.track.io import atomic_write_json, atomic_write_text
+from lmforge.track.provenance import git_info, hardware_info, package_versions
 
 WORKLOADS = ("high-variance", "shared-prefix", "uniform")
 SYSTEMS = ("hf-sequential", "static", "hf-cb", "lmforge")
@@ -117,8 +126,6 @@ def random_model(out: Path) -> Path:
     """A random Llama, hidden 512, 8 layers, 8 heads, vocab 8192 (~29M parameters), built once."""
     path = out / "random-llama-30m"
     if not (path / "config.json").exists():
-        from lmforge.model.reference import save_hf_model
-
         save_hf_model("llama", path, vocab_size=8192, hidden_size=512, layers=8, num_attention_heads=8,
                       num_key_value_heads=8, max_position_embeddings=2048, tie_word_embeddings=False)
     return path
@@ -153,7 +160,7 @@ def summarize(name: str, duration: float, starts: list[float], token_times: list
 
 
 def _progress(total: int, desc: str):
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # deferred: only when the benchmark runs; `lmforge --help` imports this module
 
     return tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True, file=sys.stderr)
 
@@ -162,8 +169,7 @@ def _progress(total: int, desc: str):
 
 
 def run_hf_sequential(model_dir: Path, dtype, reqs: list[Request]) -> dict[str, Any]:
-    import torch
-    import transformers
+    import transformers  # deferred: transformers, only for the baselines that run it
     from transformers.generation.streamers import BaseStreamer
 
     class Clock(BaseStreamer):  # generate() calls put() with the prompt, then once per new token
@@ -217,8 +223,6 @@ class ContiguousKV:
         self.mask_S11C = None
 
     def __call__(self, layer: int, q_BTNH, k_BTKH, v_BTKH):
-        import torch.nn.functional as F
-
         k_c, v_c = self.k_SKLH[layer], self.v_SKLH[layer]
         gqa = q_BTNH.shape[2] != k_BTKH.shape[2]
         if self.row is not None:
@@ -239,16 +243,10 @@ class ContiguousKV:
 
 
 def torch_zeros(shape, dtype, device):
-    import torch
-
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def run_static(model_dir: Path, dtype: str, reqs: list[Request], batch_size: int, max_model_len: int) -> dict[str, Any]:
-    import torch
-
-    from lmforge.quant import load_pretrained
-
     model = load_pretrained(model_dir, dtype=dtype, device="cpu").eval()
     c = model.config
     kv = ContiguousKV(c.num_hidden_layers, batch_size, max_model_len, c.num_key_value_heads, c.head_dim,
@@ -304,8 +302,7 @@ def run_static(model_dir: Path, dtype: str, reqs: list[Request], batch_size: int
 
 
 def run_hf_cb(model_dir: Path, dtype, reqs: list[Request], max_num_seqs: int) -> dict[str, Any]:
-    import torch
-    import transformers
+    import transformers  # deferred: transformers, only for the baselines that run it
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
                                                               attn_implementation="sdpa").eval()
@@ -351,6 +348,7 @@ def run_hf_cb(model_dir: Path, dtype, reqs: list[Request], max_num_seqs: int) ->
 
 def run_lmforge(model_dir: Path, dtype: str, reqs: list[Request], cfg: BenchEngineConfig, max_model_len: int,
                 enable_prefix_caching: bool = True, name: str = "lmforge") -> dict[str, Any]:
+    # deferred: only when the benchmark runs; `lmforge --help` imports this module
     from lmforge.engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype=dtype, device="cpu", max_num_seqs=cfg.max_num_seqs,
@@ -384,16 +382,10 @@ def run_lmforge(model_dir: Path, dtype: str, reqs: list[Request], cfg: BenchEngi
 
 
 def bench_engine_run(cfg: BenchEngineConfig, command: str | None = None) -> dict[str, Any]:
-    import torch
-
-    from lmforge.track.io import atomic_write_json, atomic_write_text
-    from lmforge.track.provenance import git_info, hardware_info, package_versions
-
     torch.set_num_threads(cfg.threads)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = Path(cfg.model) if cfg.model else random_model(out)
-    import json
 
     mc = json.loads((model_dir / "config.json").read_text())
     reqs = make_requests(cfg.workload, cfg.num_requests, cfg.seed, mc["vocab_size"], mc.get("max_position_embeddings"))
@@ -462,8 +454,6 @@ def _cpu_name() -> str:
 
 def _loadavg() -> list[float] | None:
     try:
-        import os
-
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
@@ -488,8 +478,6 @@ def _decode_vs_ceiling(model_dir: Path, dtype: str, reqs: list, systems: list[di
     batch = max(1, round(sum(r.output_len for r in reqs) / lm["steps"]))
     context = round(sum(len(r.prompt) + r.output_len / 2 for r in reqs) / len(reqs))
     try:
-        from lmforge.perf.estimate import decode_ceiling
-
         ceiling = decode_ceiling(model_dir, "cpu", batch, context, dtype)
     except Exception as e:  # no bandwidth in the hardware profile yet: say how to get one
         return {"error": f"{type(e).__name__}: {e} (run `lmforge doctor`)"}

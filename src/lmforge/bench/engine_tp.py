@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from lmforge.bench.engine import random_model
 from lmforge.engine.executor import threads_per_rank
 from lmforge.engine.llm import LLM
 from lmforge.engine.sampling_params import SamplingParams
@@ -73,8 +74,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.model is None:
-        from lmforge.bench.engine import random_model
-
         model_dir = str(random_model(out))
     else:
         model_dir = args.model

@@ -25,12 +25,24 @@ Writes OUT/bench_grpo.json and OUT/bench_grpo.md.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
+import torch
 import typer
+
+from lmforge.bench.linear import emit
+from lmforge.config import load_config
+from lmforge.data.synth import read_tasks
+from lmforge.tokenizer.load import load_tokenizer
+from lmforge.track.provenance import hardware_info, package_versions
+from lmforge.track.runs import read_metrics
+from lmforge.train.config import TrainConfig
 
 
 def _load() -> list[float]:
@@ -38,6 +50,7 @@ def _load() -> list[float]:
 
 
 def engine_rollouts(model_dir: str, prompt_ids: list[list[int]], group: int, max_tokens: int, seed: int) -> dict:
+    # deferred: only when the benchmark runs; `lmforge --help` imports this module
     from lmforge.engine import LLM, SamplingParams
 
     llm = LLM(model_dir, dtype="float32", device="cpu", pack_weights=False, max_num_seqs=256)
@@ -53,8 +66,7 @@ def engine_rollouts(model_dir: str, prompt_ids: list[list[int]], group: int, max
 
 
 def hf_rollouts(model_dir: str, prompt_ids: list[list[int]], group: int, max_tokens: int, seed: int) -> dict:
-    import torch
-    import transformers
+    import transformers  # deferred: transformers, only for the baselines that run it
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rows = [p for p in prompt_ids for _ in range(group)]
@@ -77,9 +89,7 @@ def hf_rollouts(model_dir: str, prompt_ids: list[list[int]], group: int, max_tok
 
 def grpo_step_split(model_dir: str, tasks: str, prompts: int, group: int, max_tokens: int, steps: int,
                     out: Path) -> dict:
-    from lmforge.config import load_config
-    from lmforge.train.config import TrainConfig
-
+    # deferred: only when the benchmark runs; `lmforge --help` imports this module
     from lmforge.train.grpo.trainer import train_grpo
 
     cfg = load_config(TrainConfig, None, [
@@ -87,7 +97,6 @@ def grpo_step_split(model_dir: str, tasks: str, prompts: int, group: int, max_to
         "train.dtype=float32", "train.ckpt_every=0", "train.log_every=0", "train.lr=1e-5", "train.warmup_steps=0",
         f"grpo.prompts_per_step={prompts}", f"grpo.group_size={group}", f"grpo.max_tokens={max_tokens}"])
     train_grpo(cfg, out / "grpo-run", overwrite=True)
-    from lmforge.track.runs import read_metrics
 
     last = [m for m in read_metrics(out / "grpo-run") if "rollout_s" in m][-1]
     keys = ("rollout_s", "update_s", "sync_s", "dt_s", "rollout_tokens", "rollout_tokens_per_s",
@@ -98,10 +107,6 @@ def grpo_step_split(model_dir: str, tasks: str, prompts: int, group: int, max_to
 def trl_step(python: str, model_dir: str, tasks: str, prompts: int, group: int, max_tokens: int, steps: int,
              out: Path) -> dict:
     """TRL's GRPOTrainer on the same inputs, in its own interpreter (scripts/bench_trl_grpo.py)."""
-    import json
-    import subprocess
-    import sys
-
     script = Path(__file__).resolve().parents[4] / "scripts" / "bench_trl_grpo.py"
     if not script.is_file():
         raise FileNotFoundError(f"{script}: the TRL baseline script ships with the repository checkout")
@@ -133,14 +138,8 @@ def bench_grpo(
 ) -> None:
     """Rollout tokens/s: lmforge's engine vs transformers.generate on the same prompts, group size and
     lengths (ratio in one run), plus one GRPO step's split between rollout, update and weight sync."""
-    from lmforge.data.synth import read_tasks
-    from lmforge.bench.linear import emit
-    from lmforge.track.provenance import hardware_info, package_versions
-    from lmforge.tokenizer.load import load_tokenizer
-
+    # deferred: only when the benchmark runs; `lmforge --help` imports this module
     from lmforge.train.grpo.rollout import chat_prompt_ids
-
-    import json
 
     tok = load_tokenizer(model)
     chosen = read_tasks(tasks)[:prompts]

@@ -13,7 +13,11 @@ import time
 from pathlib import Path
 from typing import Annotated, Optional
 
+import torch
+import torch.nn.functional as F
 import typer
+
+from lmforge.track.io import atomic_write_json, atomic_write_text
 
 SHAPES = ((512, 512), (512, 1376), (1376, 512), (512, 8192))  # (in, out)
 ROWS = (1, 8, 32, 128)
@@ -32,9 +36,7 @@ def best_seconds(fn, calls: int = 50, repeats: int = 5) -> float:
 
 
 def bench_linear() -> dict:
-    import torch
-    import torch.nn.functional as F
-
+    # deferred: only when the benchmark runs; `lmforge --help` imports this module
     from lmforge.engine.model_runner import PackedLinear, can_pack_linear
 
     if not can_pack_linear(torch.device("cpu"), torch.bfloat16):
@@ -76,8 +78,6 @@ def main(out: Annotated[Optional[Path], typer.Option(help="Where bench_linear.js
 
 def emit(report: dict, to_md, out: Path | None, name: str) -> None:
     """Print the report's Markdown; with `out`, also write `name`.json and `name`.md there (atomically)."""
-    from lmforge.track.io import atomic_write_json, atomic_write_text
-
     md = to_md(report)
     print(md)
     if out is not None:

@@ -30,6 +30,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lmforge.bench.doctor import cpu_bf16_flags
+from lmforge.config import load_config
+from lmforge.model.transformer import DenseAttention
+from lmforge.perf.estimate import ModelShape, device_spec, roofline
+from lmforge.perf.hardware import NoPeakError, peak_flops
+from lmforge.perf.mfu import mfu, model_flops_per_token
+from lmforge.track.io import atomic_write_json, atomic_write_text
+from lmforge.track.provenance import hardware_info, package_versions
+from lmforge.train.config import TrainConfig
+
 # ---- the variable-length attention path ------------------------------------------------------
 
 
@@ -109,7 +119,7 @@ class Prefetcher:
 
 
 def _loss(model: Any, batch: dict, s: Setting) -> torch.Tensor:
-    from lmforge.model.transformer import DenseAttention
+    # deferred: only when the benchmark runs; `lmforge --help` imports this module
     from lmforge.train.fused_ce import chunked_lm_loss
 
     doc = batch.get("doc_ids")
@@ -126,6 +136,7 @@ class StepRunner:
     """One setting's training step, built once: `step()` runs one and returns (seconds, loader wait)."""
 
     def __init__(self, cfg: Any, s: Setting):
+        # deferred: only when the benchmark runs; `lmforge --help` imports this module
         from lmforge.train.loop import Dist, build_data, build_model
         from lmforge.train.optim import build_optimizer
 
@@ -192,8 +203,6 @@ KEEP_ABOVE = 1.02  # a change is kept when it is at least 2% faster: less is wit
 
 
 def _peak(device: str, dtype: str) -> float | None:
-    from lmforge.perf.hardware import NoPeakError, peak_flops
-
     try:
         return peak_flops(device, dtype)
     except NoPeakError:
@@ -225,9 +234,6 @@ def plan(base: Setting, device: str, cpu_bf16_native: bool, max_batch: int) -> l
 def run_ladder(cfg: Any, steps: int = 6, max_batch: int | None = None, skip: tuple[str, ...] = (),
                progress: Any = print) -> dict[str, Any]:
     """Measure every rung, keeping a change only when it is faster; returns the table and headroom."""
-    from lmforge.bench.doctor import cpu_bf16_flags
-    from lmforge.perf.mfu import model_flops_per_token
-
     device = "cuda" if torch.cuda.is_available() and cfg.train.device in ("auto", "cuda") else "cpu"
     base = Setting(batch_size=cfg.train.batch_size)
     rungs = plan(base, device, bool(cpu_bf16_flags()), max_batch or 2 * cfg.train.batch_size)
@@ -275,8 +281,6 @@ def run_ladder(cfg: Any, steps: int = 6, max_batch: int | None = None, skip: tup
 
 def _headroom(best: Rung, model_config: Any, device: str) -> dict[str, Any]:
     """How far the best rung is below the roofline: attainable = min(peak, intensity × bandwidth)."""
-    from lmforge.perf.estimate import ModelShape, device_spec, roofline
-
     try:
         dev = device_spec("cpu" if device == "cpu" else torch.cuda.get_device_name(0))
         rl = roofline(ModelShape.from_config(model_config), dev, best.setting.batch_size, best.extra["seq_len"],
@@ -294,8 +298,6 @@ def _headroom(best: Rung, model_config: Any, device: str) -> dict[str, Any]:
 
 def _mfu(rung: Rung, fpt: float, tokens_per_s: float, peak: float | None) -> float | None:
     """MFU through `perf.mfu.mfu`, so above 100% stays an error: noted on the rung, no figure."""
-    from lmforge.perf.mfu import mfu
-
     if not peak:
         return None
     try:
@@ -308,8 +310,6 @@ def _mfu(rung: Rung, fpt: float, tokens_per_s: float, peak: float | None) -> flo
 
 def _not_applicable(rung: Rung, device: str) -> str:
     """Why a rung cannot help on this device, from measurements (the doctor's profile), or ""."""
-    from lmforge.bench.doctor import cpu_bf16_flags
-
     if rung.step == "1" and device == "cpu" and not cpu_bf16_flags():
         fp32, bf16 = _peak("cpu", "float32"), _peak("cpu", "bfloat16")
         rates = f": doctor measured bf16 matmuls at {bf16 / 1e9:.2g} vs fp32 {fp32 / 1e9:.3g} GFLOP/s" if fp32 and bf16 else ""
@@ -356,11 +356,6 @@ def to_markdown(result: dict[str, Any], command: str, load: tuple[float, float, 
 
 def bench_mfu(config: str, overrides: list[str], steps: int, out: Path, max_batch: int | None,
               skip: tuple[str, ...]) -> dict[str, Any]:
-    from lmforge.config import load_config
-    from lmforge.track.io import atomic_write_json, atomic_write_text
-    from lmforge.track.provenance import hardware_info, package_versions
-    from lmforge.train.config import TrainConfig
-
     cfg = load_config(TrainConfig, config, overrides)
     result = run_ladder(cfg, steps, max_batch, skip)
     load = os.getloadavg()

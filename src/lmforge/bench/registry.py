@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.registry.feedback import FeedbackStore
+from lmforge.registry.flywheel import build
 from lmforge.registry.store import Registry
 from lmforge.track.io import atomic_write_json, atomic_write_text
 from lmforge.track.run import RunDir
@@ -92,8 +93,6 @@ def bench_registry(work: Path, repeats: int = 20) -> dict[str, Any]:
 def bench_flywheel(work: Path) -> dict[str, Any]:
     """`flywheel build` over the exchanges `bench_feedback` stored (a third corrected, all near-duplicates
     of each other after masking, as templated traffic is), against the champion `bench_registry` made."""
-    from lmforge.registry.flywheel import build
-
     t0 = time.perf_counter()
     stats = build(work / "feedback.db", Registry(work / "registry.db"), "bench", work / "flywheel", min_count=50)
     seconds = time.perf_counter() - t0

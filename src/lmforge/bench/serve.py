@@ -33,6 +33,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from rich.progress import Progress
+
+from lmforge.engine import LLM, SamplingParams
+from lmforge.track.io import atomic_write_json, atomic_write_text
+from lmforge.track.provenance import hardware_info, package_versions
 
 WORKLOADS = ("high-variance", "uniform", "shared-prefix")
 TOKEN_LO, TOKEN_HI = 5, 261
@@ -190,8 +196,6 @@ SERVER_HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:inter_token_laten
 
 def scrape(client: httpx.Client, model: str) -> dict[str, float]:
     """Counter totals and histogram sums/counts from /metrics, for `model`'s label only."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     text = client.get("/metrics").text
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
@@ -231,8 +235,6 @@ async def _run_requests(cfg: BenchConfig, model: str, reqs: list[BenchRequest]) 
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     progress = None
     if cfg.progress:
-        from rich.progress import Progress
-
         progress = Progress(transient=True)
         progress.start()
         task = progress.add_task("bench serve", total=len(reqs))
@@ -282,8 +284,6 @@ def summarize(cfg: BenchConfig, results: list[RequestResult], duration: float) -
 def run_offline(cfg: BenchConfig, reqs: list[BenchRequest]) -> dict[str, float]:
     """The same requests through the offline engine, batch size = max_concurrency (the server's
     load), so the two throughputs price the HTTP layer and nothing else."""
-    from lmforge.engine import LLM, SamplingParams
-
     llm = LLM(cfg.offline_model, dtype=cfg.offline_dtype, max_num_seqs=cfg.max_concurrency or 128)
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
     llm.generate([reqs[0].prompt], params[:1], use_tqdm=False)  # warm-up, as the server is warm
@@ -310,13 +310,10 @@ def bench_serve(cfg: BenchConfig, out: Path | None = None) -> dict[str, Any]:
         report["offline"] = run_offline(cfg, reqs)
         report["offline"]["http_over_offline"] = report["client"]["output_throughput"] / report["offline"][
             "output_throughput"]
-    from lmforge.track.provenance import hardware_info, package_versions
 
     report["provenance"] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "packages": package_versions(),
                             "hardware": hardware_info()}
     if out is not None:
-        from lmforge.track.io import atomic_write_json, atomic_write_text
-
         Path(out).mkdir(parents=True, exist_ok=True)
         atomic_write_json(Path(out) / "bench.json", report)
         atomic_write_text(Path(out) / "bench.md", to_markdown(report))
