@@ -18,6 +18,21 @@ from typing import Annotated, Optional
 
 import typer
 
+from lmforge.perf.estimate import (
+    comm,
+    device_spec,
+    fmt_bytes,
+    intensity,
+    kv_cache,
+    memory,
+    mfu_estimate,
+    quant_sizes,
+    roofline,
+    throughput,
+)
+from lmforge.perf.report import report
+from lmforge.track.io import atomic_write_json, atomic_write_text
+
 app = typer.Typer(no_args_is_help=True, help="Estimate before measuring: memory, KV cache, intensity, "
                                              "roofline, throughput ceiling, MFU, communication, quantized sizes.")
 
@@ -39,8 +54,6 @@ def _emit(make, as_json: bool, out: Path | None) -> None:
         raise typer.Exit(2) from None
     typer.echo(json.dumps(est.to_dict(), indent=2) if as_json else est.to_text())
     if out is not None:
-        from lmforge.track.io import atomic_write_json, atomic_write_text
-
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(out / "estimate.json", est.to_dict())
         atomic_write_text(out / "estimate.md", "```\n" + est.to_text() + "\n```\n")
@@ -59,8 +72,6 @@ def memory_cmd(model: Model, mode: Annotated[str, typer.Option(help="full | lora
                lora_rank: Annotated[int, typer.Option(help="LoRA rank (lora, qlora).")] = 16,
                quant_bits: Annotated[Optional[int], typer.Option(help="4 or 8: quantized weights.")] = None,
                device: DeviceOpt = None, as_json: AsJson = False, out: Out = None) -> None:
-    from lmforge.perf.estimate import device_spec, fmt_bytes, memory
-
     def make():
         kind = "cpu" if device in ("cpu", "this") else "cuda"
         est = memory(model, mode=mode, dtype=dtype, optimizer=optimizer, batch=batch, seq_len=seq_len,
@@ -82,8 +93,6 @@ def kv_cmd(model: Model, seq_len: SeqLen = 4096, batch: Batch = 1, dtype: Dtype 
            budget_gb: Annotated[Optional[float], typer.Option(help="Memory for the cache, GB.")] = None,
            block_size: Annotated[Optional[int], typer.Option(help="Paged blocks of this many tokens.")] = None,
            as_json: AsJson = False, out: Out = None) -> None:
-    from lmforge.perf.estimate import kv_cache
-
     _emit(lambda: kv_cache(model, seq_len, batch, dtype, budget_gb * 1e9 if budget_gb else None, block_size),
           as_json, out)
 
@@ -91,16 +100,12 @@ def kv_cmd(model: Model, seq_len: SeqLen = 4096, batch: Batch = 1, dtype: Dtype 
 @app.command("intensity", help="FLOPs per byte of each matmul at prefill and decode, and of decode attention.")
 def intensity_cmd(model: Model, batch: Batch = 1, seq_len: SeqLen = 2048, dtype: Dtype = "bfloat16",
                   as_json: AsJson = False, out: Out = None) -> None:
-    from lmforge.perf.estimate import intensity
-
     _emit(lambda: intensity(model, batch, seq_len, dtype), as_json, out)
 
 
 @app.command("roofline", help="Ridge point, attainable FLOP/s, prefill and decode bounds in tokens/s.")
 def roofline_cmd(model: Model, device: DeviceOpt = "cpu", batch: Batch = 1, seq_len: SeqLen = 2048,
                  dtype: Dtype = "bfloat16", as_json: AsJson = False, out: Out = None) -> None:
-    from lmforge.perf.estimate import roofline
-
     _emit(lambda: roofline(model, device, batch, seq_len, dtype), as_json, out)
 
 
@@ -108,8 +113,6 @@ def roofline_cmd(model: Model, device: DeviceOpt = "cpu", batch: Batch = 1, seq_
 def throughput_cmd(model: Model, device: DeviceOpt = "cpu", batch: Batch = 1,
                    context: Annotated[int, typer.Option(help="Tokens already in each sequence's cache.")] = 1024,
                    dtype: Dtype = "bfloat16", as_json: AsJson = False, out: Out = None) -> None:
-    from lmforge.perf.estimate import throughput
-
     _emit(lambda: throughput(model, device, batch, context, dtype), as_json, out)
 
 
@@ -119,8 +122,6 @@ def mfu_cmd(model: Model, tokens_per_s: Annotated[float, typer.Option("--tokens-
             inference: Annotated[bool, typer.Option("--inference", help="2N + 4·L·H·Q·T per token.")] = False,
             devices: Annotated[int, typer.Option("--devices", help="How many devices share the tokens/s.")] = 1,
             as_json: AsJson = False, out: Out = None) -> None:
-    from lmforge.perf.estimate import mfu_estimate
-
     _emit(lambda: mfu_estimate(model, tokens_per_s, device, seq_len, dtype, not inference, devices), as_json, out)
 
 
@@ -136,8 +137,6 @@ def comm_cmd(model: Model, dp: Annotated[int, typer.Option(help="Data-parallel d
                  "--inter-bandwidth", help="GB/s between nodes, for DP and PP.")] = None,
              fsdp: Annotated[bool, typer.Option("--fsdp", help="FSDP/ZeRO-3 traffic instead of DDP.")] = False,
              device: DeviceOpt = "A100", as_json: AsJson = False, out: Out = None) -> None:
-    from lmforge.perf.estimate import comm
-
     _emit(lambda: comm(model, dp, tp, pp, batch, seq_len, microbatches,
                        bandwidth_gbs * 1e9 if bandwidth_gbs else None, device, fsdp=fsdp,
                        inter_bandwidth=inter_gbs * 1e9 if inter_gbs else None), as_json, out)
@@ -147,8 +146,6 @@ def comm_cmd(model: Model, dp: Annotated[int, typer.Option(help="Data-parallel d
 def quant_cmd(model: Model, group_size: Annotated[int, typer.Option(help="int4 weights per scale.")] = 128,
               zero_point: Annotated[bool, typer.Option("--zero-point", help="Asymmetric: a zero per group.")] = False,
               as_json: AsJson = False, out: Out = None) -> None:
-    from lmforge.perf.estimate import quant_sizes
-
     _emit(lambda: quant_sizes(model, group_size, zero_point=zero_point), as_json, out)
 
 
@@ -159,8 +156,6 @@ def report_cmd(
 ) -> None:
     """The optimisation report (the tutorial's template): baseline, steps with Δ and physical reason,
     bottlenecks, "I expected ___, actually ___" from every estimate-vs-measurement gap > 15%, headroom."""
-    from lmforge.perf.report import report
-
     try:
         typer.echo(f"report -> {report(items, out, goal)}")
     except FileNotFoundError as e:
