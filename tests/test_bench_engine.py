@@ -10,12 +10,12 @@ import json
 
 import pytest
 
+from lmforge.bench.engine import BenchEngineConfig, bench_engine_run
+from lmforge.model.reference import save_hf_model
+from lmforge.perf.estimate import decode_ceiling
+
 
 def test_bench_engine_reports_decode_as_a_share_of_the_bandwidth_ceiling(tmp_path, monkeypatch, one_thread):
-    from lmforge.model.reference import save_hf_model
-    from lmforge.bench.engine import BenchEngineConfig, bench_engine_run
-    from lmforge.perf.estimate import decode_ceiling
-
     monkeypatch.setenv("LMFORGE_HOME", str(tmp_path / "home"))
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "hardware.json").write_text(json.dumps({"devices": {"cpu": {

@@ -8,9 +8,14 @@ the A100 ridge point (312 TFLOP/s ÷ ~2 TB/s ≈ 150 FLOP/byte).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from lmforge.cli import app
 from lmforge.model.config import ModelConfig
 from lmforge.perf import estimate as E
 
@@ -161,14 +166,6 @@ def test_device_spec_from_profile_and_errors():
 
 def test_cli_estimate_prints_arithmetic_and_json(tmp_path):
     """As users run it: the console script, one subprocess; the other verbs in process."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from typer.testing import CliRunner
-
-    from lmforge.cli import app
-
     exe = str(Path(sys.executable).with_name("lmforge"))
     proc = subprocess.run([exe, "estimate", "memory", "llama-7b", "--mode", "full", "--json", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)

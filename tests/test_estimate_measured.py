@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from hf_models import save_hf_model
-from lmforge.perf import estimate as E
 from lmforge.bench.estimate import measure_train_peaks, write_report
+from lmforge.engine import LLM
+from lmforge.perf import estimate as E
 
 
 def test_training_peak_check_runs_and_reports_its_ratio(tmp_path):
@@ -39,8 +40,6 @@ def test_training_peak_check_runs_and_reports_its_ratio(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kv_bytes_equal_the_engine_pool(tmp_path, dtype, one_thread):
-    from lmforge.engine import LLM
-
     model_dir = save_hf_model("qwen2", tmp_path)  # a GQA model: fewer kv heads than query heads
     shape = E.ModelShape.from_config(model_dir)
     assert shape.kv_heads < shape.heads

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 
 import torch
+from test_train_loop import make_packed
 
-from lmforge.bench.mfu import VarlenAttention
+from lmforge.bench.mfu import VarlenAttention, bench_mfu
+from lmforge.model.transformer import DenseAttention
 
 
 def test_varlen_attention_equals_the_dense_document_mask():
-    from lmforge.model.transformer import DenseAttention
-
     g = torch.Generator().manual_seed(0)
     doc_ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 0, 0, 0, 0, 1, 1]])
     q, k, v = (torch.randn(2, 8, 4, 16, generator=g) for _ in range(3))
@@ -21,10 +21,6 @@ def test_varlen_attention_equals_the_dense_document_mask():
 
 
 def test_ladder_runs_on_a_tiny_config(tmp_path):
-    from test_train_loop import make_packed
-
-    from lmforge.bench.mfu import bench_mfu
-
     packed = make_packed(tmp_path, n_docs=40, seq_len=32)
     out = tmp_path / "mfu"
     result = bench_mfu("configs/tiny.yaml", [f"data.path={packed}", "train.batch_size=2", "train.device=cpu",
