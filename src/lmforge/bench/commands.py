@@ -21,8 +21,6 @@ from lmforge.bench import engine as bench_engine
 from lmforge.bench import grpo as bench_grpo
 from lmforge.bench import parallel as pipeline_bench
 from lmforge.bench import quant as bench_quant
-from lmforge.bench.data import run_bench
-from lmforge.bench.mfu import bench_mfu
 from lmforge.config import ConfigError
 from lmforge.parallel.plots import plot_timeline
 from lmforge.parallel.simulate import simulate
@@ -84,6 +82,8 @@ def bench_data_cmd(
 ) -> None:
     """Throughput of `lmforge data prepare` per step and end to end (MB/s, CPU time) with 1 and 2
     workers; checks that the outputs are identical across worker counts."""
+    from lmforge.bench.data import run_bench  # deferred: data.prepare and its rules load only for this verb
+
     run_bench(inputs=tuple(inputs or ["python-docs"]), workers=tuple(workers), repeats=repeats, out_dir=out)
 
 
@@ -102,6 +102,8 @@ def bench_mfu_cmd(
     """The MFU ladder on CONFIG: float32 → bf16 autocast → fused loss → data pipeline → varlen attention →
     torch.compile → batch size; each rung a short measured run, kept only when faster; table with Δ,
     physical reason and roofline headroom."""
+    from lmforge.bench.mfu import bench_mfu  # deferred: the trainer loads only for this verb
+
     try:
         bench_mfu(str(config), list(overrides or []), steps, out, max_batch, tuple(skip or ()))
     except (ConfigError, FileNotFoundError, ValueError) as e:

@@ -31,8 +31,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
+from lmforge.model.config import ModelConfig
+from lmforge.model.transformer import Transformer
 from lmforge.perf.estimate import ModelShape, memory
 from lmforge.track.io import atomic_write_json, atomic_write_text
+from lmforge.train.config import LoraConfig, TrainSection
+from lmforge.train.fused_ce import TrainLoss
+from lmforge.train.optim import build_optimizer
 
 
 class _MallInfo2(ctypes.Structure):
@@ -88,15 +95,6 @@ DEFAULTS = {"hidden": 256, "layers": 4, "heads": 4, "intermediate": 704, "vocab"
 
 
 def _child(runs: list[dict]) -> list[dict[str, Any]]:
-    # deferred: torch, the model and the trainer load in the measuring child only; the parent launches it
-    import torch
-
-    from lmforge.model.config import ModelConfig
-    from lmforge.model.transformer import Transformer
-    from lmforge.train.config import LoraConfig, TrainSection
-    from lmforge.train.fused_ce import TrainLoss
-    from lmforge.train.optim import build_optimizer
-
     def train(r: dict, cfg: ModelConfig, x: torch.Tensor, y: torch.Tensor) -> None:
         model = Transformer(cfg).init_weights(0).train()
         if r["lora"]:

@@ -39,6 +39,9 @@ from lmforge.perf.mfu import mfu, model_flops_per_token
 from lmforge.track.io import atomic_write_json, atomic_write_text
 from lmforge.track.provenance import hardware_info, package_versions
 from lmforge.train.config import TrainConfig
+from lmforge.train.fused_ce import chunked_lm_loss
+from lmforge.train.loop import Dist, build_data, build_model
+from lmforge.train.optim import build_optimizer
 
 # ---- the variable-length attention path ------------------------------------------------------
 
@@ -119,9 +122,6 @@ class Prefetcher:
 
 
 def _loss(model: Any, batch: dict, s: Setting) -> torch.Tensor:
-    # deferred: only when the benchmark runs; `lmforge --help` imports this module
-    from lmforge.train.fused_ce import chunked_lm_loss
-
     doc = batch.get("doc_ids")
     attn = VarlenAttention(doc) if s.varlen and doc is not None else DenseAttention(doc)
     h = model.hidden_states(batch["input_ids"], batch.get("position_ids"), doc, attn)
@@ -136,10 +136,6 @@ class StepRunner:
     """One setting's training step, built once: `step()` runs one and returns (seconds, loader wait)."""
 
     def __init__(self, cfg: Any, s: Setting):
-        # deferred: only when the benchmark runs; `lmforge --help` imports this module
-        from lmforge.train.loop import Dist, build_data, build_model
-        from lmforge.train.optim import build_optimizer
-
         cfg = replace(cfg, train=replace(cfg.train, batch_size=s.batch_size, dtype=s.dtype, fused_loss=s.fused_loss))
         self.s = s
         self.device = torch.device("cuda" if torch.cuda.is_available() and cfg.train.device in ("auto", "cuda") else "cpu")
