@@ -36,9 +36,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from lmforge.data.boilerplate import line_keys, strip_boilerplate
 from lmforge.data.config import PrepareConfig
+from lmforge.data.contamination import ContaminationIndex
+from lmforge.data.dedup import NearDedup, exact_key, signatures
+from lmforge.data.normalize import normalize_text
 from lmforge.data.pii import mask_pii_many
+from lmforge.data.prepare import CHUNK_DOCS, _dumps, _hashing_records, prepare_dataset
+from lmforge.data.quality import quality_reasons
 from lmforge.data.readers import resolve_inputs
+from lmforge.data.split import assign_split
 
 
 def _cpu_seconds() -> float:
@@ -76,16 +83,6 @@ def _machine() -> dict[str, Any]:
 def step_times(docs: list[dict], cfg: PrepareConfig, repeats: int = 3) -> dict[str, float]:
     """CPU seconds (best of `repeats`) of each prepare step over every document, in one process,
     called as the pipeline calls it (the batched steps on chunks of CHUNK_DOCS documents)."""
-    # deferred: only when the benchmark runs; `lmforge --help` imports this module
-    from lmforge.data.boilerplate import line_keys, strip_boilerplate
-    from lmforge.data.contamination import ContaminationIndex
-    from lmforge.data.dedup import NearDedup, exact_key, signatures
-    from lmforge.data.normalize import normalize_text
-    # deferred: only when the benchmark runs; `lmforge --help` imports this module
-    from lmforge.data.prepare import CHUNK_DOCS, _dumps
-    from lmforge.data.quality import quality_reasons
-    from lmforge.data.split import assign_split
-
     texts = [normalize_text(d["text"]) for d in docs]
     chunks = [texts[i:i + CHUNK_DOCS] for i in range(0, len(texts), CHUNK_DOCS)]
     sigs = [sig for chunk in chunks for sig in signatures(chunk, cfg.near_dedup)]
@@ -125,9 +122,6 @@ def step_times(docs: list[dict], cfg: PrepareConfig, repeats: int = 3) -> dict[s
 
 def end_to_end(inputs: Sequence[str], workers: int, out: Path) -> dict[str, Any]:
     """One `prepare_dataset` run: wall and CPU seconds (this process + workers) and the data hash."""
-    # deferred: only when the benchmark runs; `lmforge --help` imports this module
-    from lmforge.data.prepare import prepare_dataset
-
     shutil.rmtree(out, ignore_errors=True)
     cpu0, wall0 = _cpu_seconds(), time.monotonic()
     stats = prepare_dataset(list(inputs), out, workers=workers)
@@ -142,15 +136,12 @@ def end_to_end(inputs: Sequence[str], workers: int, out: Path) -> dict[str, Any]
 def run_bench(inputs: Sequence[str] = ("python-docs",), workers: Sequence[int] = (1, 2), repeats: int = 3,
               out_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     """Measure, write `bench_data.json` and `bench_data.md` into `out_dir` (when given), return the result."""
-    # deferred: only when the benchmark runs; `lmforge --help` imports this module
-    from lmforge.data.prepare import _hashing_records
-
     machine = _machine()
     cfg = PrepareConfig()
     sources = resolve_inputs(list(inputs))
     # as prepare reads: python-docs from its cache's snapshot (see sources.py), with the manifest digest
-    docs = list(_hashing_records(sources, cfg, lambda bad: None, {}))
-    read_s = _best(lambda: list(_hashing_records(sources, cfg, lambda bad: None, {})), repeats)
+    docs = list(_hashing_records(sources, cfg, lambda bad: None, {}, []))
+    read_s = _best(lambda: list(_hashing_records(sources, cfg, lambda bad: None, {}, [])), repeats)
     mb = sum(len(d["text"].encode("utf-8")) for d in docs) / 1e6
     steps = {"read": read_s, **step_times(docs, cfg, repeats)}
     result: dict[str, Any] = {
