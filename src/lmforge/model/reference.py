@@ -34,7 +34,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 
 def hf_config(variant: str, vocab_size: int = 256, hidden_size: int = 64, layers: int = 2, **over):
     """A `transformers` config of one variant; keyword arguments override any field."""
-    import transformers
+    import transformers  # deferred: seconds to import; the benchmarks import this module, and the CLI them
 
     cls_name, kw = VARIANTS[variant]
     kw = {**dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
@@ -45,7 +45,7 @@ def hf_config(variant: str, vocab_size: int = 256, hidden_size: int = 64, layers
 
 def make_hf_model(variant: str, seed: int = 0, dtype: torch.dtype = torch.float32, **over):
     """A random HF model; biases and norms randomized too, so a missed tensor shows in the logits."""
-    import transformers
+    import transformers  # deferred: as in hf_config
 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(hf_config(variant, **over)).to(dtype).eval()
@@ -62,7 +62,7 @@ def save_hf_model(variant: str, path: str | Path, seed: int = 0, dtype: torch.dt
 
 
 def _save(model, path: str | Path) -> Path:
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # deferred: as in hf_config
 
     hf_logging.disable_progress_bar()  # "Writing model shards" bars would flood test and demo output
     model.save_pretrained(path)

@@ -23,6 +23,7 @@ def quantize(
     calibration: str = typer.Option(None, "--calibration", help="gptq: python-docs or a JSONL file with 'text'."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished quantization in --out."),
 ) -> None:
+    # deferred: torch and the quantizer, imported when the verb runs, not by `lmforge --help`
     from lmforge.model import UnsupportedConfigError
     from lmforge.track.run import RunExistsError
 

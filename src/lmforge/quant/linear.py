@@ -20,6 +20,7 @@ Shape legend: M rows, N output features, K input features, G groups per row.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -132,8 +133,6 @@ class QmmLinear(nn.Module):
 
     def __init__(self, q: QuantizedLinear, dtype: torch.dtype, qmm=None):
         super().__init__()
-        import os
-
         self.qmm, self.bits = qmm, q.scheme.num_bits
         self.N, self.K = q.out_features, q.in_features
         self.gs = q.scheme.group_size or q.in_features

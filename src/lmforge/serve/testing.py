@@ -15,10 +15,16 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
+
+from lmforge.model.reference import save_hf_model
+from lmforge.tokenizer import load_tokenizer, train_tokenizer
 
 WORDS = ("the of and to in is was for on that with as by at from it his an were are which this be or has "
          "had not but first one their its new after who they have her she two been other when there all "
@@ -39,8 +45,6 @@ def corpus(num_docs: int = 400, seed: int = 0) -> list[str]:
 
 
 def train_test_tokenizer(out_dir: Path, vocab_size: int = 512) -> Path:
-    from lmforge.tokenizer import train_tokenizer
-
     out_dir = Path(out_dir)
     src = out_dir.parent / f"{out_dir.name}-corpus.jsonl"
     src.parent.mkdir(parents=True, exist_ok=True)
@@ -53,9 +57,6 @@ def make_model_with_tokenizer(model_dir: Path, tokenizer_dir: Path, vocab_size: 
                               layers: int = 2, **over) -> Path:
     """A random Llama whose vocabulary matches a freshly trained tokenizer; stops on
     <|end_of_text|> (1) and <|im_end|> (4), like a chat model of ours."""
-    from lmforge.model.reference import save_hf_model
-    from lmforge.tokenizer import load_tokenizer
-
     tok_dir = train_test_tokenizer(Path(tokenizer_dir), vocab_size)
     V = len(load_tokenizer(tok_dir))
     save_hf_model("llama", model_dir, vocab_size=V, hidden_size=hidden_size, layers=layers,
@@ -78,7 +79,7 @@ class ServerThread:
     """uvicorn serving `app` on 127.0.0.1:<free port> from a daemon thread (no signal handlers)."""
 
     def __init__(self, app, timeout_graceful_shutdown: float | None = 5.0):
-        import uvicorn
+        import uvicorn  # deferred: quickstart imports this module for free_port, and the CLI imports quickstart
 
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -109,10 +110,7 @@ def spawn_server(args: list[str], port: int, timeout: float = 240.0, env: dict |
     (SystemExit with the server's last stderr if it exits first or never gets ready). For scripts
     that measure a real server: scripts/soak_serve.py, scripts/bench_ops.py. `env` replaces the
     environment (e.g. a PYTHONPATH to serve another checkout's code)."""
-    import subprocess
-    import sys
-
-    import httpx
+    import httpx  # deferred: quickstart imports this module for free_port, and the CLI imports quickstart
 
     proc = subprocess.Popen([sys.executable, "-m", "lmforge.cli", "serve", *args, "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
@@ -132,9 +130,6 @@ def spawn_server(args: list[str], port: int, timeout: float = 240.0, env: dict |
 
 def stop_server(proc) -> int:
     """SIGTERM, then the exit code (-9 after a kill when it does not stop within 60 s)."""
-    import signal
-    import subprocess
-
     proc.send_signal(signal.SIGTERM)
     try:
         return proc.wait(60)

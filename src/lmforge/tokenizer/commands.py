@@ -42,6 +42,7 @@ def train(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished tokenizer in --out."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the trainer's progress bar."),
 ) -> None:
+    # deferred: rich's table and the trainer (tokenizers, readers), imported when the verb runs, not by --help
     from rich.console import Console
     from rich.table import Table
 
