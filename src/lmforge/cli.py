@@ -1,7 +1,8 @@
 """The `lmforge` command: one verb per stage. Each verb parses its options and calls one
 function of a package; no stage logic lives here. Verbs with sub-verbs (tokenizer, data, runs,
-eval, bench) are Typer apps owned by their package's `commands.py`. Heavy libraries (torch,
-transformers) load only when a verb runs, so `lmforge --help` stays fast.
+eval, bench, estimate) are Typer apps owned by their package's `commands.py` (`bench`: every
+benchmark verb, in `bench/commands.py`). Heavy libraries (transformers, the engine, the training
+loop) load only when a verb runs, so `lmforge --help` stays fast.
 
     lmforge --help
     lmforge doctor
