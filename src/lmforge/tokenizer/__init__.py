@@ -1,6 +1,7 @@
 """lmforge.tokenizer: byte-level BPE training, special tokens, ChatML chat template.
 
-Importing this package is cheap: `tokenizers` and `transformers` load only when a function runs.
+Importing this package loads `tokenizers` (light); `transformers` loads only when a tokenizer is opened.
+It knows nothing about models, packing or the engine.
 """
 
 from lmforge.tokenizer.chat import CHAT_TEMPLATE, render_chat
