@@ -2,7 +2,7 @@
 processes with `multiprocessing` (spawn), joins them in one gloo group, calls
 `fn(rank, world, *args)` in each and returns the values they returned, in rank order.
 
-Under torchrun nothing here is needed (`lmforge.train.loop.init_distributed` joins the group torchrun
+Under torchrun nothing here is needed (`lmforge.parallel.distributed.init_distributed` joins the group torchrun
 describes; the tests run `lmforge.parallel.selftest` that way). This launches a benchmark's
 processes from one command, not training (training always goes through torchrun). It knows nothing
 about models.

@@ -3,7 +3,7 @@
 `plan_for(cfg)` returns the `DataParallel` plan (one process, or DDP under torchrun) or, when
 `train.parallel.tp > 1`, `pp > 1` or `fsdp=true`, the `ShardedParallel` plan. The one trainer
 (`lmforge.train.loop.Trainer`) asks its plan to join the process group (`setup`), to shard the model
-(`parallelize(model, cfg, groups)`), to wrap it for data parallelism, to clip gradients, and for the
+(`parallelize`), to wrap it for data parallelism, to clip gradients, and for the
 checkpoint pieces that only it knows (sharded model and optimizer files, the layout it was written with).
 
 Ranks form a grid: tensor-parallel groups of `tp` consecutive ranks (one node: TP all-reduces
@@ -65,7 +65,7 @@ class DataParallel:
 
     note: str | None = None
     pipelined = False
-    stage = executor = tp_counter = None
+    stage = executor = None
 
     def setup(self, device_name: str) -> tuple[Dist, torch.device]:
         self.d, self.device = init_distributed(device_name)
@@ -126,7 +126,6 @@ class ShardedParallel(DataParallel):
             self.stage = out
             self.executor = PipelineExecutor(out, self.groups.pp_ranks, tied_group(self.p.pp, self.groups.pp_ranks,
                                                                                    out.tied))
-        self.tp_counter = getattr(raw_model, "tp_counter", None)
         return out
 
     def wrap_data_parallel(self, fwd: torch.nn.Module) -> torch.nn.Module:
@@ -208,7 +207,7 @@ def parallelize(model: torch.nn.Module, raw_model: torch.nn.Module, cfg: Any, gr
     if p.pp > 1:
         return PipelineStageModule(raw_model, dist.get_rank(), p.pp)
     if p.tp > 1:
-        raw_model.tp_counter = apply_tensor_parallel(raw_model, groups.tp)
+        apply_tensor_parallel(raw_model, groups.tp)
     if p.fsdp:
         # deferred: FSDP and device meshes load a large part of torch.distributed, only FSDP runs need them
         from torch.distributed.device_mesh import DeviceMesh
