@@ -22,7 +22,8 @@ import typer
 
 from lmforge.engine import kernels
 
-from .linear import best_seconds, emit
+from .linear import best_seconds
+from .report import emit
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 8, 8, 64, 16
 

@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import platform
 import random
 import sys
 import time
@@ -52,7 +50,8 @@ from lmforge.model.reference import save_hf_model
 from lmforge.perf.estimate import decode_ceiling
 from lmforge.quant import load_pretrained
 from lmforge.track.io import atomic_write_json, atomic_write_text
-from lmforge.track.provenance import git_info, hardware_info, package_versions
+
+from .report import loadavg, provenance
 
 WORKLOADS = ("high-variance", "shared-prefix", "uniform")
 SYSTEMS = ("hf-sequential", "static", "hf-cb", "lmforge")
@@ -397,10 +396,7 @@ def bench_engine_run(cfg: BenchEngineConfig, command: str | None = None) -> dict
         "max_model_len": max_model_len,
         "requests": {"count": len(reqs), "prompt_tokens": sum(len(r.prompt) for r in reqs),
                      "output_tokens": sum(r.output_len for r in reqs)},
-        "provenance": {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "threads": torch.get_num_threads(),
-                       "dtype": cfg.dtype, "machine": f"{platform.node()}, {_cpu_name()}, {os.cpu_count()} cores",
-                       "load_average": _loadavg(),
-                       "hardware": hardware_info(), "packages": package_versions(), "git": git_info()},
+        "provenance": provenance(cfg.dtype),
         "systems": [],
     }
 
@@ -428,7 +424,7 @@ def bench_engine_run(cfg: BenchEngineConfig, command: str | None = None) -> dict
             report["prefix_cache"] = {"mean_ttft_ms_on": r["ttft_ms"]["mean"], "mean_ttft_ms_off": off["ttft_ms"]["mean"],
                                       "ttft_reduction": 1 - r["ttft_ms"]["mean"] / off["ttft_ms"]["mean"]}
             save()
-    report["provenance"]["load_average_end"] = _loadavg()
+    report["provenance"]["load_average_end"] = loadavg()
     report["ratios"] = _ratios(report["systems"])
     report["bandwidth"] = _decode_vs_ceiling(model_dir, cfg.dtype, reqs, report["systems"])
     save()
@@ -440,23 +436,6 @@ def _command() -> str:
     prog = Path(sys.argv[0]).name
     prog = "python -m lmforge.bench.engine" if prog == "engine.py" else prog
     return " ".join([prog] + sys.argv[1:])
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 def _ratios(systems: list[dict]) -> dict[str, float]:

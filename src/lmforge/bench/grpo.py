@@ -26,7 +26,6 @@ Writes OUT/bench_grpo.json and OUT/bench_grpo.md.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -36,17 +35,13 @@ from typing import Annotated, Any, Optional
 import torch
 import typer
 
-from lmforge.bench.linear import emit
+from lmforge.bench.report import emit, loadavg
 from lmforge.config import load_config
 from lmforge.data.synth import read_tasks
 from lmforge.tokenizer.load import load_tokenizer
 from lmforge.track.provenance import hardware_info, package_versions
 from lmforge.track.runs import read_metrics
 from lmforge.train.config import TrainConfig
-
-
-def _load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def engine_rollouts(model_dir: str, prompt_ids: list[list[int]], group: int, max_tokens: int, seed: int) -> dict:
@@ -148,8 +143,8 @@ def bench_grpo(
     step_tasks = out / "tasks.jsonl"  # the GRPO steps of both systems see exactly these prompts
     step_tasks.write_text("".join(json.dumps({k: t[k] for k in ("prompt", "answer")}) + "\n" for t in chosen))
     report: dict[str, Any] = {"model": str(model), "prompts": len(prompt_ids), "group_size": group,
-                              "max_tokens": max_tokens, "threads": __import__("torch").get_num_threads(),
-                              "load_start": _load(), "hardware": hardware_info(), "packages": package_versions()}
+                              "max_tokens": max_tokens, "threads": torch.get_num_threads(),
+                              "load_start": loadavg(), "hardware": hardware_info(), "packages": package_versions()}
     runs: dict[str, list[dict]] = {"engine": [], "hf": []}
     for _ in range(repeats):  # alternated, best of each: a shared machine's load moves between runs
         runs["engine"].append(engine_rollouts(str(model), prompt_ids, group, max_tokens, seed))
@@ -169,7 +164,7 @@ def bench_grpo(
         report["lmforge_over_trl"] = {"step": round(t["last_step_s"] / g["dt_s"], 2),
                                       "rollout": round(t["last_rollout_s"] / g["rollout_s"], 2),
                                       "update": round(t["last_update_s"] / g["update_s"], 2)}
-    report["load_end"] = _load()
+    report["load_end"] = loadavg()
     emit(report, to_markdown, out, "bench_grpo")
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 import typer
 
-from lmforge.track.io import atomic_write_json, atomic_write_text
+from lmforge.bench.report import emit
 
 SHAPES = ((512, 512), (512, 1376), (1376, 512), (512, 8192))  # (in, out)
 ROWS = (1, 8, 32, 128)
@@ -74,15 +74,6 @@ def to_markdown(report: dict) -> str:
 
 def main(out: Annotated[Optional[Path], typer.Option(help="Where bench_linear.json and .md go.")] = None) -> None:
     emit(bench_linear(), to_markdown, out, "bench_linear")
-
-
-def emit(report: dict, to_md, out: Path | None, name: str) -> None:
-    """Print the report's Markdown; with `out`, also write `name`.json and `name`.md there (atomically)."""
-    md = to_md(report)
-    print(md)
-    if out is not None:
-        atomic_write_json(out / f"{name}.json", report)
-        atomic_write_text(out / f"{name}.md", md)
 
 
 if __name__ == "__main__":

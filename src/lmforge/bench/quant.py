@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -43,10 +42,10 @@ import typer
 from lmforge.model.reference import save_hf_model
 from lmforge.quant import QuantScheme, quantize_rtn
 from lmforge.quant.linear import Int4Linear, Int8Linear, QmmLinear, QuantizedLinear
-from lmforge.track.provenance import git_info, hardware_info, package_versions
 
-from .engine import _cpu_name, _loadavg, make_requests
-from .linear import best_seconds, emit
+from .engine import make_requests
+from .linear import best_seconds
+from .report import emit, loadavg, provenance
 
 
 @dataclass
@@ -301,10 +300,7 @@ def _base_model(cfg: BenchQuantConfig, out: Path) -> Path:
 def _new_report(cfg: BenchQuantConfig, base: Path, dtype: str) -> dict[str, Any]:
     return {
         "config": asdict(cfg), "command": " ".join(["lmforge bench quant"] + _args_after("quant")), "model": str(base),
-        "provenance": {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "threads": torch.get_num_threads(),
-                       "dtype": dtype, "machine": f"{platform.node()}, {_cpu_name()}, {os.cpu_count()} cores",
-                       "load_average": _loadavg(), "hardware": hardware_info(), "packages": package_versions(),
-                       "git": git_info()},
+        "provenance": provenance(dtype),
         "variants": [], "kv": [],
     }
 
@@ -405,7 +401,7 @@ def bench_quant_run(cfg: BenchQuantConfig) -> dict[str, Any]:
 
     if not cfg.inference:
         report["lora_memory"] = lora_peak_memory(base, cfg.lora_batch, cfg.lora_seq, cfg.lora_checkpointing)
-        report["provenance"]["load_average_end"] = _loadavg()
+        report["provenance"]["load_average_end"] = loadavg()
         save()
         return report
     folders = _quantized_folders(cfg, base, out)
@@ -418,7 +414,7 @@ def bench_quant_run(cfg: BenchQuantConfig) -> dict[str, Any]:
         report["linears"] = bench_linears(cfg.hidden, cfg.intermediate, cfg.group_size)
     if cfg.lora_memory:
         report["lora_memory"] = lora_peak_memory(base, cfg.lora_batch, cfg.lora_seq, cfg.lora_checkpointing)
-    report["provenance"]["load_average_end"] = _loadavg()
+    report["provenance"]["load_average_end"] = loadavg()
     save()
     return report
 

@@ -1,0 +1,51 @@
+"""What every benchmark report shares: the machine it ran on and how loaded it was
+(`provenance`, `loadavg`), and printing + writing the report (`emit`: JSON and Markdown).
+
+It knows nothing about what a benchmark measures.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from lmforge.track.io import atomic_write_json, atomic_write_text
+from lmforge.track.provenance import git_info, hardware_info, package_versions
+
+
+def emit(report: dict, to_md, out: Path | None, name: str) -> None:
+    """Print the report's Markdown; with `out`, also write `name`.json and `name`.md there (atomically)."""
+    md = to_md(report)
+    print(md)
+    if out is not None:
+        atomic_write_json(out / f"{name}.json", report)
+        atomic_write_text(out / f"{name}.md", md)
+
+
+def loadavg() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages, rounded; None where the platform has none."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def provenance(dtype: str) -> dict:
+    """Date, torch threads, dtype, machine, load average now, hardware, package versions and git state."""
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "threads": torch.get_num_threads(), "dtype": dtype,
+            "machine": f"{platform.node()}, {cpu_name()}, {os.cpu_count()} cores", "load_average": loadavg(),
+            "hardware": hardware_info(), "packages": package_versions(), "git": git_info()}
