@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -30,36 +28,26 @@ def lmforge_train(*args: str, env: dict | None = None, check: bool = True) -> su
     return proc
 
 
-# `python -m lmforge.train` that stops for good right after logging step HOLD_AT (the trainer has no test
-# hook): the test then kills it from outside, so the kill lands after exactly that step, every time.
-HOLD_AT = """
-import sys, time
+# `python -m lmforge.train` that SIGKILLs itself right after logging step KILL_AT (the trainer has no test hook),
+# so the kill lands after exactly that step, every time.
+KILL_AT = """
+import os, signal, sys
 from lmforge.track.run import RunDir
-hold_at, log = int(sys.argv.pop(1)), RunDir.log_metrics
-def log_then_hold(self, row):
+kill_at, log = int(sys.argv.pop(1)), RunDir.log_metrics
+def log_then_kill(self, row):
     log(self, row)
-    if row.get("step") == hold_at:
-        time.sleep(3600)
-RunDir.log_metrics = log_then_hold
+    if row.get("step") == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+RunDir.log_metrics = log_then_kill
 from lmforge.train.commands import train_app
 train_app(prog_name="lmforge.train")
 """
 
 
 def killed_after_step(step: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`lmforge train ...` SIGKILLed from outside once step `step` is in metrics.jsonl."""
-    out = Path(args[args.index("--out") + 1]) / "metrics.jsonl"
-    proc = subprocess.Popen([sys.executable, "-c", HOLD_AT, str(step), *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        if out.is_file() and any(json.loads(x).get("step") == step for x in out.read_text().splitlines() if x):
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, proc.communicate()[1]
-    os.kill(proc.pid, signal.SIGKILL)
-    stdout, stderr = proc.communicate()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    """`lmforge train ...` SIGKILLed right after step `step` is in metrics.jsonl."""
+    return subprocess.run([sys.executable, "-c", KILL_AT, str(step), *map(str, args)], capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=1200)
 
 
 def make_packed(root: Path, n_docs: int = 120, seq_len: int = 64) -> Path:
