@@ -20,10 +20,10 @@ from lmforge.eval.backends import MockBackend, truncate_at_stop
 from lmforge.eval.builtin import write_builtin_suites
 from lmforge.eval.compare import SuiteChangedError, compare_runs
 from lmforge.eval.evaluate import evaluate
+from lmforge.eval.scoring import run_stability
 from lmforge.eval.suites import make_perplexity_suite, write_suite
 from lmforge.tasks.rng import SplitMix64
 from lmforge.tasks.suite import BUILTIN_DIR, LOCK_FILE, SuiteError, builtin_names, load_suite, verify_builtin_suites
-from lmforge.eval.tasks import run_stability
 from lmforge.tasks.reasoning import DEFAULT_FORMAT, extract_last_match, normalize_answer
 from lmforge.train.grpo.reward import correct_reward
 

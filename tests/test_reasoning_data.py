@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from lmforge.data.synth import TaskFileError, eval_prompts, read_tasks, write_synth
+from lmforge.eval.scoring import run_generate
 from lmforge.eval.suites import write_suite
 from lmforge.tasks.arith_cot import EVAL_SEED, TASKS, synth_rows
 from lmforge.tasks.reasoning import DEFAULT_FORMAT, ReasoningFormat
 from lmforge.tasks.suite import load_suite
-from lmforge.eval.tasks import run_generate
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.eval.backends import Backend, model_hash
+from lmforge.eval.scoring import run_task
 from lmforge.tasks.suite import Suite, SuiteError
-from lmforge.eval.tasks import run_task
 from lmforge.track.io import atomic_write_json, atomic_write_text, sha256_file
 from lmforge.track.run import RunDir, RunExistsError
 
