@@ -30,7 +30,7 @@ import typer
 from lmforge.parallel.launch import run_local
 from lmforge.parallel.probes import QUICK_SIZES, SIZES, comm_worker
 from lmforge.perf.hardware import lmforge_home
-from lmforge.track.io import atomic_write_json, atomic_write_text
+from lmforge.bench.report import emit
 
 
 def topology() -> str | None:
@@ -78,11 +78,8 @@ def comm_doctor(out: Path | None = None, quick: bool = False, nproc: int = 2) ->
         print("doctor --comm: needs at least 2 processes")
         return 2
     report = measure(nproc, quick)
-    md = to_markdown(report)
-    print(md)
     folder = Path(out) if out is not None else lmforge_home()
-    atomic_write_json(folder / "comm.json", report)
-    atomic_write_text(folder / "comm.md", md)
+    emit(report, to_markdown, folder, "comm")
     print(f"wrote {folder / 'comm.json'}")
     return 0
 

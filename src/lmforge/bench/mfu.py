@@ -31,12 +31,12 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.bench.doctor import cpu_bf16_flags
+from lmforge.bench.report import emit
 from lmforge.config import load_config
 from lmforge.model.transformer import DenseAttention
 from lmforge.perf.estimate import ModelShape, device_spec, roofline
 from lmforge.perf.hardware import NoPeakError, peak_flops
 from lmforge.perf.mfu import mfu, model_flops_per_token
-from lmforge.track.io import atomic_write_json, atomic_write_text
 from lmforge.track.provenance import hardware_info, package_versions
 from lmforge.train.config import TrainConfig
 from lmforge.train.fused_ce import chunked_lm_loss
@@ -359,7 +359,5 @@ def bench_mfu(config: str, overrides: list[str], steps: int, out: Path, max_batc
     result.update(command=command, loadavg=load, hardware=hardware_info(), packages=package_versions(),
                   measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "bench_mfu.json", result)
-    atomic_write_text(out / "bench_mfu.md", to_markdown(result, command, load))
-    print(to_markdown(result, command, load))
+    emit(result, lambda r: to_markdown(r, command, load), out, "bench_mfu")
     return result

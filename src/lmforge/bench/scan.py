@@ -32,10 +32,10 @@ from lmforge.parallel.launch import free_port
 from lmforge.parallel.probes import random_packed
 from lmforge.parallel.scan import ScanSpec, evaluate
 from lmforge.perf import estimate as E
-from lmforge.track.io import atomic_write_json, atomic_write_text
 from lmforge.track.runs import read_metrics
 
 from .comm import measure
+from .report import emit
 
 ROOT = Path(__file__).resolve().parents[3]
 MODEL = ["model.hidden_size=256", "model.intermediate_size=688", "model.num_hidden_layers=4",
@@ -135,10 +135,7 @@ def main(out: Annotated[Path, typer.Option(help="Run directory.")] = Path("runs/
          reuse: Annotated[bool, typer.Option(help="Keep finished layout runs in --out (recompute the rest).")] = False,
          ) -> None:
     report = check(out, steps, reuse)
-    md = to_markdown(report)
-    print(md)
-    atomic_write_json(out / "scan_check.json", report)
-    atomic_write_text(out / "scan_check.md", md)
+    emit(report, to_markdown, out, "scan_check")
 
 
 if __name__ == "__main__":
