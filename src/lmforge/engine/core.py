@@ -113,12 +113,12 @@ def _serve(core: EngineCore, cmd_conn: Connection, out_conn: Connection, parent_
             core.abort_all()
             out_conn.send(Status(StatusKind.CLOSED))
             return
-        batch = EngineCoreOutputs(replies=[core.apply(r) for r in requests])
-        if engine.has_unfinished_requests():
-            stepped = _step(core)
-            batch.outputs, batch.failure = stepped.outputs, stepped.failure
+        replies = [core.apply(r) for r in requests]
+        # a step's outputs carry the stats taken after it (and after these replies): not taken twice
+        batch = _step(core) if engine.has_unfinished_requests() else EngineCoreOutputs()
+        batch.replies = replies
         if batch.replies or batch.outputs or batch.failure:
-            batch.stats = engine.stats()
+            batch.stats = batch.stats or engine.stats()
             try:
                 out_conn.send(batch)
             except OSError:  # the parent is gone
