@@ -48,7 +48,7 @@ from lmforge.model.tensor_parallel import COLUMN, ROW, CommCounter, GroupAllRedu
 
 from lmforge.model.checkpoint import read_hf_config
 from lmforge.model.config import ModelConfig
-from lmforge.tools.procs import Status, StatusKind, exit_cause, start_python
+from lmforge.tools.procs import Status, StatusKind, exit_cause, start_python, stop
 
 from .config import EngineConfig
 from .messages import KVPool, Stop, WorkerStart
@@ -263,8 +263,4 @@ def _stop_workers(procs: list[subprocess.Popen], conns: list[Connection], loaded
             conn.send(Stop())
         conn.close()
     for proc in procs:
-        try:
-            proc.wait(timeout=10 if loaded[0] else 0.5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop(proc, grace_s=10 if loaded[0] else 0.5)
