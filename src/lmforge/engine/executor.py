@@ -17,7 +17,7 @@ to an unsharded model) and `RowParallelLinear` all-reduces in its forward. A lay
 activations of T x D elements: 2 * D * dtype bytes per layer per token, whatever N (`CommCounter`).
 
 Workers are plain child interpreters (`lmforge.tools.procs`; their side is `worker.py`), and rank 0
-speaks to each over one pipe in typed messages (`messages.py`: `WorkerStart`, `KVPool`, one
+speaks to each over one pipe in typed messages (`messages.py`: `WorkerStart`, `KVPoolSize`, one
 `StepInputs` per step, `Stop`; a worker answers `Status(JOINING)`, then `Status(READY)` or
 `Status(ERROR)`). A worker exits when rank 0 tells it, when rank 0's end of its pipe closes (rank 0 died) or when a
 collective fails. Rank 0 stops its workers on `shutdown()`, when the executor is garbage-collected,
@@ -51,7 +51,7 @@ from lmforge.model.config import ModelConfig
 from lmforge.tools.procs import Status, StatusKind, exit_cause, start_python, stop
 
 from .config import EngineConfig
-from .messages import KVPool, Stop, WorkerStart
+from .messages import KVPoolSize, Stop, WorkerStart
 from .model_runner import StepInputs
 
 LOAD_TIMEOUT_S = 600.0  # a worker's import + load, as the engine core's
@@ -170,7 +170,7 @@ class MultiprocExecutor:
     def start(self, num_blocks: int) -> None:
         """Tell every worker its KV pool size (rank 0 decides, so all pools match) and wait until they are ready."""
         for conn in self.conns:
-            conn.send(KVPool(num_blocks))
+            conn.send(KVPoolSize(num_blocks))
         self._wait(StatusKind.READY)
         self._loaded[0] = True
 

@@ -7,7 +7,7 @@ Three conversations use them:
         CoreStart, then EngineCoreRequest(ADD | ABORT | SHUTDOWN) ...
         <- Status(READY, EngineInfo) | Status(ERROR, exception), then EngineCoreOutputs ..., Status(CLOSED)
     rank 0 <-> a tensor-parallel worker (executor.py, worker.py)
-        WorkerStart, KVPool, then one `model_runner.StepInputs` per step ... and Stop
+        WorkerStart, KVPoolSize, then one `model_runner.StepInputs` per step ... and Stop
         <- Status(JOINING), Status(READY) | Status(ERROR, text)
     server <-> its exchange-log writer (serve/exchange_log.py)
         list of rows ... <- Status(READY), then Status(OK, rows) | Status(ERROR, text) per batch
@@ -122,7 +122,7 @@ class WorkerStart:
 
 
 @dataclass(frozen=True)
-class KVPool:
+class KVPoolSize:
     """The KV pool size rank 0 chose (so all pools match): the worker builds its runner."""
     num_blocks: int
 

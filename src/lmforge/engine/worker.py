@@ -1,7 +1,7 @@
 """A tensor-parallel worker (ranks 1..N-1): load a shard, then run every forward rank 0 sends.
 
 Started by `executor.MultiprocExecutor` as a child interpreter; rank 0 speaks to it over one pipe in
-typed messages (`messages.py`): `WorkerStart` (config, rank, store port, threads), then `KVPool`
+typed messages (`messages.py`): `WorkerStart` (config, rank, store port, threads), then `KVPoolSize`
 (the pool size rank 0 chose), then one `model_runner.StepInputs` per step, until `Stop` or EOF
 (rank 0 is gone). The worker answers `Status(JOINING)` before it joins the process group, then
 `Status(READY)`, or `Status(ERROR, text)` if loading failed. It never samples (only rank 0 applies
@@ -25,7 +25,7 @@ from lmforge.tools.procs import Status, StatusKind, exit_now, ignore_sigint
 
 from .config import EngineConfig
 from .executor import LOAD_TIMEOUT_S, CommCounter, new_group, shard_model  # executor owns the TP layer
-from .messages import KVPool, Stop, WorkerStart
+from .messages import KVPoolSize, Stop, WorkerStart
 from .model_runner import ModelRunner
 
 
@@ -77,7 +77,7 @@ def _load(conn: Connection, config: EngineConfig, rank: int, port: int) -> Model
     model = load_pretrained(Path(config.model), dtype=config.dtype, device=device)
     shard_model(model, rank, config.tensor_parallel_size, group, CommCounter())
     pool = conn.recv()
-    if not isinstance(pool, KVPool):  # Stop
+    if not isinstance(pool, KVPoolSize):  # Stop
         return None
     runner = ModelRunner(model, pool.num_blocks, config.block_size, config.attention == "reference",
                          config.pack_weights, config.cpu_kernels, config.kv_cache_dtype)
