@@ -121,7 +121,7 @@ class ModelRunner:
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, reference: bool = False,
                  pack_weights: bool = True, cpu_kernels: bool = True, kv_cache_dtype: str = "auto"):
-        self.model, self.block_size = model.eval(), block_size
+        self.model = model.eval()
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         lib = None
