@@ -93,7 +93,7 @@ def test_packed_bf16_linears_give_the_same_tokens(tmp_path, one_thread):
     assert runs[0] == runs[1]
 
 
-def test_one_load_tokenizer_for_the_engine_and_the_pipeline(llm, tmp_path):
+def test_one_load_tokenizer_for_the_engine_and_the_pipeline(llm, tmp_path, monkeypatch):
     """The engine's twin returned None for a folder without tokenizer files, the pipeline's raised:
     the one `load_tokenizer` raises unless the caller says the tokenizer is optional (the engine does,
     and then serves token-id prompts). A folder with any tokenizer file is loaded by both callers."""
@@ -105,4 +105,13 @@ def test_one_load_tokenizer_for_the_engine_and_the_pipeline(llm, tmp_path):
         load_tokenizer(model_dir)
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         load_tokenizer(tmp_path)
-    assert "tokenizer_config.json" in TOKENIZER_FILES  # a Hugging Face folder with slow files only: loaded
+    import transformers
+
+    loaded = []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda d: loaded.append(d) or d)
+    for name in TOKENIZER_FILES:  # a Hugging Face folder with any one of them (slow files only too): loaded
+        folder = tmp_path / name.replace(".", "_")
+        folder.mkdir()
+        (folder / name).write_text("{}")
+        assert load_tokenizer(folder) == load_tokenizer(folder, optional=True) == str(folder)
+    assert len(loaded) == 2 * len(TOKENIZER_FILES)
