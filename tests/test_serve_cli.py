@@ -20,8 +20,8 @@ from lmforge.serve.testing import free_port
 
 
 def serve_cmd(*args: str) -> list[str]:
-    """The serve verbs as the `lmforge` CLI mounts them."""
-    return [sys.executable, "-c", "from lmforge.serve.commands import app; app()", *args]
+    """The serve verb as users run it: through the `lmforge` CLI."""
+    return [sys.executable, "-m", "lmforge.cli", *args]
 
 
 @pytest.fixture(scope="module")

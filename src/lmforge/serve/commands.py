@@ -9,8 +9,8 @@ exits 0. A model that fails to load exits 1 with the reason; an engine that dies
 
     lmforge serve runs/model --port 8000 --served-model-name tiny
 
-Mounted by `lmforge.cli` (`serve` as a command); `app` runs it
-stand-alone: `python -c "from lmforge.serve.commands import app; app()" serve MODEL_DIR`.
+Mounted by `lmforge.cli` as the `serve` command (`python -m lmforge.cli serve MODEL_DIR` runs it the
+same way).
 """
 
 from __future__ import annotations
@@ -32,15 +32,6 @@ from .config import ListenConfig, ServerConfig, ServerLimits, VersionsConfig
 
 if TYPE_CHECKING:
     from lmforge.engine import EngineConfig
-
-app = typer.Typer(name="serve", no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
-                  help="Serve a model over the OpenAI API.")
-
-
-@app.callback()
-def _verbs() -> None:
-    pass  # a callback keeps `app` a group (`app() serve MODEL_DIR`, as cli mounts it) with `serve` its only verb
-
 
 def serve(
     model_dir: Annotated[Optional[Path], typer.Argument(
@@ -310,7 +301,3 @@ def _uvicorn_server(fastapi_app, listen: ListenConfig):
 
     return Server(uvicorn.Config(fastapi_app, host=listen.host, port=listen.port, log_level=listen.log_level,
                                  access_log=False, timeout_graceful_shutdown=listen.shutdown_timeout + ABORT_GRACE_S))
-
-
-app.command("serve")(serve)
-
