@@ -75,9 +75,9 @@ def serve(
     max_body_bytes: Annotated[Optional[int], typer.Option(
         help="Largest request body; 413 above (default: 1 MiB + 128 bytes per token of context).")] = None,
     read_timeout: Annotated[float, typer.Option(
-        help="Seconds to wait for the next piece of a request body; 408 after.")] = 30.0,
+        help="Seconds to wait for the next piece of a request body; 408 after.")] = ServerLimits.read_timeout_s,
     max_engine_restarts: Annotated[int, typer.Option(
-        help="Restart a dead engine this many times; then exit 3 so a supervisor learns.")] = 3,
+        help="Restart a dead engine this many times; then exit 3 so a supervisor learns.")] = ServerLimits.max_engine_restarts,
 ) -> None:
     """Serve MODEL_DIR over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
     with /health, /metrics (Prometheus, vLLM's names) and /version."""

@@ -77,9 +77,10 @@ class ServerConfig:
 
 @dataclass
 class ListenConfig:
-    """Where uvicorn listens, its log level, and the seconds in-flight requests get after SIGTERM/SIGINT."""
+    """Where uvicorn listens, its log level, and the seconds in-flight requests get after SIGTERM/SIGINT
+    (no defaults: only `lmforge serve` builds it, and its flags hold them)."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    shutdown_timeout: float = 10.0
-    log_level: str = "info"
+    host: str
+    port: int
+    shutdown_timeout: float
+    log_level: str
