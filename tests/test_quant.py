@@ -133,8 +133,9 @@ def test_the_plain_model_loader_refuses_a_quantized_folder_naming_the_quant_load
         Transformer.from_pretrained(folders["w4"], device="cpu")
     plain, via_quant = (f(folders["src"], dtype="float32", device="cpu") for f in (Transformer.from_pretrained,
                                                                                  load_pretrained))
-    for (k, a), (k2, b) in zip(plain.state_dict().items(), via_quant.state_dict().items()):
-        assert k == k2 and torch.equal(a, b)
+    a, b = plain.state_dict(), via_quant.state_dict()
+    assert list(a) == list(b)  # the same names in the same order, none missing on either side
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_quantize_refuses_bad_group_size_naming_the_layer(folders, tmp_path):
