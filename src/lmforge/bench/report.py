@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from lmforge.bench.doctor import cpu_name
 from lmforge.track.io import atomic_write_json, atomic_write_text
 from lmforge.track.provenance import git_info, hardware_info, package_versions
 
@@ -32,16 +33,6 @@ def loadavg() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def provenance(dtype: str) -> dict:
