@@ -191,6 +191,13 @@ def stats(mods: dict[str, Module]) -> Stats:
     return s
 
 
+def in_hot_path(name: str) -> bool:
+    """Whether `module:function` (as in `Stats.long_functions`) lives in a HOT_PATHS package, its
+    `__init__.py` included."""
+    parts = name.partition(":")[0].split(".")
+    return len(parts) > 1 and parts[1] in HOT_PATHS
+
+
 def _is_future(node: ast.AST) -> bool:
     return isinstance(node, ast.ImportFrom) and node.module == "__future__"
 
@@ -215,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({100 * s.imports_inside_functions / max(s.imports, 1):.1f}%)")
         print(f"{len(s.long_functions)} functions over {LONG_FUNCTION} lines:")
         for name, n in s.long_functions:
-            hot = " (hot path)" if name.split(".")[1] in HOT_PATHS else ""
+            hot = " (hot path)" if in_hot_path(name) else ""
             print(f"  {n:4d}  {name}{hot}")
         return 0
     if args.modules:
