@@ -53,6 +53,16 @@ class BlockManager:
         self.prefix_cache_queries = 0  # tokens looked up, like vLLM's counters
         self.prefix_cache_hits = 0  # tokens served from cache
 
+    def forget_cached(self) -> None:
+        """Drop every cached block (every block must be free: their K/V came from old weights), and hand
+        them out in a fresh pool's order: which blocks a sequence gets decides whether the attention reads
+        them in place or gathers them (another summation order), so the next outputs are bit-for-bit those
+        of an engine started on these weights, whatever ran before."""
+        self.hash_to_block.clear()
+        for block in self.blocks:
+            block.reset()
+        self.free = OrderedDict.fromkeys(range(self.num_blocks))
+
     @property
     def num_free_blocks(self) -> int:
         return len(self.free)  # includes cached-free blocks: they can be evicted on demand

@@ -82,7 +82,7 @@ class LLM:
                     raise ValueError(f"load_weights: {name} has shape {tuple(src.shape)}, the engine's "
                                      f"{tuple(t.shape)}")
                 t.copy_(src)  # into the existing storage, which the fused modules share
-        _forget_prefix_cache(engine)
+        engine.block_manager.forget_cached()
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -125,15 +125,3 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[rid] for rid in ids]
-
-
-def _forget_prefix_cache(engine: LLMEngine) -> None:
-    """Drop every cached block (its K/V came from the old weights)."""
-    bm = engine.block_manager
-    bm.hash_to_block.clear()
-    for block in bm.blocks:  # every block is free between generate() calls: drop what they cached
-        block.reset()
-    # and hand them out in a fresh pool's order: which blocks a sequence gets decides whether the
-    # attention reads them in place or gathers them (another summation order), so the next outputs
-    # are bit-for-bit those of an engine started on these weights, whatever ran before
-    bm.free = type(bm.free).fromkeys(range(bm.num_blocks))
