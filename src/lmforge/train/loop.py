@@ -226,7 +226,6 @@ class Trainer:
         self.amp_dtype = DTYPES[t.dtype]
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.dtype == "float16")
         self.step, self.tokens_seen, self.train_time = 0, 0, 0.0
-        self.last_ckpt: Path | None = None
         self.best_val: float | None = None
         self.checkpointer = self._checkpointer()
         if resume:
@@ -241,6 +240,11 @@ class Trainer:
             self.warn(self.par.note)
 
     # ---- setup helpers ----------------------------------------------------------------------
+
+    @property
+    def last_ckpt(self) -> Path | None:
+        """The newest checkpoint this run wrote or resumed from (the checkpointer keeps it; rank 0 after a save)."""
+        return self.checkpointer.last
 
     def warn(self, msg: str) -> None:
         if self.d.main:
@@ -286,7 +290,7 @@ class Trainer:
                 truncate_metrics(self.out, 0)
             return
         path, meta = found
-        self.last_ckpt, self.best_val = path, meta.get("best_val_loss")
+        self.best_val = meta.get("best_val_loss")
         if self.d.main:
             truncate_metrics(self.out, self.step)
             print(f"resumed from {path} (step {self.step})", file=sys.stderr, flush=True)
@@ -404,9 +408,7 @@ class Trainer:
                     "model_config": self.model_config.to_hf(dtype="float32"), "git": git_info(),
                     "tokenizer_dir": self.data.tokenizer_dir}
 
-        path = self.checkpointer.save(self.step, meta)
-        if path is not None:
-            self.last_ckpt = path
+        self.checkpointer.save(self.step, meta)
 
     def fit(self) -> dict[str, Any]:
         t, d = self.cfg.train, self.d

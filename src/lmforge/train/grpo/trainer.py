@@ -149,19 +149,16 @@ class GRPOTrainer:
         self.progress = Progress()
         pad = self.engine.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else 0
-        meta = {"stage": "grpo", "method": "full", "config": to_dict(cfg), "val_loss": None, "best_val_loss": None,
-                "model_config": self.model.config.to_hf(dtype="float32"), "git": git_info(), "tokenizer_dir": init}
-        self.meta = meta
+        self.meta = {"stage": "grpo", "method": "full", "config": to_dict(cfg), "val_loss": None, "best_val_loss": None,
+                     "model_config": self.model.config.to_hf(dtype="float32"), "git": git_info(), "tokenizer_dir": init}
         self.checkpointer = ckpt.Checkpointer(self.out, {"model": self.model, "optimizer": self.opt,
                                                          "scheduler": self.sched, "tasks": self.sampler,
                                                          "progress": self.progress, "rng": ckpt.RNGState()},
                                               t.ckpt_every, t.keep_last)
         if resume:
-            found = self.checkpointer.restore()
-            step = int(found[1]["step"]) if found else None
-            if step is None:
+            if self.checkpointer.restore() is None:
                 print(f"warning: --resume: no valid checkpoint in {self.out / ckpt.CKPT_DIR}; starting from step 0")
-            truncate_metrics(self.out, step or 0)
+            truncate_metrics(self.out, self.progress.step)  # the restored step, or 0
             self.engine.load_weights(self.model)
 
     # ---- one step -------------------------------------------------------------------------------
