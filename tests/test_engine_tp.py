@@ -119,14 +119,15 @@ def served(chat_model_dir, one_thread):
     caught), in float64 exactness mode, and the server's engine core process starting on it."""
     from typer.testing import CliRunner
 
+    from lmforge.cli import app
     from lmforge.engine import ProcessAsyncLLMEngine
     from lmforge.serve import commands
 
     seen: dict = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(commands, "run_server", lambda config, *a, **kw: seen.setdefault("config", config) and 0)
-        res = CliRunner().invoke(commands.app, ["serve", str(chat_model_dir), "--dtype", "float64", "--max-model-len",
-                                                "256", "--max-num-batched-tokens", "32", "--tensor-parallel-size", "2"])
+        res = CliRunner().invoke(app, ["serve", str(chat_model_dir), "--dtype", "float64", "--max-model-len",
+                                       "256", "--max-num-batched-tokens", "32", "--tensor-parallel-size", "2"])
     assert res.exit_code == 0, res.output
     assert seen["config"].tensor_parallel_size == 2
     config = dataclasses.replace(seen["config"], attention="reference")
