@@ -28,8 +28,9 @@ def _tokenizer_json(directory: str | os.PathLike) -> Path:
     return path
 
 
-def _missing(directory: str | os.PathLike) -> str:
-    return f"{directory}: no tokenizer.json; train one with `lmforge tokenizer train INPUT... --out {directory}`"
+def _missing(directory: str | os.PathLike, also: tuple[str, ...] = ()) -> str:
+    nor = f" (nor {', '.join(also)})" if also else ""
+    return f"{directory}: no tokenizer.json{nor}; train one with `lmforge tokenizer train INPUT... --out {directory}`"
 
 
 def load_tokenizer(directory: str | os.PathLike, optional: bool = False) -> Any:
@@ -40,7 +41,7 @@ def load_tokenizer(directory: str | os.PathLike, optional: bool = False) -> Any:
     if not any((Path(directory) / f).is_file() for f in TOKENIZER_FILES):
         if optional:
             return None
-        raise FileNotFoundError(_missing(directory))
+        raise FileNotFoundError(_missing(directory, TOKENIZER_FILES[1:]))
     from transformers import AutoTokenizer  # deferred: transformers takes seconds to import
 
     return AutoTokenizer.from_pretrained(os.fspath(directory))
