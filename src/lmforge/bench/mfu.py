@@ -34,13 +34,14 @@ from lmforge.bench.doctor import cpu_bf16_flags
 from lmforge.bench.report import emit
 from lmforge.config import load_config
 from lmforge.model.transformer import DenseAttention
+from lmforge.parallel.distributed import Dist
 from lmforge.perf.estimate import ModelShape, device_spec, roofline
 from lmforge.perf.hardware import NoPeakError, peak_flops
 from lmforge.perf.mfu import mfu, model_flops_per_token
 from lmforge.track.provenance import hardware_info, package_versions
 from lmforge.train.config import TrainConfig
 from lmforge.train.fused_ce import chunked_lm_loss
-from lmforge.train.loop import Dist, build_data, build_model
+from lmforge.train.loop import build_data, build_model
 from lmforge.train.optim import build_optimizer
 
 # ---- the variable-length attention path ------------------------------------------------------
