@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
-                                                    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                                                    TopKLogitsWarper, TopPLogitsWarper)
+                                                    RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
+                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from lmforge.engine.sampler import Sampler, SampleResult, make_generator
 from lmforge.engine.sampling_params import SamplingParams
@@ -39,6 +39,8 @@ def hf_reference(logits_V: torch.Tensor, seq: Seq, eos: list[int]) -> torch.Tens
     if p.min_tokens and stops:
         min_new = MinNewTokensLengthLogitsProcessor(len(seq.prompt_token_ids), p.min_tokens, stops)
         scores = min_new(ids_1L, scores)
+    if p.logit_bias:
+        scores = SequenceBiasLogitsProcessor([[[t], b] for t, b in p.logit_bias.items()])(ids_1L, scores)
     if p.repetition_penalty != 1.0:
         scores = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids_1L, scores)
     if p.greedy:
@@ -60,7 +62,8 @@ def random_seq(g: torch.Generator, **overrides) -> Seq:
     fields = dict(temperature=pick([0.0, 0.5, 1.0, 1.7]), top_k=pick([0, 1, 5, 20]),
                   top_p=pick([1.0, 0.9, 0.5, 0.05]),
                   min_p=pick([0.0, 0.05, 0.3]), repetition_penalty=pick([1.0, 1.3, 0.8]),
-                  min_tokens=pick([0, 0, 4]), stop_token_ids=pick([[], [7, 9]]), ignore_eos=pick([False, True]))
+                  min_tokens=pick([0, 0, 4]), stop_token_ids=pick([[], [7, 9]]), ignore_eos=pick([False, True]),
+                  logit_bias=pick([None, None, {5: 3.0, 11: -2.5, 40: 100.0}, {"7": -100}]))
     fields.update(overrides)
     prompt = torch.randint(V, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
     output = torch.randint(V, (int(torch.randint(0, 8, (1,), generator=g)),), generator=g).tolist()
@@ -222,3 +225,56 @@ def test_cuda_matches_cpu_and_seeds_are_batch_invariant_on_cuda():
     others = [Seq(SamplingParams()) for _ in range(5)]
     in_batch = sampler(batch_SV, others + [Seq(params, generator=make_generator(7, 0, "cuda"))])[-1].token_id
     assert alone == in_batch
+
+
+def test_logit_bias_forces_and_bans_tokens_per_row_in_one_batch():
+    g = torch.Generator().manual_seed(7)
+    logits_SV = torch.randn(4, V, generator=g) * 5
+    argmax = logits_SV.argmax(-1).tolist()
+    forced = (argmax[0] + 1) % V
+    seqs = [Seq(SamplingParams(temperature=0.0, logit_bias={forced: 100})),  # greedy: +100 forces it
+            Seq(SamplingParams(temperature=0.0)),  # unbiased rows in the same batch are untouched
+            Seq(SamplingParams(temperature=0.0, logit_bias={str(argmax[2]): -100})),  # JSON keys are strings
+            Seq(SamplingParams(temperature=1.0, seed=1, logit_bias={forced: 100}), generator=make_generator(1, 0, "cpu"))]
+    tokens = [r.token_id for r in Sampler()(logits_SV, seqs)]
+    assert tokens[0] == forced and tokens[1] == argmax[1] and tokens[2] != argmax[2] and tokens[3] == forced
+    out_SV = Sampler().process_logits(logits_SV, seqs[:3])
+    torch.testing.assert_close(out_SV[0, forced], logits_SV[0, forced] + 100)
+    torch.testing.assert_close(out_SV[1], logits_SV[1])
+
+
+def test_logit_bias_leaves_logprobs_raw():
+    logits_SV = torch.randn(1, V, generator=torch.Generator().manual_seed(8))
+    r = Sampler()(logits_SV, [Seq(SamplingParams(temperature=0.0, logprobs=3, logit_bias={9: 100}))])[0]
+    assert r.token_id == 9
+    assert r.logprob == pytest.approx(torch.log_softmax(logits_SV[0], -1)[9].item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("bias, match", [({5: 1e30}, "logit_bias\\[5\\]=1e\\+30"), ({5: float("nan")}, "\\[-100, 100\\]"),
+                                         ({"x": 1}, "key 'x' is not a token id"), ({-1: 1}, "token id -1"),
+                                         ({i: 1 for i in range(301)}, "301 entries; at most 300"),
+                                         ({5: True}, "must be a number"), ([5], "map of token id")])
+def test_logit_bias_is_validated_not_clamped(bias, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(logit_bias=bias)
+    assert SamplingParams(logit_bias={"5": 100, 6: -0.5}).logit_bias == {5: 100.0, 6: -0.5}
+    assert SamplingParams(logit_bias={}).logit_bias is None
+
+
+def test_token_mask_applies_before_everything_and_keeps_logprobs_raw():
+    logits_SV = torch.randn(3, V, generator=torch.Generator().manual_seed(9)) * 4
+    allowed_RV = torch.zeros(2, V, dtype=torch.bool)
+    allowed_RV[0, [10, 20]] = True
+    allowed_RV[1, 30] = True
+    allowed = (torch.tensor([0, 2]), allowed_RV)  # row 1 is unconstrained
+    greedy = [Seq(SamplingParams(temperature=0.0)) for _ in range(3)]
+    tokens = [r.token_id for r in Sampler()(logits_SV, greedy, allowed)]  # the plain-greedy fast path
+    assert tokens == [10 if logits_SV[0, 10] > logits_SV[0, 20] else 20, logits_SV[1].argmax().item(), 30]
+    # a +100 bias cannot take a row outside its grammar; sampled rows stay inside it too
+    seqs = [Seq(SamplingParams(logprobs=1, logit_bias={5: 100})), Seq(SamplingParams()),
+            Seq(SamplingParams(temperature=2.0, top_p=0.5))]
+    for _ in range(20):
+        results = Sampler()(logits_SV, seqs, allowed)
+        assert results[0].token_id in (10, 20) and results[2].token_id == 30
+    assert results[0].logprob == pytest.approx(torch.log_softmax(logits_SV[0], -1)[results[0].token_id].item(),
+                                               abs=1e-6)

@@ -2,8 +2,8 @@
 
 `step()` is schedule -> run -> sample -> postprocess -> outputs. The engine owns what ends a
 request other than stop strings (the detokenizer's): EOS (unless `ignore_eos`), `stop_token_ids`,
-`max_tokens`, `min_tokens` and `max_model_len`; and it refuses, upfront, requests that could never
-fit. It knows nothing about HTTP or threads (see `async_engine.py`) or about progress bars (`llm.py`).
+`max_tokens`, `min_tokens`, `max_model_len` and a completed grammar (structured outputs); and it
+refuses, upfront, requests that could never fit or whose grammar does not compile. It knows nothing about HTTP or threads (see `async_engine.py`) or about progress bars (`llm.py`).
 
     engine = LLMEngine(EngineConfig(model="path/to/hf-dir"))
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=8))
@@ -36,6 +36,7 @@ from .sampler import Sampler, SampleResult, make_generator
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence
+from .structured import StructuredOutputManager
 
 CPU_KV_CACHE_BYTES = 2 * 1024**3  # default pool cap on CPU, where memory is shared with everything
 
@@ -106,6 +107,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, runs)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(sorted(self.eos_token_ids))
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self.counters = dict(steps=0, tokens_processed=0, kv_util_sum=0.0)
         self.timings = dict.fromkeys(("schedule", "sample", "postprocess", "detokenize"), 0.0)  # seconds
@@ -145,14 +147,7 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported by lmforge's engine yet (it would need the logits "
-                             "of every prompt position, which chunked prefill and the prefix cache skip); "
-                             "omit it, or score the prompt with lmforge.model.Transformer directly")
-        V = self.vocab_size
-        if any(t >= V for t in params.stop_token_ids):  # they index the logits (min_tokens masks them)
-            raise ValueError(f"SamplingParams.stop_token_ids={[t for t in params.stop_token_ids if t >= V][:5]}: "
-                             f"token ids must be below the vocabulary size ({V})")
+        self._check_params(params)
         text, ids = self._tokenize(prompt)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         if len(ids) + max_tokens > self.max_model_len:
@@ -169,9 +164,29 @@ class LLMEngine:
             seq.wait_for = seqs[0] if seq.index else None  # n > 1: share sample 0's prompt blocks
             if self.tokenizer is not None:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params, ids)
+            if params.structured_outputs is not None:  # compiled (and checked) once, cached; a copy per sample
+                seq.grammar = self.structured.grammar_for(params.structured_outputs)
             self.scheduler.add(seq)
         self.requests[request_id] = Request(request_id, text, ids, seqs, params.output_kind,
                                             [(0, 0)] * params.n)
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids against the vocabulary; unsupported fields.
+        A grammar that does not compile is refused when add_request compiles it, before anything is queued."""
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported by lmforge's engine yet (it would need the logits "
+                             "of every prompt position, which chunked prefill and the prefix cache skip); "
+                             "omit it, or score the prompt with lmforge.model.Transformer directly")
+        V = self.vocab_size
+        if any(t >= V for t in params.stop_token_ids):  # they index the logits (min_tokens masks them)
+            raise ValueError(f"SamplingParams.stop_token_ids={[t for t in params.stop_token_ids if t >= V][:5]}: "
+                             f"token ids must be below the vocabulary size ({V})")
+        bad = [t for t in params.logit_bias or () if t >= V]
+        if bad:
+            raise ValueError(f"SamplingParams.logit_bias: token id {bad[0]} is not in the vocabulary "
+                             f"(ids are 0..{V - 1})")
+        if params.structured_outputs is not None:
+            self.structured.grammar_for(params.structured_outputs)  # raises ValueError naming the problem
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -225,7 +240,8 @@ class LLMEngine:
         """The sequences that sample this step (their chunk reached its end), and their tokens."""
         t0 = time.perf_counter()
         sampling = [s.seq for s in scheduled if s.samples]
-        results = self.sampler(logits_SV, sampling) if sampling else []
+        allowed = self.structured.allowed_tokens(sampling, logits_SV.device) if sampling else None
+        results = self.sampler(logits_SV, sampling, allowed) if sampling else []
         self.timings["sample"] += time.perf_counter() - t0
         return sampling, results
 
@@ -257,6 +273,9 @@ class LLMEngine:
         now, touched = time.time(), {}
         for seq, r in zip(seqs, results):
             seq.append_token(r.token_id, now)
+            if seq.grammar is not None and not seq.grammar.accept(r.token_id):  # a bug: the mask allowed it
+                log.error("request %s: grammar refused sampled token %d: %s", seq.request_id, r.token_id,
+                          seq.grammar.error)
             if r.logprob is not None:
                 seq.cumulative_logprob += r.logprob
                 seq.logprobs.append({r.token_id: r.logprob, **(r.top_logprobs or {})})
@@ -286,6 +305,8 @@ class LLMEngine:
         if hit_stop:
             seq.stop_reason = seq.detokenizer.stop_str
             return "stop"
+        if seq.grammar is not None and seq.grammar.is_terminated:  # complete: only EOS could follow
+            return "abort" if seq.grammar.error else "stop"
         if seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token_id in self.eos_token_ids:
                 return "stop"

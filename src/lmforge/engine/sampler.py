@@ -3,8 +3,12 @@
 Order of operations, the same as `transformers` `generate()` and vLLM (see docs/sampling.md):
 
     raw logits ─┬─> log_softmax ─────────────────────────────> logprobs ("raw" logprobs)
-                └─> min_tokens mask -> repetition penalty -> presence/frequency penalties
+                └─> grammar mask -> min_tokens mask -> logit_bias -> repetition penalty
+                    -> presence/frequency penalties
                     -> greedy? argmax : temperature -> top-k -> top-p -> min-p -> sample
+
+The grammar mask (structured outputs) comes from the engine as `allowed`: the tokens each
+constrained row may take this step; the sampler only applies it.
 
 Every step is vectorized over the batch; per-row parameters become (S, 1) tensors. Rows
 that carry a `torch.Generator` draw their sampling noise from it alone, so a seeded request
@@ -17,7 +21,8 @@ the engine decides whether a sampled token finishes the request.
     python -m pytest -q tests/test_engine_sampler.py
 
 Shape legend: S = sequences sampling this step (rows of logits), V = vocabulary size,
-L = longest token list in the batch, K = most top logprobs asked by any row.
+L = longest token list in the batch, K = most top logprobs asked by any row, R = rows with a
+grammar mask, N = logit_bias entries over the batch.
 """
 
 from __future__ import annotations
@@ -76,6 +81,36 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)  # (S, 1)
 
 
+# (rows_R, allowed_RV): the constrained rows of a step and the tokens each may take
+TokenMask = tuple[torch.Tensor, torch.Tensor]
+
+
+def apply_token_mask(logits_SV: torch.Tensor, allowed: TokenMask | None) -> torch.Tensor:
+    """Disallowed tokens of the constrained rows -> -inf, in place; other rows untouched."""
+    if allowed is not None:
+        rows_R, allowed_RV = allowed
+        logits_SV[rows_R] = logits_SV[rows_R].masked_fill(~allowed_RV, float("-inf"))
+    return logits_SV
+
+
+def add_logit_bias(logits_SV: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """OpenAI's logit_bias: one scatter of every row's (token, bias) pairs, in place.
+
+    The Python loop runs over the bias entries (at most 300 a row), never over the vocabulary.
+    """
+    rows, cols, values = [], [], []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            rows += [i] * len(p.logit_bias)
+            cols += p.logit_bias.keys()
+            values += p.logit_bias.values()
+    if rows:
+        device = logits_SV.device
+        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))  # (N,), (N,)
+        logits_SV.index_put_(index, torch.tensor(values, dtype=logits_SV.dtype, device=device), accumulate=True)
+    return logits_SV
+
+
 class Sampler:
     """Callable `(logits_SV, seqs) -> list[SampleResult]`; stateless apart from the EOS ids.
 
@@ -86,7 +121,9 @@ class Sampler:
     def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
         self.eos_token_ids = list(eos_token_ids)
 
-    def __call__(self, logits_SV: torch.Tensor, seqs: Sequence[Any]) -> list[SampleResult]:
+    def __call__(self, logits_SV: torch.Tensor, seqs: Sequence[Any],
+                 allowed: TokenMask | None = None) -> list[SampleResult]:
+        """One token per row. `allowed`: the grammar mask of the constrained rows (structured outputs)."""
         if logits_SV.dim() != 2 or logits_SV.shape[0] != len(seqs):
             raise ValueError(f"Sampler: logits of shape {tuple(logits_SV.shape)} for {len(seqs)} "
                              "sequences; pass one (S, V) row per sampling sequence")
@@ -94,19 +131,22 @@ class Sampler:
         params = [s.sampling_params for s in seqs]
         if all(p.greedy and p.logprobs is None and not _needs_processing(p, s) for p, s in zip(params, seqs)):
             # Fast path: plain greedy decoding is one argmax and one device->host copy.
-            return [SampleResult(t, None, None) for t in _argmax(logits_SV).tolist()]
+            masked_SV = apply_token_mask(logits_SV.clone(), allowed) if allowed is not None else logits_SV
+            return [SampleResult(t, None, None) for t in _argmax(masked_SV).tolist()]
 
-        processed_SV = self.process_logits(logits_SV, seqs)
+        processed_SV = self.process_logits(logits_SV, seqs, allowed)
         tokens_S = self._sample(processed_SV, seqs)
         return self._results(logits_SV, tokens_S, params)
 
-    def process_logits(self, logits_SV: torch.Tensor, seqs: Sequence[Any]) -> torch.Tensor:
-        """Penalties, temperature, top-k, top-p, min-p; returns new (S, V) float32 logits.
+    def process_logits(self, logits_SV: torch.Tensor, seqs: Sequence[Any],
+                       allowed: TokenMask | None = None) -> torch.Tensor:
+        """Grammar mask, min_tokens, logit_bias, penalties, temperature, top-k, top-p, min-p; returns
+        new (S, V) float32 logits.
 
         Filtered tokens are -inf. A greedy row comes back as its penalized logits (no
         temperature, no filters): its token is their argmax.
         """
-        logits_SV = logits_SV.float().clone()
+        logits_SV = apply_token_mask(logits_SV.float().clone(), allowed)
         params: list[SamplingParams] = [s.sampling_params for s in seqs]
         S, V = logits_SV.shape
         device = logits_SV.device
@@ -116,6 +156,8 @@ class Sampler:
             # min_tokens: EOS and stop tokens may not end the request early.
             banned_SV = _counts_SV(suppressed, V, device) > 0
             logits_SV.masked_fill_(banned_SV, float("-inf"))
+        # OpenAI's logit_bias, before the penalties as in vLLM (its LogitBiasLogitsProcessor)
+        logits_SV = add_logit_bias(logits_SV, params)
 
         if any(p.repetition_penalty != 1.0 for p in params):
             # CTRL / HF: a seen logit x becomes x / r if x > 0 else x * r (prompt and output).
@@ -203,7 +245,7 @@ def _argmax(x_SV: torch.Tensor) -> torch.Tensor:
 def _needs_processing(p: SamplingParams, seq: Any) -> bool:
     """Whether anything besides temperature could change a greedy row's argmax."""
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            or len(seq.output_token_ids) < p.min_tokens)
+            or len(seq.output_token_ids) < p.min_tokens or bool(p.logit_bias))
 
 
 def _top_k_top_p(logits_SV: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -3,13 +3,20 @@
 Validation happens here, once, with messages that name the field, so the server can turn a
 `ValueError` into an OpenAI-style 400 and the engine never sees an invalid request: types (a bool
 is not a token id), finiteness (no NaN or inf penalty), ranges (a seed fits 64 bits). What needs
-the model (token ids below the vocabulary size) is checked by `LLMEngine.add_request`.
+the model (token ids below the vocabulary size, a grammar that compiles against the tokenizer) is
+checked by `LLMEngine.add_request`.
+
+`logit_bias` follows OpenAI (token id -> bias in [-100, 100], added to the logits before sampling);
+`structured_outputs` follows vLLM's `StructuredOutputsParams` (exactly one of json / json_object /
+regex / choice / grammar), compiled by `engine/structured.py`.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
+from typing import Any
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 # Below this a temperature is greedy, as in vLLM (_SAMPLING_EPS): logits / 1e-46 overflow float32
@@ -17,7 +24,71 @@ OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 GREEDY_EPS = 1e-5
 INT64 = (-(2**63), 2**63 - 1)
 _INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs")
+# OpenAI's limits: a bias is in [-100, 100] (the API reference) and the map holds at most 300 tokens
+# (the API's 400 for more); an unbounded map would be an (S, V) tensor's worth of Python per step.
+LOGIT_BIAS_MAX, LOGIT_BIAS_MAX_ENTRIES = 100.0, 300
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output to a language; vLLM's `StructuredOutputsParams`, set exactly one of:
+
+    json: a JSON schema (dict or its JSON text); json_object: True for any JSON object (OpenAI's
+    JSON mode); regex: a regular expression (Rust `regex` syntax, anchored at both ends); choice:
+    the output is exactly one of these strings; grammar: a Lark grammar (llguidance's dialect) or a
+    GBNF/EBNF one.
+
+    JSON whitespace (json, json_object): by default any run of whitespace may separate JSON tokens, as in
+    vLLM, so a model can pretty-print, and a weak one can pad until max_tokens (OpenAI warns of the same
+    in JSON mode). disable_any_whitespace: none at all (compact output); whitespace_pattern: a regex
+    each separator must match instead, e.g. r"[ \n]{0,2}" (bounded, so every output can end).
+    """
+    json: dict | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        set_kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError(f"structured_outputs: set exactly one of {', '.join(STRUCTURED_KINDS)}; "
+                             f"got {', '.join(set_kinds) or 'none'}")
+        kind = set_kinds[0]
+        value, ok = getattr(self, kind), True
+        if kind == "json":
+            ok = isinstance(value, dict) or (isinstance(value, str) and bool(value))  # {} = any JSON value
+        elif kind == "json_object":
+            ok = value is True
+        elif kind == "choice":
+            ok = isinstance(value, list) and bool(value) and all(isinstance(c, str) and c for c in value)
+        else:
+            ok = isinstance(value, str) and bool(value)
+        if not ok:
+            why = {"json": "a JSON schema (an object or its JSON text)", "json_object": "true",
+                   "choice": "a non-empty list of non-empty strings"}.get(kind, "a non-empty string")
+            raise ValueError(f"structured_outputs.{kind}={value!r}: must be {why}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(f"structured_outputs.disable_any_whitespace={self.disable_any_whitespace!r}: "
+                             "must be true or false")
+        if self.whitespace_pattern is not None and (not isinstance(self.whitespace_pattern, str)
+                                                    or self.disable_any_whitespace):
+            raise ValueError(f"structured_outputs.whitespace_pattern={self.whitespace_pattern!r}: must be a "
+                             "regex string, and not set together with disable_any_whitespace")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> Any:
+        return getattr(self, self.kind)
 
 
 @dataclass
@@ -44,12 +115,23 @@ class SamplingParams:
     # delta = only what is new since the last output; final_only = one output, when the request ends
     # (no per-step copies: the offline API's choice).
     output_kind: str = "cumulative"
+    # OpenAI's logit_bias: token id -> bias added to its logit before penalties and sampling (+100 all
+    # but forces a token, -100 all but bans it). Keys may be ints or their decimal strings (JSON's).
+    logit_bias: dict[int, float] | None = None
+    # Constrained decoding (engine/structured.py); a dict is read as StructuredOutputsParams(**dict).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = _structured_from_dict(self.structured_outputs)
+        elif not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise ValueError(f"SamplingParams.structured_outputs={self.structured_outputs!r}: must be a "
+                             "StructuredOutputsParams or a dict of its fields")
         self._check_types()
         if self.top_k == -1:
             self.top_k = 0
@@ -100,3 +182,46 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _logit_bias(bias: Any) -> dict[int, float] | None:
+    """OpenAI's logit_bias checked and normalized to {int token id: float}; None when empty. Ranges are
+    refused, not clamped: a bias of 1e30 is a client bug, not a request for +100."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"SamplingParams.logit_bias={bias!r}: must be a map of token id to bias")
+    if len(bias) > LOGIT_BIAS_MAX_ENTRIES:
+        raise ValueError(f"SamplingParams.logit_bias: {len(bias)} entries; at most {LOGIT_BIAS_MAX_ENTRIES} "
+                         "tokens may be biased (OpenAI's limit)")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = _bias_token_id(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or abs(value) > LOGIT_BIAS_MAX:
+            raise ValueError(f"SamplingParams.logit_bias[{key!r}]={value!r}: the bias must be a number in "
+                             f"[-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]")
+        out[token] = float(value)
+    return out or None
+
+
+def _bias_token_id(key: Any) -> int:
+    try:
+        if isinstance(key, bool):
+            raise TypeError
+        token = int(key, 10) if isinstance(key, str) else operator.index(key)
+    except (TypeError, ValueError):
+        raise ValueError(f"SamplingParams.logit_bias: key {key!r} is not a token id (an integer, "
+                         "or its decimal string)") from None
+    if not 0 <= token <= INT64[1]:
+        raise ValueError(f"SamplingParams.logit_bias: token id {key!r} must be >= 0")
+    return token
+
+
+def _structured_from_dict(d: dict) -> StructuredOutputsParams:
+    known = StructuredOutputsParams.__dataclass_fields__
+    unknown = sorted(str(k) for k in d if k not in known)
+    if unknown:
+        raise ValueError(f"structured_outputs: unknown field(s) {', '.join(unknown)}; "
+                         f"expected {', '.join(known)}")
+    return StructuredOutputsParams(**d)

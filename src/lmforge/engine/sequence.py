@@ -42,6 +42,7 @@ class Sequence:
         self.finish_reason: str | None = None  # stop | length | abort
         self.stop_reason: int | str | None = None  # the stop token id or stop string that matched
         self.detokenizer = None  # set by the engine when the model has a tokenizer
+        self.grammar = None  # structured outputs: this sample's matcher (engine/structured.py), advanced per token
         self.output_text = ""  # text emitted so far (stop-string hold-back excluded)
         self.wait_for: Sequence | None = None  # n > 1: sample 0, whose prompt blocks we reuse
         self.arrival_time = time.time() if arrival_time is None else arrival_time

@@ -1,0 +1,198 @@
+"""Structured outputs: grammar-constrained decoding with llguidance, as vLLM's "guidance" backend does
+(`vllm/v1/structured_output/backend_guidance.py`).
+
+A request's `StructuredOutputsParams` (a JSON schema, JSON mode, a regex, a list of choices or a Lark /
+GBNF grammar) is compiled once per distinct spec into an `LLMatcher` against the model's tokenizer and
+kept in an LRU cache; each sequence gets its own copy (`Grammar`). Every engine step, the constrained
+rows' matchers fill a token bitmask (a bit per vocabulary entry, 32 to an int32) that becomes a boolean
+`(R, V)` mask the `Sampler` applies before anything else; unconstrained rows in the same batch are left
+alone. After sampling, each matcher consumes its row's token; when a matcher is stopped (nothing but
+EOS could follow) the engine finishes the sequence with reason "stop" without spending a step on EOS.
+
+The matcher's state is a function of the sequence's output tokens only, so the paged prefix cache
+(which shares prompt K/V) and preemption by recompute (which keeps the output tokens and recomputes
+their K/V) leave it valid: nothing to reset or replay.
+
+It knows nothing about scheduling or the model; it sees a Hugging Face fast tokenizer, the logits'
+vocabulary size, the EOS ids, and sequences with a `grammar` attribute.
+
+    python -m pytest -q tests/test_engine_structured.py
+
+Shape legend: R = constrained rows this step, W = bitmask words per row ((V + 31) // 32), V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .sampling_params import StructuredOutputsParams
+
+log = logging.getLogger("lmforge.engine")
+
+GRAMMAR_CACHE_SIZE = 256  # distinct specs kept compiled; a compile is ~0.1-1 ms for typical schemas
+
+
+@functools.cache
+def _llguidance() -> Any:
+    """The llguidance package with its `hf` and `torch` helpers, imported on first use."""
+    import llguidance.hf  # deferred: optional heavy dependency, loaded only for constrained requests
+    import llguidance.torch  # noqa: F401  (registers llguidance.torch)
+    return llguidance
+
+
+class Grammar:
+    """One sequence's matcher: which tokens may come next, advanced by each sampled token."""
+
+    def __init__(self, matcher: Any):
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False (and the matcher's error state) if the grammar refuses it."""
+        return self.matcher.consume_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and nothing but EOS may follow (or the matcher is in error)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error()
+
+
+class StructuredOutputManager:
+    """Compiles specs (cached), hands out per-sequence `Grammar`s, builds each step's token mask."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
+                 cache_size: int = GRAMMAR_CACHE_SIZE):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._ll_tokenizer = None  # built on the first constrained request: ~1 s for a 150k vocabulary
+        self._executor = None
+        self._bitmask_RW: torch.Tensor | None = None
+        self._shifts: dict[torch.device, torch.Tensor] = {}
+        self._compile = functools.lru_cache(maxsize=cache_size)(self._compile_uncached)
+
+    def grammar_for(self, params: StructuredOutputsParams) -> Grammar:
+        """A fresh matcher for one sequence; ValueError naming the problem for a spec that cannot compile."""
+        return Grammar(self._compile(*_cache_key(params)).deep_copy())
+
+    @property
+    def ll_tokenizer(self) -> Any:
+        if self._ll_tokenizer is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs the model's tokenizer, and this model folder has none")
+            n_vocab = max(self.vocab_size, len(self.tokenizer))
+            eos = self.eos_token_ids or self.tokenizer.eos_token_id
+            try:
+                self._ll_tokenizer = _llguidance().hf.from_tokenizer(self.tokenizer, n_vocab, eos_token=eos)
+            except ValueError as e:  # a slow (sentencepiece-only) tokenizer
+                raise ValueError(f"structured_outputs needs a fast tokenizer (tokenizer.json): {e}") from None
+        return self._ll_tokenizer
+
+    def _compile_uncached(self, kind: str, spec: str, whitespace: bool | str) -> Any:
+        """The template matcher for one spec; copies of it serve the sequences."""
+        llguidance = _llguidance()
+        grammar = _serialize(llguidance, kind, spec, whitespace)
+        try:
+            matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        except (ValueError, RuntimeError) as e:  # documented as "never raises", but be safe
+            raise ValueError(f"structured_outputs.{kind}: {_describe(kind, str(e))}") from None
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs.{kind}: {_describe(kind, matcher.get_error())}")
+        return matcher
+
+    def allowed_tokens(self, seqs: Sequence[Any], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(rows_R, allowed_RV)` for the constrained rows of this step's batch, None when there are none.
+
+        The matchers write their bits straight into one pinned CPU int32 buffer (in parallel across rows
+        when there are several), which travels to the device in one copy and is unpacked there.
+        """
+        rows = [i for i, s in enumerate(seqs) if getattr(s, "grammar", None) is not None]
+        if not rows:
+            return None
+        bitmask_RW = self._bitmask(len(rows))
+        matchers = [seqs[i].grammar.matcher for i in rows]
+        self._fill(matchers, bitmask_RW)
+        allowed_RV = self._unpack(bitmask_RW.to(device, non_blocking=True), device)
+        return torch.tensor(rows, device=device), allowed_RV
+
+    def _bitmask(self, R: int) -> torch.Tensor:
+        if self._bitmask_RW is None or self._bitmask_RW.shape[0] < R:
+            size = max(R, 2 * (0 if self._bitmask_RW is None else self._bitmask_RW.shape[0]), 8)
+            self._bitmask_RW = _llguidance().torch.allocate_token_bitmask(size, self.ll_tokenizer.vocab_size)
+        return self._bitmask_RW[:R]
+
+    def _fill(self, matchers: list[Any], bitmask_RW: torch.Tensor) -> None:
+        llguidance = _llguidance()
+        if len(matchers) == 1:
+            llguidance.torch.fill_next_token_bitmask(matchers[0], bitmask_RW, 0)
+            return
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, r) for r, m in enumerate(matchers)],
+                                                     bitmask_RW)
+
+    def _unpack(self, bitmask_RW: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """int32 words -> (R, V) bool: bit b of word w allows token 32 w + b (llguidance's layout).
+
+        Plain tensor ops rather than llguidance's `apply_token_bitmask_inplace`, which is a
+        `torch.compile`d kernel: a compiler on the serving machine and seconds of warm-up per shape.
+        """
+        if device not in self._shifts:
+            self._shifts[device] = torch.arange(32, dtype=torch.int32, device=device)
+        R, W = bitmask_RW.shape
+        bits_RW32 = (bitmask_RW.unsqueeze(-1) >> self._shifts[device]) & 1
+        allowed_RV = bits_RW32.reshape(R, W * 32)[:, : self.vocab_size].bool()
+        if allowed_RV.shape[1] < self.vocab_size:  # logits wider than the tokenizer: the extra ids are not text
+            allowed_RV = torch.nn.functional.pad(allowed_RV, (0, self.vocab_size - allowed_RV.shape[1]))
+        return allowed_RV
+
+
+def _cache_key(params: StructuredOutputsParams) -> tuple[str, str, bool | str]:
+    """A hashable form of the spec. Key order is kept: it is the order the properties are generated in."""
+    spec = params.spec
+    if params.kind == "json":
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.json: not valid JSON ({e})") from None
+        spec = json.dumps(spec)
+    elif params.kind == "choice":
+        spec = json.dumps(spec)
+    elif params.kind == "json_object":
+        spec = ""
+    # JSON whitespace: True = any (the default), False = none, a string = that regex per separator
+    whitespace = params.whitespace_pattern or not params.disable_any_whitespace
+    return params.kind, spec, whitespace
+
+
+def _serialize(llguidance: Any, kind: str, spec: str, whitespace: bool | str) -> str:
+    """llguidance's grammar text for one spec (its `grammar_from`, with the JSON options vLLM passes)."""
+    if isinstance(whitespace, str):
+        options = {"whitespace_flexible": True, "whitespace_pattern": whitespace}
+    else:
+        options = {"whitespace_flexible": whitespace}
+    try:
+        if kind == "json":
+            return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=options)
+        if kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=options)
+        return llguidance.grammar_from("choice" if kind == "choice" else kind, spec)
+    except ValueError as e:
+        raise ValueError(f"structured_outputs.{kind}: {e}") from None
+
+
+def _describe(kind: str, error: str) -> str:
+    """llguidance's message, with the fix for the common case: a JSON-schema keyword it does not implement."""
+    error = error.strip()
+    if kind == "json" and error.startswith("Unimplemented keys"):
+        return f"unsupported JSON schema feature: {error}; remove these keywords from the schema"
+    return error
