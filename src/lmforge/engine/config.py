@@ -26,6 +26,7 @@ class EngineConfig:
     pack_weights: bool = True  # CPU bfloat16: linear weights reordered once into oneDNN's layout (fast path)
     cpu_kernels: bool = True  # CPU bfloat16: compiled C paged-decode attention (torch path if no compiler)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (codes + a bf16 scale per token per head)
+    quant_activations: str = "none"  # w8/w4 checkpoints on CPU: none (exact) | int8 (per-token int8, integer dots)
     tensor_parallel_size: int = 1  # processes (ranks) the model's layers are split over (engine/executor.py)
 
     def __post_init__(self) -> None:
@@ -39,6 +40,7 @@ class EngineConfig:
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 1, "must be >= 1"),
             ("attention", self.attention in ("fast", "reference"), "must be 'fast' or 'reference'"),
             ("kv_cache_dtype", self.kv_cache_dtype in ("auto", "int8"), "must be 'auto' or 'int8'"),
+            ("quant_activations", self.quant_activations in ("none", "int8"), "must be 'none' or 'int8'"),
             ("tensor_parallel_size", isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
              "must be an integer >= 1"),
         ]

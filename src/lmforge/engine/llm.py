@@ -37,14 +37,15 @@ class LLM:
                  num_kv_blocks: int | None = None, max_num_seqs: int = 128, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True, seed: int = 0,
                  kv_cache_memory_bytes: int | None = None, attention: str = "fast", pack_weights: bool = True,
-                 cpu_kernels: bool = True, kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1):
+                 cpu_kernels: bool = True, kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
+                 quant_activations: str = "none"):
         self.llm_engine = LLMEngine(EngineConfig(
             model=str(model), dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
             kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, seed=seed, attention=attention,
             pack_weights=pack_weights, cpu_kernels=cpu_kernels, kv_cache_dtype=kv_cache_dtype,
-            tensor_parallel_size=tensor_parallel_size))
+            tensor_parallel_size=tensor_parallel_size, quant_activations=quant_activations))
         self._counter = 0
 
     def get_tokenizer(self):

@@ -120,14 +120,15 @@ class ModelRunner:
     workers: StepWorkers | None = None  # tensor parallelism: ranks 1.. get every step's inputs first
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, reference: bool = False,
-                 pack_weights: bool = True, cpu_kernels: bool = True, kv_cache_dtype: str = "auto"):
+                 pack_weights: bool = True, cpu_kernels: bool = True, kv_cache_dtype: str = "auto",
+                 quant_activations: str = "none"):
         self.model = model.eval()
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         lib = None
         if cpu_kernels and not reference and p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float32):
             lib = kernels.load()  # None without a compiler: the torch path, same contract
-        self._swap_modules(lib, reference, pack_weights)
+        self._swap_modules(lib, reference, pack_weights, quant_activations)
         c = model.config
         n_heads, n_kv_heads = local_heads(model)
         self.attn = select_backend(c.num_hidden_layers, num_blocks, block_size, n_heads, n_kv_heads, c.head_dim,
@@ -135,12 +136,15 @@ class ModelRunner:
         self.attention_backend = self.attn.name
         self.timings = {"prepare": 0.0, "forward": 0.0}  # seconds, cumulative
 
-    def _swap_modules(self, lib: kernels.CpuKernels | None, reference: bool, pack_weights: bool) -> None:
+    def _swap_modules(self, lib: kernels.CpuKernels | None, reference: bool, pack_weights: bool,
+                      quant_activations: str = "none") -> None:
         """The engine-only stand-ins, in order: one linear backend for every quantized layer, chosen once
         (`lmforge.quant.linear`; on float32 activations the compiled int8/int4 matmul when the library has
         it), oneDNN-packed bf16 linears, the fused elementwise modules."""
         model, device, dtype = self.model, self.device, self.dtype
-        backend = select_linear_backend(model, device, reference, qmm=getattr(lib, "qmm_f32", None))
+        a8 = lib.a8() if lib is not None and quant_activations == "int8" else None  # int8-activation kernel
+        backend = select_linear_backend(model, device, reference, qmm=getattr(lib, "qmm_f32", None),
+                                        quant_activations=quant_activations, a8=a8)
         self.linear_backend = backend.name if backend is not None else "dense"
         self.quantized_linears = swap_backend(model, backend, dtype) if backend is not None else 0
         self.weight_bytes = weight_bytes(model)

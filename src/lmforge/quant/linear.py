@@ -9,7 +9,12 @@ backends the engine swaps in once at start (one backend per model, chosen by `se
   * `Int8Linear` — CPU: `torch.ops.aten._weight_int8pack_mm` (per-channel int8, reads 1 byte a weight).
   * `Int4Linear` — CPU: `torch.ops.aten._weight_int4pack_mm_for_cpu` (group-wise int4, half a byte).
 
-The CPU kernels run on bfloat16 activations: torch's float32 bodies of both ops are ~10x slower
+`QmmLinear` runs lmforge's own compiled kernels on CPU: `lmf_qmm_f32` (A16: float32 activations,
+exact dequantized math; the default) or, with `quant_activations="int8"`, `lmf_qmm_a8` (A8: each
+token's activations quantized to int8 on the fly, int32 integer dot products with AVX-512 VNNI /
+AVX-VNNI / AVX2 / portable bodies; an approximation, as llama.cpp's Q8_0 activations are).
+
+torch's CPU kernels run on bfloat16 activations: torch's float32 bodies of both ops are ~10x slower
 than the bf16 ones on an AVX2 machine at one row (3.2 ms vs 0.28 ms for 4864x896, measured with
 `python -m lmforge.bench.quant --linears`), so a float32 model casts its activations to bf16
 around the call. This module knows nothing about checkpoints or scheduling.
@@ -126,14 +131,19 @@ class QmmLinear(nn.Module):
     """CPU, float32 activations (CPUs without bf16): the compiled `lmf_qmm_f32` for a decode step's few
     rows, reading 1 (int8) or 0.5 (int4, packed here two codes a byte) bytes a weight; above
     `MAX_ROWS` rows (prefill chunks, big batches) the work is compute, so the weight is dequantized
-    into a float32 buffer shared by every layer and MKL's sgemm runs (no float32 copy is kept)."""
+    into a float32 buffer shared by every layer and MKL's sgemm runs (no float32 copy is kept).
+
+    With `a8` (the engine's `quant_activations="int8"`: a callable over `lmf_qmm_a8`'s arguments
+    with the ISA bound, its `.isa` naming the body), up to `A8_MAX_ROWS` rows of float32 or bfloat16
+    activations go through the int8-activation kernel instead, on the same packed codes."""
 
     name = "int8/int4 weight-only (lmforge lmf_qmm_f32, float32 activations)"
     MAX_ROWS = 32  # measured on the AVX2 EPYC (8192x2048, 1 thread): the kernel beats dequantize + sgemm up to 32 rows
+    A8_MAX_ROWS = 64  # the decode batches issue 25 targets; prefill chunks above it take dequantize + sgemm
 
-    def __init__(self, q: QuantizedLinear, dtype: torch.dtype, qmm=None):
+    def __init__(self, q: QuantizedLinear, dtype: torch.dtype, qmm=None, a8=None):
         super().__init__()
-        self.qmm, self.bits = qmm, q.scheme.num_bits
+        self.qmm, self.a8, self.bits = qmm, a8, q.scheme.num_bits
         self.N, self.K = q.out_features, q.in_features
         self.gs = q.scheme.group_size or q.in_features
         codes = q.qweight.contiguous()
@@ -152,6 +162,19 @@ class QmmLinear(nn.Module):
                 (q.scheme.num_bits == 8 and gs is None or
                  q.scheme.num_bits == 4 and gs is not None and gs % 32 == 0 and q.in_features % gs == 0))
 
+    @staticmethod
+    def supports_a8(q: QuantizedLinear, device: torch.device, dtype: torch.dtype) -> str | None:
+        """None when `lmf_qmm_a8` takes this layer on these activations, else why not."""
+        gs, K = q.scheme.group_size, q.in_features
+        if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+            return f"runs on CPU with float32 or bfloat16 activations, not {device.type} {dtype}"
+        if K % 32 or K >= 131072:
+            return f"needs in_features a multiple of 32 below 131072, not {K}"
+        if not (q.scheme.num_bits == 8 and gs is None or
+                q.scheme.num_bits == 4 and gs is not None and gs % 32 == 0 and K % gs == 0):
+            return f"takes int8 per-channel or int4 with groups a multiple of 32, not {q.scheme.name} group {gs}"
+        return None
+
     def dequantized(self) -> torch.Tensor:
         """The float32 weight (N, K), written into the shared `scratch` buffer."""
         w_NK = scratch(self.N * self.K, torch.float32, self.codes.device).view(self.N, self.K)
@@ -164,7 +187,22 @@ class QmmLinear(nn.Module):
             w_NK.sub_(8)
         return scale_groups_(w_NK, self.scale)
 
+    def forward_a8(self, x_MK: torch.Tensor) -> torch.Tensor:
+        """(M, N) float32 from (M, K) float32 or bfloat16 rows, int8 activations (M <= A8_MAX_ROWS)."""
+        M = x_MK.shape[0]
+        out_MN = torch.empty(M, self.N)
+        rc = self.a8(x_MK.data_ptr(), int(x_MK.dtype == torch.float32), self.codes.data_ptr(), self.scale.data_ptr(),
+                     out_MN.data_ptr(), M, self.N, self.K, self.bits, self.gs, self.threads)
+        if rc != 0:
+            raise RuntimeError(f"lmf_qmm_a8 ({self.a8.isa}) refused {self.N}x{self.K} int{self.bits} group {self.gs}")
+        return out_MN
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.a8 is not None and x.numel() <= self.A8_MAX_ROWS * self.K:
+            out_MN = self.forward_a8(x.reshape(-1, self.K).contiguous())
+            if self.bias is not None:
+                out_MN += self.bias
+            return out_MN.to(x.dtype).reshape(*x.shape[:-1], self.N)
         x_MK = x.reshape(-1, self.K).float().contiguous()
         M = x_MK.shape[0]
         if M > self.MAX_ROWS or self.qmm is None:
@@ -188,16 +226,47 @@ def quantized_linears(model: nn.Module) -> list[tuple[nn.Module, str, QuantizedL
             if isinstance(child, QuantizedLinear)]
 
 
-def select_backend(model: nn.Module, device: torch.device, reference: bool = False,
-                   qmm=None) -> type[nn.Module] | functools.partial | None:
-    """One backend for the whole model. Float32 activations on CPU with the compiled `qmm` kernel:
-    `QmmLinear`; else torch's packed CPU kernel (bf16 activations) when every quantized layer fits it;
-    else dequantize + matmul. None when the model holds no quantized layers."""
+QUANT_ACTIVATIONS = ("none", "int8")
+
+
+def _a8_backend(layers: list[QuantizedLinear], device: torch.device, dtype: torch.dtype, reference: bool,
+                qmm, a8) -> functools.partial:
+    """`QmmLinear` with int8 activations for every layer, or a ValueError saying why it cannot be."""
+    if reference:
+        raise ValueError("quant_activations='int8' is an approximation with no reference path: "
+                         "use quant_activations='none' with attention='reference'")
+    if a8 is None:
+        raise ValueError("quant_activations='int8' needs lmforge's compiled CPU kernels on a CPU model in "
+                         "float32 or bfloat16 (check `lmforge doctor`: engine cpu kernels; cpu_kernels=True)")
+    for q in layers:
+        why = QmmLinear.supports_a8(q, device, dtype)
+        if why is not None:
+            raise ValueError(f"quant_activations='int8': layer {q.extra_repr()}: lmf_qmm_a8 {why}; "
+                             "use quant_activations='none'")
+    backend = functools.partial(QmmLinear, qmm=qmm if dtype == torch.float32 else None, a8=a8)
+    backend.name = f"int8/int4 weights x int8 activations (lmforge lmf_qmm_a8, {a8.isa})"  # type: ignore[attr-defined]
+    return backend
+
+
+def select_backend(model: nn.Module, device: torch.device, reference: bool = False, qmm=None,
+                   quant_activations: str = "none", a8=None) -> type[nn.Module] | functools.partial | None:
+    """One backend for the whole model. `quant_activations="int8"`: `QmmLinear` on the compiled
+    int8-activation kernel `a8` (a ValueError when it cannot run: no kernels, a layer it does not
+    take, reference mode, no quantized layer). Otherwise: float32 activations on CPU with the
+    compiled `qmm` kernel: `QmmLinear`; else torch's packed CPU kernel (bf16 activations) when every
+    quantized layer fits it; else dequantize + matmul. None when the model holds no quantized layers."""
+    if quant_activations not in QUANT_ACTIVATIONS:
+        raise ValueError(f"quant_activations={quant_activations!r}: must be one of {', '.join(QUANT_ACTIVATIONS)}")
     layers = [q for _, _, q in quantized_linears(model)]
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    if quant_activations == "int8":
+        if not layers:
+            raise ValueError("quant_activations='int8' applies to int8/int4-weight checkpoints; this model has "
+                             "no quantized linear layer (quantize it with `lmforge quant`)")
+        return _a8_backend(layers, device, dtype, reference, qmm, a8)
     if not layers:
         return None
     if not reference:
-        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         if qmm is not None and all(QmmLinear.supports(q, device, dtype) for q in layers):
             backend = functools.partial(QmmLinear, qmm=qmm)
             backend.name = QmmLinear.name  # type: ignore[attr-defined]

@@ -8,7 +8,10 @@ KV cache, for CPUs without native bf16 and for `kv_cache_dtype=int8`):
   * `lmf_rmsnorm_bf16`, `lmf_rope_bf16`, `lmf_silu_mul_bf16`: a Llama layer's elementwise ops, one
     call each instead of 5-14 torch ops (`lmforge.engine.fused` puts them in the model);
   * `lmf_qmm_f32`: weight-only int8 (per channel) / int4 (packed, per group) matmul on float32
-    activations for a decode step's few rows (`lmforge.quant.linear.QmmLinear`).
+    activations for a decode step's few rows (`lmforge.quant.linear.QmmLinear`);
+  * `lmf_qmm_a8`: the same weights on int8 activations (dynamic, per token) with int32 integer dot
+    products, one body per ISA chosen at run time from the CPU's flags (`A8_ISAS`: AVX-512 VNNI,
+    AVX-VNNI, AVX2, portable C); `LMFORGE_A8_ISA=<name>` forces one, `a8_isa()` says which runs.
 
 Why native code: on CPU the per-sequence `scaled_dot_product_attention` loop spent ~30 us of
 dispatch per sequence per layer on top of reading the K/V, and a padded batched SDPA must first
@@ -39,6 +42,8 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 MAX_H = 256  # head size limit of the attention and RoPE kernels (cpu_ops.c's MAX_H)
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-pthread"]
+# the A8 matmul's bodies (cpu_ops.c's A8_* enum), widest first when chosen automatically
+A8_ISAS = {"portable": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3}
 OPENMP = "-fopenmp"  # tried first: the decode kernel's threads then come from torch's own OpenMP pool
 
 _lock = threading.Lock()
@@ -63,6 +68,33 @@ class CpuKernels:
     rope_f32: ctypes._CFuncPtr
     silu_mul_f32: ctypes._CFuncPtr
     qmm_f32: ctypes._CFuncPtr | None = None  # lmf_qmm_f32(x, codes, scales, out, M, N, K, bits, gs, threads)
+    qmm_a8: ctypes._CFuncPtr | None = None  # lmf_qmm_a8(x, act, codes, scales, out, M, N, K, bits, gs, threads, isa)
+    qmm_s8: ctypes._CFuncPtr | None = None  # lmf_qmm_s8(q, q_scales, codes, scales, out, M, N, K, bits, gs, threads, isa)
+    quantize_s8: ctypes._CFuncPtr | None = None  # lmf_quantize_s8(x, act, M, K, nibble_order, q, q_scales)
+    a8_isa_supported: ctypes._CFuncPtr | None = None  # lmf_a8_isa_supported(isa) -> 0 | 1
+
+    def a8_isas(self) -> list[str]:
+        """The A8 bodies this CPU runs, widest first (`A8_ISAS` names)."""
+        return [name for name, i in sorted(A8_ISAS.items(), key=lambda kv: -kv[1]) if self.a8_isa_supported(i)]
+
+    def a8(self, isa: str | None = None) -> A8Matmul:
+        """`lmf_qmm_a8` with one body bound: `isa`, else `a8_isa(self)` (LMFORGE_A8_ISA or the widest)."""
+        isa = isa or a8_isa(self)
+        if isa not in A8_ISAS or not self.a8_isa_supported(A8_ISAS[isa]):
+            raise ValueError(f"int8-activation body {isa!r}: this CPU runs {', '.join(self.a8_isas())}")
+        return A8Matmul(self.qmm_a8, isa)
+
+
+@dataclass(frozen=True)
+class A8Matmul:
+    """`lmf_qmm_a8(x, act, codes, scales, out, M, N, K, bits, gs, threads)` on body `isa` (what
+    `lmforge.quant.linear.QmmLinear` calls for `quant_activations="int8"`)."""
+
+    fn: ctypes._CFuncPtr
+    isa: str
+
+    def __call__(self, *args: int) -> int:
+        return self.fn(*args, A8_ISAS[self.isa])
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -149,6 +181,14 @@ def _bind(path: Path) -> CpuKernels:
     write_int8.restype, write_int8.argtypes = ctypes.c_int, [P, P, P, I64, I64, I64, I64, P, P, P, P]
     qmm = lib.lmf_qmm_f32
     qmm.restype, qmm.argtypes = ctypes.c_int, [P, P, P, P, I64, I64, I64, I64, I64, I64]
+    a8 = {"qmm_a8": ("lmf_qmm_a8", [P, I64, P, P, P, I64, I64, I64, I64, I64, I64, I64]),
+          "qmm_s8": ("lmf_qmm_s8", [P, P, P, P, P, I64, I64, I64, I64, I64, I64, I64]),
+          "quantize_s8": ("lmf_quantize_s8", [P, I64, I64, I64, I64, P, P]),
+          "a8_isa_supported": ("lmf_a8_isa_supported", [I64])}
+    for field, (name, argtypes) in a8.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int, argtypes
+        fns[field] = fn
     return CpuKernels(path, decode, decode_any=decode_any, write_kv_bytes=write_bytes, write_kv_int8=write_int8,
                       qmm_f32=qmm, **fns)
 
@@ -172,7 +212,27 @@ def load(extra_flags: tuple[str, ...] = ()) -> CpuKernels | None:
         return lib
 
 
+def a8_isa(lib: CpuKernels) -> str:
+    """The A8 body `lib` runs: `LMFORGE_A8_ISA` when set (a ValueError if unknown or not on this CPU),
+    else the widest this CPU has."""
+    forced = os.environ.get("LMFORGE_A8_ISA", "").strip().lower()
+    if not forced:
+        return lib.a8_isas()[0]
+    if forced not in A8_ISAS:
+        raise ValueError(f"LMFORGE_A8_ISA={forced!r}: not one of {', '.join(A8_ISAS)}")
+    if not lib.a8_isa_supported(A8_ISAS[forced]):
+        raise ValueError(f"LMFORGE_A8_ISA={forced!r}: this CPU runs only {', '.join(lib.a8_isas())}")
+    return forced
+
+
 def status() -> str:
-    """'on (path)' or 'off (why)' for the default build; builds it if nobody asked yet."""
-    load()
-    return _status[()]
+    """'on (int8-activation matmul: <body>; path)' or 'off (why)' for the default build; builds it if
+    nobody asked yet."""
+    lib = load()
+    if lib is None:
+        return _status[()]
+    try:
+        isa = a8_isa(lib)
+    except ValueError as e:
+        isa = f"error: {e}"
+    return f"on (int8-activation matmul: {isa}; {lib.path})"

@@ -20,6 +20,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define TILE 16
@@ -738,4 +739,292 @@ int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, i
         jobs[t] = (qmm_job){x, w, scale, out, M, N, K, gs, bits, N * t / threads, N * (t + 1) / threads};
     run_jobs(qmm_range, jobs, sizeof jobs[0], threads);
     return 0;
+}
+
+/* ---- int8 activations x int8 / int4 weights: integer dot products (A8) --------------------------------
+ *
+ * x (M, K) float32 or bfloat16 is quantized per row (token), dynamically: s[m] = absmax / 127,
+ * q = rint(x / s) (ties to even, as torch.round), |q| <= 127 (vLLM's dynamic per-token W8A8 int8).
+ * For every weight group (int8: the whole row, per channel; int4: `gs` inputs) the products q * code
+ * accumulate exactly in int32 (|dot| <= 128 * 127 * K: K < 131072), and
+ *     out[m, n] = s[m] * sum_g scale[n, g] * float(dot_g[m, n])          (float32)
+ * Weights are the A16 kernel's (`lmf_qmm_f32`): int8 (N, K); int4 two a byte, low nibble = even k,
+ * stored code + 8. For int4 the quantized activations keep each block of 32 as (its 16 even k, its 16
+ * odd k), so that a block's 16 bytes unpack into low nibbles then high nibbles with no interleave.
+ *
+ * Bodies, chosen at run time from the CPU's flags (`__builtin_cpu_supports`), each compiled for its
+ * own ISA with `__attribute__((target))` so one build runs on any x86-64 and a test can force each:
+ *   3 avx512_vnni  _mm512_dpbusd_epi32, 64 codes an instruction (Ice Lake, Sapphire Rapids, Zen 4)
+ *   2 avx_vnni     _mm256_dpbusd_avx_epi32, VEX (Alder Lake and later without AVX-512)
+ *   1 avx2         _mm256_maddubs_epi16 + _mm256_madd_epi16 (Haswell, Zen 1-3)
+ *   0 portable     plain C (every CPU; the reference the others must equal bit for bit)
+ * dpbusd and maddubs multiply unsigned by signed bytes: the weight's magnitude |c| is the unsigned
+ * operand and the activation takes the weight's sign (llama.cpp's trick; |q| <= 127 so negating it
+ * cannot overflow, and maddubs's int16 pair sums stay within 2 * 128 * 127 = 32512: no saturation).
+ * Rows: each weight row is read from memory once and used for all M activation rows, 4 at a time.
+ */
+#define A8_MAX_R 4
+
+typedef struct {
+    const int8_t *q; const float *xs; const void *w; const float *ws; float *out;
+    int64_t M, N, K, gs, bits, n0, n1, isa;
+} a8_job;
+
+/* The int32 dot product of one block of 32 quantized activations with one block of codes. */
+static inline int32_t a8_block_dot(const int8_t *q, const void *w, int bits, int64_t b) {
+    int32_t dot = 0;
+    if (bits == 8) {
+        const int8_t *c = (const int8_t *)w + b * 32;
+        for (int i = 0; i < 32; i++) dot += (int32_t)q[i] * c[i];
+    } else {  /* int4: byte i holds the block's k = 2i (low nibble, paired with q[i]) and 2i + 1 (q[16 + i]) */
+        const uint8_t *c = (const uint8_t *)w + b * 16;
+        for (int i = 0; i < 16; i++) dot += (int32_t)q[i] * ((c[i] & 0x0F) - 8) + (int32_t)q[16 + i] * ((c[i] >> 4) - 8);
+    }
+    return dot;
+}
+
+static void a8_range_portable(const a8_job *j) {
+    const int64_t K = j->K, gs = j->gs, G = K / gs, row_bytes = j->bits == 8 ? K : K / 2;
+    for (int64_t n = j->n0; n < j->n1; n++) {
+        const void *w = (const uint8_t *)j->w + n * row_bytes;
+        for (int64_t m = 0; m < j->M; m++) {
+            const int8_t *q = j->q + m * K;
+            float total = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                int32_t dot = 0;
+                for (int64_t b = g * gs / 32; b < (g + 1) * gs / 32; b++) dot += a8_block_dot(q + b * 32, w, (int)j->bits, b);
+                total += (float)dot * j->ws[n * G + g];
+            }
+            j->out[m * j->N + n] = total * j->xs[m];
+        }
+    }
+}
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(LMF_PORTABLE)
+#include <immintrin.h>
+#define LMF_A8_X86 1
+#if defined(__clang__) ? (__clang_major__ >= 12) : (__GNUC__ >= 11)
+#define LMF_A8_AVXVNNI 1
+#endif
+
+/* 256-bit bodies: one block of 32 codes a step. A macro, instantiated per ISA: the dot-product step
+ * DOT(acc, |c|, signed q) is the only difference. */
+#define A8_YMM_BODY(NAME, TARGET, DOT)                                                                      \
+__attribute__((target(TARGET))) static inline __m256i NAME##_codes(const void *w, int bits, int64_t k) {     \
+    if (bits == 8) return _mm256_loadu_si256((const __m256i *)((const int8_t *)w + k));                     \
+    const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)w + k / 2)), f = _mm_set1_epi8(0x0F); \
+    const __m256i z = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), f), _mm_and_si128(b, f));         \
+    return _mm256_sub_epi8(z, _mm256_set1_epi8(8));                                                         \
+}                                                                                                           \
+__attribute__((target(TARGET))) static inline __m256i NAME##_dot(__m256i acc, __m256i a, __m256i x) {       \
+    DOT;                                                                                                    \
+}                                                                                                           \
+__attribute__((target(TARGET))) static inline float NAME##_hsum(__m256 v) {                                 \
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));                          \
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                                                 \
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));                                           \
+}                                                                                                           \
+__attribute__((target(TARGET), always_inline)) static inline void NAME##_rows(                              \
+        const a8_job *j, const void *w, const float *ws, const int8_t *q, const int R, float *total) {      \
+    const int64_t K = j->K, gs = j->gs, G = K / gs;                                                         \
+    __m256 tf[A8_MAX_R];                                                                                    \
+    for (int r = 0; r < R; r++) tf[r] = _mm256_setzero_ps();                                                \
+    for (int64_t g = 0; g < G; g++) {                                                                       \
+        __m256i acc[A8_MAX_R];                                                                              \
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();                                        \
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {                                               \
+            const __m256i c = NAME##_codes(w, (int)j->bits, k), a = _mm256_abs_epi8(c);                     \
+            for (int r = 0; r < R; r++)                                                                     \
+                acc[r] = NAME##_dot(acc[r], a, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q + r * K + k)), c)); \
+        }                                                                                                   \
+        const __m256 sg = _mm256_set1_ps(ws[g]);                                                            \
+        for (int r = 0; r < R; r++) tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), sg, tf[r]);         \
+    }                                                                                                       \
+    for (int r = 0; r < R; r++) total[r] = NAME##_hsum(tf[r]);                                              \
+}                                                                                                           \
+__attribute__((target(TARGET))) static void a8_range_##NAME(const a8_job *j) {                              \
+    const int64_t K = j->K, G = K / j->gs, row_bytes = j->bits == 8 ? K : K / 2;                            \
+    for (int64_t n = j->n0; n < j->n1; n++) {                                                               \
+        const void *w = (const uint8_t *)j->w + n * row_bytes;                                              \
+        for (int64_t m0 = 0; m0 < j->M; m0 += A8_MAX_R) {                                                   \
+            const int R = j->M - m0 < A8_MAX_R ? (int)(j->M - m0) : A8_MAX_R;                               \
+            float total[A8_MAX_R];                                                                          \
+            switch (R) {                                                                                    \
+                case 1: NAME##_rows(j, w, j->ws + n * G, j->q + m0 * K, 1, total); break;                   \
+                case 2: NAME##_rows(j, w, j->ws + n * G, j->q + m0 * K, 2, total); break;                   \
+                case 3: NAME##_rows(j, w, j->ws + n * G, j->q + m0 * K, 3, total); break;                   \
+                default: NAME##_rows(j, w, j->ws + n * G, j->q + m0 * K, 4, total); break;                  \
+            }                                                                                               \
+            for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r] * j->xs[m0 + r];             \
+        }                                                                                                   \
+    }                                                                                                       \
+}
+
+A8_YMM_BODY(avx2, "avx2,fma",
+            return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), _mm256_set1_epi16(1))))
+#ifdef LMF_A8_AVXVNNI
+A8_YMM_BODY(avxvnni, "avx2,fma,avxvnni", return _mm256_dpbusd_avx_epi32(acc, a, x))
+#endif
+
+/* 512-bit body: 64 codes (two blocks) a step; a K that is 32 more than a multiple of 64 ends on a
+ * masked half step. Groups of 64 or more (and int8's one group) accumulate in int32 and convert once
+ * a group; int4 groups of 32 (or 96, ...) convert every step with the two blocks' scales. */
+#define T512 "avx512f,avx512bw,avx512vl,avx512vnni,fma"
+__attribute__((target(T512))) static inline __m512i a8_codes512(const void *w, int bits, int64_t k, __mmask64 live) {
+    if (bits == 8) return _mm512_maskz_loadu_epi8(live, (const int8_t *)w + k);
+    const __mmask32 half = live == ~(__mmask64)0 ? 0xFFFFFFFFu : 0xFFFFu;  /* a half step: one block, 16 bytes */
+    const __m256i y = _mm256_maskz_loadu_epi8(half, (const uint8_t *)w + k / 2), f = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(y, f), hi = _mm256_and_si256(_mm256_srli_epi16(y, 4), f);
+    __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  /* (b0 even, b1 even, b0 odd, b1 odd) */
+    z = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));           /* (b0 even, b0 odd, b1 even, b1 odd) */
+    return _mm512_sub_epi8(z, _mm512_set1_epi8(8));
+}
+
+__attribute__((target(T512), always_inline)) static inline __m512i a8_dot512(__m512i acc, __m512i c, __m512i a,
+                                                                              const int8_t *q, __mmask64 live) {
+    const __m512i x = _mm512_maskz_loadu_epi8(live, q);
+    return _mm512_dpbusd_epi32(acc, a, _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(c), _mm512_setzero_si512(), x));
+}
+
+__attribute__((target(T512), always_inline)) static inline void a8_rows512(
+        const a8_job *j, const void *w, const float *ws, const int8_t *q, const int R, float *total) {
+    const int64_t K = j->K, gs = j->gs, G = K / gs;
+    const int bits = (int)j->bits;
+    __m512 tf[A8_MAX_R];
+    for (int r = 0; r < R; r++) tf[r] = _mm512_setzero_ps();
+    if (gs % 64 == 0 || G == 1) {
+        for (int64_t g = 0; g < G; g++) {
+            __m512i acc[A8_MAX_R];
+            for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
+            for (int64_t k = g * gs; k < (g + 1) * gs; k += 64) {
+                const __mmask64 live = (g + 1) * gs - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << 32) - 1);
+                const __m512i c = a8_codes512(w, bits, k, live), a = _mm512_abs_epi8(c);
+                for (int r = 0; r < R; r++) acc[r] = a8_dot512(acc[r], c, a, q + r * K + k, live);
+            }
+            const __m512 sg = _mm512_set1_ps(ws[g]);
+            for (int r = 0; r < R; r++) tf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), sg, tf[r]);
+        }
+    } else {
+        for (int64_t k = 0; k < K; k += 64) {
+            const int full = K - k >= 64;
+            const __mmask64 live = full ? ~(__mmask64)0 : (((__mmask64)1 << 32) - 1);
+            const __m512i c = a8_codes512(w, bits, k, live), a = _mm512_abs_epi8(c);
+            /* lanes 0-7: block k / 32, lanes 8-15: the next (0 in a half step: its dot is 0 too) */
+            const __m512 sv = _mm512_mask_broadcastss_ps(_mm512_set1_ps(ws[k / gs]), 0xFF00,
+                                                         _mm_set_ss(full ? ws[(k + 32) / gs] : 0.0f));
+            for (int r = 0; r < R; r++)
+                tf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a8_dot512(_mm512_setzero_si512(), c, a, q + r * K + k, live)),
+                                        sv, tf[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) total[r] = _mm512_reduce_add_ps(tf[r]);
+}
+
+__attribute__((target(T512))) static void a8_range_avx512vnni(const a8_job *j) {
+    const int64_t K = j->K, G = K / j->gs, row_bytes = j->bits == 8 ? K : K / 2;
+    for (int64_t n = j->n0; n < j->n1; n++) {
+        const void *w = (const uint8_t *)j->w + n * row_bytes;
+        for (int64_t m0 = 0; m0 < j->M; m0 += A8_MAX_R) {
+            const int R = j->M - m0 < A8_MAX_R ? (int)(j->M - m0) : A8_MAX_R;
+            float total[A8_MAX_R];
+            switch (R) {
+                case 1: a8_rows512(j, w, j->ws + n * G, j->q + m0 * K, 1, total); break;
+                case 2: a8_rows512(j, w, j->ws + n * G, j->q + m0 * K, 2, total); break;
+                case 3: a8_rows512(j, w, j->ws + n * G, j->q + m0 * K, 3, total); break;
+                default: a8_rows512(j, w, j->ws + n * G, j->q + m0 * K, 4, total); break;
+            }
+            for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r] * j->xs[m0 + r];
+        }
+    }
+}
+#endif /* x86 */
+
+enum { A8_PORTABLE = 0, A8_AVX2 = 1, A8_AVX_VNNI = 2, A8_AVX512_VNNI = 3, A8_ISAS = 4 };
+
+/* 1 if this CPU (and this build) runs body `isa`, else 0. */
+int lmf_a8_isa_supported(int64_t isa) {
+    if (isa == A8_PORTABLE) return 1;
+#ifdef LMF_A8_X86
+    __builtin_cpu_init();
+    if (isa == A8_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#ifdef LMF_A8_AVXVNNI
+    if (isa == A8_AVX_VNNI) return __builtin_cpu_supports("avxvnni") && __builtin_cpu_supports("avx2");
+#endif
+    if (isa == A8_AVX512_VNNI)
+        return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl");
+#endif
+    return 0;
+}
+
+/* The body `lmf_qmm_a8` runs when not told: the widest this CPU has. */
+int64_t lmf_a8_best_isa(void) {
+    for (int64_t isa = A8_ISAS - 1; isa > 0; isa--)
+        if (lmf_a8_isa_supported(isa)) return isa;
+    return A8_PORTABLE;
+}
+
+static void *a8_range(void *arg) {
+    const a8_job *j = (const a8_job *)arg;
+#ifdef LMF_A8_X86
+    if (j->isa == A8_AVX512_VNNI) a8_range_avx512vnni(j);
+#ifdef LMF_A8_AVXVNNI
+    else if (j->isa == A8_AVX_VNNI) a8_range_avxvnni(j);
+#endif
+    else if (j->isa == A8_AVX2) a8_range_avx2(j);
+    else
+#endif
+        a8_range_portable(j);
+    return NULL;
+}
+
+/* Per-row dynamic int8 quantization of x (M, K) (act: 0 bf16, 1 f32) into q (M, K) and scales s (M);
+ * nibble_order 1 (int4 weights): each block of 32 stored as its even k, then its odd k. */
+int lmf_quantize_s8(const void *x, int64_t act, int64_t M, int64_t K, int64_t nibble_order, int8_t *q, float *s) {
+    if (act < 0 || act > 1 || (nibble_order && K % 32)) return -1;
+    for (int64_t m = 0; m < M; m++) {
+        float amax = 0.0f;
+        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(load_act(x, (int)act, m * K + k)));
+        const float sc = amax / 127.0f;
+        s[m] = sc;
+        for (int64_t k = 0; k < K; k++) {
+            const float v = sc > 0.0f ? nearbyintf(load_act(x, (int)act, m * K + k) / sc) : 0.0f;
+            const int64_t j = k % 32, at = nibble_order ? k - j + (j % 2) * 16 + j / 2 : k;
+            q[m * K + at] = (int8_t)(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+        }
+    }
+    return 0;
+}
+
+/* out (M, N) float32 = the A8 product of quantized rows (q, xs) and int8 / int4 weights (w, ws (N, K / gs)).
+ * isa: a body (0..3) or -1 for the best. Returns 0; -1 for a shape it does not take (K % 32, int4 gs
+ * not a multiple of 32 dividing K, K >= 131072); -2 for a body this CPU or build does not have. */
+int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws, float *out, int64_t M, int64_t N,
+               int64_t K, int64_t bits, int64_t gs, int64_t threads, int64_t isa) {
+    if ((bits != 8 && bits != 4) || K % 32 || K >= 131072 || M < 1 || N < 1) return -1;
+    if (bits == 8) gs = K;
+    if (gs <= 0 || gs % 32 || K % gs) return -1;
+    if (isa < 0) isa = lmf_a8_best_isa();
+    if (isa >= A8_ISAS || !lmf_a8_isa_supported(isa)) return -2;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > N) threads = N;
+    a8_job jobs[MAX_THREADS];
+    for (int64_t t = 0; t < threads; t++)
+        jobs[t] = (a8_job){q, xs, w, ws, out, M, N, K, gs, bits, N * t / threads, N * (t + 1) / threads, isa};
+    run_jobs(a8_range, jobs, sizeof jobs[0], threads);
+    return 0;
+}
+
+/* Quantize x (act: 0 bf16, 1 f32) and multiply: `lmf_quantize_s8` then `lmf_qmm_s8`, one call. */
+int lmf_qmm_a8(const void *x, int64_t act, const void *w, const float *ws, float *out, int64_t M, int64_t N,
+               int64_t K, int64_t bits, int64_t gs, int64_t threads, int64_t isa) {
+    if (K % 32 || M < 1) return -1;
+    int8_t *q = (int8_t *)malloc((size_t)(M * K) + (size_t)M * sizeof(float));
+    if (q == NULL) return -1;
+    float *xs = (float *)(q + M * K);  /* M * K is a multiple of 32: aligned for float */
+    int rc = lmf_quantize_s8(x, act, M, K, bits == 4, q, xs);
+    if (rc == 0) rc = lmf_qmm_s8(q, xs, w, ws, out, M, N, K, bits, gs, threads, isa);
+    free(q);
+    return rc;
 }

@@ -1,0 +1,226 @@
+"""The int8-activation (A8) matmul of `lmforge.engine.kernels` (`lmf_qmm_s8` / `lmf_qmm_a8`): every
+ISA body this CPU has, and the portable one, gives the exact int32 dot products of an integer
+reference; the per-token quantizer equals torch's round-and-clamp; `QmmLinear` with int8 activations
+stays within a stated tolerance of the exact A16 kernel, in a layer and in a model's greedy tokens;
+the engine picks it only when asked and says why it cannot."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lmforge.engine import kernels
+from lmforge.engine.config import EngineConfig
+from lmforge.engine.model_runner import ModelRunner
+from lmforge.model.reference import save_hf_model
+from lmforge.quant import QuantScheme, load_pretrained, quantize_rtn
+from lmforge.quant.linear import QmmLinear, QuantizedLinear, select_backend, swap_backend
+from lmforge.quant.quantize import QuantizeConfig, quantize_model
+
+LIB = kernels.load()
+pytestmark = pytest.mark.skipif(LIB is None, reason=f"no compiled kernels: {kernels.status()}")
+CPU = torch.device("cpu")
+# A8 against A16 on Gaussian activations: the per-token int8 rounding error (<= absmax / 254 an element)
+# gives ~0.5% relative error on a whole output; 2% leaves room for other inputs, not for a wrong kernel.
+A8_REL_TOL = 0.02
+
+
+def _pack4(c_NK: np.ndarray) -> np.ndarray:
+    """int4 codes (N, K) in [-8, 7] -> the kernels' packing (N, K/2): low nibble = even k, code + 8."""
+    u = (c_NK + 8).astype(np.uint8)
+    return np.ascontiguousarray(u[:, 0::2] | (u[:, 1::2] << 4))
+
+
+def _nibble_order(q_MK: np.ndarray) -> np.ndarray:
+    """Activations as the int4 body reads them: each block of 32 as its even k, then its odd k."""
+    M, K = q_MK.shape
+    b = q_MK.reshape(M, K // 32, 32)
+    return np.ascontiguousarray(np.concatenate([b[..., 0::2], b[..., 1::2]], -1).reshape(M, K))
+
+
+def _qmm_s8(isa, q_MK, xs_M, w, ws_NG, N, bits, gs, threads=2) -> tuple[int, np.ndarray]:
+    M, K = q_MK.shape
+    out = np.full((M, N), np.nan, np.float32)
+    rc = LIB.qmm_s8(q_MK.ctypes.data, xs_M.ctypes.data, w.ctypes.data, ws_NG.ctypes.data, out.ctypes.data,
+                    M, N, K, bits, gs, threads, kernels.A8_ISAS[isa])
+    return rc, out
+
+
+ISAS = list(kernels.A8_ISAS)
+SHAPES = [(8, 0, 1024), (8, 0, 96), (4, 32, 1024), (4, 64, 256), (4, 96, 384), (4, 128, 512), (4, 32, 96)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("bits,gs,K", SHAPES, ids=[f"w{b}-g{g}-K{k}" for b, g, k in SHAPES])
+def test_integer_dot_products_are_exact(isa, bits, gs, K):
+    """Unit scales: the float32 output is the int32 dot product itself (every partial sum < 2^24 for
+    these K), so each body must equal the int64 reference bit for bit: batch 1-9 (full and partial
+    blocks of 4 rows), K with a half 64-code step, int4 groups of 32 to 128, extreme codes."""
+    if not LIB.a8_isa_supported(kernels.A8_ISAS[isa]):
+        pytest.skip(f"this CPU has no {isa} (runs {LIB.a8_isas()})")  # hardware absent, e.g. AVX-VNNI on Zen 4
+    rng = np.random.default_rng(K + bits + gs)
+    N = 37
+    for M in (1, 4, 5, 9):
+        q = rng.integers(-127, 128, (M, K), dtype=np.int8)
+        q[0, :4] = (127, -127, 127, -127)
+        if bits == 8:
+            c = rng.integers(-128, 128, (N, K), dtype=np.int8)
+            c[0, :4] = (-128, -128, 127, 127)  # |c| = 128 with |q| = 127: maddubs pairs at their int16 edge
+            w, G, q_in = c, 1, q
+        else:
+            c = rng.integers(-8, 8, (N, K), dtype=np.int8)
+            w, G, q_in = _pack4(c), K // gs, _nibble_order(q)
+        rc, out = _qmm_s8(isa, q_in, np.ones(M, np.float32), w, np.ones((N, G), np.float32), N, bits, gs)
+        assert rc == 0
+        want = q.astype(np.int64) @ c.astype(np.int64).T
+        assert np.array_equal(out.astype(np.int64), want), (M, np.abs(out - want).max())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_scaled_output_agrees_with_portable(isa):
+    """Real scales: every body applies them the same way (float32 sums in another order: 1e-6)."""
+    if not LIB.a8_isa_supported(kernels.A8_ISAS[isa]):
+        pytest.skip(f"this CPU has no {isa}")
+    rng = np.random.default_rng(1)
+    for bits, gs, K in ((8, 0, 640), (4, 32, 640), (4, 128, 512)):
+        N, M = 19, 6
+        q = rng.integers(-127, 128, (M, K), dtype=np.int8)
+        xs = rng.uniform(0.01, 1, M).astype(np.float32)
+        if bits == 8:
+            w, G = rng.integers(-128, 128, (N, K), dtype=np.int8), 1
+        else:
+            w, G = rng.integers(0, 256, (N, K // 2), dtype=np.uint8), K // gs
+        ws = rng.uniform(0.001, 0.1, (N, G)).astype(np.float32)
+        _, want = _qmm_s8("portable", q, xs, w, ws, N, bits, gs, threads=1)
+        rc, got = _qmm_s8(isa, q, xs, w, ws, N, bits, gs, threads=3)
+        assert rc == 0
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+def test_refusals():
+    q, xs, ws = np.zeros((1, 64), np.int8), np.ones(1, np.float32), np.ones((4, 2), np.float32)
+    w = np.zeros((4, 64), np.int8)
+    assert _qmm_s8("portable", q[:, :48].copy(), xs, w, ws, 4, 8, 0)[0] == -1  # K not a multiple of 32
+    assert _qmm_s8("portable", q, xs, w, ws, 4, 4, 48)[0] == -1  # int4 group not a multiple of 32
+    assert _qmm_s8("portable", q, xs, w, ws, 4, 2, 32)[0] == -1  # 2-bit
+    missing = [i for i in ISAS if not LIB.a8_isa_supported(kernels.A8_ISAS[i])]
+    for isa in missing:  # a body this CPU lacks is refused, never run
+        assert _qmm_s8(isa, q, xs, w, ws, 4, 8, 0)[0] == -2
+        with pytest.raises(ValueError, match=isa):
+            LIB.a8(isa)
+
+
+def test_isa_choice_and_status(monkeypatch):
+    assert LIB.a8_isas()[-1] == "portable" and LIB.a8().isa == LIB.a8_isas()[0]
+    monkeypatch.setenv("LMFORGE_A8_ISA", "portable")
+    assert LIB.a8().isa == "portable" and "int8-activation matmul: portable" in kernels.status()
+    monkeypatch.setenv("LMFORGE_A8_ISA", "sse9")
+    with pytest.raises(ValueError, match="LMFORGE_A8_ISA='sse9': not one of portable, avx2"):
+        LIB.a8()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nibble", [0, 1])
+def test_quantizer_equals_torch_round_and_clamp(dtype, nibble):
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(3)).to(dtype)
+    x[1] = 0  # an all-zero row: scale 0, codes 0
+    x[2, 7] = 40.0  # an outlier sets the row's scale
+    q, s = np.zeros((5, 96), np.int8), np.zeros(5, np.float32)
+    assert LIB.quantize_s8(x.data_ptr(), int(dtype == torch.float32), 5, 96, nibble, q.ctypes.data, s.ctypes.data) == 0
+    xf = x.float()
+    want_s = xf.abs().amax(1) / 127
+    want_q = torch.where(want_s[:, None] > 0, torch.round(xf / want_s[:, None]), 0).clamp(-127, 127).to(torch.int8)
+    assert torch.equal(torch.from_numpy(s), want_s)
+    want = want_q.numpy()
+    assert np.array_equal(q, _nibble_order(want) if nibble else want)
+
+
+def _layer(scheme: QuantScheme, N: int, K: int) -> QuantizedLinear:
+    g = torch.Generator().manual_seed(K + scheme.num_bits)
+    q = QuantizedLinear(K, N, scheme, bias=True, scale_dtype=torch.float32)
+    qw, s = quantize_rtn(torch.randn(N, K, generator=g), scheme, torch.float32)
+    q.qweight.copy_(qw)
+    q.weight_scale.copy_(s)
+    q.bias.data.normal_(generator=g)
+    return q
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme(8, None), QuantScheme(4, 32), QuantScheme(4, 128)],
+                         ids=["w8", "w4-g32", "w4-g128"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a8_linear_within_tolerance_of_a16(scheme, dtype):
+    """`QmmLinear` with int8 activations against the exact dequantized matmul (A16), batch 1-64; above
+    64 rows it is the A16 path again (prefill: dequantize + sgemm)."""
+    q = _layer(scheme, N=72, K=256)
+    layer = QmmLinear(q, dtype, qmm=LIB.qmm_f32, a8=LIB.a8())
+    assert QmmLinear.supports_a8(q, CPU, dtype) is None
+    w = q.dequantized_weight().double()
+    for M in (1, 3, 16, 64, 65):
+        x = torch.randn(M, 256, generator=torch.Generator().manual_seed(M)).to(dtype)
+        ref = x.double() @ w.t() + q.bias.double()
+        got = layer(x)
+        assert got.dtype == dtype and got.shape == (M, 72)
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        assert err < (A8_REL_TOL if M <= 64 else 1e-2 if dtype == torch.bfloat16 else 1e-6), (M, err)
+        assert err > (1e-4 if M <= 64 else 0)  # the int8 path did run: its rounding shows
+
+
+def test_select_backend_int8_and_its_refusals():
+    q = _layer(QuantScheme(8, None), 32, 64)
+    model = torch.nn.Sequential(q)
+    backend = select_backend(model, CPU, qmm=LIB.qmm_f32, quant_activations="int8", a8=LIB.a8())
+    assert "lmf_qmm_a8" in backend.name and LIB.a8().isa in backend.name
+    assert select_backend(model, CPU, qmm=LIB.qmm_f32).name == QmmLinear.name  # default: the exact A16 kernel
+    with pytest.raises(ValueError, match="needs lmforge's compiled CPU kernels"):
+        select_backend(model, CPU, quant_activations="int8", a8=None)
+    with pytest.raises(ValueError, match="no reference path"):
+        select_backend(model, CPU, reference=True, quant_activations="int8", a8=LIB.a8())
+    with pytest.raises(ValueError, match="must be one of none, int8"):
+        select_backend(model, CPU, quant_activations="fp8")
+    with pytest.raises(ValueError, match="no quantized linear layer"):
+        select_backend(torch.nn.Sequential(torch.nn.Linear(4, 4)), CPU, quant_activations="int8", a8=LIB.a8())
+    odd = torch.nn.Sequential(_layer(QuantScheme(4, 16), 8, 64))
+    with pytest.raises(ValueError, match="group 16.*quant_activations='none'"):
+        select_backend(odd, CPU, quant_activations="int8", a8=LIB.a8())
+    with pytest.raises(ValueError, match="EngineConfig.quant_activations='int4'"):
+        EngineConfig(model="m", quant_activations="int4")
+
+
+@pytest.fixture(scope="module")
+def w8_model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("a8")
+    src = save_hf_model("llama", root / "src", seed=5, hidden_size=128)
+    quantize_model(QuantizeConfig(model=str(src), out=str(root / "w8"), scheme="w8a16", group_size=128))
+    return root / "w8"
+
+
+def _greedy(model, prompt: list[int], steps: int) -> list[int]:
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_a8_model_greedy_agrees_with_a16(w8_model):
+    """A tiny w8 Llama: A8 logits within tolerance of the A16 kernel's, and greedy tokens mostly agree
+    (int8 activations are an approximation: llama.cpp's Q8_0 activations are the precedent)."""
+    a16 = load_pretrained(w8_model, dtype="float32", device="cpu")
+    a8 = load_pretrained(w8_model, dtype="float32", device="cpu")
+    swap_backend(a16, select_backend(a16, CPU, qmm=LIB.qmm_f32), torch.float32)
+    swap_backend(a8, select_backend(a8, CPU, qmm=LIB.qmm_f32, quant_activations="int8", a8=LIB.a8()), torch.float32)
+    ids = torch.tensor([[1, 5, 9, 33, 100, 7, 8, 9, 42, 17]])
+    with torch.inference_mode():
+        ref, got = a16(ids), a8(ids)
+    assert ((got - ref).norm() / ref.norm()).item() < A8_REL_TOL
+    tokens_a16, tokens_a8 = _greedy(a16, [3, 4, 5], 12), _greedy(a8, [3, 4, 5], 12)
+    assert sum(a == b for a, b in zip(tokens_a16, tokens_a8)) >= 9, (tokens_a16, tokens_a8)
+
+
+def test_model_runner_takes_the_choice(w8_model):
+    model = load_pretrained(w8_model, dtype="float32", device="cpu")
+    runner = ModelRunner(model, num_blocks=8, block_size=16, quant_activations="int8")
+    assert "lmf_qmm_a8" in runner.linear_backend and runner.quantized_linears == 14
+    plain = ModelRunner(load_pretrained(w8_model, dtype="float32", device="cpu"), num_blocks=8, block_size=16)
+    assert plain.linear_backend == QmmLinear.name
