@@ -80,6 +80,6 @@ def _load(conn: Connection, config: EngineConfig, rank: int, port: int) -> Model
     if not isinstance(pool, KVPoolSize):  # Stop
         return None
     runner = ModelRunner(model, pool.num_blocks, config.block_size, config.attention == "reference",
-                         config.pack_weights, config.cpu_kernels, config.kv_cache_dtype)
+                         config.pack_weights, config.cpu_kernels, config.kv_cache_dtype, config.quant_activations)
     conn.send(Status(StatusKind.READY))
     return runner
