@@ -28,6 +28,25 @@ def _group() -> None:
     """Clean, deduplicate, split (prepare) and tokenize + pack (pack) training text."""
 
 
+_EXECUTOR_HELP = ("local: worker processes on this machine; ray: Ray tasks on a cluster (pip install "
+                  "'lmforge[ray]'), the same output bytes.")
+_ADDRESS_HELP = ("Ray cluster to join with --executor ray (`ray start --head` prints it; 'auto' finds a local "
+                 "one); default: start a local cluster.")
+
+
+def _executor(name: str, address: str | None) -> object | None:
+    """None for the local executor, else a RayExecutor joined to its cluster."""
+    if name not in ("local", "ray"):
+        raise ValueError(f"--executor {name!r}: choose 'local' or 'ray'")
+    if name == "local":
+        if address:
+            raise ValueError("--ray-address is for --executor ray; add --executor ray or drop it")
+        return None
+    from lmforge.data.executor import RayExecutor  # deferred: Ray is an optional dependency
+
+    return RayExecutor(address)
+
+
 _PREPARE_HELP = (
     "Read INPUT... (.txt/.md files, .jsonl/.jsonl.gz with field 'text', .parquet with pyarrow, "
     "directories, globs, or the built-in source 'python-docs'), then normalize, strip boilerplate, "
@@ -50,6 +69,8 @@ def prepare(
     workers: int | None = typer.Option(None, "--workers", "-j", help="Processes (default: all cores)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished run in --out."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress bars."),
+    executor: str = typer.Option("local", "--executor", help=_EXECUTOR_HELP),
+    ray_address: str | None = typer.Option(None, "--ray-address", help=_ADDRESS_HELP),
 ) -> None:
     from lmforge.data.prepare import prepare_dataset  # deferred: numpy and the pipeline, not for --help
 
@@ -59,7 +80,7 @@ def prepare(
     try:
         stats = prepare_dataset(paths, out, config=config, eval_sets=[str(e) for e in eval_set],
                                 overrides=overrides, workers=workers, overwrite=overwrite,
-                                show_progress=progress)
+                                show_progress=progress, executor=_executor(executor, ray_address))
     except (FileNotFoundError, FileExistsError, ConfigError, ReaderError, ValueError, ImportError) as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(code=2) from None
@@ -98,14 +119,17 @@ def pack(
     workers: int | None = typer.Option(None, "--workers", "-j", help="Processes (default: all cores)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished pack in --out."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress bars."),
+    executor: str = typer.Option("local", "--executor", help=_EXECUTOR_HELP),
+    ray_address: str | None = typer.Option(None, "--ray-address", help=_ADDRESS_HELP),
 ) -> None:
     from lmforge.data.pack import pack_dataset  # deferred: numpy and tokenizers, not for --help
 
     console = Console(stderr=True, soft_wrap=True)
     try:
         manifest = pack_dataset(prepared_dir, tokenizer, seq_len, out, workers=workers,
-                                overwrite=overwrite, show_progress=progress)
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
+                                overwrite=overwrite, show_progress=progress,
+                                executor=_executor(executor, ray_address))
+    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(code=2) from None
     table = Table(title=f"data pack -> {out} (seq_len {seq_len}, {manifest['dtype']})")

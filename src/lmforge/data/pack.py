@@ -203,13 +203,17 @@ def _split_entry(writer: _ShardWriter, counts: dict[str, int], seq_len: int) -> 
 
 
 def _pack_splits(out: Path, sources: dict[str, Path], tokenizer_dir: str, bos: int, eos: int, dtype: str,
-                 seq_len: int, workers: int, shard_tokens: int, show_progress: bool) -> dict[str, dict]:
-    """Tokenize and write every split's shards (in a spawn pool when workers > 1)."""
+                 seq_len: int, workers: int, shard_tokens: int, show_progress: bool,
+                 executor: Any = None) -> dict[str, dict]:
+    """Tokenize and write every split's shards (in a spawn pool when workers > 1, on the executor's
+    Ray tasks when given one: the same ordered `imap`)."""
     splits: dict[str, dict] = {}
     pool = None
     progress = None
     try:
-        if workers > 1:
+        if executor is not None:
+            pool = executor.pool(_init_worker, (tokenizer_dir,))
+        elif workers > 1:
             pool = mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer_dir,))
         if show_progress:
             # deferred: rich's progress bar only for an interactive run; spawned workers re-import this module
@@ -234,8 +238,9 @@ def _pack_splits(out: Path, sources: dict[str, Path], tokenizer_dir: str, bos: i
 def pack_dataset(prepared_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike, seq_len: int,
                  out_dir: str | os.PathLike, workers: int | None = None, *,
                  shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False,
-                 show_progress: bool = False) -> dict[str, Any]:
+                 show_progress: bool = False, executor: Any = None) -> dict[str, Any]:
     """Tokenize `prepared_dir/splits/*.jsonl` and write packed shards + manifest.json to `out_dir`.
+    `executor`: a `lmforge.data.executor.RayExecutor` tokenizes on its cluster (same bytes).
 
     Returns the manifest. Raises FileNotFoundError when the prepared dir has no splits or the
     tokenizer folder has no tokenizer.json, ValueError for a bad seq_len or a malformed split line.
@@ -249,7 +254,7 @@ def pack_dataset(prepared_dir: str | os.PathLike, tokenizer_dir: str | os.PathLi
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     bos, eos = _special_ids(tok, tokenizer_dir)
     dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
-    workers = max(1, workers or os.cpu_count() or 1)
+    workers = max(1, workers or os.cpu_count() or 1) if executor is None else executor.workers
 
     out = Path(out_dir)
     run = RunDir(out, overwrite=overwrite)
@@ -257,7 +262,7 @@ def pack_dataset(prepared_dir: str | os.PathLike, tokenizer_dir: str | os.PathLi
         old.unlink()
     t0 = time.monotonic()
     splits = _pack_splits(out, sources, os.fspath(tokenizer_dir), bos, eos, dtype, seq_len, workers,
-                          shard_tokens, show_progress)
+                          shard_tokens, show_progress, executor)
     seconds = time.monotonic() - t0
     total_bytes = sum(s["text_bytes"] for s in splits.values())
     manifest = {

@@ -24,6 +24,7 @@ This module wires the steps together; each rule lives in its own module.
 from __future__ import annotations
 
 import hashlib
+import io
 import itertools
 import json
 import logging
@@ -151,19 +152,27 @@ def _dumps(obj: Any, **kwargs: Any) -> str:
 
 
 class _Writer:
-    """Append-only JSONL with one fixed key order, so the bytes are reproducible."""
+    """Append-only JSONL with one fixed key order, so the bytes are reproducible. `path=None` keeps
+    the lines in memory (`text()`): a Ray task's piece of an output, concatenated by the driver."""
 
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, path: Path | None):
         self.path, self.count = path, 0
-        self._f = open(path, "w", encoding="utf-8")
+        if path is None:
+            self._f: Any = io.StringIO()
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(path, "w", encoding="utf-8")
 
     def write(self, obj: dict) -> None:
         self._f.write(_dumps(obj) + "\n")
         self.count += 1
 
+    def text(self) -> str:
+        return self._f.getvalue()
+
     def close(self) -> None:
-        self._f.close()
+        if self.path is not None:
+            self._f.close()
 
 
 class _WorkFile:
@@ -209,17 +218,44 @@ class _Stats:
                 for name, s in self.steps.items()}
 
 
+class _SequentialDedup:
+    """Exact and near dedup decided here, in input order (the local executor): the first document
+    with a text hash survives, and each survivor joins the LSH index as it comes. The Ray executor
+    decides the same by hash bucket (`data/executor.py`) and hands `_Pipeline` its decisions."""
+
+    def __init__(self, cfg: PrepareConfig):
+        self.cfg = cfg
+        self.exact_seen: dict[bytes, str] = {}
+        self.lsh = NearDedup(cfg.near_dedup) if cfg.near_dedup.enabled else None
+
+    def exact(self, part: dict) -> str | None:
+        """The id of the first document with this part's text, when that is not this one."""
+        if not self.cfg.exact_dedup:
+            return None
+        first = self.exact_seen.setdefault(part["exact"], part["doc"]["id"])
+        return first if first != part["doc"]["id"] else None
+
+    def near(self, part: dict) -> tuple[str | None, float]:
+        return (None, 0.0) if self.lsh is None else self.lsh.add(part["doc"]["id"], part["sig"])
+
+
 class _Pipeline:
-    def __init__(self, cfg: PrepareConfig, out: Path, pool: Any, progress: Any):
-        self.cfg, self.out, self.work = cfg, out, out / ".work"
+    def __init__(self, cfg: PrepareConfig, out: Path | None, pool: Any = None, progress: Any = None):
+        """`out=None`: rejected and quarantined lines stay in memory (a Ray task's piece)."""
+        self.cfg, self.out = cfg, out
+        self.work = out / ".work" if out is not None else None
         self.pool, self.progress = pool, progress
         self.stats = _Stats()
-        self.rejected = _Writer(out / "rejected.jsonl")
-        self.quarantine = _Writer(out / "quarantine.jsonl")
+        self.rejected = _Writer(out / "rejected.jsonl" if out is not None else None)
+        self.quarantine = _Writer(out / "quarantine.jsonl" if out is not None else None)
+        self.dedup: Any = _SequentialDedup(cfg)
         self.bytes_read = 0
+        self.index_base = 0  # documents read before this pipeline's first (a Ray shard's offset)
         self.parts_added = 0
+        self.lines_removed = 0
         self.pii_counts: Counter = Counter()
         self.docs_with_pii = 0
+        self.cluster_sizes: Counter = Counter()
 
     def _map(self, fn: Any, tasks: Iterable[Any]) -> Iterator[Any]:
         if self.pool is None:
@@ -238,76 +274,102 @@ class _Pipeline:
 
     def pass1(self, records: Iterator[dict]) -> Counter:
         """Read + normalize; write normalized docs to .work and count boilerplate candidates."""
-        read, norm = self.stats.steps["read"], self.stats.steps["normalize"]
         counts: Counter = Counter()
         seen_ids: set[bytes] = set()
+
+        def seen(index: int, doc: dict) -> bool:
+            key = hashlib.blake2b(doc["id"].encode("utf-8"), digest_size=12).digest()
+            if key in seen_ids:
+                return True
+            seen_ids.add(key)
+            return False
+
         normalized = _WorkFile(self.work / "normalized.pkl")
         for results in self._map(_pass1, _chunks(records)):
-            for doc, nbytes, keys in results:
-                self.bytes_read += nbytes
-                read["out"] += 1
-                key = hashlib.blake2b(doc["id"].encode("utf-8"), digest_size=12).digest()
-                if key in seen_ids:  # ids must be unique for the split guarantees; rename, visibly
-                    doc["meta"]["original_id"] = doc["id"]
-                    doc["id"] = f"{doc['id']}~{read['out']}"
-                    read.setdefault("renamed_duplicate_ids", 0)
-                    read["renamed_duplicate_ids"] += 1
-                seen_ids.add(key)
-                norm["in"] += 1
-                if not doc["text"]:
-                    self.reject(doc, "normalize", "empty")
-                    continue
-                norm["out"] += 1
-                counts.update(keys)
-                normalized.write(doc)
+            self.take_normalized(results, seen, normalized, counts)
             self._tick("read", len(results))
         normalized.close()
+        self.close_pass1()
+        return counts
+
+    def take_normalized(self, results: list[tuple[dict, int, list[int]]], seen: Any, sink: Any,
+                        counts: Counter | None) -> None:
+        """The main side of pass 1 for one chunk: ids made unique, empty documents rejected."""
+        read, norm = self.stats.steps["read"], self.stats.steps["normalize"]
+        for doc, nbytes, keys in results:
+            self.bytes_read += nbytes
+            read["out"] += 1
+            if seen(read["out"] - 1, doc):  # ids must be unique for the split guarantees; rename, visibly
+                doc["meta"]["original_id"] = doc["id"]
+                doc["id"] = f"{doc['id']}~{self.index_base + read['out']}"
+                read.setdefault("renamed_duplicate_ids", 0)
+                read["renamed_duplicate_ids"] += 1
+            norm["in"] += 1
+            if not doc["text"]:
+                self.reject(doc, "normalize", "empty")
+                continue
+            norm["out"] += 1
+            if counts is not None:
+                counts.update(keys)
+            sink.write(doc)
+
+    def close_pass1(self) -> None:
+        read = self.stats.steps["read"]
         read["in"] = read["out"] + self.quarantine.count
         read["dropped"]["quarantined"] = self.quarantine.count
-        return counts
+
+    def split_writers(self) -> dict[str, Any]:
+        if self.out is None:  # a Ray shard: the documents stay in memory
+            return {s: _ListSink() for s in SPLITS}
+        return {s: _WorkFile(self.work / "train.pkl") if s == "train"  # checked for contamination in pass 3
+                else _Writer(self.out / "splits" / f"{s}.jsonl") for s in SPLITS}
 
     def pass2(self, bp_keys: frozenset[int]) -> None:
         """Boilerplate, quality, PII (workers); exact + near dedup and split (here, in order)."""
-        st = self.stats.steps
-        st["boilerplate"]["distinct_lines"] = len(bp_keys)
-        st["boilerplate"]["lines_removed"] = 0
-        exact_seen: dict[bytes, str] = {}
-        near = NearDedup(self.cfg.near_dedup) if self.cfg.near_dedup.enabled else None
-        cluster_sizes: Counter = Counter()
-        writers = {s: _WorkFile(self.work / "train.pkl") if s == "train"  # checked for contamination in pass 3
-                   else _Writer(self.out / "splits" / f"{s}.jsonl") for s in SPLITS}
+        writers = self.split_writers()
         chunks = _chunks(_WorkFile.read(self.work / "normalized.pkl"))
         for items in self._map(_pass2, ((bp_keys, chunk) for chunk in chunks)):
-            for item in items:
-                st["boilerplate"]["in"] += 1
-                st["boilerplate"]["lines_removed"] += item["boilerplate_lines"]
-                parts = item["parts"]
-                if parts[0].get("step") == "boilerplate":
-                    self.reject(parts[0]["doc"], "boilerplate", parts[0]["reason"])
-                    continue
-                st["boilerplate"]["out"] += 1
-                st["quality"]["in"] += 1
-                if len(parts) > 1:
-                    self.parts_added += len(parts) - 1
-                    st["quality"]["in"] += len(parts) - 1
-                for part in parts:
-                    self._dedup_and_split(part, exact_seen, near, cluster_sizes, writers)
+            self.take_cleaned(items, writers)
             self._tick("clean", len(items))
         for w in writers.values():
             w.close()
+        self.close_pass2(len(bp_keys), {s: w.count for s, w in writers.items()},
+                         sum(1 for c in self.cluster_sizes.values() if c > 1))
+
+    def take_cleaned(self, items: list[dict], writers: dict[str, Any]) -> None:
+        """The main side of pass 2 for one chunk: rejects, then dedup and split, in input order."""
+        st = self.stats.steps
+        for item in items:
+            st["boilerplate"]["in"] += 1
+            self.lines_removed += item["boilerplate_lines"]
+            parts = item["parts"]
+            if parts[0].get("step") == "boilerplate":
+                self.reject(parts[0]["doc"], "boilerplate", parts[0]["reason"])
+                continue
+            st["boilerplate"]["out"] += 1
+            st["quality"]["in"] += 1
+            if len(parts) > 1:
+                self.parts_added += len(parts) - 1
+                st["quality"]["in"] += len(parts) - 1
+            for part in parts:
+                self._dedup_and_split(part, writers)
+
+    def close_pass2(self, distinct_lines: int, sizes: dict[str, int], clusters_with_duplicates: int) -> None:
+        st = self.stats.steps
+        st["boilerplate"]["distinct_lines"] = distinct_lines
+        st["boilerplate"]["lines_removed"] = self.lines_removed
         st["quality"]["parts_added_by_split"] = self.parts_added
         st["pii"]["counts"] = dict(sorted(self.pii_counts.items()))
         st["pii"]["documents_with_pii"] = self.docs_with_pii
         nd = st["near_dedup"]
         nd["duplicate_rate"] = round(nd["dropped"]["near_duplicate"] / nd["in"], 6) if nd["in"] else 0.0
-        nd["clusters_with_duplicates"] = sum(1 for c in cluster_sizes.values() if c > 1)
+        nd["clusters_with_duplicates"] = clusters_with_duplicates
         ex = st["exact_dedup"]
         ex["duplicate_rate"] = round(ex["dropped"]["exact_duplicate"] / ex["in"], 6) if ex["in"] else 0.0
-        st["split"]["out"] = sum(w.count for w in writers.values())
-        st["split"]["sizes"] = {s: w.count for s, w in writers.items()}
+        st["split"]["out"] = sum(sizes.values())
+        st["split"]["sizes"] = sizes
 
-    def _dedup_and_split(self, part: dict, exact_seen: dict, near: NearDedup | None,
-                         cluster_sizes: Counter, writers: dict) -> None:
+    def _dedup_and_split(self, part: dict, writers: dict) -> None:
         st = self.stats.steps
         doc = part["doc"]
         if part["reason"]:
@@ -321,60 +383,87 @@ class _Pipeline:
             self.docs_with_pii += 1
             doc["meta"]["pii"] = part["pii"]
         st["exact_dedup"]["in"] += 1
-        if self.cfg.exact_dedup:
-            first = exact_seen.setdefault(part["exact"], doc["id"])
-            if first != doc["id"]:
-                self.reject(doc, "exact_dedup", "exact_duplicate", duplicate_of=first, cluster_id=first)
-                cluster_sizes[first] += 1
-                return
+        first = self.dedup.exact(part)
+        if first is not None:
+            self.reject(doc, "exact_dedup", "exact_duplicate", duplicate_of=first, cluster_id=first)
+            self.cluster_sizes[first] += 1
+            return
         st["exact_dedup"]["out"] += 1
         st["near_dedup"]["in"] += 1
-        cluster = doc["id"]
-        if near is not None:
-            dup, sim = near.add(doc["id"], part["sig"])
-            if dup is not None:
-                self.reject(doc, "near_dedup", "near_duplicate", duplicate_of=dup, cluster_id=dup,
-                            similarity=round(sim, 4))
-                cluster_sizes[dup] += 1
-                return
+        dup, sim = self.dedup.near(part)
+        if dup is not None:
+            self.reject(doc, "near_dedup", "near_duplicate", duplicate_of=dup, cluster_id=dup,
+                        similarity=round(sim, 4))
+            self.cluster_sizes[dup] += 1
+            return
         st["near_dedup"]["out"] += 1
-        cluster_sizes[cluster] += 1
-        doc["meta"]["cluster_id"] = cluster
+        self.cluster_sizes[doc["id"]] += 1
+        doc["meta"]["cluster_id"] = doc["id"]
         st["split"]["in"] += 1
-        writers[assign_split(cluster, self.cfg.split)].write({"id": doc["id"], "text": doc["text"],
-                                                             "meta": doc["meta"]})
+        writers[assign_split(doc["id"], self.cfg.split)].write({"id": doc["id"], "text": doc["text"],
+                                                               "meta": doc["meta"]})
+
+    def contamination_index(self, eval_sets: list[str]) -> tuple[ContaminationIndex, dict, int]:
+        """The val/test and eval-set 13-grams; also each eval set's string count and the too-short ones."""
+        index = ContaminationIndex(self.cfg.contamination.ngram)
+        eval_info: dict[str, dict] = {}
+        if not self.cfg.contamination.enabled:
+            return index, eval_info, 0
+        for split in ("val", "test"):
+            for docs in _chunks(_read_jsonl(self.out / "splits" / f"{split}.jsonl")):
+                index.add_many([doc["text"] for doc in docs])
+        short_before = index.too_short
+        for path in eval_sets:
+            n = 0
+            for texts in _chunks(eval_strings(path, self.cfg.contamination.eval_fields)):
+                index.add_many(texts)
+                n += len(texts)
+            eval_info[path] = {"strings": n}
+        return index, eval_info, index.too_short - short_before
 
     def pass3(self, eval_sets: list[str]) -> None:
         """Drop train documents sharing a 13-gram with val, test or an eval set."""
-        st = self.stats.steps["contamination"]
         train = _Writer(self.out / "splits" / "train.jsonl")
-        index = ContaminationIndex(self.cfg.contamination.ngram)
-        eval_info = {}
-        if self.cfg.contamination.enabled:
-            for split in ("val", "test"):
-                for docs in _chunks(_read_jsonl(self.out / "splits" / f"{split}.jsonl")):
-                    index.add_many([doc["text"] for doc in docs])
-            short_before = index.too_short
-            for path in eval_sets:
-                n = 0
-                for texts in _chunks(eval_strings(path, self.cfg.contamination.eval_fields)):
-                    index.add_many(texts)
-                    n += len(texts)
-                eval_info[path] = {"strings": n}
-            st["eval_strings_too_short"] = index.too_short - short_before
-        st["eval_sets"] = eval_info
-        st["index_ngrams"] = len(index.ngrams)
+        index, eval_info, too_short = self.contamination_index(eval_sets)
         for docs in _chunks(_WorkFile.read(self.work / "train.pkl")):
-            texts = [doc["text"] for doc in docs]
-            for doc, hits in zip(docs, index.hits_many(texts) if self.cfg.contamination.enabled else [0] * len(docs)):
-                st["in"] += 1
-                if hits:
-                    self.reject(doc, "contamination", "contamination", ngram_hits=hits)
-                    continue
-                st["out"] += 1
-                train.write(doc)
+            hits = index.hits_many([doc["text"] for doc in docs]) if self.cfg.contamination.enabled else None
+            self.take_train(docs, hits, train)
         train.close()
+        self.close_pass3(eval_info, too_short, len(index.ngrams))
+
+    def take_train(self, docs: list[dict], hits: list[int] | None, train: Any) -> None:
+        """The main side of pass 3: each train document with its n-gram hits (None: check disabled)."""
+        st = self.stats.steps["contamination"]
+        for doc, n in zip(docs, hits if hits is not None else [0] * len(docs)):
+            st["in"] += 1
+            if n:
+                self.reject(doc, "contamination", "contamination", ngram_hits=n)
+                continue
+            st["out"] += 1
+            train.write(doc)
+
+    def close_pass3(self, eval_info: dict, too_short: int, index_ngrams: int) -> None:
+        st = self.stats.steps["contamination"]
+        if self.cfg.contamination.enabled:
+            st["eval_strings_too_short"] = too_short
+        st["eval_sets"] = eval_info
+        st["index_ngrams"] = index_ngrams
         st["hits"] = st["dropped"].get("contamination", 0)
+
+
+class _ListSink:
+    """A split writer that keeps the documents (a Ray shard's train split, checked in pass 3)."""
+
+    def __init__(self) -> None:
+        self.docs: list[dict] = []
+        self.count = 0
+
+    def write(self, doc: dict) -> None:
+        self.docs.append(doc)
+        self.count += 1
+
+    def close(self) -> None:
+        pass
 
 
 def _hashing_records(sources: list, cfg: PrepareConfig, quarantine: Any, builtin: dict,
@@ -564,11 +653,13 @@ def _write_manifest(out: Path, cfg: PrepareConfig, sources: list, builtin: dict,
 def prepare_dataset(inputs: list[str] | tuple[str, ...] | str, out_dir: str | os.PathLike,
                     config: str | os.PathLike | PrepareConfig | None = None, eval_sets: Iterable[str] = (),
                     overrides: Iterable[str] = (), workers: int | None = None, *, overwrite: bool = False,
-                    show_progress: bool = False) -> dict[str, Any]:
+                    show_progress: bool = False, executor: Any = None) -> dict[str, Any]:
     """Run the whole prepare pipeline into `out_dir`; returns the stats (also in stats.json).
 
     Every input and eval set is checked before any work (FileNotFoundError / ReaderError naming
-    it); config errors raise ConfigError naming the key.
+    it); config errors raise ConfigError naming the key. `executor`: None runs here (a process
+    pool of `workers`); a `lmforge.data.executor.RayExecutor` runs the passes on its Ray cluster,
+    writing the same bytes.
     """
     t0 = time.monotonic()
     inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else [os.fspath(i) for i in inputs]
@@ -576,10 +667,14 @@ def prepare_dataset(inputs: list[str] | tuple[str, ...] | str, out_dir: str | os
     sources = resolve_inputs(inputs)
     eval_sets = _checked_eval_sets(eval_sets)
     requested = max(1, workers or os.cpu_count() or 1)
-    workers = _pool_workers(requested, sources)
+    workers = _pool_workers(requested, sources) if executor is None else executor.workers
     out = Path(out_dir)
     run = _open_run(out, cfg, overwrite)
-    pipe, builtin, warnings = _run_passes(cfg, out, sources, eval_sets, workers, show_progress)
+    if executor is None:
+        pipe, builtin, warnings = _run_passes(cfg, out, sources, eval_sets, workers, show_progress)
+    else:
+        pipe, builtin, warnings = executor.run_passes(cfg, out, sources, eval_sets)
+        shutil.rmtree(out / ".work", ignore_errors=True)
     stats = _write_stats(out, pipe, warnings, time.monotonic() - t0, workers, requested)
     manifest = _write_manifest(out, cfg, sources, builtin, eval_sets, stats)
     atomic_write_text(out / "report.md", _report(stats))
