@@ -1,13 +1,14 @@
 """`lmforge train`, `lmforge export` and `lmforge distill`: the command-line face of `lmforge.train`.
 
 Parses arguments and calls `run` / `export.export_run` / `distill.distill`. `run` is where the stage is
-chosen, once: GRPO (`grpo/trainer.py`) or the one pretrain/SFT loop (`loop.py`, which applies the
+chosen, once: GRPO (`grpo/trainer.py`), DPO (`dpo.py`, the loop with a preference loss) or the one pretrain/SFT loop (`loop.py`, which applies the
 parallelism plan). Heavy imports (torch) happen only when a verb runs, so `lmforge --help` stays fast.
 
     lmforge train configs/tiny.yaml data.path=runs/packed train.max_steps=50 --out runs/tiny
     lmforge train configs/tiny.yaml --out runs/tiny --resume
     lmforge export runs/tiny --out models/tiny
     lmforge train configs/grpo.yaml model.init=runs/reasoning/sft-model data.path=tasks.jsonl --out runs/grpo
+    lmforge train configs/dpo.yaml model.init=models/sft data.path=runs/flywheel/preferences.jsonl --out runs/dpo
     lmforge distill TEACHER --tasks tasks.jsonl --n 4 --out runs/distill
     torchrun --nproc-per-node 2 -m lmforge.train configs/tiny.yaml --out runs/ddp
 """
@@ -33,6 +34,10 @@ def run(cfg: Any, out: str | Path, resume: bool = False, overwrite: bool = False
         from .grpo.trainer import train_grpo
 
         return train_grpo(cfg, out, resume=resume, overwrite=overwrite)
+    if cfg.train.stage == "dpo":  # the loop with a preference loss (dpo.py)
+        from .dpo import train_dpo  # deferred: as above
+
+        return train_dpo(cfg, out, resume=resume, overwrite=overwrite)
     # deferred: as above
     from .loop import train as train_loop
 
@@ -74,6 +79,10 @@ def train(
         typer.echo(f"done: {res.get('steps')} GRPO steps, rollout accuracy {res.get('accuracy_first')} -> "
                    f"{res.get('accuracy_last')}, reward {res.get('reward_first')} -> {res.get('reward_last')} "
                    f"-> {record.get('experiment_id')}")
+    elif record and record.get("stage") == "dpo":
+        res = record.get("results", {})
+        typer.echo(f"done: {res.get('steps')} DPO steps, loss {res.get('final_train_loss')}, val loss "
+                   f"{res.get('final_val_loss')} -> {record.get('experiment_id')}")
     elif record:
         res = record.get("results", {})
         typer.echo(f"done: {res.get('steps')} steps, train loss {res.get('final_train_loss')}, "

@@ -1,5 +1,5 @@
 """The training stage's typed config: sections `run`, `data`, `model`, `train` (with
-`train.parallel`), `lora`, `sft`.
+`train.parallel`), `lora`, `sft`, `grpo`, `dpo`.
 
 Loaded with `lmforge.config.load_config(TrainConfig, path, ["train.lr=3e-4", ...])`, validated
 once in `TrainConfig.validate()`, and saved resolved as the run's `config.yaml`. The `model`
@@ -71,7 +71,7 @@ class ParallelSection:
 
 @dataclass
 class TrainSection:
-    stage: Literal["pretrain", "sft", "grpo"] = "pretrain"  # grpo: train/grpo/ (the `grpo` section)
+    stage: Literal["pretrain", "sft", "grpo", "dpo"] = "pretrain"  # grpo: train/grpo/; dpo: train/dpo.py
     method: Literal["full", "lora"] = "full"
     max_steps: int = 100
     batch_size: int = 8  # sequences per micro-batch per process
@@ -150,6 +150,21 @@ class SFTSection:
 
 
 @dataclass
+class DPOSection:
+    """Direct preference optimisation (Rafailov et al. 2023) on `data.path` preference pairs (train/dpo.py)."""
+
+    beta: float = 0.1  # sigmoid: scale of the implicit reward; ipo: the regulariser tau (TRL's beta)
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"  # ipo: Azar et al. 2023, log-ratios averaged per token
+    precompute_ref_log_probs: bool = False  # reference log-probs of every pair once at the start, then no reference
+
+    def validate(self) -> None:
+        if self.beta <= 0:
+            raise ConfigError(f"dpo.beta must be > 0, got {self.beta}")
+        if self.loss_type not in ("sigmoid", "ipo"):
+            raise ConfigError(f"dpo.loss_type must be sigmoid or ipo, got {self.loss_type!r}")
+
+
+@dataclass
 class TrainConfig:
     run: RunSection = field(default_factory=RunSection)
     data: DataSection = field(default_factory=DataSection)
@@ -158,17 +173,27 @@ class TrainConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     sft: SFTSection = field(default_factory=SFTSection)
     grpo: GRPOSection = field(default_factory=GRPOSection)
+    dpo: DPOSection = field(default_factory=DPOSection)
 
     def validate(self) -> TrainConfig:
         t = self.train
         if not self.data.path:
-            hint = "a packed dir from `lmforge data pack`" if t.stage == "pretrain" else "a chat JSONL file"
+            hint = {"pretrain": "a packed dir from `lmforge data pack`", "dpo": "a preference JSONL file (e.g. "
+                    "`lmforge flywheel build`'s preferences.jsonl)"}.get(t.stage, "a chat JSONL file")
             raise ConfigError(f"data.path is required: {hint} (e.g. data.path=runs/packed)")
         if t.stage == "grpo":
             if not self.model.init or t.method != "full":
                 raise ConfigError("grpo needs model.init=MODEL_DIR (an HF folder with a chat template, e.g. an "
                                   "exported SFT run) and train.method=full")
             self.grpo.validate()
+        if t.stage == "dpo":
+            if not self.model.init:
+                raise ConfigError("dpo needs model.init=MODEL_DIR (an HF folder with a tokenizer and chat template, "
+                                  "e.g. an exported SFT run): it is the policy's start and the frozen reference")
+            if t.parallel.active:
+                raise ConfigError("dpo runs on one process or under torchrun with DDP; train.parallel (tp, pp, "
+                                  "fsdp) is not supported for it")
+            self.dpo.validate()
         if t.stage == "sft" and not (self.data.tokenizer or self.model.init):
             raise ConfigError("sft needs a tokenizer: set data.tokenizer=DIR (or model.init to a dir holding one)")
         for key in ("max_steps", "batch_size", "grad_accum", "seq_len"):

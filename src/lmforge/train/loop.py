@@ -194,6 +194,11 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
+    """Pretrain / SFT; a stage with another loss (`dpo.DPOTrainer`) overrides `make_data`, `forward_backward`
+    and `evaluate`, and keeps the rest: model and LoRA, parallelism, optimizer, checkpoints, resume, record."""
+
+    fuses_loss = True  # the stage's loss is next-token cross-entropy: `TrainLoss` may compute it without logits
+
     def __init__(self, cfg: TrainConfig, out: Path, resume: bool = False, overwrite: bool = False):
         self.par = plan_for(cfg)  # checks the parallel options before anything starts
         self.cfg, self.out = cfg.validate(), Path(out)
@@ -207,7 +212,7 @@ class Trainer:
             torch.backends.cudnn.allow_tf32 = True
         seed_everything(t.seed)
         self.run = self._open_run(resume, overwrite) if self.d.main else None
-        self.data = build_data(cfg, self.d, self.device)
+        self.data = self.make_data()
         for note in self.data.notes:
             self.warn(note)
         self.shape = guards.shape_for(cfg, self.data.vocab_size)
@@ -230,7 +235,7 @@ class Trainer:
         self.checkpointer = self._checkpointer()
         if resume:
             self._restore()
-        self.fused = t.fused_loss and can_fuse(self.model)
+        self.fused = self.fuses_loss and t.fused_loss and can_fuse(self.model)
         self.fwd = self.par.wrap_data_parallel(TrainLoss(self.model) if self.fused else self.model)
         if t.compile:
             self.fwd = torch.compile(self.fwd)
@@ -245,6 +250,9 @@ class Trainer:
     def last_ckpt(self) -> Path | None:
         """The newest checkpoint this run wrote or resumed from (the checkpointer keeps it; rank 0 after a save)."""
         return self.checkpointer.last
+
+    def make_data(self) -> Data:
+        return build_data(self.cfg, self.d, self.device)
 
     def warn(self, msg: str) -> None:
         if self.d.main:
@@ -312,19 +320,7 @@ class Trainer:
         t0 = time.perf_counter()
         loader_state = self.data.train.state_dict() if self.spikes else None
         batches = [next(self.train_iter) for _ in range(t.grad_accum)]
-        local_tokens = sum(int((b["labels"] != IGNORE).sum()) for b in batches)
-        (n_tokens,) = self.d.all_sum(local_tokens)
-        n_tokens = max(n_tokens, 1.0)
-        total = torch.zeros((), device=self.device)
-        for i, batch in enumerate(batches):
-            sync = i == len(batches) - 1 or not isinstance(self.fwd, torch.nn.parallel.DistributedDataParallel)
-            with contextlib.nullcontext() if sync else self.fwd.no_sync():
-                loss_sum = self.loss_sum(self.fwd, batch)
-                # DDP averages gradients over ranks; scaling by world_size makes that a global token mean.
-                self.scaler.scale(loss_sum * (self.d.world_size / n_tokens)).backward()
-            total += loss_sum.detach()
-        (loss_total,) = self.d.all_sum(total.item())
-        loss = loss_total / n_tokens
+        loss, extra = self.forward_backward(batches)
         if not math.isfinite(loss):
             where = f"the last good checkpoint is {self.last_ckpt}" if self.last_ckpt else "no checkpoint was written yet"
             raise TrainingDiverged(f"loss is {loss} at step {self.step + 1}; {where}. "
@@ -349,8 +345,29 @@ class Trainer:
         tps = step_tokens / dt
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                 "tokens": self.tokens_seen, "dt_s": round(dt, 6), "tokens_per_s": round(tps, 2),
-                "mfu": self.mfu(tps), "mem_bytes": guards.mem_bytes(self.device),
+                "mfu": self.mfu(tps), "mem_bytes": guards.mem_bytes(self.device), **extra,
                 **({"spike": [s.metric for s in spikes], "skipped": t.skip_spikes} if spikes else {})}
+
+    def forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> tuple[float, dict[str, Any]]:
+        """Backward of the step's loss over its micro-batches (gradients accumulate); (the loss, extra metrics)."""
+        local_tokens = sum(int((b["labels"] != IGNORE).sum()) for b in batches)
+        (n_tokens,) = self.d.all_sum(local_tokens)
+        n_tokens = max(n_tokens, 1.0)
+        total = torch.zeros((), device=self.device)
+        for i, batch in enumerate(batches):
+            with self.sync_context(i == len(batches) - 1):
+                loss_sum = self.loss_sum(self.fwd, batch)
+                # DDP averages gradients over ranks; scaling by world_size makes that a global token mean.
+                self.scaler.scale(loss_sum * (self.d.world_size / n_tokens)).backward()
+            total += loss_sum.detach()
+        (loss_total,) = self.d.all_sum(total.item())
+        return loss_total / n_tokens, {}
+
+    def sync_context(self, last: bool) -> contextlib.AbstractContextManager:
+        """DDP's gradient all-reduce only on the step's last micro-batch."""
+        if last or not isinstance(self.fwd, torch.nn.parallel.DistributedDataParallel):
+            return contextlib.nullcontext()
+        return self.fwd.no_sync()
 
     def check_spikes(self, loss: float, grad_norm: float, loader_state: dict | None) -> list:
         spikes = self.spikes.check(self.step + 1, loss=loss, grad_norm=grad_norm) if self.spikes else []
@@ -540,8 +557,8 @@ def _format_row(row: dict, max_steps: int) -> str:
 def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Pretrain or fine-tune `cfg` (any parallelism) into run directory `out`; returns the final record
     (rank 0) or {} (other ranks). GRPO is its own stage (`grpo.trainer.train_grpo`; `commands.run` chooses)."""
-    if cfg.train.stage == "grpo":
-        raise ConfigError("train.stage=grpo runs through lmforge.train.commands.run (or grpo.trainer.train_grpo)")
+    if cfg.train.stage in ("grpo", "dpo"):
+        raise ConfigError(f"train.stage={cfg.train.stage} runs through lmforge.train.commands.run")
     trainer = Trainer(cfg, Path(out), resume=resume, overwrite=overwrite)
     try:
         return trainer.fit()

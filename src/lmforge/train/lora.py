@@ -27,7 +27,9 @@ This module knows nothing about data, optimizers or the training loop.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -208,6 +210,19 @@ def _lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def is_lora(model: nn.Module) -> bool:
     return bool(_lora_layers(model))
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` computing as its base alone (every adapter off), e.g. DPO's reference; adapters back on after."""
+    layers = [m for _, m in _lora_layers(model)]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
 
 
 def merge_lora(model: Transformer, inplace: bool = False) -> Transformer:
