@@ -46,11 +46,12 @@ from lmforge.registry import Registry  # noqa: E402
 from lmforge.bench.serve import BenchConfig, bench_serve  # noqa: E402
 from lmforge.serve.testing import spawn_server, stop_server  # noqa: E402
 
-KEY = "bench-ops-key"
+KEY, ADMIN_KEY = "bench-ops-key", "bench-ops-admin-key"
 
 
 def start(args: list[str], port: int):
-    return spawn_server([*args, "--log-level", "warning", "--api-key", KEY, "--max-model-len", "512"], port)
+    return spawn_server([*args, "--log-level", "warning", "--api-key", KEY, "--admin-api-key", ADMIN_KEY,
+                         "--max-model-len", "512"], port)
 
 
 stop = stop_server
@@ -62,7 +63,7 @@ def bench(url: str, n: int, c: int, seed: int) -> dict:
 
 
 def reload(url: str) -> dict:
-    r = httpx.post(url + "/admin/reload", headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
+    r = httpx.post(url + "/admin/reload", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=300)
     r.raise_for_status()
     return r.json()
 

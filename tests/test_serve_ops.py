@@ -141,11 +141,12 @@ def test_reload_swaps_versions_with_no_failed_request(model_dir, tmp_path):
     other = tmp_path / "v2"
     shutil.copytree(model_dir, other)
     target = {"champion": ("1", loader(model_dir), str(model_dir))}
-    app = build_app(loader(model_dir), ServerConfig(MODEL, api_key="k", versions=VersionsConfig(
+    app = build_app(loader(model_dir), ServerConfig(MODEL, api_key="k", admin_api_key="admin", versions=VersionsConfig(
         version="1", reloader=lambda: dict(target))))
     with ServerThread(app) as srv:
         _ready(srv)
-        assert httpx.post(srv.url + "/admin/reload").status_code == 401  # the key is required
+        assert httpx.post(srv.url + "/admin/reload").status_code == 401  # the admin key is required ...
+        assert httpx.post(srv.url + "/admin/reload", headers=KEY).status_code == 401  # ... not the inference key
         old_engine = app.state.server.router.champion.engine
 
         async def stream(c: httpx.AsyncClient, i: int) -> tuple[str, str]:
@@ -161,7 +162,7 @@ def test_reload_swaps_versions_with_no_failed_request(model_dir, tmp_path):
                 before = [asyncio.create_task(stream(c, i)) for i in range(8)]
                 await asyncio.sleep(0.2)
                 target["champion"] = ("2", loader(other), str(other))
-                reload = await c.post("/admin/reload", headers=KEY)
+                reload = await c.post("/admin/reload", headers={"Authorization": "Bearer admin"})
                 after = await asyncio.gather(*(stream(c, i) for i in range(4)))
                 return await asyncio.gather(*before), reload, after
 

@@ -18,8 +18,9 @@ chat templates on a worker thread and checks prompt + max_tokens against the con
 anything reaches an engine (a bad request is a 400, never a broken stream); it turns engine
 timestamps into Prometheus histograms outside the step loop (`metrics.py`); it aborts a request
 whose client went away; admission control (`--max-waiting`: 429 while that many sequences wait for
-a first token, `guard.Admission`); limits before work (`guard.py`: the API key before the body is
-read, a body size limit and read timeout, a length bound before tokenizing). Failure: a dead engine
+a first token, `guard.Admission`); limits before work (`guard.py`: the API key, or the separate admin
+key, before the body is read, a body size limit and deadlines, a length bound before tokenizing;
+`connection.py`: header deadline, idle timeout, connection cap, lingering close). Failure: a dead engine
 is restarted (up to `max_engine_restarts`, counted in /metrics), then the server stops non-zero;
 at shutdown every request still running is aborted before the listener's grace period ends, so
 each stream ends with `finish_reason: "abort"` and `[DONE]`.
@@ -140,8 +141,9 @@ def build_app(engine: EngineOrLoader, config: ServerConfig) -> FastAPI:
     app.state.server = state
     count_error = lambda status: state.metrics and state.metrics.count_error(status)  # noqa: E731
     install_error_handlers(app, on_error=count_error)
-    app.add_middleware(GuardMiddleware, api_key=config.api_key, limits=config.limits,
-                       max_model_len_fn=lambda: state.max_model_len or 2048, on_error=count_error)
+    app.add_middleware(GuardMiddleware, api_key=config.api_key, admin_api_key=config.admin_api_key,
+                       limits=config.limits, max_model_len_fn=lambda: state.max_model_len or 2048,
+                       on_error=count_error)
     _add_health_routes(app, state)
     _add_info_routes(app, state)
     _add_openai_routes(app, state)

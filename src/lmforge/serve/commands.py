@@ -33,51 +33,89 @@ from .config import ListenConfig, ServerConfig, ServerLimits, VersionsConfig
 if TYPE_CHECKING:
     from lmforge.engine import EngineConfig
 
+# `lmforge serve`'s options, one alias each, so the verb's signature reads as a list of flags.
+ModelDirOpt = Annotated[Optional[Path], typer.Argument(
+    help="A Hugging Face layout model directory (with tokenizer files); or use --registry/--model.")]
+RegistryOpt = Annotated[Optional[Path], typer.Option(
+    help="Serve versions from this registry (SQLite file; `lmforge registry`) instead of MODEL_DIR.")]
+CanaryOpt = Annotated[float, typer.Option(
+    help="With --registry: percent of requests for the `challenger` alias (sticky per `user`).")]
+LogRequestsOpt = Annotated[bool, typer.Option(
+    help="Store every exchange (PII masked) in --feedback-db, for /v1/feedback and the flywheel.")]
+FeedbackDbOpt = Annotated[Optional[Path], typer.Option(
+    help="Feedback store (SQLite) [default: $LMFORGE_HOME/feedback.db]; enables POST /v1/feedback.")]
+ServedModelNameOpt = Annotated[Optional[str], typer.Option(
+    help="The model id clients send (default: the directory's name).")]
+ApiKeyOpt = Annotated[Optional[str], typer.Option(
+    envvar="LMFORGE_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*.")]
+AdminApiKeyOpt = Annotated[Optional[str], typer.Option(
+    envvar="LMFORGE_ADMIN_API_KEY",
+    help="Turn on /admin/* (reload versions) behind this key, distinct from --api-key (default: admin off).")]
+MaxWaitingOpt = Annotated[Optional[int], typer.Option(
+    help="Answer 429 while this many requests wait for their first token (default: unbounded).")]
+NumKvBlocksOpt = Annotated[Optional[int], typer.Option(help="KV pool size in blocks (default: from memory).")]
+KvCacheDtypeOpt = Annotated[str, typer.Option(
+    help="auto (the model's dtype) | int8 (a scale per token per head: ~2x the tokens per byte).")]
+TensorParallelSizeOpt = Annotated[int, typer.Option(
+    help="Split the model's layers over this many processes (CUDA: one GPU each), as vLLM's flag.")]
+ShutdownTimeoutOpt = Annotated[float, typer.Option(
+    help="Seconds in-flight requests get to finish after SIGTERM/SIGINT.")]
+EngineProcessOpt = Annotated[bool, typer.Option(
+    help="Run the engine in its own process (no GIL shared with the HTTP event loop), as vLLM does.")]
+MaxBodyBytesOpt = Annotated[Optional[int], typer.Option(
+    help="Largest request body; 413 above (default: 1 MiB + 128 bytes per token of context).")]
+ReadTimeoutOpt = Annotated[float, typer.Option(
+    help="Seconds to wait for the next piece of a request body; 408 after.")]
+BodyTimeoutOpt = Annotated[float, typer.Option(
+    help="Seconds for a whole request body, however it trickles in; 408 after.")]
+HeaderTimeoutOpt = Annotated[float, typer.Option(
+    help="Seconds for a request's headers (and a new connection's first request); 408 after.")]
+KeepAliveTimeoutOpt = Annotated[float, typer.Option(
+    help="Seconds an idle keep-alive connection stays open between requests.")]
+MaxConnectionsOpt = Annotated[int, typer.Option(
+    help="Open connections at most; one more is answered 503 and closed.")]
+AdminRateOpt = Annotated[int, typer.Option(
+    help="Requests a minute per client address on /admin/*; 429 past it.")]
+MaxEngineRestartsOpt = Annotated[int, typer.Option(
+    help="Restart a dead engine this many times; then exit 3 so a supervisor learns.")]
+
+
 def serve(
-    model_dir: Annotated[Optional[Path], typer.Argument(
-        help="A Hugging Face layout model directory (with tokenizer files); or use --registry/--model.")] = None,
-    registry: Annotated[Optional[Path], typer.Option(
-        help="Serve versions from this registry (SQLite file; `lmforge registry`) instead of MODEL_DIR.")] = None,
+    model_dir: ModelDirOpt = None,
+    registry: RegistryOpt = None,
     model: Annotated[Optional[str], typer.Option(help="With --registry: the registered model's name.")] = None,
-    canary: Annotated[float, typer.Option(
-        help="With --registry: percent of requests for the `challenger` alias (sticky per `user`).")] = 0.0,
-    log_requests: Annotated[bool, typer.Option(
-        help="Store every exchange (PII masked) in --feedback-db, for /v1/feedback and the flywheel.")] = False,
-    feedback_db: Annotated[Optional[Path], typer.Option(
-        help="Feedback store (SQLite) [default: $LMFORGE_HOME/feedback.db]; enables POST /v1/feedback.")] = None,
+    canary: CanaryOpt = 0.0,
+    log_requests: LogRequestsOpt = False,
+    feedback_db: FeedbackDbOpt = None,
     host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
-    served_model_name: Annotated[Optional[str], typer.Option(
-        help="The model id clients send (default: the directory's name).")] = None,
-    api_key: Annotated[Optional[str], typer.Option(
-        envvar="LMFORGE_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*.")] = None,
-    max_waiting: Annotated[Optional[int], typer.Option(
-        help="Answer 429 while this many requests wait for their first token (default: unbounded).")] = None,
+    served_model_name: ServedModelNameOpt = None,
+    api_key: ApiKeyOpt = None,
+    admin_api_key: AdminApiKeyOpt = None,
+    max_waiting: MaxWaitingOpt = None,
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16.")] = "auto",
     device: Annotated[str, typer.Option(help="auto | cpu | cuda[:N].")] = "auto",
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
-    num_kv_blocks: Annotated[Optional[int], typer.Option(help="KV pool size in blocks (default: from memory).")] = None,
+    num_kv_blocks: NumKvBlocksOpt = None,
     kv_cache_memory_bytes: Annotated[Optional[int], typer.Option(help="KV pool budget in bytes.")] = None,
-    kv_cache_dtype: Annotated[str, typer.Option(
-        help="auto (the model's dtype) | int8 (a scale per token per head: ~2x the tokens per byte).")] = "auto",
+    kv_cache_dtype: KvCacheDtypeOpt = "auto",
     max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one step.")] = 128,
     max_num_batched_tokens: Annotated[int, typer.Option(help="Per-step token budget.")] = 2048,
     max_model_len: Annotated[Optional[int], typer.Option(help="Context length (default: the model's).")] = None,
     enable_prefix_caching: Annotated[bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes.")] = True,
     seed: Annotated[int, typer.Option(help="Seed for requests without one.")] = 0,
-    tensor_parallel_size: Annotated[int, typer.Option(
-        help="Split the model's layers over this many processes (CUDA: one GPU each), as vLLM's flag.")] = 1,
-    shutdown_timeout: Annotated[float, typer.Option(
-        help="Seconds in-flight requests get to finish after SIGTERM/SIGINT.")] = 10.0,
+    tensor_parallel_size: TensorParallelSizeOpt = 1,
+    shutdown_timeout: ShutdownTimeoutOpt = 10.0,
     log_level: Annotated[str, typer.Option(help="debug | info | warning.")] = "info",
-    engine_process: Annotated[bool, typer.Option(
-        help="Run the engine in its own process (no GIL shared with the HTTP event loop), as vLLM does.")] = True,
-    max_body_bytes: Annotated[Optional[int], typer.Option(
-        help="Largest request body; 413 above (default: 1 MiB + 128 bytes per token of context).")] = None,
-    read_timeout: Annotated[float, typer.Option(
-        help="Seconds to wait for the next piece of a request body; 408 after.")] = ServerLimits.read_timeout_s,
-    max_engine_restarts: Annotated[int, typer.Option(
-        help="Restart a dead engine this many times; then exit 3 so a supervisor learns.")] = ServerLimits.max_engine_restarts,
+    engine_process: EngineProcessOpt = True,
+    max_body_bytes: MaxBodyBytesOpt = None,
+    read_timeout: ReadTimeoutOpt = ServerLimits.read_timeout_s,
+    body_timeout: BodyTimeoutOpt = ServerLimits.body_timeout_s,
+    header_timeout: HeaderTimeoutOpt = ServerLimits.header_timeout_s,
+    keep_alive_timeout: KeepAliveTimeoutOpt = ServerLimits.keep_alive_timeout_s,
+    max_connections: MaxConnectionsOpt = ServerLimits.max_connections,
+    admin_rate: AdminRateOpt = ServerLimits.admin_requests_per_minute,
+    max_engine_restarts: MaxEngineRestartsOpt = ServerLimits.max_engine_restarts,
 ) -> None:
     """Serve MODEL_DIR over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
     with /health, /metrics (Prometheus, vLLM's names) and /version."""
@@ -87,10 +125,15 @@ def serve(
                             kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
                             tensor_parallel_size=tensor_parallel_size)
-    limits = _server_limits(max_waiting, max_body_bytes, read_timeout, max_engine_restarts, shutdown_timeout)
+    limits = _server_limits(max_waiting=max_waiting, max_body_bytes=max_body_bytes, read_timeout_s=read_timeout,
+                            body_timeout_s=body_timeout, header_timeout_s=header_timeout,
+                            keep_alive_timeout_s=keep_alive_timeout, max_connections=max_connections,
+                            admin_requests_per_minute=admin_rate, max_engine_restarts=max_engine_restarts)
+    if shutdown_timeout < 0:
+        _usage_error("--shutdown-timeout must be >= 0")
     preflight(model_dir, dtype, device, max_num_seqs, max_model_len, kv_cache_memory_bytes)
-    server = _server_config(served_model_name or model or model_dir.name, api_key, limits, log_requests,
-                            feedback_db, registry is not None)
+    server = _server_config(served_model_name or model or model_dir.name, (api_key, admin_api_key), limits,
+                            log_requests, feedback_db, registry is not None)
     raise typer.Exit(run_server(config, server, ListenConfig(host, port, shutdown_timeout, log_level), engine_process,
                                 registry=(registry, model) if registry else None, canary=canary))
 
@@ -140,20 +183,29 @@ def _engine_config(**kwargs) -> EngineConfig:
         raise typer.Exit(2) from None
 
 
-def _server_limits(max_waiting: int | None, max_body_bytes: int | None, read_timeout: float,
-                   max_engine_restarts: int, shutdown_timeout: float) -> ServerLimits:
-    """The request limits from the flags, each checked against its lowest sensible value (exit 2)."""
-    for name, value, low in (("--max-waiting", max_waiting, 0), ("--max-body-bytes", max_body_bytes, 1024),
-                             ("--read-timeout", read_timeout, 0.001), ("--max-engine-restarts", max_engine_restarts, 0),
-                             ("--shutdown-timeout", shutdown_timeout, 0)):
-        if value is not None and value < low:
-            _usage_error(f"{name} must be >= {low}")
-    return ServerLimits(max_body_bytes=max_body_bytes, read_timeout_s=read_timeout, max_waiting=max_waiting,
-                        max_engine_restarts=max_engine_restarts)
+_FLAGS = {"max_waiting": "--max-waiting", "max_body_bytes": "--max-body-bytes", "read_timeout_s": "--read-timeout",
+          "body_timeout_s": "--body-timeout", "header_timeout_s": "--header-timeout",
+          "keep_alive_timeout_s": "--keep-alive-timeout", "max_connections": "--max-connections",
+          "admin_requests_per_minute": "--admin-rate", "max_engine_restarts": "--max-engine-restarts"}
 
 
-def _server_config(served_model_name: str, api_key: str | None, limits: ServerLimits, log_requests: bool,
-                   feedback_db: Path | None, from_registry: bool) -> ServerConfig:
+def _server_limits(**values) -> ServerLimits:
+    """The request limits from the flags; a value ServerLimits refuses exits 2 naming the flag."""
+    if values["max_waiting"] is not None and values["max_waiting"] < 0:
+        _usage_error("--max-waiting must be >= 0")
+    if values["max_body_bytes"] is not None and values["max_body_bytes"] < 1024:
+        _usage_error("--max-body-bytes must be >= 1024")
+    if values["max_engine_restarts"] < 0:
+        _usage_error("--max-engine-restarts must be >= 0")
+    try:
+        return ServerLimits(**values)
+    except ValueError as e:
+        field_name = str(e).split("=", 1)[0].removeprefix("ServerLimits.")
+        _usage_error(f"{_FLAGS.get(field_name, field_name)}: {str(e).split(': ', 1)[-1]}")
+
+
+def _server_config(served_model_name: str, keys: tuple[str | None, str | None], limits: ServerLimits,
+                   log_requests: bool, feedback_db: Path | None, from_registry: bool) -> ServerConfig:
     """The app's settings; a feedback store (--feedback-db, by default `feedback.db` beside the registry's
     default store) when requests are logged, a store is named, or versions come from a registry."""
     feedback = None
@@ -162,7 +214,11 @@ def _server_config(served_model_name: str, api_key: str | None, limits: ServerLi
         from lmforge.registry.store import default_path
 
         feedback = FeedbackStore(feedback_db or default_path().with_name("feedback.db"))
-    return ServerConfig(served_model_name, api_key, limits, feedback=feedback, log_requests=log_requests)
+    api_key, admin_api_key = keys
+    if admin_api_key is not None and admin_api_key == api_key:
+        _usage_error("--admin-api-key must differ from --api-key: an inference client must not administer")
+    return ServerConfig(served_model_name, api_key, limits, admin_api_key=admin_api_key, feedback=feedback,
+                        log_requests=log_requests)
 
 
 def preflight(model_dir: Path, dtype: str, device: str, max_num_seqs: int, max_model_len: int | None,
@@ -270,6 +326,8 @@ def _uvicorn_server(fastapi_app, listen: ListenConfig):
     for good, and in-flight requests aborted `listen.shutdown_timeout` seconds into the shutdown."""
     import uvicorn  # deferred: only `lmforge serve` needs it, not every CLI verb
 
+    from .connection import uvicorn_config  # deferred: uvicorn, as above
+
     state = fastapi_app.state.server
 
     class Server(uvicorn.Server):
@@ -299,5 +357,5 @@ def _uvicorn_server(fastapi_app, listen: ListenConfig):
             finally:
                 timer.cancel()
 
-    return Server(uvicorn.Config(fastapi_app, host=listen.host, port=listen.port, log_level=listen.log_level,
+    return Server(uvicorn_config(fastapi_app, host=listen.host, port=listen.port, log_level=listen.log_level,
                                  access_log=False, timeout_graceful_shutdown=listen.shutdown_timeout + ABORT_GRACE_S))

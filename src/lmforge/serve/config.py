@@ -26,6 +26,13 @@ class ServerLimits:
 
     max_body_bytes: int | None = None  # None: sized for the context, see body_limit()
     read_timeout_s: float = 30.0  # longest wait for the next piece of a request body
+    body_timeout_s: float = 60.0  # the whole body, however it trickles in (408 after)
+    header_timeout_s: float = 10.0  # request line + headers from the connection's first byte (408 after)
+    keep_alive_timeout_s: float = 5.0  # an idle connection between requests is closed after this
+    max_connections: int | None = 1024  # open connections; one more is answered 503 and closed
+    linger_s: float = 5.0  # lingering close: how long a refused client may finish sending ...
+    linger_bytes: int = 64 * 2**20  # ... and how much of it is read and dropped
+    admin_requests_per_minute: int = 12  # per client address, on /admin/* (429 past it)
     max_waiting: int | None = None  # sequences admitted without a first token yet (None: unbounded)
     max_stop_strings: int = 16
     max_stop_len: int = 256  # characters per stop string
@@ -37,6 +44,15 @@ class ServerLimits:
         if self.max_body_bytes is not None:
             return self.max_body_bytes
         return 2**20 + 16 * 8 * max_model_len
+
+    def __post_init__(self) -> None:
+        for name in ("read_timeout_s", "body_timeout_s", "header_timeout_s", "keep_alive_timeout_s", "linger_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ServerLimits.{name}={getattr(self, name)}: must be > 0 seconds")
+        for name in ("max_connections", "admin_requests_per_minute", "linger_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"ServerLimits.{name}={value}: must be >= 1")
 
 
 @dataclass
@@ -69,10 +85,13 @@ class ServerConfig:
     versions: VersionsConfig = field(default_factory=VersionsConfig)
     feedback: Any = None
     log_requests: bool = False
+    admin_api_key: str | None = None  # required on /admin/*; without it the admin routes are off (403)
 
     def __post_init__(self) -> None:
         if self.log_interval_s <= 0:
             raise ValueError(f"log_interval_s={self.log_interval_s}: must be > 0")
+        if self.admin_api_key is not None and self.admin_api_key == self.api_key:
+            raise ValueError("admin_api_key must differ from api_key: an inference client must not administer")
 
 
 @dataclass

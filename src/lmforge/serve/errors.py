@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 # status -> OpenAI's error `type` for that status
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               403: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+               403: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
                429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
 log = logging.getLogger("lmforge.serve")
 
@@ -109,10 +109,12 @@ _ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error"
     "type": "object", "required": ["message", "type"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
-_WHY = {400: "Invalid request (OpenAI error JSON; FastAPI's 422 is answered as 400)", 401: "Missing or invalid API key",
-        403: "Admin endpoints need the server to run with --api-key",
+_WHY = {400: "Invalid request (OpenAI error JSON; FastAPI's 422 is answered as 400)",
+        401: "Missing or invalid API key (on /admin/*: the admin key)",
+        403: "Admin endpoints are off: the server runs without --admin-api-key",
         404: "Unknown model or completion id, or a feature this server was not started with", 408: "The request body did not arrive in time", 413: "Request body too large",
-        429: "Waiting queue full; retry later", 500: "Internal error (no internals in the body)",
+        409: "The registry names no champion to load",
+        429: "Waiting queue full, or too many admin requests; retry later", 500: "Internal error (no internals in the body)",
         503: "Engine loading, restarting or stopped"}
 
 
@@ -139,7 +141,7 @@ def document_errors(app: FastAPI, auth: bool) -> None:
                 if path.startswith("/v1/") and method == "post":
                     statuses |= {404, 429}
                 if path.startswith("/admin/"):
-                    statuses |= {403, 404, 503} | ({401} if auth else set())
+                    statuses |= {401, 403, 404, 409, 429, 503}
                 if path.startswith("/health"):
                     statuses |= {503}
                 for status in sorted(statuses):

@@ -2,11 +2,13 @@
 
 * `ServerLimits` (defined in `config.py`, with the rest of the server's settings): every limit in one
   place, with the defaults `lmforge serve` uses (docs/serving.md lists them with their flags).
-* `GuardMiddleware` (pure ASGI, outermost): the API key is checked from the headers before a byte of
-  the body is read; a POST body is read here, in full, under a size limit (413) and a per-read
-  timeout (408, so a slow client cannot hold a connection forever), then replayed to the app. No
-  handler ever sees a body larger than the limit, so nothing downstream can be made to allocate
-  gigabytes.
+* `GuardMiddleware` (pure ASGI, outermost): the keys are checked from the headers before a byte of
+  the body is read (`/v1/*` the API key; `/admin/*` its own admin key, off without one, and a rate
+  per client address); a POST body is read here, in full, under a size limit (413), a per-read and
+  a whole-body deadline (408, so a slow client cannot hold a connection forever), then replayed to
+  the app. No handler ever sees a body larger than the limit, so nothing downstream can be made to
+  allocate gigabytes. The connection-level limits (header deadline, idle timeout, connection cap,
+  lingering close) are `connection.py`'s.
 * `Admission`: sequences admitted but without a first token yet, checked and reserved in one
   synchronous step (no await between the check and the count, so a burst cannot slip past
   `--max-waiting`).
@@ -23,10 +25,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import time
+
 from .config import ServerLimits
 from .errors import OpenAIError, bad_request
 
-AUTH_PREFIXES = ("/v1/", "/admin/")
+V1_PREFIX, ADMIN_PREFIX = "/v1/", "/admin/"
 BODY_METHODS = (b"POST", b"PUT", b"PATCH")
 
 
@@ -38,86 +42,128 @@ def _json_error(status: int, message: str, code: str, headers: dict[str, str] | 
 
 
 class GuardMiddleware:
-    """Auth first, then the body under a size limit and a read timeout; counts what it refuses."""
+    """Keys and rates first (from the headers, before a byte of the body), then the body under a size
+    limit, a per-read and a whole-body deadline; counts what it refuses. Every refusal closes the
+    connection, and the lingering close (`connection.py`) lets a client still sending read it."""
 
-    def __init__(self, app, api_key: str | None, limits: ServerLimits, max_model_len_fn, on_error=None):
-        self.app, self.api_key, self.limits = app, api_key, limits
+    def __init__(self, app, api_key: str | None, limits: ServerLimits, max_model_len_fn, on_error=None,
+                 admin_api_key: str | None = None):
+        self.app, self.api_key, self.admin_api_key, self.limits = app, api_key, admin_api_key, limits
         self.max_model_len_fn, self.on_error = max_model_len_fn, on_error
+        self.admin_rate = RateLimiter(limits.admin_requests_per_minute)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.api_key is not None and scope["path"].startswith(AUTH_PREFIXES) and not self._authorized(scope):
-            return await self._refuse(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                      "invalid_api_key", {"www-authenticate": "Bearer"})
+        refusal = self._check_headers(scope)
+        if refusal is not None:
+            return await self._refuse(send, *refusal)
         if scope["method"].encode() not in BODY_METHODS:
             return await self.app(scope, receive, send)
-        limit = self.limits.body_limit(self.max_model_len_fn())
-        declared = _header(scope, b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _drain(receive, limit)
-            return await self._refuse(send, 413, f"the request body ({int(declared)} bytes) is larger than this "
-                                      f"server's limit ({limit} bytes, --max-body-bytes)", "body_too_large")
-        chunks, size, more = [], 0, True
-        while more:
-            try:
-                message = await asyncio.wait_for(receive(), self.limits.read_timeout_s)
-            except asyncio.TimeoutError:
-                return await self._refuse(send, 408, f"the request body did not arrive within "
-                                          f"{self.limits.read_timeout_s:g} s (--read-timeout)", "request_timeout")
-            if message["type"] == "http.disconnect":
-                return None
-            body = message.get("body", b"")
-            size += len(body)
-            if size > limit:
-                if message.get("more_body", False):
-                    await _drain(receive, limit)
-                return await self._refuse(send, 413, f"the request body is larger than this server's limit "
-                                          f"({limit} bytes, --max-body-bytes)", "body_too_large")
-            chunks.append(body)
-            more = message.get("more_body", False)
+        body = await self._read_body(scope, receive, send)
+        if body is None:
+            return None
         replayed = False
 
         async def replay():
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # after the body: the disconnect a handler may wait for
 
         return await self.app(scope, replay, send)
 
-    def _authorized(self, scope) -> bool:
-        auth = (_header(scope, b"authorization") or "").strip()
-        scheme, _, token = auth.partition(" ")
-        # constant time: the comparison must not tell an attacker how much of a guess was right
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+    def _check_headers(self, scope) -> tuple | None:
+        """(status, message, code[, headers]) of a refusal decided from the headers alone, or None."""
+        path = scope["path"]
+        if path.startswith(ADMIN_PREFIX):
+            client = (scope.get("client") or ("?",))[0]
+            wait = self.admin_rate.take(client)
+            if wait > 0:
+                return (429, f"too many admin requests from {client} (at most "
+                        f"{self.limits.admin_requests_per_minute} a minute); retry in {wait:.0f} s",
+                        "rate_limit_exceeded", {"retry-after": str(max(1, round(wait)))})
+            if self.admin_api_key is None:
+                return 403, "admin endpoints are off: start the server with --admin-api-key", "forbidden"
+            if not _bearer_matches(scope, self.admin_api_key):
+                return (401, "missing or invalid admin key: send 'Authorization: Bearer <admin key>' "
+                        "(--admin-api-key; the inference key does not open /admin/*)", "invalid_api_key",
+                        {"www-authenticate": "Bearer"})
+        elif self.api_key is not None and path.startswith(V1_PREFIX) and not _bearer_matches(scope, self.api_key):
+            return (401, "missing or invalid API key: send 'Authorization: Bearer <key>'", "invalid_api_key",
+                    {"www-authenticate": "Bearer"})
+        return None
+
+    async def _read_body(self, scope, receive, send) -> bytes | None:
+        """The whole body, or None once a refusal (413, 408) is sent or the client has gone."""
+        limits = self.limits
+        limit = limits.body_limit(self.max_model_len_fn())
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return await self._refuse(send, 413, f"the request body ({int(declared)} bytes) is larger than this "
+                                      f"server's limit ({limit} bytes, --max-body-bytes)", "body_too_large")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limits.body_timeout_s
+        chunks, size, more = [], 0, True
+        while more:
+            wait = min(limits.read_timeout_s, deadline - loop.time())
+            try:
+                message = await asyncio.wait_for(receive(), max(wait, 0))
+            except asyncio.TimeoutError:
+                which = ("--read-timeout: no byte for {:g} s".format(limits.read_timeout_s)
+                         if wait == limits.read_timeout_s else
+                         "--body-timeout: the whole body within {:g} s".format(limits.body_timeout_s))
+                return await self._refuse(send, 408, f"the request body did not arrive in time ({which})",
+                                          "request_timeout")
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                return await self._refuse(send, 413, f"the request body is larger than this server's limit "
+                                          f"({limit} bytes, --max-body-bytes)", "body_too_large")
+            more = message.get("more_body", False)
+        return b"".join(chunks)
 
     async def _refuse(self, send, status: int, message: str, code: str, headers: dict[str, str] | None = None):
         if self.on_error is not None:
             self.on_error(status)
         body, head = _json_error(status, message, code, headers)
-        if status in (408, 413):
-            head.append((b"connection", b"close"))  # the rest of the body is not worth reading
+        # the rest of the body is not worth reading: close (lingering, so the client still reads this)
+        head.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": status, "headers": head})
         await send({"type": "http.response.body", "body": body})
+        return None
 
 
-async def _drain(receive, limit: int, max_s: float = 1.0) -> None:
-    """Read and drop what is left of a refused body, up to 2 x `limit` more bytes or `max_s` seconds,
-    before the 413 goes out. The connection is closed after the reply, and a socket closed with
-    unread bytes in its receive buffer sends a reset, which can destroy the reply before the client
-    has read it (a client that overshoots the limit a little then sees 'connection closed' instead
-    of the 413). A body far over the limit still gets its 413 after at most `max_s`."""
-    deadline, left = asyncio.get_running_loop().time() + max_s, 2 * limit
-    while left > 0:
-        try:
-            message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
-        except asyncio.TimeoutError:
-            return
-        if message["type"] == "http.disconnect" or not message.get("more_body", False):
-            return
-        left -= len(message.get("body", b""))
+def _bearer_matches(scope, key: str) -> bool:
+    auth = (_header(scope, b"authorization") or "").strip()
+    scheme, _, token = auth.partition(" ")
+    # constant time: the comparison must not tell an attacker how much of a guess was right
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+class RateLimiter:
+    """A token bucket per client address: `per_minute` requests a minute, a burst of at most that many.
+    `take(client)` spends one and returns 0, or the seconds until one is free. At most `max_clients`
+    addresses are remembered (the oldest forgotten), so a scan of addresses cannot grow it."""
+
+    def __init__(self, per_minute: int, max_clients: int = 4096, clock=time.monotonic):
+        self.rate, self.burst, self.max_clients, self.clock = per_minute / 60.0, float(per_minute), max_clients, clock
+        self.buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, when)
+
+    def take(self, client: str) -> float:
+        now = self.clock()
+        tokens, when = self.buckets.pop(client, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - when) * self.rate)
+        if len(self.buckets) >= self.max_clients:
+            self.buckets.pop(next(iter(self.buckets)))
+        if tokens < 1:
+            self.buckets[client] = (tokens, now)
+            return (1 - tokens) / self.rate
+        self.buckets[client] = (tokens - 1, now)
+        return 0.0
 
 
 def _header(scope, name: bytes) -> str | None:

@@ -4,7 +4,10 @@ Field names, defaults and ranges are OpenAI's (vLLM's extras `top_k`, `min_token
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens` too). Integers are
 strict and 64-bit, so `true` is never token id 1 and no value overflows the engine's tensors. Type and range
 errors become 400s through FastAPI's validation (see `errors.py`); the rest is checked once, by
-`SamplingParams`. Unknown fields are ignored, as OpenAI's clients send some we do not use.
+`SamplingParams`. A field that would change what the answer means if it were ignored
+(`response_format`, `tools`, `best_of`, an image part, ...) is either implemented or refused with a
+400 naming it (`unsupported()`, `REFUSED`); other unknown fields are ignored, as OpenAI's clients send
+some that change nothing here (`IGNORED` lists the known ones; docs/serving.md too).
 
 Responses are built as plain dicts in `app.py` rather than pydantic models: a streamed reply
 serializes one chunk per token per request, and `json.dumps` of a small dict is several times
@@ -16,12 +19,40 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
+import math
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_validator
 
 from lmforge.engine import SamplingParams
 
 MAX_N = 16  # samples per prompt: each holds a sequence slot and its own KV blocks
 INT64 = 2**63
+MAX_LOGIT_BIAS = 300  # entries, OpenAI's documented limit
+MAX_USER_LEN = 256  # an end-user id, not a document: it is stored with every logged exchange
+
+# Fields that change what an answer means, refused with a 400 naming them until implemented
+# (field -> why). A value that asks for nothing (`tool_choice: "none"`, `modalities: ["text"]`) passes.
+REFUSED = {
+    "response_format": "structured outputs (json_object / json_schema) are not supported by this server yet",
+    "tools": "tool calling is not supported by this server yet",
+    "tool_choice": "tool calling is not supported by this server yet",
+    "functions": "function calling (legacy `functions`) is not supported; and `tools` is not supported yet",
+    "function_call": "function calling (legacy `function_call`) is not supported",
+    "best_of": "best_of (server-side selection among samples) is not supported; ask for n samples instead",
+    "modalities": "only text output is supported (modalities: [\"text\"])",
+    "audio": "audio output is not supported",
+    "web_search_options": "web search is not supported",
+    "guided_json": "guided decoding is not supported by this server yet",
+    "guided_regex": "guided decoding is not supported by this server yet",
+    "guided_choice": "guided decoding is not supported by this server yet",
+    "guided_grammar": "guided decoding is not supported by this server yet",
+    "structured_outputs": "structured outputs are not supported by this server yet",
+}
+# Known fields that change nothing about the answer here: accepted and ignored.
+IGNORED = ("store", "metadata", "service_tier", "parallel_tool_calls", "prediction", "reasoning_effort",
+           "verbosity", "prompt_cache_key", "safety_identifier", "stream_options.include_obfuscation")
+_NOTHING_ASKED = {"tool_choice": ("none",), "modalities": (["text"],), "parallel_tool_calls": (True, False),
+                  "response_format": ({"type": "text"},)}
 
 
 def _not_bool(v):
@@ -30,9 +61,19 @@ def _not_bool(v):
     return v
 
 
+def _json_number(v):
+    """A JSON number: not a boolean, not a string that looks like one ("1"), not NaN or infinity."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError("a JSON number is required")
+    if not math.isfinite(v):
+        raise ValueError("a finite number is required (NaN and infinity are not numbers in JSON)")
+    return v
+
+
 # Integers are strict (no `true` as token id 1, no 3.0); numbers accept ints but not booleans.
 Int = StrictInt
 Number = Annotated[float, BeforeValidator(_not_bool)]
+StrictNumber = Annotated[float, BeforeValidator(_json_number)]
 
 
 class StreamOptions(BaseModel):
@@ -40,7 +81,7 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept to be checked against REFUSED, then ignored
 
     model: str | None = None  # None = the served model
     n: Int = Field(1, ge=1, le=MAX_N)
@@ -60,7 +101,28 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=MAX_USER_LEN)
+    logit_bias: dict[str, StrictNumber] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias):
+        """OpenAI's shape: token id (as a JSON object key, so a string) -> bias in [-100, 100]."""
+        for key, value in (bias or {}).items():
+            if not key.isdigit() or int(key) >= INT64:
+                raise ValueError(f"key {key!r}: keys are token ids written as strings, e.g. {{\"50256\": -100}}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"token {key}: a bias is in [-100, 100], got {value}")
+        return bias
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) of the first field this server cannot honour, or None."""
+        extra = self.model_extra or {}
+        for name, why in REFUSED.items():
+            value = extra.get(name, getattr(self, name, None))
+            if value is not None and value not in _NOTHING_ASKED.get(name, ()):
+                return name, why
+        return None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field (SamplingParams validates)."""
@@ -94,20 +156,34 @@ class CompletionRequest(_SamplingFields):
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(p.text or "" for p in self.content)
         return self.content or ""
+
+    def unsupported(self, where: str) -> tuple[str, str] | None:
+        """(field path, why) of a part of this message the server cannot read, or None."""
+        extra = self.model_extra or {}
+        if self.role == "tool" or extra.get("tool_calls") or extra.get("function_call") or self.role == "function":
+            field_name = "tool_calls" if extra.get("tool_calls") else "role"
+            return f"{where}.{field_name}", "tool calls and tool results are not supported by this server yet"
+        for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
+            if part.type != "text":
+                return (f"{where}.content[{j}].type", f"content parts of type {part.type!r} are not supported "
+                        "(this model reads text only: send {\"type\": \"text\", \"text\": ...})")
+            if part.text is None:
+                return f"{where}.content[{j}].text", "a text part needs its `text`"
+        return None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -121,6 +197,13 @@ class ChatCompletionRequest(_SamplingFields):
     def resolved_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def unsupported(self) -> tuple[str, str] | None:
+        for i, m in enumerate(self.messages):
+            found = m.unsupported(f"messages[{i}]")
+            if found:
+                return found
+        return super().unsupported()
+
     def resolved_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
@@ -130,6 +213,7 @@ class FeedbackRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     id: str = Field(min_length=1, max_length=200)
-    score: Number = Field(ge=-1, le=5)  # thumbs -1 / +1, or a 1-5 rating
+    # thumbs -1 / +1, or a 1-5 rating (the store's `normalize_score` says which values are allowed)
+    score: StrictNumber = Field(ge=-1, le=5)
     comment: str | None = Field(None, max_length=10_000)
     correction: str | None = Field(None, max_length=100_000)  # the answer the user wanted

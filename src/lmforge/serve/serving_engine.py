@@ -101,6 +101,9 @@ class OpenAIServing:
         self.st = st  # app.ServerState: client, metrics, admission, limits, exchange log, tokenize pool
 
     async def __call__(self, req, raw: Request):
+        refused = req.unsupported()
+        if refused is not None:
+            raise bad_request(f"{refused[0]}: {refused[1]}", refused[0], "unsupported_parameter")
         sv = self.st.client.route(req.user)
         self.precheck(sv, req)
         job = await asyncio.get_running_loop().run_in_executor(self.st.tokenize_pool, self.build_job, sv, req)

@@ -81,11 +81,13 @@ class ServerThread:
     def __init__(self, app, timeout_graceful_shutdown: float | None = 5.0):
         import uvicorn  # deferred: quickstart imports this module for free_port, and the CLI imports quickstart
 
+        from .connection import uvicorn_config  # deferred: uvicorn, as above
+
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", access_log=False,
+        config = uvicorn_config(app, log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=timeout_graceful_shutdown)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
