@@ -9,6 +9,7 @@ corpus is split over three files plus a duplicate-id file, with every kind of dr
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -16,12 +17,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import ray
 
 from lmforge.data import executor as ray_executor
+from lmforge.data.config import PrepareConfig
 from lmforge.data.pack import pack_dataset
-from lmforge.data.prepare import prepare_dataset
+from lmforge.data.prepare import _Pipeline, prepare_dataset
 from test_data_pack import make_docs, tok_dir, write_prepared  # noqa: F401  (tok_dir: a fixture)
 from test_data_prepare import EVAL_ITEMS, edit, random_doc, vocab
 
@@ -148,3 +151,67 @@ def test_without_ray_the_executor_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(ImportError, match=r"pip install 'lmforge\[ray\]'"):
         ray_executor.RayExecutor()
+
+
+def _dedup_items(n: int, seed: int) -> list[dict]:
+    """Cleaned items (one part each) whose signatures form exact copies, near copies and chains of
+    copies of copies, with similarities around the confirm level (multiples of 1/128: ties happen)."""
+    rng = np.random.default_rng(seed)
+    items: list[dict] = []
+    for i in range(n):
+        r, src = rng.random(), items[int(rng.integers(len(items)))]["parts"][0] if items else None
+        if src is not None and r < 0.15:
+            key, sig = src["exact"], src["sig"]
+        else:
+            key = rng.bytes(32)
+            sig = rng.integers(0, 2**32, 128, dtype=np.uint32)
+            if src is not None and r < 0.7:
+                sig = src["sig"].copy()
+                sig[rng.choice(128, int(rng.integers(2, 45)), replace=False)] = rng.integers(0, 2**32, 1)[0]
+        items.append(_item(rng, i, key, sig))
+    for i in range(n, n + 60, 3):  # ties: z agrees with x and with y on 108 of 128 (x and y on 88)
+        x = rng.integers(0, 2**32, 128, dtype=np.uint32)
+        y, z = x.copy(), x.copy()
+        d = rng.choice(128, 40, replace=False)
+        y[d] = rng.integers(0, 2**32, 40, dtype=np.uint32)
+        z[d[:20]] = y[d[:20]]
+        items += [_item(rng, i + k, rng.bytes(32), sig) for k, sig in enumerate((x, y, z))]
+    return items
+
+
+def _item(rng: np.random.Generator, i: int, key: bytes, sig: np.ndarray) -> dict:
+    doc = {"id": f"id{rng.integers(10**6):06d}-{i}", "text": "", "meta": {}}  # random ids: ties go to the smaller
+    return {"id": doc["id"], "boilerplate_lines": 0,
+            "parts": [{"doc": doc, "reason": None, "pii": {}, "exact": key, "sig": sig}]}
+
+
+@pytest.mark.parametrize("shards,nb", [(1, 1), (3, 2), (5, 4)])
+def test_bucket_decisions_match_sequential_dedup(shards, nb):
+    """exact_task + bands_task + near_task (called directly) decide what the local executor's
+    in-order NearDedup decides: the same rejected lines, survivors and cluster count."""
+    cfg = PrepareConfig().validate()
+    items = _dedup_items(300, seed=shards)
+    local = _Pipeline(cfg, None)
+    local_writers = local.split_writers()
+    local.take_cleaned(copy.deepcopy(items), local_writers)
+    assert local.stats.steps["near_dedup"]["dropped"]["near_duplicate"] >= 40
+    assert local.stats.steps["exact_dedup"]["dropped"]["exact_duplicate"] >= 20
+    cuts = np.linspace(0, len(items), shards + 1).astype(int)
+    parts = [[it["parts"][0] for it in items[a:b]] for a, b in zip(cuts[:-1], cuts[1:])]
+    keys = [ray_executor.dedup_keys(p, cfg, nb) for p in parts]
+    exact = [ray_executor.exact_task(shards, *[k[0][b] for k in keys]) for b in range(nb)]
+    targets = [e[-1] for e in exact]
+    edges = [ray_executor.bands_task(local.dedup.lsh.confirm, nb, *targets, *[k[1][b] for k in keys])
+             for b in range(nb)]
+    near = ray_executor.near_task(shards, nb, *targets, *edges)
+    rejected, kept = "", []
+    for s, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+        pipe = _Pipeline(cfg, None)
+        pipe.dedup = ray_executor._Decided({q: f for e in exact for q, f in e[s].items()}, near[s])
+        writers = pipe.split_writers()
+        pipe.take_cleaned(copy.deepcopy(items[a:b]), writers)
+        rejected += pipe.rejected.text()
+        kept += [d["id"] for w in writers.values() for d in w.docs]
+    assert rejected == local.rejected.text()
+    assert sorted(kept) == sorted(d["id"] for w in local_writers.values() for d in w.docs)
+    assert near[-1] == sum(1 for c in local.cluster_sizes.values() if c > 1)

@@ -154,21 +154,26 @@ def clean_task(cfg: PrepareConfig, index_base: int, nb: int, results: list, *par
     normalized = _ListSink()
     pipe.take_normalized(results, lambda i, doc: i in renamed, normalized, None)
     items = [item for chunk in _chunks(normalized.docs) for item in _pass2((bp_keys, chunk))]
+    exact, bands = dedup_keys([p for item in items for p in item["parts"] if not p["reason"]], cfg, nb)
+    return _ret([{"rejected": pipe.rejected.text(), "summary": _summary(pipe)}, items, *exact, *bands])
+
+
+def dedup_keys(parts: list[dict], cfg: PrepareConfig, nb: int) -> tuple[list[list], list[list]]:
+    """By bucket, each part's (q, text hash, id) and (q, id, signature, its band keys in that bucket);
+    `q` is the part's position among `parts`, the shard's parts that reach dedup, in order."""
     exact: list[list] = [[] for _ in range(nb)]
     bands: list[list] = [[] for _ in range(nb)]
     lsh = NearDedup(cfg.near_dedup) if cfg.near_dedup.enabled else None
-    q = 0
-    for part in (p for item in items for p in item["parts"] if not p["reason"]):
+    for q, part in enumerate(parts):
         if cfg.exact_dedup:
             exact[_bucket_of(part["exact"], nb)].append((q, part["exact"], part["doc"]["id"]))
         if lsh is not None:
             by_bucket = defaultdict(list)
             for i, band in enumerate(lsh._band_keys(part["sig"])):
-                by_bucket[zlib.crc32(band, i) % nb].append((i, band))
+                by_bucket[zlib.crc32(band, i) % nb].append((i, band))  # the band's index is part of its key
             for b, keys in by_bucket.items():
                 bands[b].append((q, part["doc"]["id"], part["sig"], keys))
-        q += 1
-    return _ret([{"rejected": pipe.rejected.text(), "summary": _summary(pipe)}, items, *exact, *bands])
+    return exact, bands
 
 
 def exact_task(n_shards: int, *per_shard: list) -> Any:
@@ -187,13 +192,17 @@ def exact_task(n_shards: int, *per_shard: list) -> Any:
     return _ret([*dups, targets])
 
 
-def bands_task(confirm: float, *per_shard: list) -> list[tuple]:
+def bands_task(confirm: float, n_exact: int, *parts: list) -> list[tuple]:
     """Pairs of documents sharing a band key whose signatures agree on >= `confirm` of their
-    positions, as (later, earlier, earlier's id, similarity) with (shard, q) positions."""
+    positions, as (later, earlier, earlier's id, similarity) with (shard, q) positions. `parts`:
+    the exact tasks' duplicate lists (those never enter the LSH index), then each shard's entries."""
+    exact_dups = {dup for p in parts[:n_exact] for dup, _, _ in p}
     groups: dict[tuple[int, bytes], list] = defaultdict(list)
     sigs: dict[tuple[int, int], tuple[str, np.ndarray]] = {}
-    for s, entries in enumerate(per_shard):
+    for s, entries in enumerate(parts[n_exact:]):
         for q, doc_id, sig, keys in entries:
+            if (s, q) in exact_dups:
+                continue
             sigs[(s, q)] = (doc_id, sig)
             for key in keys:
                 groups[key].append((s, q))
@@ -213,16 +222,14 @@ def near_task(n_shards: int, n_exact: int, *parts: list) -> Any:
     `parts`: the exact tasks' target lists, then the bands tasks' edges. Per shard {q: (id, sim)},
     and the number of clusters with duplicates (the local `cluster_sizes` count)."""
     exact_targets = [t for p in parts[:n_exact] for t in p]
-    exact_dups = {dup for dup, _, _ in exact_targets}  # not in the LSH index: neither candidates nor survivors
     edges: dict[tuple[int, int], dict[tuple[int, int], tuple[str, float]]] = defaultdict(dict)
     for p in parts[n_exact:]:
-        for a, b, b_id, sim in p:
-            if a not in exact_dups:
-                edges[a][b] = (b_id, sim)
+        for a, b, b_id, sim in p:  # exact duplicates have no edges (bands_task left them out)
+            edges[a][b] = (b_id, sim)
     dups: dict[tuple[int, int], tuple[str, float]] = {}
     for a in sorted(edges):
         best, best_sim = None, 0.0
-        for b_id, sim in sorted((v for b, v in edges[a].items() if b not in dups and b not in exact_dups)):
+        for b_id, sim in sorted(v for b, v in edges[a].items() if b not in dups):  # candidates: survivors
             if sim > best_sim or best is None:
                 best, best_sim = b_id, sim
         if best is not None:
@@ -436,7 +443,7 @@ class RayExecutor:
         del reads, renames
         exacts = ([self.call(exact_task, S + 1, S, *[c[2 + b] for c in cleans]) for b in range(nb)]
                   if cfg.exact_dedup else [])
-        edges = ([self.call(bands_task, 1, NearDedup(cfg.near_dedup).confirm,
+        edges = ([self.call(bands_task, 1, NearDedup(cfg.near_dedup).confirm, len(exacts), *[e[S] for e in exacts],
                             *[c[2 + nb + b] for c in cleans])[0] for b in range(nb)]
                  if cfg.near_dedup.enabled else [])
         near = self.call(near_task, S + 1, S, len(exacts), *[e[S] for e in exacts], *edges)
