@@ -25,6 +25,7 @@ from lmforge.data import executor as ray_executor
 from lmforge.data.config import PrepareConfig
 from lmforge.data.pack import pack_dataset
 from lmforge.data.prepare import _Pipeline, prepare_dataset
+from lmforge.data.readers import resolve_inputs
 from test_data_pack import make_docs, tok_dir, write_prepared  # noqa: F401  (tok_dir: a fixture)
 from test_data_prepare import EVAL_ITEMS, edit, random_doc, vocab
 
@@ -53,7 +54,7 @@ def corpus(tmp_path_factory) -> dict:
     footer = "Copyright the example project authors, all rights reserved."
     base = [random_doc(rng, words, 120) for _ in range(90)]
     rows = [{"id": f"doc{i}", "text": t + ("\n" + footer if i % 3 == 0 else "")} for i, t in enumerate(base)]
-    rows += [{"id": f"near{i}", "text": edit(rng, base[i], 0.02, words)} for i in range(0, 60, 3)]
+    rows += [{"text": edit(rng, base[i], 0.02, words)} for i in range(0, 60, 3)]  # id: path:line
     rows += [{"id": f"exact{i}", "text": base[i]} for i in range(60, 75)]
     rows += [{"id": f"contam{k}", "text": random_doc(rng, words, 60) + " " + item["prompt"]}
              for k, item in enumerate(EVAL_ITEMS)]
@@ -64,11 +65,12 @@ def corpus(tmp_path_factory) -> dict:
     for k in range(3):
         lines = [json.dumps(r) for r in rows[k::3]]
         lines.insert(2, '{"id": "broken", "text": "unterminated')
+        lines.insert(len(lines) - 3, "[1, 2, 3]")  # in the last byte range of the file
         paths.append(root / f"part{k}.jsonl")
         paths[-1].write_text("\n".join(lines) + "\n", encoding="utf-8")
     paths.append(root / "part3.jsonl")  # ids seen in part0: renamed, with the global document index
     paths[-1].write_text("\n".join(json.dumps({"id": r["id"], "text": random_doc(rng, words, 70)})
-                                   for r in rows[0:9:3]) + "\n", encoding="utf-8")
+                                   for r in [r for r in rows[0::3] if "id" in r][:3]) + "\n", encoding="utf-8")
     evals = root / "eval.jsonl"
     evals.write_text("\n".join(json.dumps(i) for i in EVAL_ITEMS) + "\n")
     return {"inputs": [str(p) for p in paths], "eval": str(evals)}
@@ -98,14 +100,17 @@ def _same_outputs(a: Path, b: Path) -> None:
 def test_prepare_on_ray_is_byte_identical(cluster, corpus, local_run, tmp_path):
     out, stats = local_run
     steps = stats["steps"]  # the corpus exercises every global step, or identity would prove little
-    assert steps["read"]["renamed_duplicate_ids"] == 3 and steps["read"]["dropped"]["quarantined"] == 3
+    assert steps["read"]["renamed_duplicate_ids"] == 3 and steps["read"]["dropped"]["quarantined"] == 6
     assert steps["boilerplate"]["lines_removed"] >= 30 and steps["normalize"]["dropped"]["empty"] == 1
     assert steps["exact_dedup"]["dropped"]["exact_duplicate"] >= 10
     assert steps["near_dedup"]["dropped"]["near_duplicate"] >= 10
     assert steps["contamination"]["hits"] >= 1 and steps["quality"]["parts_added_by_split"] >= 1
     assert all(steps["split"]["sizes"].values())
-    for buckets in (2, 3):  # the decisions do not depend on how the hashes are bucketed
-        ray_stats = _prepare(corpus, tmp_path / f"ray{buckets}", ray_executor.RayExecutor(buckets=buckets))
+    for buckets, shard_bytes in ((2, 1 << 25), (3, 16_000)):  # whole files, then ~4 byte ranges per file
+        ex = ray_executor.RayExecutor(buckets=buckets, shard_bytes=shard_bytes)
+        n_shards = len(ex._shards(resolve_inputs(corpus["inputs"]))[1])
+        assert n_shards == 4 if buckets == 2 else n_shards > 8
+        ray_stats = _prepare(corpus, tmp_path / f"ray{buckets}", ex)
         assert ray_stats["workers"] == 2
         _same_outputs(out, tmp_path / f"ray{buckets}")
 

@@ -37,6 +37,7 @@ filesystem). Ray stays optional: it is imported only here, when an executor is b
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import signal
@@ -53,10 +54,11 @@ from lmforge.data.config import PrepareConfig
 from lmforge.data.contamination import eval_strings, ngram_hashes_many
 from lmforge.data.dedup import NearDedup
 from lmforge.data.prepare import (_chunks, _hashing_records, _init_worker, _ListSink, _pass1, _pass2, _Pipeline,
-                                  _Writer)
-from lmforge.data.readers import Source
+                                  _Writer, no_documents)
+from lmforge.data.readers import Source, byte_ranges, count_lines, iter_records
 from lmforge.data.split import SPLITS
 
+SHARD_BYTES = 32 << 20  # an uncompressed .jsonl file is read as ranges of about this size, one task each
 MAX_RETRIES = 3  # a task whose worker process dies is run again (tasks are pure: same result)
 EXECUTORS = ("local", "ray")
 FAULT_ENV = "LMFORGE_RAY_FAULT"  # tests: a file naming a stage whose process kills itself once
@@ -103,8 +105,10 @@ def read_task(cfg: PrepareConfig, source: Source, nb: int) -> tuple:
     _init_worker(cfg)
     pipe = _Pipeline(cfg, None)
     builtin: dict[str, dict] = {}
-    warnings: list[str] = []
-    records = _hashing_records([source], cfg, pipe.quarantine.write, builtin, warnings)
+    if source.kind == "builtin":
+        records = _hashing_records([source], cfg, pipe.quarantine.write, builtin, [])
+    else:  # a file or a byte range of one (its warnings come from the driver, per file)
+        records = iter_records([source], cfg.read.text_field, cfg.read.txt_mode, quarantine=pipe.quarantine.write)
     results = [r for chunk in _chunks(records) for r in _pass1(chunk)]
     ids: list[list] = [[] for _ in range(nb)]
     lines: list[Counter] = [Counter() for _ in range(nb)]
@@ -115,7 +119,7 @@ def read_task(cfg: PrepareConfig, source: Source, nb: int) -> tuple:
             lines[k % nb][k] += 1
     meta = {"docs": len(results), "nonempty": sum(1 for doc, _, _ in results if doc["text"]),
             "quarantine": pipe.quarantine.text(), "quarantined": pipe.quarantine.count,
-            "builtin": builtin, "warnings": warnings}
+            "builtin": builtin}
     return _ret([meta, results, *ids, *lines])
 
 
@@ -403,7 +407,7 @@ class RayExecutor:
     starts a local one, unless this process already joined a cluster (`ray.init`). `buckets`: hash
     buckets per global step (default: the cluster's CPUs); the outputs do not depend on it."""
 
-    def __init__(self, address: str | None = None, buckets: int | None = None):
+    def __init__(self, address: str | None = None, buckets: int | None = None, shard_bytes: int = SHARD_BYTES):
         try:
             import ray  # deferred: optional dependency (pip install 'lmforge[ray]')
         except ImportError:
@@ -413,6 +417,7 @@ class RayExecutor:
             ray.init(address=address, include_dashboard=False, logging_level="WARNING")
         self.workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
         self.buckets = max(1, buckets or self.workers)
+        self.shard_bytes = shard_bytes
         self._remote: dict[Callable, Any] = {}
 
     def call(self, fn: Callable, n: int, *args: Any) -> list[Any]:
@@ -428,9 +433,15 @@ class RayExecutor:
     def run_passes(self, cfg: PrepareConfig, out: Path, sources: list[Source],
                    eval_sets: list[str]) -> tuple[_Pipeline, dict[str, dict], list[str]]:
         """The three passes of `prepare._run_passes`, by shard and bucket; the same return."""
-        get, nb, S = self.ray.get, self.buckets, len(sources)
-        reads = [self.call(read_task, 2 + 2 * nb, cfg, src, nb) for src in sources]
+        get, nb = self.ray.get, self.buckets
+        files, shards = self._shards(sources)
+        S = len(shards)
+        reads = [self.call(read_task, 2 + 2 * nb, cfg, src, nb) for src in shards]
         metas = get([r[0] for r in reads])
+        warnings: list[str] = []
+        for k, src in enumerate(sources):
+            if not sum(m["docs"] for m, f in zip(metas, files) if f == k):
+                no_documents(src.location, warnings)
         offsets = np.cumsum([0] + [m["docs"] for m in metas]).tolist()
         renames = [self.call(ids_task, S, *[r[2 + b] for r in reads]) for b in range(nb)]
         bp, distinct = [], 0
@@ -457,7 +468,18 @@ class RayExecutor:
                         get(near[S]))
         agg.close_pass3(contamination["eval_sets"], contamination["too_short"], index_ngrams)
         builtin = {k: v for m in metas for k, v in m["builtin"].items()}
-        return agg, builtin, [w for m in metas for w in m["warnings"]]
+        return agg, builtin, warnings
+
+    def _shards(self, sources: list[Source]) -> tuple[list[int], list[Source]]:
+        """Each source, or its byte ranges with their first line numbers; and the source of each."""
+        files, shards = [], []
+        for k, src in enumerate(sources):
+            ranges = byte_ranges(src, self.shard_bytes)
+            lines = self.ray.get([self.call(count_lines, 1, r)[0] for r in ranges[:-1]]) if len(ranges) > 1 else []
+            first = np.cumsum([1] + lines).tolist()
+            shards += [dataclasses.replace(r, first_line=n) for r, n in zip(ranges, first)]
+            files += [k] * len(ranges)
+        return files, shards
 
     def _contamination(self, cfg: PrepareConfig, splits: list, eval_sets: list[str],
                        info: dict) -> tuple[list[Any], int]:

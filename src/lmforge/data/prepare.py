@@ -481,8 +481,12 @@ def _hashing_records(sources: list, cfg: PrepareConfig, quarantine: Any, builtin
                 n += 1
                 yield doc
         if n == 0:
-            warnings.append(f"{s.location}: no usable documents (empty, or every line quarantined)")
-            log.warning(warnings[-1])
+            no_documents(s.location, warnings)
+
+
+def no_documents(location: str, warnings: list[str]) -> None:
+    warnings.append(f"{location}: no usable documents (empty, or every line quarantined)")
+    log.warning(warnings[-1])
 
 
 _BUILTIN_DIGEST = "manifest-input-v1: sha256 of each document's sort_keys JSON (prepare._dumps), bytes"

@@ -49,10 +49,45 @@ class ReaderError(ValueError):
 
 @dataclass(frozen=True)
 class Source:
-    """One resolved input: a built-in source name or a single file."""
+    """One resolved input: a built-in source name or a single file (or, for a parallel reader, the
+    lines of an uncompressed .jsonl file from byte `start` to `end`, `start` being line `first_line`)."""
 
     kind: str  # "builtin" | "text" | "jsonl" | "parquet"
     location: str  # the source name or the file path
+    start: int = 0
+    end: int | None = None
+    first_line: int = 1
+
+
+def byte_ranges(source: Source, size: int) -> list[Source]:
+    """An uncompressed .jsonl file as ranges of about `size` bytes cut at line starts (their
+    `first_line` still 1: count each range's lines with `count_lines` and add them up); any other
+    source as itself. Reading the ranges in order gives the documents of the whole file."""
+    if source.kind != "jsonl" or source.location.lower().endswith(".gz"):
+        return [source]
+    total = os.path.getsize(source.location)
+    cuts = [0]
+    with open(source.location, "rb") as f:
+        for k in range(1, -(-total // size)):
+            f.seek(max(k * size, cuts[-1]))
+            f.readline()  # to the start of the next line
+            if f.tell() < total and f.tell() > cuts[-1]:
+                cuts.append(f.tell())
+    return [Source("jsonl", source.location, a, b) for a, b in zip(cuts, cuts[1:] + [total])]
+
+
+def count_lines(source: Source) -> int:
+    """Newlines in a byte range of a file (`byte_ranges`)."""
+    n, left = 0, (source.end if source.end is not None else os.path.getsize(source.location)) - source.start
+    with open(source.location, "rb") as f:
+        f.seek(source.start)
+        while left > 0:
+            block = f.read(min(left, 1 << 22))
+            if not block:
+                break
+            n += block.count(b"\n")
+            left -= len(block)
+    return n
 
 
 def _kind_of(path: str) -> str | None:
@@ -182,12 +217,18 @@ def _jsonl_record(path: str, lineno: int, raw: bytes, text_field: str) -> dict |
     return {"id": str(record.get("id", f"{path}:{lineno}")), "text": record[text_field], "meta": meta}
 
 
-def _read_jsonl(path: str, text_field: str, quarantine: Quarantine | None = None) -> Iterator[dict]:
+def _read_jsonl(path: str, text_field: str, quarantine: Quarantine | None = None, start: int = 0,
+                end: int | None = None, first_line: int = 1) -> Iterator[dict]:
     opener = gzip.open if path.lower().endswith(".gz") else open
-    lineno = 0
+    lineno = first_line - 1
     with opener(path, "rb") as f:
+        f.seek(start)
+        pos = start
         try:
-            for lineno, raw in enumerate(f, start=1):
+            for lineno, raw in enumerate(f, start=first_line):
+                if end is not None and pos >= end:
+                    break
+                pos += len(raw)
                 if not raw.strip():
                     continue
                 doc = _jsonl_record(path, lineno, raw, text_field)
@@ -239,7 +280,7 @@ def _read_source(source: Source, text_field: str, txt_mode: str = "file",
     if source.kind == "builtin":
         yield from iter_python_docs()  # the only built-in source today
     elif source.kind == "jsonl":
-        yield from _read_jsonl(source.location, text_field, quarantine)
+        yield from _read_jsonl(source.location, text_field, quarantine, source.start, source.end, source.first_line)
     elif source.kind == "parquet":
         yield from _read_parquet(source.location, text_field, quarantine)
     else:
