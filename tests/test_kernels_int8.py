@@ -48,7 +48,7 @@ def _qmm_s8(isa, q_MK, xs_M, w, ws_NG, N, bits, gs, threads=2) -> tuple[int, np.
 
 
 ISAS = list(kernels.A8_ISAS)
-SHAPES = [(8, 0, 1024), (8, 0, 96), (4, 32, 1024), (4, 64, 256), (4, 96, 384), (4, 128, 512), (4, 32, 96)]
+SHAPES = [(8, 0, 1024), (8, 0, 96), (8, 0, 160), (4, 32, 1024), (4, 64, 256), (4, 96, 384), (4, 128, 512), (4, 32, 96)]
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -238,3 +238,43 @@ def test_engine_runs_int8_activations_when_asked(w8_model):
         assert ("lmf_qmm_a8" in llm.stats()["linear_backend"]) == (qa == "int8")
     same = sum(a == b for g, w in zip(runs["int8"], runs["none"]) for a, b in zip(g, w)) / 24
     assert same >= 0.75, runs
+
+
+@pytest.mark.parametrize("flags", [("-march=x86-64",), ("-DLMF_PORTABLE",)], ids=["baseline-x86-64", "portable"])
+def test_bodies_are_chosen_at_run_time_not_compile_time(flags, tmp_path):
+    """Built for baseline x86-64 (no AVX in the compiler's target), the library still has every body
+    this CPU runs (each is compiled for its own ISA and picked from the CPU's flags); built portable,
+    only the portable body; either gives the exact dot products."""
+    if flags[0].startswith("-march") and "avx2" not in LIB.a8_isas():
+        pytest.skip("not an x86-64 CPU with AVX2")
+    lib = kernels._bind(kernels.build(flags, out_dir=tmp_path))
+    assert lib.a8_isas() == (["portable"] if flags == ("-DLMF_PORTABLE",) else LIB.a8_isas())
+    rng = np.random.default_rng(7)
+    q, c = rng.integers(-127, 128, (3, 256), dtype=np.int8), rng.integers(-8, 8, (5, 256), dtype=np.int8)
+    want = q.astype(np.int64) @ c.astype(np.int64).T
+    for isa in lib.a8_isas():
+        out = np.zeros((3, 5), np.float32)
+        assert lib.qmm_s8(_nibble_order(q).ctypes.data, np.ones(3, np.float32).ctypes.data, _pack4(c).ctypes.data,
+                          np.ones((5, 8), np.float32).ctypes.data, out.ctypes.data, 3, 5, 256, 4, 32, 1,
+                          kernels.A8_ISAS[isa]) == 0
+        assert np.array_equal(out.astype(np.int64), want), isa
+
+
+def test_bench_linear_reports_every_kernel(tmp_path, monkeypatch):
+    """`lmforge bench linear`'s quantized section: a row per weight kind, kernel and batch, with GB/s,
+    GFLOP/s and the share of the roofline; JSON and Markdown written."""
+    from lmforge.bench import linear as bench  # noqa: PLC0415 - bench sits above the engine: only this test
+
+    monkeypatch.setattr(bench, "QUANT_SHAPES", ((256, 96),))
+    monkeypatch.setattr(bench, "roofline", lambda: {"triad_gbs": 20.0, "source": "test"})
+    report = bench.run(tmp_path, packed=False, batches=(1, 3), threads=1, working_set_mb=1)
+    rows = report["quant"]["rows"]
+    kinds = {r["kernel"] for r in rows}
+    assert kinds >= {f"A8 {isa}" for isa in LIB.a8_isas()} | {"A16 exact (lmf_qmm_f32)", "torch (bf16 activations)"}
+    assert {(r["weights"], r["batch"]) for r in rows} == {(w, b) for w in ("w8a16", "w4a16 g128") for b in (1, 3)}
+    for r in rows:
+        assert r["us"] > 0 and r["median_us"] >= r["us"] and r["weight_gbs"] > 0 and r["gflops"] > 0
+        assert abs(r["of_triad"] - r["weight_gbs"] / 20.0) < 1e-3
+    md = (tmp_path / "bench_linear.md").read_text()
+    assert "STREAM triad 20.0 GB/s" in md and "A8 " + LIB.a8_isas()[0] in md
+    assert (tmp_path / "bench_linear.json").is_file()

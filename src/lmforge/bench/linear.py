@@ -1,26 +1,46 @@
-"""The engine's bf16 linear layers on CPU: `F.linear` (oneDNN reorders the weight on every call)
-against `PackedLinear` (reordered once), per shape and row count, with the outputs compared.
+"""The engine's linear layers on CPU, two sections of one report (bench_linear.json + .md):
 
-    python -m lmforge.bench.linear [--out DIR]     # bench_linear.json + bench_linear.md
+  * quantized (issue 25): int8 (per channel) and int4 (per group) weights at batch 1/4/16/64, per
+    kernel: the int8-activation bodies this CPU has (`lmf_qmm_a8`: AVX-512 VNNI, AVX-VNNI, AVX2,
+    portable), the exact A16 kernel (`lmf_qmm_f32`, float32 activations) and torch's weight-only
+    kernels (bf16 activations). Each figure is GB/s of weight bytes read (codes + scales) and
+    GFLOP/s (2·M·N·K), against the STREAM triad of `lmforge doctor` (its saved profile, else measured
+    now) as the roofline. Each call reads the next of enough weight copies to overflow the caches
+    (`--working-set-mb`), as a decode step reads every layer's weights once from memory.
+  * bf16 packed: `F.linear` (oneDNN reorders the weight on every call) against `PackedLinear`
+    (reordered once), outputs compared; one thread.
 
-Shapes are the ~30M bench model's projections (hidden 512, MLP 1376, vocabulary 8192); rows are
-a decode step's batch. One thread, best of 5 timings of 50 calls each.
+    lmforge bench linear [--out DIR] [--threads N] [--group-size 128] [--batches 1,4,16,64]
+    python -m lmforge.bench.linear [--out DIR]
+
+Quantized shapes are the 300M bench Llama's projections (hidden 1024, MLP 2816); bf16 shapes the
+~30M model's (hidden 512, MLP 1376, vocabulary 8192). The report records the load average: figures
+taken on a busy machine are lower bounds and are labelled so.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 import typer
 
-from lmforge.bench.report import emit
+from lmforge.bench.doctor import measure_bandwidth
+from lmforge.bench.report import emit, provenance
+from lmforge.engine import kernels
+from lmforge.engine.model_runner import PackedLinear, can_pack_linear
+from lmforge.perf.hardware import default_profile_path, load_profile
+from lmforge.quant import QuantScheme, quantize_rtn
+from lmforge.quant.linear import Int4Linear, Int8Linear, QmmLinear, QuantizedLinear
 
-SHAPES = ((512, 512), (512, 1376), (1376, 512), (512, 8192))  # (in, out)
+SHAPES = ((512, 512), (512, 1376), (1376, 512), (512, 8192))  # (in, out), bf16 section
 ROWS = (1, 8, 32, 128)
+QUANT_SHAPES = ((1024, 1024), (1024, 2816), (2816, 1024))  # (in, out): the 300M model's o, gate/up, down
+BATCHES = (1, 4, 16, 64)
 
 
 def best_seconds(fn, calls: int = 50, repeats: int = 5) -> float:
@@ -35,10 +55,103 @@ def best_seconds(fn, calls: int = 50, repeats: int = 5) -> float:
     return best
 
 
-def bench_linear() -> dict:
-    # deferred: only when the benchmark runs; `lmforge --help` imports this module
-    from lmforge.engine.model_runner import PackedLinear, can_pack_linear
+def call_seconds(fn: Callable[[], Any], budget_s: float = 0.15, min_calls: int = 7) -> tuple[float, float]:
+    """(best, median) seconds of single calls of `fn` over ~`budget_s` (at least `min_calls`), after a
+    warm-up call. The best call is the one the other processes of a busy machine disturbed least."""
+    fn()
+    times: list[float] = []
+    stop = time.perf_counter() + budget_s
+    while len(times) < min_calls or time.perf_counter() < stop:
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return times[0], times[len(times) // 2]
 
+
+def roofline() -> dict:
+    """STREAM triad bytes/s: `lmforge doctor`'s saved profile, else measured now (256 MB arrays)."""
+    try:
+        bw = (((load_profile() or {}).get("devices") or {}).get("cpu") or {}).get("mem_bandwidth") or {}
+    except ValueError:
+        bw = {}
+    if bw.get("triad"):
+        return {"triad_gbs": round(bw["triad"] / 1e9, 2), "source": f"lmforge doctor ({default_profile_path()})"}
+    return {"triad_gbs": round(measure_bandwidth("cpu")["triad"] / 1e9, 2), "source": "measured now (STREAM triad)"}
+
+
+def _quantized(K: int, N: int, scheme: QuantScheme) -> QuantizedLinear:
+    q = QuantizedLinear(K, N, scheme, scale_dtype=torch.bfloat16)
+    qw, s = quantize_rtn(torch.randn(N, K, generator=torch.Generator().manual_seed(K * N)), scheme, torch.bfloat16)
+    q.qweight.copy_(qw)
+    q.weight_scale.copy_(s)
+    return q
+
+
+def _kernels(q: QuantizedLinear, lib: kernels.CpuKernels | None) -> dict[str, Callable[[torch.Tensor], Any]]:
+    """Name -> callable on float32 rows, for one weight: the A8 bodies, the A16 kernel, torch's."""
+    out: dict[str, Callable[[torch.Tensor], Any]] = {}
+    if lib is not None:
+        for isa in lib.a8_isas():
+            layer = QmmLinear(q, torch.float32, a8=lib.a8(isa))
+            out[f"A8 {isa}"] = layer.forward_a8
+        a16 = QmmLinear(q, torch.float32, qmm=lib.qmm_f32)
+        a16.MAX_ROWS = max(BATCHES)  # the kernel itself at every batch, not its sgemm fallback
+        out["A16 exact (lmf_qmm_f32)"] = a16
+    torch_cls = Int8Linear if q.scheme.num_bits == 8 else Int4Linear
+    if torch_cls.supports(q, torch.device("cpu")):
+        out["torch (bf16 activations)"] = torch_cls(q, torch.bfloat16)
+    return out
+
+
+def bench_quant_linear(batches: tuple[int, ...] = BATCHES, group_size: int = 128, threads: int | None = None,
+                       working_set_mb: int = 256, shapes: tuple[tuple[int, int], ...] | None = None) -> dict:
+    """Rows of (weights, shape, kernel, batch): us a call, weight GB/s, GFLOP/s, % of STREAM triad."""
+    lib = kernels.load()
+    saved = torch.get_num_threads()
+    threads = threads or saved
+    torch.set_num_threads(threads)
+    os.environ["LMFORGE_QMM_THREADS"] = str(threads)  # QmmLinear reads it when built
+    roof = roofline()
+    rows = []
+    try:
+        with torch.inference_mode():
+            for scheme in (QuantScheme(8, None), QuantScheme(4, group_size)):
+                for K, N in shapes or QUANT_SHAPES:
+                    rows += _bench_weight(scheme, K, N, lib, batches, working_set_mb, roof["triad_gbs"])
+    finally:
+        torch.set_num_threads(saved)
+        os.environ.pop("LMFORGE_QMM_THREADS", None)
+    return {"threads": threads, "roofline": roof, "group_size": group_size, "working_set_mb": working_set_mb,
+            "kernels_status": kernels.status(), "rows": rows}
+
+
+def _bench_weight(scheme: QuantScheme, K: int, N: int, lib, batches, working_set_mb: int, triad_gbs: float) -> list:
+    one = _quantized(K, N, scheme)
+    copies = []  # enough distinct weights that each call reads its own from memory, not from the caches
+    for _ in range(max(1, working_set_mb * 2**20 // (one.qweight.numel() * scheme.num_bits // 8))):
+        copies.append(_kernels(one, lib))
+    weight_bytes = N * K * scheme.num_bits // 8 + N * scheme.groups(K) * 4  # codes + float32 scales
+    rows = []
+    for name in copies[0]:
+        for M in batches:
+            x = torch.randn(M, K)
+            turn = [0]
+
+            def call(name=name, x=x, turn=turn):
+                turn[0] = (turn[0] + 1) % len(copies)
+                return copies[turn[0]][name](x)
+            sec, median = call_seconds(call)
+            gbs = weight_bytes / sec / 1e9
+            rows.append({"weights": scheme.name + (f" g{scheme.group_size}" if scheme.group_size else ""),
+                         "in": K, "out": N, "kernel": name, "batch": M, "us": round(sec * 1e6, 1),
+                         "median_us": round(median * 1e6, 1),
+                         "weight_gbs": round(gbs, 2), "gflops": round(2 * M * N * K / sec / 1e9, 1),
+                         "of_triad": round(gbs / triad_gbs, 3) if triad_gbs else None})
+    return rows
+
+
+def bench_linear() -> dict:
     if not can_pack_linear(torch.device("cpu"), torch.bfloat16):
         return {"skipped": "this CPU has no native bf16 in oneDNN: the engine does not pack", "rows": []}
     threads = torch.get_num_threads()
@@ -62,18 +175,65 @@ def bench_linear() -> dict:
     return {"threads": 1, "dtype": "bfloat16", "rows": rows}
 
 
+def quant_markdown(q: dict, prov: dict) -> list[str]:
+    roof, load = q["roofline"], prov.get("load_average") or [0.0]
+    busy = load[0] > 0.5 * (os.cpu_count() or 1)
+    lines = [f"# bench linear: int8 / int4 weights, {q['threads']} threads"
+             + (" — BUSY MACHINE (load average {}): figures are lower bounds".format(load[0]) if busy else ""), "",
+             f"{prov['machine']}, {prov['date']}. Roofline: STREAM triad {roof['triad_gbs']} GB/s "
+             f"({roof['source']}). Each call reads its own weight copy ({q['working_set_mb']} MB of copies); "
+             "GB/s and GFLOP/s from the best call. "
+             f"Kernels: {q['kernels_status'][:60]}", "",
+             "| weights | in → out | kernel | batch | best µs (median) | weight GB/s | % of triad | GFLOP/s |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['weights']} | {r['in']} → {r['out']} | {r['kernel']} | {r['batch']} | {r['us']} ({r['median_us']}) | "
+              f"{r['weight_gbs']} | {100 * (r['of_triad'] or 0):.0f}% | {r['gflops']} |" for r in q["rows"]]
+    return lines + [""]
+
+
 def to_markdown(report: dict) -> str:
-    if report.get("skipped"):
-        return f"# bench linear\n\nskipped: {report['skipped']}\n"
-    lines = ["# bench linear: bf16 `F.linear` vs `PackedLinear`, 1 thread", "",
+    lines = quant_markdown(report["quant"], report["provenance"]) if report.get("quant") else []
+    packed = report.get("packed", report)
+    if packed is None:
+        return "\n".join(lines) + "\n"
+    if packed.get("skipped"):
+        return "\n".join(lines + ["# bench linear: bf16 packed", "", f"skipped: {packed['skipped']}"]) + "\n"
+    lines += ["# bench linear: bf16 `F.linear` vs `PackedLinear`, 1 thread", "",
              "| in → out | rows | plain (µs) | packed (µs) | speed-up | same bits |", "| --- | ---: | ---: | ---: | ---: | --- |"]
     lines += [f"| {r['in']} → {r['out']} | {r['rows']} | {r['plain_us']} | {r['packed_us']} | {r['speedup']}× | "
-              f"{r['same_bits']} |" for r in report["rows"]]
+              f"{r['same_bits']} |" for r in packed["rows"]]
     return "\n".join(lines) + "\n"
 
 
-def main(out: Annotated[Optional[Path], typer.Option(help="Where bench_linear.json and .md go.")] = None) -> None:
-    emit(bench_linear(), to_markdown, out, "bench_linear")
+def run(out: Path | None = None, quant: bool = True, packed: bool = True, batches: tuple[int, ...] = BATCHES,
+        group_size: int = 128, threads: int | None = None, working_set_mb: int = 256) -> dict:
+    """Both sections (or either), printed and written as bench_linear.json + .md under `out`."""
+    report = {"provenance": provenance("int8/int4 weights; float32 and bfloat16 activations"),
+              "quant": bench_quant_linear(batches, group_size, threads, working_set_mb) if quant else None,
+              "packed": bench_linear() if packed else None}
+    emit(report, to_markdown, out, "bench_linear")
+    return report
+
+
+def main(
+    out: Annotated[Optional[Path], typer.Option(help="Where bench_linear.json and .md go.")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="Kernel threads (default: torch's).")] = None,
+    group_size: Annotated[int, typer.Option(help="int4 weights: inputs per scale (a multiple of 32).")] = 128,
+    batches: Annotated[str, typer.Option(help="Rows per call, comma-separated.")] = "1,4,16,64",
+    working_set_mb: Annotated[int, typer.Option(help="Weight copies cycled through, MB (past the caches).")] = 256,
+    quant: Annotated[bool, typer.Option(help="The int8 / int4 weight section.")] = True,
+    packed: Annotated[bool, typer.Option(help="The bf16 F.linear vs PackedLinear section.")] = True,
+) -> None:
+    """Linear kernels on CPU: int8 / int4 weights per kernel (int8-activation VNNI / AVX2 / portable
+    bodies, the exact A16 kernel, torch's) in weight GB/s and GFLOP/s against the STREAM triad, and
+    bf16 F.linear against PackedLinear; writes bench_linear.json and bench_linear.md."""
+    try:
+        rows = tuple(int(b) for b in batches.split(","))
+    except ValueError:
+        raise typer.BadParameter(f"--batches {batches!r}: comma-separated integers, e.g. 1,4,16,64") from None
+    if group_size <= 0 or group_size % 32:
+        raise typer.BadParameter(f"--group-size {group_size}: a positive multiple of 32")
+    run(out, quant, packed, rows, group_size, threads, working_set_mb)
 
 
 if __name__ == "__main__":

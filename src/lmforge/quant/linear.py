@@ -168,8 +168,8 @@ class QmmLinear(nn.Module):
         gs, K = q.scheme.group_size, q.in_features
         if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
             return f"runs on CPU with float32 or bfloat16 activations, not {device.type} {dtype}"
-        if K % 32 or K >= 131072:
-            return f"needs in_features a multiple of 32 below 131072, not {K}"
+        if K % 32 or K >= 65536:
+            return f"needs in_features a multiple of 32 below 65536, not {K}"
         if not (q.scheme.num_bits == 8 and gs is None or
                 q.scheme.num_bits == 4 and gs is not None and gs % 32 == 0 and K % gs == 0):
             return f"takes int8 per-channel or int4 with groups a multiple of 32, not {q.scheme.name} group {gs}"

@@ -746,7 +746,8 @@ int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, i
  * x (M, K) float32 or bfloat16 is quantized per row (token), dynamically: s[m] = absmax / 127,
  * q = rint(x / s) (ties to even, as torch.round), |q| <= 127 (vLLM's dynamic per-token W8A8 int8).
  * For every weight group (int8: the whole row, per channel; int4: `gs` inputs) the products q * code
- * accumulate exactly in int32 (|dot| <= 128 * 127 * K: K < 131072), and
+ * accumulate exactly in int32 (K < 65536: |dot| <= 128 * 127 * K, and the 512-bit body's
+ * offset sums below stay exact), and
  *     out[m, n] = s[m] * sum_g scale[n, g] * float(dot_g[m, n])          (float32)
  * Weights are the A16 kernel's (`lmf_qmm_f32`): int8 (N, K); int4 two a byte, low nibble = even k,
  * stored code + 8. For int4 the quantized activations keep each block of 32 as (its 16 even k, its 16
@@ -830,15 +831,26 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME##_rows(  
     __m256 tf[A8_MAX_R];                                                                                    \
     for (int r = 0; r < R; r++) tf[r] = _mm256_setzero_ps();                                                \
     for (int64_t g = 0; g < G; g++) {                                                                       \
-        __m256i acc[A8_MAX_R];                                                                              \
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();                                        \
-        for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {                                               \
+        __m256i acc[A8_MAX_R], acc2[A8_MAX_R];  /* two dot chains a row: even and odd blocks */            \
+        for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_si256();                              \
+        int64_t k = g * gs;                                                                                 \
+        for (; k + 64 <= (g + 1) * gs; k += 64) {                                                           \
+            const __m256i c = NAME##_codes(w, (int)j->bits, k), a = _mm256_abs_epi8(c);                     \
+            const __m256i c2 = NAME##_codes(w, (int)j->bits, k + 32), a2 = _mm256_abs_epi8(c2);             \
+            for (int r = 0; r < R; r++) {                                                                   \
+                acc[r] = NAME##_dot(acc[r], a, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q + r * K + k)), c)); \
+                acc2[r] = NAME##_dot(acc2[r], a2,                                                           \
+                                     _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q + r * K + k + 32)), c2)); \
+            }                                                                                               \
+        }                                                                                                   \
+        if (k < (g + 1) * gs) {  /* an odd block left */                                                    \
             const __m256i c = NAME##_codes(w, (int)j->bits, k), a = _mm256_abs_epi8(c);                     \
             for (int r = 0; r < R; r++)                                                                     \
                 acc[r] = NAME##_dot(acc[r], a, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q + r * K + k)), c)); \
         }                                                                                                   \
         const __m256 sg = _mm256_set1_ps(ws[g]);                                                            \
-        for (int r = 0; r < R; r++) tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), sg, tf[r]);         \
+        for (int r = 0; r < R; r++)                                                                         \
+            tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[r], acc2[r])), sg, tf[r]);      \
     }                                                                                                       \
     for (int r = 0; r < R; r++) total[r] = NAME##_hsum(tf[r]);                                              \
 }                                                                                                           \
@@ -866,72 +878,100 @@ A8_YMM_BODY(avx2, "avx2,fma",
 A8_YMM_BODY(avxvnni, "avx2,fma,avxvnni", return _mm256_dpbusd_avx_epi32(acc, a, x))
 #endif
 
-/* 512-bit body: 64 codes (two blocks) a step; a K that is 32 more than a multiple of 64 ends on a
- * masked half step. Groups of 64 or more (and int8's one group) accumulate in int32 and convert once
- * a group; int4 groups of 32 (or 96, ...) convert every step with the two blocks' scales. */
+/* 512-bit body: 64 codes (two blocks) a step. Its activations come unsigned, u = q + 128 (`lmf_qmm_s8`
+ * converts them once a call), so that each row costs one dpbusd a step: dpbusd(acc, u, c) accumulates
+ * dot(q, c) + 128 * sum(c), and the 128 * sum(c) term is one more dpbusd a step shared by all rows
+ * (`corr`), subtracted at the group's end (int32 wraps, so the difference is exact while |dot| fits,
+ * K < 65536). Two accumulators a row (even and odd steps) keep two dpbusd chains in flight at batch 1.
+ * A K that is 32 more than a multiple of 64 ends on a masked half step. Groups of 64 or more (and
+ * int8's one group) convert to float once a group; int4 groups of 32 (or 96, ...) every step, with
+ * the two blocks' scales. */
 #define T512 "avx512f,avx512bw,avx512vl,avx512vnni,fma"
+#define A8_ALL (~(__mmask64)0)
+#define A8_LOW32 ((((__mmask64)1) << 32) - 1)
 __attribute__((target(T512))) static inline __m512i a8_codes512(const void *w, int bits, int64_t k, __mmask64 live) {
     if (bits == 8) return _mm512_maskz_loadu_epi8(live, (const int8_t *)w + k);
-    const __mmask32 half = live == ~(__mmask64)0 ? 0xFFFFFFFFu : 0xFFFFu;  /* a half step: one block, 16 bytes */
+    const __mmask32 half = live == A8_ALL ? 0xFFFFFFFFu : 0xFFFFu;  /* a half step: one block, 16 bytes */
     const __m256i y = _mm256_maskz_loadu_epi8(half, (const uint8_t *)w + k / 2), f = _mm256_set1_epi8(0x0F);
     const __m256i lo = _mm256_and_si256(y, f), hi = _mm256_and_si256(_mm256_srli_epi16(y, 4), f);
     __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  /* (b0 even, b1 even, b0 odd, b1 odd) */
     z = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));           /* (b0 even, b0 odd, b1 even, b1 odd) */
-    return _mm512_sub_epi8(z, _mm512_set1_epi8(8));
+    return _mm512_maskz_sub_epi8(live, z, _mm512_set1_epi8(8));        /* dead lanes: code 0 */
 }
 
-__attribute__((target(T512), always_inline)) static inline __m512i a8_dot512(__m512i acc, __m512i c, __m512i a,
-                                                                              const int8_t *q, __mmask64 live) {
-    const __m512i x = _mm512_maskz_loadu_epi8(live, q);
-    return _mm512_dpbusd_epi32(acc, a, _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(c), _mm512_setzero_si512(), x));
+__attribute__((target(T512), always_inline)) static inline void a8_groups512(
+        const a8_job *j, const void *w, const float *ws, const uint8_t *u, const int R, __m512 *tf) {
+    const int64_t K = j->K, gs = j->gs, G = K / gs;
+    const int bits = (int)j->bits;
+    const __m512i k128 = _mm512_set1_epi8((char)0x80);
+    for (int64_t g = 0; g < G; g++) {
+        __m512i a0[A8_MAX_R], a1[A8_MAX_R], c0 = _mm512_setzero_si512(), c1 = _mm512_setzero_si512();
+        for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_si512();
+        int64_t k = g * gs;
+        const int64_t end = k + gs;
+        for (; k + 128 <= end; k += 128) {
+            const __m512i wa = a8_codes512(w, bits, k, A8_ALL), wb = a8_codes512(w, bits, k + 64, A8_ALL);
+            c0 = _mm512_dpbusd_epi32(c0, k128, wa);
+            c1 = _mm512_dpbusd_epi32(c1, k128, wb);
+            for (int r = 0; r < R; r++) {
+                a0[r] = _mm512_dpbusd_epi32(a0[r], _mm512_loadu_si512(u + r * K + k), wa);
+                a1[r] = _mm512_dpbusd_epi32(a1[r], _mm512_loadu_si512(u + r * K + k + 64), wb);
+            }
+        }
+        for (; k < end; k += 64) {  /* 96, 64 or 32 codes left */
+            const __mmask64 live = end - k >= 64 ? A8_ALL : A8_LOW32;
+            const __m512i wa = a8_codes512(w, bits, k, live);
+            c0 = _mm512_dpbusd_epi32(c0, k128, wa);
+            for (int r = 0; r < R; r++)
+                a0[r] = _mm512_dpbusd_epi32(a0[r], _mm512_maskz_loadu_epi8(live, u + r * K + k), wa);
+        }
+        const __m512i corr = _mm512_add_epi32(c0, c1);
+        const __m512 sg = _mm512_set1_ps(ws[g]);
+        for (int r = 0; r < R; r++)
+            tf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(a0[r], a1[r]), corr)), sg, tf[r]);
+    }
+}
+
+__attribute__((target(T512), always_inline)) static inline void a8_steps512(
+        const a8_job *j, const void *w, const float *ws, const uint8_t *u, const int R, __m512 *tf) {
+    const int64_t K = j->K, gs = j->gs;
+    const __m512i k128 = _mm512_set1_epi8((char)0x80);
+    for (int64_t k = 0; k < K; k += 64) {
+        const int full = K - k >= 64;
+        const __mmask64 live = full ? A8_ALL : A8_LOW32;
+        const __m512i c = a8_codes512(w, (int)j->bits, k, live);
+        const __m512i neg = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), k128, c));
+        /* lanes 0-7: block k / 32, lanes 8-15: the next (0 in a half step: its dot is 0 too) */
+        const __m512 sv = _mm512_mask_broadcastss_ps(_mm512_set1_ps(ws[k / gs]), 0xFF00,
+                                                     _mm_set_ss(full ? ws[(k + 32) / gs] : 0.0f));
+        for (int r = 0; r < R; r++)
+            tf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg, _mm512_maskz_loadu_epi8(live, u + r * K + k), c)),
+                                    sv, tf[r]);
+    }
 }
 
 __attribute__((target(T512), always_inline)) static inline void a8_rows512(
-        const a8_job *j, const void *w, const float *ws, const int8_t *q, const int R, float *total) {
-    const int64_t K = j->K, gs = j->gs, G = K / gs;
-    const int bits = (int)j->bits;
+        const a8_job *j, const void *w, const float *ws, const uint8_t *u, const int R, float *total) {
     __m512 tf[A8_MAX_R];
     for (int r = 0; r < R; r++) tf[r] = _mm512_setzero_ps();
-    if (gs % 64 == 0 || G == 1) {
-        for (int64_t g = 0; g < G; g++) {
-            __m512i acc[A8_MAX_R];
-            for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
-            for (int64_t k = g * gs; k < (g + 1) * gs; k += 64) {
-                const __mmask64 live = (g + 1) * gs - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << 32) - 1);
-                const __m512i c = a8_codes512(w, bits, k, live), a = _mm512_abs_epi8(c);
-                for (int r = 0; r < R; r++) acc[r] = a8_dot512(acc[r], c, a, q + r * K + k, live);
-            }
-            const __m512 sg = _mm512_set1_ps(ws[g]);
-            for (int r = 0; r < R; r++) tf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), sg, tf[r]);
-        }
-    } else {
-        for (int64_t k = 0; k < K; k += 64) {
-            const int full = K - k >= 64;
-            const __mmask64 live = full ? ~(__mmask64)0 : (((__mmask64)1 << 32) - 1);
-            const __m512i c = a8_codes512(w, bits, k, live), a = _mm512_abs_epi8(c);
-            /* lanes 0-7: block k / 32, lanes 8-15: the next (0 in a half step: its dot is 0 too) */
-            const __m512 sv = _mm512_mask_broadcastss_ps(_mm512_set1_ps(ws[k / gs]), 0xFF00,
-                                                         _mm_set_ss(full ? ws[(k + 32) / gs] : 0.0f));
-            for (int r = 0; r < R; r++)
-                tf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a8_dot512(_mm512_setzero_si512(), c, a, q + r * K + k, live)),
-                                        sv, tf[r]);
-        }
-    }
+    if (j->gs % 64 == 0 || j->gs == j->K) a8_groups512(j, w, ws, u, R, tf);
+    else a8_steps512(j, w, ws, u, R, tf);
     for (int r = 0; r < R; r++) total[r] = _mm512_reduce_add_ps(tf[r]);
 }
 
 __attribute__((target(T512))) static void a8_range_avx512vnni(const a8_job *j) {
     const int64_t K = j->K, G = K / j->gs, row_bytes = j->bits == 8 ? K : K / 2;
+    const uint8_t *u = (const uint8_t *)j->q;  /* q + 128 here (lmf_qmm_s8) */
     for (int64_t n = j->n0; n < j->n1; n++) {
         const void *w = (const uint8_t *)j->w + n * row_bytes;
         for (int64_t m0 = 0; m0 < j->M; m0 += A8_MAX_R) {
             const int R = j->M - m0 < A8_MAX_R ? (int)(j->M - m0) : A8_MAX_R;
             float total[A8_MAX_R];
             switch (R) {
-                case 1: a8_rows512(j, w, j->ws + n * G, j->q + m0 * K, 1, total); break;
-                case 2: a8_rows512(j, w, j->ws + n * G, j->q + m0 * K, 2, total); break;
-                case 3: a8_rows512(j, w, j->ws + n * G, j->q + m0 * K, 3, total); break;
-                default: a8_rows512(j, w, j->ws + n * G, j->q + m0 * K, 4, total); break;
+                case 1: a8_rows512(j, w, j->ws + n * G, u + m0 * K, 1, total); break;
+                case 2: a8_rows512(j, w, j->ws + n * G, u + m0 * K, 2, total); break;
+                case 3: a8_rows512(j, w, j->ws + n * G, u + m0 * K, 3, total); break;
+                default: a8_rows512(j, w, j->ws + n * G, u + m0 * K, 4, total); break;
             }
             for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r] * j->xs[m0 + r];
         }
@@ -998,10 +1038,10 @@ int lmf_quantize_s8(const void *x, int64_t act, int64_t M, int64_t K, int64_t ni
 
 /* out (M, N) float32 = the A8 product of quantized rows (q, xs) and int8 / int4 weights (w, ws (N, K / gs)).
  * isa: a body (0..3) or -1 for the best. Returns 0; -1 for a shape it does not take (K % 32, int4 gs
- * not a multiple of 32 dividing K, K >= 131072); -2 for a body this CPU or build does not have. */
+ * not a multiple of 32 dividing K, K >= 65536); -2 for a body this CPU or build does not have. */
 int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws, float *out, int64_t M, int64_t N,
                int64_t K, int64_t bits, int64_t gs, int64_t threads, int64_t isa) {
-    if ((bits != 8 && bits != 4) || K % 32 || K >= 131072 || M < 1 || N < 1) return -1;
+    if ((bits != 8 && bits != 4) || K % 32 || K >= 65536 || M < 1 || N < 1) return -1;
     if (bits == 8) gs = K;
     if (gs <= 0 || gs % 32 || K % gs) return -1;
     if (isa < 0) isa = lmf_a8_best_isa();
@@ -1009,10 +1049,16 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > N) threads = N;
+    int8_t *u = NULL;  /* the 512-bit body reads q + 128 (unsigned): converted once here */
+    if (isa == A8_AVX512_VNNI) {
+        if ((u = (int8_t *)malloc((size_t)(M * K))) == NULL) return -1;
+        for (int64_t i = 0; i < M * K; i++) u[i] = (int8_t)((uint8_t)q[i] ^ 0x80u);
+    }
     a8_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (a8_job){q, xs, w, ws, out, M, N, K, gs, bits, N * t / threads, N * (t + 1) / threads, isa};
+        jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, M, N, K, gs, bits, N * t / threads, N * (t + 1) / threads, isa};
     run_jobs(a8_range, jobs, sizeof jobs[0], threads);
+    free(u);
     return 0;
 }
 
