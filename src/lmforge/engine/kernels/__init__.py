@@ -29,6 +29,7 @@ tests check both). `status()` says which and why.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -68,7 +69,7 @@ class CpuKernels:
     rope_f32: ctypes._CFuncPtr
     silu_mul_f32: ctypes._CFuncPtr
     qmm_f32: ctypes._CFuncPtr | None = None  # lmf_qmm_f32(x, codes, scales, out, M, N, K, bits, gs, threads)
-    qmm_a8: ctypes._CFuncPtr | None = None  # lmf_qmm_a8(x, act, codes, scales, out, M, N, K, bits, gs, threads, isa)
+    qmm_a8: ctypes._CFuncPtr | None = None  # lmf_qmm_a8(isa, x, act, codes, scales, out, M, N, K, bits, gs, threads)
     qmm_s8: ctypes._CFuncPtr | None = None  # lmf_qmm_s8(q, q_scales, codes, scales, out, M, N, K, bits, gs, threads, isa)
     quantize_s8: ctypes._CFuncPtr | None = None  # lmf_quantize_s8(x, act, M, K, nibble_order, q, q_scales)
     a8_isa_supported: ctypes._CFuncPtr | None = None  # lmf_a8_isa_supported(isa) -> 0 | 1
@@ -82,19 +83,21 @@ class CpuKernels:
         isa = isa or a8_isa(self)
         if isa not in A8_ISAS or not self.a8_isa_supported(A8_ISAS[isa]):
             raise ValueError(f"int8-activation body {isa!r}: this CPU runs {', '.join(self.a8_isas())}")
-        return A8Matmul(self.qmm_a8, isa)
+        return A8Matmul.bind(self.qmm_a8, isa)
 
 
-@dataclass(frozen=True)
-class A8Matmul:
-    """`lmf_qmm_a8(x, act, codes, scales, out, M, N, K, bits, gs, threads)` on body `isa` (what
-    `lmforge.quant.linear.QmmLinear` calls for `quant_activations="int8"`)."""
+class A8Matmul(functools.partial):
+    """`lmf_qmm_a8(x, act, codes, scales, out, M, N, K, bits, gs, threads)` with body `isa` bound
+    (a partial: no Python frame in the call); what `lmforge.quant.linear.QmmLinear` calls for
+    `quant_activations="int8"`."""
 
-    fn: ctypes._CFuncPtr
     isa: str
 
-    def __call__(self, *args: int) -> int:
-        return self.fn(*args, A8_ISAS[self.isa])
+    @classmethod
+    def bind(cls, fn: ctypes._CFuncPtr, isa: str) -> A8Matmul:
+        p = cls(fn, A8_ISAS[isa])
+        p.isa = isa
+        return p
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -181,7 +184,7 @@ def _bind(path: Path) -> CpuKernels:
     write_int8.restype, write_int8.argtypes = ctypes.c_int, [P, P, P, I64, I64, I64, I64, P, P, P, P]
     qmm = lib.lmf_qmm_f32
     qmm.restype, qmm.argtypes = ctypes.c_int, [P, P, P, P, I64, I64, I64, I64, I64, I64]
-    a8 = {"qmm_a8": ("lmf_qmm_a8", [P, I64, P, P, P, I64, I64, I64, I64, I64, I64, I64]),
+    a8 = {"qmm_a8": ("lmf_qmm_a8", [I64, P, I64, P, P, P, I64, I64, I64, I64, I64, I64]),
           "qmm_s8": ("lmf_qmm_s8", [P, P, P, P, P, I64, I64, I64, I64, I64, I64, I64]),
           "quantize_s8": ("lmf_quantize_s8", [P, I64, I64, I64, I64, P, P]),
           "a8_isa_supported": ("lmf_a8_isa_supported", [I64])}

@@ -1062,9 +1062,10 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
     return 0;
 }
 
-/* Quantize x (act: 0 bf16, 1 f32) and multiply: `lmf_quantize_s8` then `lmf_qmm_s8`, one call. */
-int lmf_qmm_a8(const void *x, int64_t act, const void *w, const float *ws, float *out, int64_t M, int64_t N,
-               int64_t K, int64_t bits, int64_t gs, int64_t threads, int64_t isa) {
+/* Quantize x (act: 0 bf16, 1 f32) and multiply: `lmf_quantize_s8` then `lmf_qmm_s8`, one call (the body
+ * first, so that Python binds it once with functools.partial). */
+int lmf_qmm_a8(int64_t isa, const void *x, int64_t act, const void *w, const float *ws, float *out, int64_t M,
+               int64_t N, int64_t K, int64_t bits, int64_t gs, int64_t threads) {
     if (K % 32 || M < 1) return -1;
     int8_t *q = (int8_t *)malloc((size_t)(M * K) + (size_t)M * sizeof(float));
     if (q == NULL) return -1;
