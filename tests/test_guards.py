@@ -26,15 +26,18 @@ def test_preflight_refuses_with_remedies_in_order():
     cfg = cfg_for(batch_size=8)
     shape = PRESETS["qwen2.5-1.5b"]  # full fp32-master AdamW at 8 × 2048 tokens: ~80 GB
     with pytest.raises(guards.PreflightError) as e:
-        guards.preflight_train(cfg, shape, seq_len=2048, device="cuda", available=11 * 10**9)
+        guards.preflight_train(cfg, shape, seq_len=2048, device="cuda", available=8 * 10**9)
     msg = str(e.value)
-    assert "needs ~" in msg and "11 GB free" in msg and "train.preflight=false" in msg
-    # checkpointing first, then LoRA, then a smaller micro-batch with more accumulation, up to the first that fits
-    assert msg.index("gradient_checkpointing=true") < msg.index("method=lora") < msg.index("batch_size=4")
+    assert "needs ~" in msg and "8 GB free" in msg and "train.preflight=false" in msg
+    # checkpointing first, then LoRA on a bf16 base, then a smaller micro-batch with more accumulation, up to the
+    # first that fits
+    assert (msg.index("gradient_checkpointing=true") < msg.index("method=lora lora.base_dtype=bfloat16")
+            < msg.index("batch_size=4"))
     assert "grad_accum=2" in msg and "batch_size=2" not in msg
-    est = guards.preflight_train(cfg_for(method="lora", gradient_checkpointing=True, batch_size=4), shape, 2048,
-                                 "cuda", available=11 * 10**9)
-    assert est["available"] == 11e9 and est.total < 11e9
+    lora = cfg_for(method="lora", gradient_checkpointing=True, batch_size=4)
+    lora.lora.base_dtype = "bfloat16"
+    est = guards.preflight_train(lora, shape, 2048, "cuda", available=8 * 10**9)
+    assert est["available"] == 8e9 and est.total < 8e9
     with pytest.raises(guards.PreflightError, match="more memory"):
         guards.preflight_train(cfg, PRESETS["llama3-70b"], 2048, "cuda", available=11 * 10**9)
 

@@ -61,6 +61,10 @@ OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "adamw8bit": 2, "lion": 4, "sgd-moment
 # measure ~0.3-0.5 GB RSS (this repo's `lmforge doctor` process). The allocator's fragmentation
 # (5-10% of the peak) is counted here too.
 OVERHEAD_BYTES = {"cuda": 0.75 * GB, "cpu": 0.4 * GB}
+# lmforge's light LoRA base (`lora.base_dtype: bfloat16` / `lora.base_quant: int8|int4`, train/lora.py's
+# FrozenLinear): float32 scales, the untied head held like the matmuls, each weight rebuilt per matmul into
+# one reused buffer of at most `REBUILD_ELEMENTS` weights (tests/test_preflight.py checks they agree).
+LIGHT_BASE = {"scale_bytes": 4, "light_head": True, "rebuild_elements": 1 << 23}
 FRAGMENTATION = 0.05
 
 
@@ -266,9 +270,10 @@ class Estimate:
 MODES = ("full", "lora", "qlora", "inference")
 
 
-def lora_params(shape: ModelShape, rank: int = 16,
-                targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                            "up_proj", "down_proj")) -> int:
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_params(shape: ModelShape, rank: int = 16, targets: tuple[str, ...] = ALL_TARGETS) -> int:
     """A and B of every targeted matmul: rank · (in + out) per module per layer (Hu et al. 2021)."""
     D, F, H = shape.hidden, shape.intermediate, shape.head_dim
     q, kv = shape.heads * H, shape.kv_heads * H
@@ -310,7 +315,8 @@ def memory(shape: ModelShape | Any, mode: str = "full", dtype: str = "bfloat16",
            pp: int = 1, *, master_weights: bool | None = None, lora_rank: int = 16,
            lora_targets: tuple[str, ...] | None = None, fused_loss: bool = True,
            dense_attention: bool = False, kv_dtype: str | None = None, quant_bits: int | None = None,
-           group_size: int = 128, compute_dtype: str | None = None, device_kind: str = "cuda") -> Estimate:
+           group_size: int | None = None, compute_dtype: str | None = None, device_kind: str = "cuda",
+           reference_model: bool = False) -> Estimate:
     """Bytes per device for training (`full`, `lora`, `qlora`) or serving (`inference`).
 
     - `dtype`: the weights' storage dtype. 16-bit `full` training keeps fp32 master weights
@@ -324,6 +330,17 @@ def memory(shape: ModelShape | Any, mode: str = "full", dtype: str = "bfloat16",
       first stage, so activations stay those of L layers for one micro-batch).
     - `inference`: weights (int8/int4 with `quant_bits`, default 4 for qlora and none for
       inference) + KV cache of `batch` sequences of `seq_len` tokens + the largest transient.
+    - `lora` / `qlora` count the frozen base as lmforge's trainer holds it (train/lora.py): `dtype` is the
+      base's matmul weights (`lora.base_dtype`: float32 or bfloat16; `qlora`: int8/int4 codes with
+      `quant_bits`, default 4, with float32 scales per channel / per `group_size` (64) weights), the
+      untied head held like them; embeddings, norms and the fp32 adapters stay float32, so the residual
+      stream is float32. A plain float32 base under 16-bit autocast keeps the 16-bit cast of each frozen
+      matmul weight for backward; a light base (bf16 under float32 compute, int8, int4) is rebuilt per
+      matmul into one reused buffer instead (`LIGHT_BASE`). `train.guards.memory_args` maps a training
+      config to these arguments, so the pre-flight and `lmforge estimate memory` compute the same bytes.
+    - `quant_bits` with `inference`: 8 or 4 bit matmuls (bf16 scales per channel / group of 128), the rest
+      in `dtype`.
+    - `reference_model`: DPO's frozen reference, a second copy of the weights (no gradients, no states).
     The `total` excludes the framework overhead (CUDA context, allocator), given as its own term.
     """
     shape = ModelShape.from_config(shape)
@@ -337,9 +354,14 @@ def memory(shape: ModelShape | Any, mode: str = "full", dtype: str = "bfloat16",
                    + f", batch={batch}, seq_len={seq_len}" + (", grad_ckpt" if grad_ckpt else "")
                    + (f", dp_shard={dp_shard}" if dp_shard > 1 else "") + (f", tp={tp}" if tp > 1 else "")
                    + (f", pp={pp}" if pp > 1 else ""))
-    if quant_bits is None and mode == "qlora":
-        quant_bits = 4
-    weights, n_here, layers_here = _weight_terms(est, shape, dtype, dp_shard, tp, pp, quant_bits, group_size)
+    light = dict(scale_bytes=2, light_head=False, rebuild_elements=None)
+    rest_dtype = dtype
+    if mode in ("lora", "qlora"):  # lmforge's LoRA layout (see above)
+        quant_bits = quant_bits or (4 if mode == "qlora" else 16 if wb < 4 else None)
+        light = dict(LIGHT_BASE) if quant_bits else {**light, "light_head": True}
+        rest_dtype, group_size = "float32", group_size or 64
+    weights, n_here, layers_here = _weight_terms(est, shape, rest_dtype, dp_shard, tp, pp, quant_bits,
+                                                 group_size or 128, light["scale_bytes"], light["light_head"])
     if mode == "inference":
         return _inference_terms(est, shape, weights, batch, seq_len, kv_dtype or ("bfloat16" if wb < 4 else dtype),
                                 tp, pp, device_kind)
@@ -347,11 +369,19 @@ def memory(shape: ModelShape | Any, mode: str = "full", dtype: str = "bfloat16",
                                                           ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                            "up_proj", "down_proj")) * layers_here / shape.layers / tp
     _optimizer_terms(est, mode, trainable, wb, optimizer, dp_shard, master_weights, lora_rank)
-    acts, loss_b = _activation_terms(est, shape, batch * seq_len, seq_len, act_b, 4.0 if wb == 4 else 2.0, tp,
-                                     grad_ckpt, fused_loss, dense_attention)
+    acts, loss_b = _activation_terms(est, shape, batch * seq_len, seq_len, act_b,
+                                     4.0 if dtype_bytes(rest_dtype) == 4 else 2.0, tp, grad_ckpt, fused_loss,
+                                     dense_attention, head_trainable=mode == "full")
+    if mode in ("lora", "qlora") and act_b < 4:
+        acts += _lora_cast_terms(est, shape, lora_targets or ALL_TARGETS, batch * seq_len, act_b, tp, grad_ckpt)
     # Autocast keeps a 16-bit copy of each fp32 weight it casts, for the backward's matmuls.
     if mode == "full" and wb == 4 and act_b == 2:
         est.add("autocast weight copies", n_here * 2 / dp_shard, "B", f"{fmt_num(n_here)} × 2 B (bf16 casts, kept for backward)")
+    elif mode != "full":
+        _frozen_base_terms(est, shape, wb, act_b, quant_bits, light["light_head"], light["rebuild_elements"], tp,
+                           layers_here)
+    if reference_model:
+        est.add("reference model", weights, "B", "a second, frozen copy of the weights (DPO's reference)")
     _training_totals(est, acts, loss_b, device_kind)
     est.assumptions += [
         "the sum is conservative: gradients grow while activations are freed during backward",
@@ -359,6 +389,40 @@ def memory(shape: ModelShape | Any, mode: str = "full", dtype: str = "bfloat16",
         + ("(dense T×T mask: scores kept)" if dense_attention else "(flash/efficient kernel: no T×T scores)"),
     ]
     return est
+
+
+def _lora_cast_terms(est: Estimate, shape: ModelShape, targets: tuple[str, ...], tokens: int, act_b: float,
+                     tp: int, grad_ckpt: bool) -> float:
+    """peft casts a LoRA layer's input to the adapter's dtype (float32) and autocast casts it back for lora_A,
+    which saves that 16-bit copy: one per targeted matmul, of its input width, per token."""
+    D, F = shape.hidden, shape.intermediate
+    width = {"q_proj": D, "k_proj": D, "v_proj": D, "o_proj": shape.heads * shape.head_dim, "gate_proj": D,
+             "up_proj": D, "down_proj": F}
+    per = sum(width.get(t, 0) for t in targets) * act_b / tp
+    layers = 1 if grad_ckpt else shape.layers
+    return est.add("activations (LoRA input casts)", layers * per * tokens, "B",
+                   f"{layers} layer(s) × {fmt_num(tokens)} tokens × Σ input widths of {len(targets)} targets × "
+                   f"{fmt_num(act_b)} B = {fmt_num(per)} B per token and layer")
+
+
+def _frozen_base_terms(est: Estimate, shape: ModelShape, wb: float, act_b: float, quant_bits: int | None,
+                       light_head: bool, rebuild_elements: int | None, tp: int, layers_here: int) -> None:
+    """What a frozen (LoRA) base adds for backward: 16-bit casts of fp32 matmul weights saved by autocast,
+    or, for a base rebuilt per matmul (lmforge's light base), the one buffer it is rebuilt into."""
+    lin = shape.linear_params() * layers_here / shape.layers / tp
+    if quant_bits is None:
+        if wb == 4 and act_b == 2:
+            est.add("autocast weight copies", lin * 2, "B",
+                    f"{fmt_num(lin)} frozen matmul weights × 2 B (bf16 casts, kept for backward)")
+        return
+    if rebuild_elements is None or (quant_bits == 16 and act_b == 2):
+        return  # bf16 weights used as stored under bf16 compute: nothing rebuilt
+    D, F = shape.hidden, shape.intermediate
+    largest = max(D * F, D * shape.heads * shape.head_dim, shape.vocab * D if light_head and not shape.tied else 0)
+    n = min(largest, rebuild_elements)
+    per = 4 + (act_b if act_b < 4 else 0)  # float32 rebuild, then its 16-bit copy under autocast
+    est.add("rebuild buffer", n * per, "B", f"min(largest matmul {fmt_num(largest)}, {fmt_num(rebuild_elements)}) "
+            f"weights × {fmt_num(per)} B (dequantized per matmul, one buffer reused)")
 
 
 def _check_memory_args(mode: str, optimizer: str, **sizes: int) -> None:
@@ -372,7 +436,8 @@ def _check_memory_args(mode: str, optimizer: str, **sizes: int) -> None:
 
 
 def _weight_terms(est: Estimate, shape: ModelShape, dtype: str, dp_shard: int, tp: int, pp: int,
-                  quant_bits: int | None, group_size: int) -> tuple[float, float, int]:
+                  quant_bits: int | None, group_size: int, scale_bytes: float = 2,
+                  light_head: bool = False) -> tuple[float, float, int]:
     """The `parameters` and `weights` terms; returns (weight bytes, parameters and layers on one device)."""
     wb = dtype_bytes(dtype)
     n = shape.params()
@@ -385,13 +450,17 @@ def _weight_terms(est: Estimate, shape: ModelShape, dtype: str, dp_shard: int, t
     shard = f" / dp_shard {dp_shard}" if dp_shard > 1 else ""
     layer_txt = f"({layers_here} of {shape.layers} layers)" if pp > 1 else ""
     if quant_bits:
-        q = quant_sizes(shape, group_size=group_size)
-        key = {8: "int8", 4: "int4"}.get(quant_bits)
-        if key is None:
-            raise ValueError(f"quant_bits must be 4 or 8, got {quant_bits}")
-        weights = q[f"{key} total"] * (layers_here / shape.layers) / tp / dp_shard
-        est.add("weights", weights, "B", f"{key} linears + 16-bit embeddings, norms (see `estimate quant`)"
-                f" {layer_txt}{split}{shard}")
+        if quant_bits not in (16, 8, 4):
+            raise ValueError(f"quant_bits must be 16, 8 or 4, got {quant_bits}")
+        q = quant_sizes(shape, group_size=group_size, scale_bytes=scale_bytes)
+        head = shape.head_params() if light_head else 0  # an untied head held like the matmuls
+        lin_b = {16: shape.linear_params() * 2, 8: q["int8 linears"], 4: q["int4 linears"]}[quant_bits]
+        lin_b *= (shape.linear_params() + head) / shape.linear_params()
+        rest = shape.params() - shape.linear_params() - head
+        key = {16: "bf16", 8: "int8", 4: "int4"}[quant_bits]
+        weights = (lin_b + rest * wb) * (layers_here / shape.layers) / tp / dp_shard
+        est.add("weights", weights, "B", f"{key} matmuls{' and head' if head else ''} {fmt_bytes(lin_b)} + "
+                f"{fmt_num(rest)} other params (embeddings, norms) × {fmt_num(wb)} B ({dtype}) {layer_txt}{split}{shard}")
     else:
         weights = est.add("weights", n_here * wb / dp_shard, "B",
                           f"{fmt_num(n_here)} params {layer_txt} × {fmt_num(wb)} B ({dtype}){split}{shard}")
@@ -417,7 +486,8 @@ def _optimizer_terms(est: Estimate, mode: str, trainable: float, wb: float, opti
 
 
 def _activation_terms(est: Estimate, shape: ModelShape, tokens: int, seq_len: int, act_b: float, resid_b: float,
-                      tp: int, grad_ckpt: bool, fused_loss: bool, dense_attention: bool) -> tuple[float, float]:
+                      tp: int, grad_ckpt: bool, fused_loss: bool, dense_attention: bool,
+                      head_trainable: bool = True) -> tuple[float, float]:
     """Activations with and without checkpointing, the loss's logits and backward's transient;
     returns (activation bytes, loss bytes). `resid_b`: the residual stream is fp32 when the weights
     are (autocast), else 16-bit."""
@@ -433,10 +503,11 @@ def _activation_terms(est: Estimate, shape: ModelShape, tokens: int, seq_len: in
     acts = est.add("activations", ckpt_acts if grad_ckpt else full_acts, "B",
                    "with checkpointing" if grad_ckpt else "without checkpointing (train.gradient_checkpointing=false)")
     # The loss: full logits (16-bit) + fp32 log-softmax saved for backward, or one chunk when fused.
-    if fused_loss:
-        loss_b = est.add("logits / loss", tokens * shape.hidden * 4 + shape.vocab * shape.hidden * 4 / tp, "B",
-                         f"fused LM head + CE: saved grad of hidden {fmt_num(tokens)}×{shape.hidden}×4 B "
-                         f"+ head grad {shape.vocab}×{shape.hidden}×4 B")
+    if fused_loss:  # the head's gradient only when the head trains (not under LoRA)
+        head = shape.vocab * shape.hidden * 4 / tp if head_trainable else 0
+        loss_b = est.add("logits / loss", tokens * shape.hidden * 4 + head, "B",
+                         f"fused LM head + CE: saved grad of hidden {fmt_num(tokens)}×{shape.hidden}×4 B"
+                         + (f" + head grad {shape.vocab}×{shape.hidden}×4 B" if head else ""))
     else:
         loss_b = est.add("logits / loss", tokens * shape.vocab * (2 + 4 + 4) / tp, "B",
                          f"{fmt_num(tokens)} tokens × {shape.vocab} vocab × (2 logits + 4 fp32 log-softmax + 4 its grad)")

@@ -1,8 +1,9 @@
 """Guard rails around a training run: refuse what cannot fit, explain what broke, warn on what drifts.
 
-- `preflight_train`: the memory estimate of the run (`perf.estimate.memory`) against the memory
-  the device has free, before the model is built; refuses with the remedies that would fit, in
-  order (checkpointing, LoRA, a smaller micro-batch with more accumulation).
+- `preflight_train`: the memory estimate of the run (`perf.estimate.memory` with the run's real dtypes:
+  `memory_args` maps the config, so it is what `lmforge estimate memory` prints for the same settings)
+  against the memory the device has free, before the model is built; refuses with the remedies that
+  would fit, in order (checkpointing, LoRA on a bf16 base, a smaller micro-batch with more accumulation).
 - `preflight_inference` (from `perf/preflight.py`, which `serve` uses): the same for serving.
 - `oom_message`: a `torch.OutOfMemoryError` (or CPU "can't allocate memory") answered with the
   estimate, the measured peak and the remedies.
@@ -50,14 +51,65 @@ def shape_for(cfg: Any, vocab_size: int) -> ModelShape:
                       tied=m.tie_word_embeddings, name=cfg.run.name or "model")
 
 
-def train_estimate(cfg: Any, shape: ModelShape, seq_len: int, device_kind: str, **changes: Any) -> Estimate:
-    """`perf.estimate.memory` for this run as lmforge trains it: fp32 master weights, AdamW, autocast
-    in train.dtype, the fused loss; `changes` override train fields (method, batch_size, ...)."""
+def base_kind_for(cfg: Any, device_kind: str) -> str:
+    """float32 | bfloat16 | int8 | int4: how a LoRA run holds its frozen base linears (`lora.base_kind`)."""
+    lora = cfg.lora
+    if lora.base_quant not in (None, "none"):
+        return lora.base_quant
+    if lora.base_dtype != "auto":
+        return lora.base_dtype
+    import torch  # deferred: guards is imported by `lmforge smoke` and the CLI, which must not load torch
+
+    from .lora import base_kind  # deferred: with torch
+
+    return base_kind(lora, torch.device(device_kind))
+
+
+def memory_args(cfg: Any, shape: ModelShape, seq_len: int, device_kind: str, **changes: Any) -> dict[str, Any]:
+    """The arguments of `perf.estimate.memory` (what `lmforge estimate memory` calls) that describe this run
+    as lmforge runs it: fp32 master weights and AdamW (full), or the frozen base as `lora.base_dtype` /
+    `lora.base_quant` hold it with fp32 adapters and their AdamW states (LoRA); autocast in train.dtype;
+    the fused loss; for DPO, 2 x batch rows (chosen and rejected), the unfused loss and the reference copy
+    (full fine-tuning without precomputed reference log-probs). `changes` override train fields (and
+    `lora_base`, the base kind of a LoRA remedy)."""
     t = {**vars(cfg.train), **changes}
-    return memory(shape, mode=t["method"], dtype="float32", optimizer="adamw", batch=t["batch_size"],
-                  seq_len=seq_len, grad_ckpt=t["gradient_checkpointing"], lora_rank=cfg.lora.rank,
-                  lora_targets=tuple(cfg.lora.target_modules), fused_loss=t["fused_loss"],
-                  compute_dtype=t["dtype"], device_kind=device_kind)
+    dpo = t["stage"] == "dpo"
+    kw: dict[str, Any] = dict(mode="full", dtype="float32", optimizer="adamw", batch=t["batch_size"] * (2 if dpo else 1),
+                              seq_len=seq_len, grad_ckpt=t["gradient_checkpointing"],
+                              fused_loss=t["fused_loss"] and not dpo, compute_dtype=t["dtype"], device_kind=device_kind)
+    if t["method"] == "full":
+        kw["reference_model"] = dpo and not cfg.dpo.precompute_ref_log_probs
+        return kw
+    kind = t.get("lora_base") or base_kind_for(cfg, device_kind)
+    kw.update(mode="lora", dtype=kind, lora_rank=cfg.lora.rank, lora_targets=tuple(cfg.lora.target_modules))
+    if kind in ("int8", "int4"):
+        group = next((g for g in (64, 32, 16, 8) if shape.hidden % g == 0 and shape.intermediate % g == 0), 8)
+        kw.update(mode="qlora", dtype="float32", quant_bits=int(kind[3:]), group_size=group)
+    return kw
+
+
+def train_estimate(cfg: Any, shape: ModelShape, seq_len: int, device_kind: str, **changes: Any) -> Estimate:
+    """`perf.estimate.memory` for this run with its real dtypes (`memory_args`)."""
+    return memory(shape, **memory_args(cfg, shape, seq_len, device_kind, **changes))
+
+
+ALL_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def estimate_command(shape_ref: str, kw: dict[str, Any]) -> str | None:
+    """The `lmforge estimate memory` command line that prints the same estimate, or None when the run uses a
+    setting the command has no option for (LoRA targets other than all seven matmuls, float32 compute, the
+    unfused loss, DPO's reference copy, int4 groups other than 64)."""
+    defaults = {"fused_loss": True, "reference_model": False, "group_size": 64}
+    if (any(kw.get(k, v) != v for k, v in defaults.items()) or kw.get("compute_dtype") not in (None, "bfloat16")
+            or kw.get("lora_targets", ALL_LINEARS) != ALL_LINEARS):
+        return None
+    args = [f"lmforge estimate memory {shape_ref} --mode {kw['mode']} --dtype {kw['dtype']}",
+            f"--batch {kw['batch']} --seq-len {kw['seq_len']}"]
+    args += ["--grad-ckpt"] if kw.get("grad_ckpt") else []
+    args += [f"--lora-rank {kw['lora_rank']}"] if kw["mode"] != "full" else []
+    args += [f"--quant-bits {kw['quant_bits']}"] if kw.get("quant_bits") else []
+    return " ".join(args) + (" --device cpu" if kw.get("device_kind") == "cpu" else "")
 
 
 def _need(est: Estimate) -> float:
@@ -71,8 +123,8 @@ def remedies(cfg: Any, shape: ModelShape, seq_len: int, device_kind: str, budget
     steps: list[tuple[str, dict]] = []
     if not t.gradient_checkpointing:
         steps.append(("train.gradient_checkpointing=true", {"gradient_checkpointing": True}))
-    if t.method == "full":
-        steps.append(("train.method=lora", {"method": "lora"}))
+    if t.method == "full":  # with a bf16 base: a float32 one under autocast also keeps bf16 casts for backward
+        steps.append(("train.method=lora lora.base_dtype=bfloat16", {"method": "lora", "lora_base": "bfloat16"}))
     batch = t.batch_size
     while batch > 1:
         batch //= 2
@@ -107,9 +159,14 @@ def preflight_train(cfg: Any, shape: ModelShape, seq_len: int, device: Any, worl
         raise PreflightError(
             f"pre-flight: this run needs ~{fmt_bytes(need)} ({fmt_bytes(est.total)} model states + activations, "
             f"{fmt_bytes(est.overhead)} framework overhead) but {kind} has {fmt_bytes(available)} free ({source}). "
-            f"Try, in order: {'; '.join(fixes)}. `lmforge estimate memory` shows the arithmetic; "
+            f"Try, in order: {'; '.join(fixes)}. {_arithmetic_hint(cfg, shape, seq_len, kind)}; "
             f"train.preflight=false skips this check.")
     return est
+
+
+def _arithmetic_hint(cfg: Any, shape: ModelShape, seq_len: int, kind: str) -> str:
+    command = estimate_command(cfg.model.init or shape.name or "MODEL", memory_args(cfg, shape, seq_len, kind))
+    return f"`{command}` shows the arithmetic" if command else "`lmforge estimate memory` shows the arithmetic"
 
 
 # ---- out of memory ---------------------------------------------------------------------------
