@@ -263,18 +263,18 @@ def test_logit_bias_is_validated_not_clamped(bias, match):
 
 def test_token_mask_applies_before_everything_and_keeps_logprobs_raw():
     logits_SV = torch.randn(3, V, generator=torch.Generator().manual_seed(9)) * 4
-    allowed_RV = torch.zeros(2, V, dtype=torch.bool)
-    allowed_RV[0, [10, 20]] = True
-    allowed_RV[1, 30] = True
-    allowed = (torch.tensor([0, 2]), allowed_RV)  # row 1 is unconstrained
+    banned_SV = torch.ones(3, V, dtype=torch.bool)
+    banned_SV[0, [10, 20]] = False
+    banned_SV[1] = False  # row 1 is unconstrained
+    banned_SV[2, 30] = False
     greedy = [Seq(SamplingParams(temperature=0.0)) for _ in range(3)]
-    tokens = [r.token_id for r in Sampler()(logits_SV, greedy, allowed)]  # the plain-greedy fast path
+    tokens = [r.token_id for r in Sampler()(logits_SV, greedy, banned_SV)]  # the plain-greedy fast path
     assert tokens == [10 if logits_SV[0, 10] > logits_SV[0, 20] else 20, logits_SV[1].argmax().item(), 30]
     # a +100 bias cannot take a row outside its grammar; sampled rows stay inside it too
     seqs = [Seq(SamplingParams(logprobs=1, logit_bias={5: 100})), Seq(SamplingParams()),
             Seq(SamplingParams(temperature=2.0, top_p=0.5))]
     for _ in range(20):
-        results = Sampler()(logits_SV, seqs, allowed)
+        results = Sampler()(logits_SV, seqs, banned_SV)
         assert results[0].token_id in (10, 20) and results[2].token_id == 30
     assert results[0].logprob == pytest.approx(torch.log_softmax(logits_SV[0], -1)[results[0].token_id].item(),
                                                abs=1e-6)

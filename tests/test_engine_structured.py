@@ -11,6 +11,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from lmforge.engine import LLM, SamplingParams
 from lmforge.engine.sampling_params import StructuredOutputsParams as SO
@@ -114,6 +115,26 @@ def test_a_spec_that_cannot_compile_is_refused_naming_the_problem(llm, so, match
     with pytest.raises(ValueError, match=match):
         llm.generate(["x"], SamplingParams(structured_outputs=so), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()  # nothing was queued
+
+
+def test_bitmask_unpacks_to_llguidance_own_per_token_mask(llm):
+    """The fast path (int32 words unpacked with tensor ops) against llguidance's byte-per-token mask, on
+    a batch where row 1 is unconstrained, along a JSON text, including ids past bit 31 of a word."""
+    engine = llm.llm_engine
+    grammar = engine.structured.grammar_for(SO(json=SCHEMA))
+    text = '{"name": "ab", "kind": "dog", "age": 42, "tags": ["x"], "owner": {"zip": "12345", "vip": true}}'
+
+    class Row:
+        def __init__(self, g):
+            self.grammar = g
+
+    V = engine.vocab_size
+    for token in llm.get_tokenizer().encode(text, add_special_tokens=False):
+        banned_SV = engine.structured.banned_tokens([Row(grammar), Row(None)], torch.device("cpu"))
+        reference_V = torch.frombuffer(bytearray(grammar.matcher.compute_logit_bias()), dtype=torch.uint8)[:V] == 0
+        assert torch.equal(banned_SV[0], reference_V) and not banned_SV[1].any()
+        assert not banned_SV[0, token] and grammar.accept(token)
+    assert grammar.is_terminated and not grammar.error
 
 
 def test_specs_compile_once(llm):

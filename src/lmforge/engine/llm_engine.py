@@ -186,7 +186,7 @@ class LLMEngine:
             raise ValueError(f"SamplingParams.logit_bias: token id {bad[0]} is not in the vocabulary "
                              f"(ids are 0..{V - 1})")
         if params.structured_outputs is not None:
-            self.structured.grammar_for(params.structured_outputs)  # raises ValueError naming the problem
+            self.structured.check(params.structured_outputs)  # raises ValueError naming the problem
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -240,8 +240,8 @@ class LLMEngine:
         """The sequences that sample this step (their chunk reached its end), and their tokens."""
         t0 = time.perf_counter()
         sampling = [s.seq for s in scheduled if s.samples]
-        allowed = self.structured.allowed_tokens(sampling, logits_SV.device) if sampling else None
-        results = self.sampler(logits_SV, sampling, allowed) if sampling else []
+        banned_SV = self.structured.banned_tokens(sampling, logits_SV.device) if sampling else None
+        results = self.sampler(logits_SV, sampling, banned_SV) if sampling else []
         self.timings["sample"] += time.perf_counter() - t0
         return sampling, results
 

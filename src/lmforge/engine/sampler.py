@@ -7,8 +7,8 @@ Order of operations, the same as `transformers` `generate()` and vLLM (see docs/
                     -> presence/frequency penalties
                     -> greedy? argmax : temperature -> top-k -> top-p -> min-p -> sample
 
-The grammar mask (structured outputs) comes from the engine as `allowed`: the tokens each
-constrained row may take this step; the sampler only applies it.
+The grammar mask (structured outputs) comes from the engine as `banned_SV`: True where a row's
+grammar forbids a token this step (all False on unconstrained rows); the sampler only applies it.
 
 Every step is vectorized over the batch; per-row parameters become (S, 1) tensors. Rows
 that carry a `torch.Generator` draw their sampling noise from it alone, so a seeded request
@@ -21,8 +21,8 @@ the engine decides whether a sampled token finishes the request.
     python -m pytest -q tests/test_engine_sampler.py
 
 Shape legend: S = sequences sampling this step (rows of logits), V = vocabulary size,
-L = longest token list in the batch, K = most top logprobs asked by any row, R = rows with a
-grammar mask, N = logit_bias entries over the batch.
+L = longest token list in the batch, K = most top logprobs asked by any row,
+N = logit_bias entries over the batch.
 """
 
 from __future__ import annotations
@@ -81,16 +81,6 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)  # (S, 1)
 
 
-# (rows_R, allowed_RV): the constrained rows of a step and the tokens each may take
-TokenMask = tuple[torch.Tensor, torch.Tensor]
-
-
-def apply_token_mask(logits_SV: torch.Tensor, allowed: TokenMask | None) -> torch.Tensor:
-    """Disallowed tokens of the constrained rows -> -inf, in place; other rows untouched."""
-    if allowed is not None:
-        rows_R, allowed_RV = allowed
-        logits_SV[rows_R] = logits_SV[rows_R].masked_fill(~allowed_RV, float("-inf"))
-    return logits_SV
 
 
 def add_logit_bias(logits_SV: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -122,8 +112,8 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
 
     def __call__(self, logits_SV: torch.Tensor, seqs: Sequence[Any],
-                 allowed: TokenMask | None = None) -> list[SampleResult]:
-        """One token per row. `allowed`: the grammar mask of the constrained rows (structured outputs)."""
+                 banned_SV: torch.Tensor | None = None) -> list[SampleResult]:
+        """One token per row. `banned_SV`: (S, V) bool, True where a grammar forbids the token."""
         if logits_SV.dim() != 2 or logits_SV.shape[0] != len(seqs):
             raise ValueError(f"Sampler: logits of shape {tuple(logits_SV.shape)} for {len(seqs)} "
                              "sequences; pass one (S, V) row per sampling sequence")
@@ -131,22 +121,25 @@ class Sampler:
         params = [s.sampling_params for s in seqs]
         if all(p.greedy and p.logprobs is None and not _needs_processing(p, s) for p, s in zip(params, seqs)):
             # Fast path: plain greedy decoding is one argmax and one device->host copy.
-            masked_SV = apply_token_mask(logits_SV.clone(), allowed) if allowed is not None else logits_SV
-            return [SampleResult(t, None, None) for t in _argmax(masked_SV).tolist()]
+            if banned_SV is not None:
+                logits_SV = logits_SV.masked_fill(banned_SV, float("-inf"))
+            return [SampleResult(t, None, None) for t in _argmax(logits_SV).tolist()]
 
-        processed_SV = self.process_logits(logits_SV, seqs, allowed)
+        processed_SV = self.process_logits(logits_SV, seqs, banned_SV)
         tokens_S = self._sample(processed_SV, seqs)
         return self._results(logits_SV, tokens_S, params)
 
     def process_logits(self, logits_SV: torch.Tensor, seqs: Sequence[Any],
-                       allowed: TokenMask | None = None) -> torch.Tensor:
+                       banned_SV: torch.Tensor | None = None) -> torch.Tensor:
         """Grammar mask, min_tokens, logit_bias, penalties, temperature, top-k, top-p, min-p; returns
         new (S, V) float32 logits.
 
         Filtered tokens are -inf. A greedy row comes back as its penalized logits (no
         temperature, no filters): its token is their argmax.
         """
-        logits_SV = apply_token_mask(logits_SV.float().clone(), allowed)
+        logits_SV = logits_SV.float().clone()
+        if banned_SV is not None:  # structured outputs: a hard constraint, before everything else
+            logits_SV.masked_fill_(banned_SV, float("-inf"))
         params: list[SamplingParams] = [s.sampling_params for s in seqs]
         S, V = logits_SV.shape
         device = logits_SV.device
