@@ -682,3 +682,21 @@ def test_python_docs_snapshot_follows_its_cache(tmp_path, monkeypatch):
     assert again == (docs, _builtin_digest(docs)) and len(calls) == 3
     sources._snapshot_path(cache).write_bytes(b"\x00garbage")  # a damaged snapshot is recomputed
     assert sources.python_docs_snapshot(_BUILTIN_DIGEST, digest) == again and len(calls) == 4
+
+
+def test_quality_of_a_text_does_not_depend_on_its_batch():
+    """A text's repetition counts are its own: "1 apple" once in one text and "0 apple" 80 times in
+    the next once shared a hash (per-text salts linear in the index), failing the first text's
+    top 2-gram rule in a batch but not alone; the Ray executor batches by shard, so it showed."""
+    from lmforge.data.config import QualityConfig
+    from lmforge.data.quality import quality_reasons
+
+    rng = random.Random(3)
+    words = vocab(rng)
+    a = random_doc(rng, words, 250) + " 1 apple and the end."
+    b = " ".join(["0 apple"] * 80) + " " + random_doc(rng, words, 250)
+    texts = [random_doc(rng, words, 200) for _ in range(3)] + [a, b]
+    cfg = QualityConfig()
+    assert quality_reasons([a], cfg) == [None]
+    assert quality_reasons(texts, cfg)[3] is None
+    assert quality_reasons(texts, cfg) == [quality_reasons([t], cfg)[0] for t in texts]

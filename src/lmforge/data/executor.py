@@ -41,6 +41,7 @@ import dataclasses
 import hashlib
 import os
 import signal
+import time
 import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -418,6 +419,7 @@ class RayExecutor:
         self.workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
         self.buckets = max(1, buckets or self.workers)
         self.shard_bytes = shard_bytes
+        self.seconds: dict[str, float] = {}  # the driver's own work of the last run ("write")
         self._remote: dict[Callable, Any] = {}
 
     def call(self, fn: Callable, n: int, *args: Any) -> list[Any]:
@@ -497,7 +499,7 @@ class RayExecutor:
     def _write(self, cfg: PrepareConfig, out: Path, metas: list[dict], cleans: list, splits: list,
                trains: list) -> _Pipeline:
         """Every output from its pieces into OUT/.work/ray, then renamed into place; the summed counts."""
-        get = self.ray.get
+        get, t0 = self.ray.get, time.monotonic()
         work = out / ".work" / "ray"
         names = {"quarantine.jsonl": [m["quarantine"] for m in metas],
                  "rejected.jsonl": _chain(get, [c[0] for c in cleans], [sp[0] for sp in splits], trains),
@@ -513,6 +515,7 @@ class RayExecutor:
         for name in names:
             (out / name).parent.mkdir(parents=True, exist_ok=True)
             os.replace(work / name, out / name)
+        self.seconds["write"] = time.monotonic() - t0  # includes waiting for the last tasks
         return agg
 
 

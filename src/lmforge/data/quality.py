@@ -32,7 +32,19 @@ _STOP = re.compile(r"\b(?:" + "|".join(sorted(STOP_WORDS)) + r")\b", re.IGNORECA
 _BULLET_LINE = re.compile(r"^[ \t]*[•*-]", re.MULTILINE)
 _ELLIPSIS_LINE = re.compile(r"(?:\.\.\.|…)[ \t]*$", re.MULTILINE)
 _BATCH_CHARS = 1 << 20  # code points per numpy batch: ~40 MB of temporaries at most
-_SALT = np.uint64(0x9E3779B97F4A7C15)  # odd: (text index + 1) * _SALT differs for every text of a batch
+
+
+def _text_salts(text: np.ndarray) -> np.ndarray:
+    """(W,) uint64 salt of each word's text index: splitmix64 of index + 1. It must not be linear in
+    the index: with salt = (index + 1) * M0 (M0 = the first word's weight in `hashing`), an n-gram
+    starting with a word of hash h in text t equalled one starting with hash h - 1 in text t + 1
+    ("1 apple" / "0 apple": single-character words hash to their code point), so a document's
+    repetition counts, and whether it was dropped, depended on its neighbours in the batch."""
+    with np.errstate(over="ignore"):
+        z = (text.astype(np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
 
 
 def split_long(text: str, max_chars: int) -> list[str]:
@@ -190,8 +202,7 @@ def _ngram_reasons(words: Words, size: np.ndarray, cfg: GopherRepetitionConfig) 
     csum = np.zeros(len(wh) + 1, dtype=np.int64)
     np.cumsum(words.lengths, out=csum[1:])
     text_end = np.searchsorted(text, np.arange(words.n_texts), side="right")[text]  # (W,) end of each word's text
-    with np.errstate(over="ignore"):  # the sums start from a salt per text: equal n-grams of two texts differ
-        salt = (text.astype(np.uint64) + np.uint64(1)) * _SALT
+    salt = _text_salts(text)  # the sums start from a salt per text: equal n-grams of two texts differ
     limits = dict(zip(range(2, 11), [*cfg.top_ngram_char_fracs, *cfg.dup_ngram_char_fracs]))
     pos = np.arange(len(wh))
     acc = add_word(salt, wh, pos, 0)
