@@ -235,7 +235,8 @@ def test_logit_bias_forces_and_bans_tokens_per_row_in_one_batch():
     seqs = [Seq(SamplingParams(temperature=0.0, logit_bias={forced: 100})),  # greedy: +100 forces it
             Seq(SamplingParams(temperature=0.0)),  # unbiased rows in the same batch are untouched
             Seq(SamplingParams(temperature=0.0, logit_bias={str(argmax[2]): -100})),  # JSON keys are strings
-            Seq(SamplingParams(temperature=1.0, seed=1, logit_bias={forced: 100}), generator=make_generator(1, 0, "cpu"))]
+            Seq(SamplingParams(temperature=1.0, seed=1, logit_bias={forced: 100}),
+                generator=make_generator(1, 0, "cpu"))]
     tokens = [r.token_id for r in Sampler()(logits_SV, seqs)]
     assert tokens[0] == forced and tokens[1] == argmax[1] and tokens[2] != argmax[2] and tokens[3] == forced
     out_SV = Sampler().process_logits(logits_SV, seqs[:3])
@@ -250,7 +251,8 @@ def test_logit_bias_leaves_logprobs_raw():
     assert r.logprob == pytest.approx(torch.log_softmax(logits_SV[0], -1)[9].item(), abs=1e-6)
 
 
-@pytest.mark.parametrize("bias, match", [({5: 1e30}, "logit_bias\\[5\\]=1e\\+30"), ({5: float("nan")}, "\\[-100, 100\\]"),
+@pytest.mark.parametrize("bias, match", [({5: 1e30}, "logit_bias\\[5\\]=1e\\+30"),
+                                         ({5: float("nan")}, "\\[-100, 100\\]"),
                                          ({"x": 1}, "key 'x' is not a token id"), ({-1: 1}, "token id -1"),
                                          ({i: 1 for i in range(301)}, "301 entries; at most 300"),
                                          ({5: True}, "must be a number"), ([5], "map of token id")])

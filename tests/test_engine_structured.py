@@ -6,6 +6,7 @@ tokenizer: a model that, left alone, emits garbage (checked), so every valid out
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -13,7 +14,7 @@ import jsonschema
 import pytest
 import torch
 
-from lmforge.engine import LLM, SamplingParams
+from lmforge.engine import LLM, EngineConfig, ProcessAsyncLLMEngine, SamplingParams
 from lmforge.engine.sampling_params import StructuredOutputsParams as SO
 
 SCHEMA = {
@@ -142,7 +143,8 @@ def test_specs_compile_once(llm):
     so = SO(regex=r"[a-c]{4}")
     texts(llm, ["x"], SamplingParams(max_tokens=8, structured_outputs=so))
     misses = cache.cache_info().misses
-    outs = texts(llm, ["x", "y", "z"], SamplingParams(temperature=1.0, max_tokens=8, structured_outputs=SO(regex=r"[a-c]{4}")))
+    again = SamplingParams(temperature=1.0, max_tokens=8, structured_outputs=SO(regex=r"[a-c]{4}"))  # equal, not same
+    outs = texts(llm, ["x", "y", "z"], again)
     assert cache.cache_info().misses == misses
     assert all(re.fullmatch("[a-c]{4}", o.text) for o in outs)
 
@@ -168,3 +170,26 @@ def test_structured_outputs_params_are_validated():
         with pytest.raises(ValueError, match=match):
             SamplingParams(structured_outputs=bad)
     assert SamplingParams(structured_outputs={"choice": ("a", "b")}).structured_outputs.choice == ["a", "b"]
+
+
+def test_through_the_engine_core_process(chat_model_dir, one_thread):
+    """The server's engine runs in a child process: the params cross a pipe, and so does a refusal."""
+    engine = ProcessAsyncLLMEngine(EngineConfig(model=str(chat_model_dir), device="cpu"))
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=120, logit_bias={"5": -100},
+                            structured_outputs={"json": SCHEMA, "disable_any_whitespace": True})
+
+    async def last(prompt, p):
+        out = None
+        async for out in engine.generate(prompt, p, f"r-{prompt}"):
+            pass
+        return out.outputs[0]
+
+    try:
+        out = asyncio.run(last("The city of", params))
+        assert out.finish_reason == "stop" and 5 not in out.token_ids
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+        bad = SamplingParams(structured_outputs={"json": {"type": "array", "uniqueItems": True}})
+        with pytest.raises(ValueError, match="uniqueItems"):
+            asyncio.run(last("x", bad))
+    finally:
+        engine.shutdown()

@@ -3,7 +3,8 @@
 `step()` is schedule -> run -> sample -> postprocess -> outputs. The engine owns what ends a
 request other than stop strings (the detokenizer's): EOS (unless `ignore_eos`), `stop_token_ids`,
 `max_tokens`, `min_tokens`, `max_model_len` and a completed grammar (structured outputs); and it
-refuses, upfront, requests that could never fit or whose grammar does not compile. It knows nothing about HTTP or threads (see `async_engine.py`) or about progress bars (`llm.py`).
+refuses, upfront, requests that could never fit or whose grammar does not compile. It knows nothing
+about HTTP or threads (see `async_engine.py`) or about progress bars (`llm.py`).
 
     engine = LLMEngine(EngineConfig(model="path/to/hf-dir"))
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=8))

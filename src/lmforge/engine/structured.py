@@ -6,8 +6,9 @@ GBNF grammar) is compiled once per distinct spec into an `LLMatcher` against the
 kept in an LRU cache; each sequence gets its own copy (`Grammar`). Every engine step, the constrained
 rows' matchers fill a token bitmask (a bit per vocabulary entry, 32 to an int32) that becomes a boolean
 `(S, V)` mask the `Sampler` applies before anything else; unconstrained rows in the same batch get
-all-ones words, so they are left alone. After sampling, each matcher consumes its row's token; when a matcher is stopped (nothing but
-EOS could follow) the engine finishes the sequence with reason "stop" without spending a step on EOS.
+all-ones words, so they are left alone. After sampling, each matcher consumes its row's token; when a
+matcher is stopped (nothing but EOS could follow) the engine finishes the sequence with reason "stop"
+without spending a step on EOS.
 
 The matcher's state is a function of the sequence's output tokens only, so the paged prefix cache
 (which shares prompt K/V) and preemption by recompute (which keeps the output tokens and recomputes
