@@ -199,7 +199,7 @@ def test_admin_needs_its_own_key_and_is_rate_limited(engine):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),

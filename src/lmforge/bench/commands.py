@@ -7,6 +7,7 @@ measures and writes JSON + Markdown. It knows nothing about how the runners meas
     lmforge bench serve --base-url http://127.0.0.1:8000 --max-concurrency 32 --out runs/bench
     lmforge bench engine --model M --num-requests 200
     lmforge bench parallel --out runs/bench-parallel
+    lmforge bench soak --minutes 30 --concurrency 32 --out runs/soak
 """
 
 from __future__ import annotations
@@ -71,6 +72,26 @@ def bench_serve(
         raise typer.Exit(1) from None
     typer.echo(to_markdown(report))
     raise typer.Exit(0 if report["client"]["failed"] == 0 else 1)
+
+
+@app.command("soak", help="Load and faults against a real lmforge serve (hostile requests, a killed exchange-log "
+                          "writer, a killed engine, a hot reload); writes soak.json and soak.md.")
+def bench_soak(
+    minutes: Annotated[float, typer.Option(help="Length of the loaded run with faults.")] = 30.0,
+    idle_minutes: Annotated[float, typer.Option(help="Length of the idle baseline (no hostile, no faults).")] = 2.0,
+    concurrency: Annotated[int, typer.Option(help="Well-behaved streaming clients.")] = 32,
+    hostile: Annotated[float, typer.Option(help="Share of requests replaced by a hostile one.")] = 0.05,
+    max_tokens: Annotated[int, typer.Option(help="Tokens per well-behaved request.")] = 32,
+    model: Annotated[Optional[Path], typer.Option(help="Model folder (default: a tiny random Llama).")] = None,
+    faults: Annotated[bool, typer.Option(help="Kill the writer and the engine, and hot-reload, mid-run.")] = True,
+    out: Annotated[Optional[Path], typer.Option(help="Write soak.json and soak.md here.")] = None,
+) -> None:
+    from lmforge.bench.soak import SoakConfig, run_soak  # deferred: httpx, psutil and the registry, for this verb
+
+    report = run_soak(SoakConfig(minutes, idle_minutes, concurrency, hostile, max_tokens,
+                                 str(model) if model else None, faults=faults), out)
+    ok = report["exchange_log"]["lost_outside_drop_counter"] == 0 and report["healthy_after"]
+    raise typer.Exit(0 if ok else 1)
 
 
 @app.command("data")

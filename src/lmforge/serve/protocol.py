@@ -17,23 +17,26 @@ tests through the official `openai` client. This module knows nothing about the 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import math
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
 
 from lmforge.engine import SamplingParams
 
 MAX_N = 16  # samples per prompt: each holds a sequence slot and its own KV blocks
 INT64 = 2**63
-MAX_LOGIT_BIAS = 300  # entries, OpenAI's documented limit
+# Between JSON tokens under response_format / guided_json: a newline and a space at most. Unbounded
+# whitespace (JSON's own rule) lets a weak model pad until max_tokens and never close the object, the
+# failure OpenAI's JSON-mode docs warn of; `structured_outputs: {"json": ..., "whitespace_pattern": ...}`
+# (or `disable_any_whitespace`) chooses otherwise.
+JSON_WHITESPACE = r"[ \n]{0,2}"
 MAX_USER_LEN = 256  # an end-user id, not a document: it is stored with every logged exchange
 
 # Fields that change what an answer means, refused with a 400 naming them until implemented
 # (field -> why). A value that asks for nothing (`tool_choice: "none"`, `modalities: ["text"]`) passes.
 REFUSED = {
-    "response_format": "structured outputs (json_object / json_schema) are not supported by this server yet",
     "tools": "tool calling is not supported by this server yet",
     "tool_choice": "tool calling is not supported by this server yet",
     "functions": "function calling (legacy `functions`) is not supported; and `tools` is not supported yet",
@@ -42,17 +45,11 @@ REFUSED = {
     "modalities": "only text output is supported (modalities: [\"text\"])",
     "audio": "audio output is not supported",
     "web_search_options": "web search is not supported",
-    "guided_json": "guided decoding is not supported by this server yet",
-    "guided_regex": "guided decoding is not supported by this server yet",
-    "guided_choice": "guided decoding is not supported by this server yet",
-    "guided_grammar": "guided decoding is not supported by this server yet",
-    "structured_outputs": "structured outputs are not supported by this server yet",
 }
 # Known fields that change nothing about the answer here: accepted and ignored.
 IGNORED = ("store", "metadata", "service_tier", "parallel_tool_calls", "prediction", "reasoning_effort",
            "verbosity", "prompt_cache_key", "safety_identifier", "stream_options.include_obfuscation")
-_NOTHING_ASKED = {"tool_choice": ("none",), "modalities": (["text"],), "parallel_tool_calls": (True, False),
-                  "response_format": ({"type": "text"},)}
+_NOTHING_ASKED = {"tool_choice": ("none",), "modalities": (["text"],), "parallel_tool_calls": (True, False)}
 
 
 def _not_bool(v):
@@ -80,6 +77,31 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # `schema` shadows BaseModel's
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text (no constraint), JSON mode, or a JSON schema."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured(self) -> dict | None:
+        if self.type == "json_object":
+            return {"json_object": True, "whitespace_pattern": JSON_WHITESPACE}
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ValueError("SamplingParams.response_format=json_schema: needs `json_schema: {name, schema}`")
+            return {"json": self.json_schema.json_schema or {}, "whitespace_pattern": JSON_WHITESPACE}
+        return None
+
+
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")  # kept to be checked against REFUSED, then ignored
 
@@ -102,18 +124,31 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=MAX_USER_LEN)
-    logit_bias: dict[str, StrictNumber] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    logit_bias: dict[str, Any] | None = None  # token id (a string key) -> bias; SamplingParams checks it
+    # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs / guided_* extras.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _token_ids(cls, bias):
-        """OpenAI's shape: token id (as a JSON object key, so a string) -> bias in [-100, 100]."""
-        for key, value in (bias or {}).items():
-            if not key.isdigit() or int(key) >= INT64:
-                raise ValueError(f"key {key!r}: keys are token ids written as strings, e.g. {{\"50256\": -100}}")
-            if not -100 <= value <= 100:
-                raise ValueError(f"token {key}: a bias is in [-100, 100], got {value}")
-        return bias
+    def structured(self) -> dict | None:
+        """The one constraint this request asks for, as `StructuredOutputsParams` fields; ValueError when
+        it asks for several (they could not all hold)."""
+        asked = {name: spec for name, spec in (
+            ("response_format", self.response_format.structured() if self.response_format else None),
+            ("structured_outputs", self.structured_outputs),
+            ("guided_json", {"json": self.guided_json, "whitespace_pattern": JSON_WHITESPACE}
+             if self.guided_json is not None else None),
+            ("guided_regex", {"regex": self.guided_regex} if self.guided_regex is not None else None),
+            ("guided_choice", {"choice": self.guided_choice} if self.guided_choice is not None else None),
+            ("guided_grammar", {"grammar": self.guided_grammar} if self.guided_grammar is not None else None),
+        ) if spec is not None}
+        if len(asked) > 1:
+            raise ValueError(f"SamplingParams.{next(iter(asked))}=...: {' and '.join(asked)} each constrain the "
+                             "output; send one of them")
+        return next(iter(asked.values()), None)
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) of the first field this server cannot honour, or None."""
@@ -132,7 +167,8 @@ class _SamplingFields(BaseModel):
         return SamplingParams(n=self.n, seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
                               ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, max_tokens=max_tokens,
                               logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-                              include_stop_str_in_output=self.include_stop_str_in_output, **given)
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              logit_bias=self.logit_bias, structured_outputs=self.structured(), **given)
 
     @property
     def include_usage(self) -> bool:

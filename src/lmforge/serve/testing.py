@@ -110,7 +110,7 @@ class ServerThread:
 def spawn_server(args: list[str], port: int, timeout: float = 240.0, env: dict | None = None):
     """`lmforge serve ARGS --port PORT` as a child process, returned once /health/ready answers 200
     (SystemExit with the server's last stderr if it exits first or never gets ready). For scripts
-    that measure a real server: scripts/soak_serve.py, scripts/bench_ops.py. `env` replaces the
+    that measure a real server: `lmforge bench soak`, scripts/bench_ops.py. `env` replaces the
     environment (e.g. a PYTHONPATH to serve another checkout's code)."""
     import httpx  # deferred: quickstart imports this module for free_port, and the CLI imports quickstart
 
