@@ -24,8 +24,8 @@ OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 GREEDY_EPS = 1e-5
 INT64 = (-(2**63), 2**63 - 1)
 _INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs")
-# OpenAI's limits: a bias is in [-100, 100] (the API reference) and the map holds at most 300 tokens
-# (the API's 400 for more); an unbounded map would be an (S, V) tensor's worth of Python per step.
+# OpenAI's limits: a bias is in [-100, 100] (its API reference) and at most 300 tokens are biased (what
+# its API enforces, as we understand it; not in the reference). An unbounded map would cost Python per step.
 LOGIT_BIAS_MAX, LOGIT_BIAS_MAX_ENTRIES = 100.0, 300
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
