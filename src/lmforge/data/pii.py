@@ -3,29 +3,38 @@
 | type | placeholder | rule |
 | --- | --- | --- |
 | api_key | `<API_KEY>` | known token shapes: OpenAI `sk-...`, GitHub `ghp_/gho_/ghu_/ghs_/ghr_...`, `github_pat_...`, AWS `AKIA...`, Slack `xox?-...`, Google `AIza...`, Hugging Face `hf_...`, Stripe `sk_live_/pk_live_...`, JWTs, `Bearer <token>` |
+| url_credentials | `<CREDENTIALS>` | the `user:password` of `scheme://user:password@host` (the scheme and host stay) |
 | email | `<EMAIL>` | `local@domain.tld` |
+| secret | `<SECRET>` | the value of a `password` / `passwd` / `pwd` / `secret` / `api_key` / `token` / `access_key` ... pair (`=`, `:` or ` is `; quoted or bare; values that read as code, prose, templates or `None` stay), and runs of 32+ hex digits holding a letter and a digit unless a hash word (`sha256`, `md5`, `commit`, `checksum` ...) is just before |
+| ssn | `<SSN>` | US social security number `123-45-6789` (`python-stdnum`'s `us.ssn` rules: no area 000/666/9xx, group 00, serial 0000); `123 45 6789` only after "ssn" or "social security" |
+| iban | `<IBAN>` | `CC00 ...` in groups of 4 or unspaced, valid by `python-stdnum`'s `iban` (the country's length and format, ISO 7064 mod 97-10), any country |
 | cn_id | `<CN_ID>` | 18-character Chinese resident ID: area code, a valid birth date, checksum (GB 11643-1999, ISO 7064 MOD 11-2) |
-| credit_card | `<CREDIT_CARD>` | 13-19 digits (spaces or dashes allowed) starting 3-6, passing the Luhn check |
+| credit_card | `<CREDIT_CARD>` | 13-19 digits (spaces or dashes allowed) starting 3-6, or 16 starting 2221-2720 (Mastercard's 2-series), passing the Luhn check (`stdnum.luhn`) |
 | ipv6 | `<IP_ADDRESS>` | parses as IPv6 (`ipaddress`) with at least three hex groups (so `a[1::2]` survives) |
 | ipv4 | `<IP_ADDRESS>` | four dotted octets 0-255, not part of a longer dotted number |
-| phone | `<PHONE>` | `+CC ...` international (8-15 digits), `(555) 123-4567` / `555-123-4567`, Chinese mobile `1[3-9]` + 9 digits (optional `+86`) |
+| phone | `<PHONE>` | a digit run with separators, validated by Google's libphonenumber (`phonenumbers.PhoneNumberMatcher`, `STRICT_GROUPING`): `+CC` or `00CC` from any country; a national number with trunk `0` for the first of GB, DE, FR, NL, IT, AU, IN, JP, BR, CN that validates it; US (or Chinese mobile) otherwise. Digits and spaces alone (`4155550132`, `415 555 0132`, no `+`, `0`, dash, dot or bracket) count only after a phone word (phone, tel, call, mobile, cell, contact, fax, sms, whatsapp, 电话, 手机 ...), except an 11-digit Chinese mobile |
 
 Patterns run in that order, each over the text the previous ones left, so a card number is
-never also counted as a phone. Most documents hold no PII, so each pattern first checks a
-cheap necessary condition (`_gate`) and runs only when it holds; the output is the same as
-running every pattern (tests/test_data_prepare.py compares both on fuzzed text). Scanning a
-text costs about as much for a gate as for its pattern, so `mask_pii_many` finds most gates for
-a whole batch of texts in a few numpy calls over one array of code points (`words.py`), each a
-shape every match has: for a key, its first characters at a word boundary with a long enough run
-of `[A-Za-z0-9_-]` after them; for a cn_id, a run of 17 digits; for a card, 13 digits in runs one
-space or dash apart; for an IPv4 address, 4 digit runs one dot apart; for a phone, a run of 11
-digits or `\\d{3}[ .-]\\d{4}` (or `+` and a digit). An email needs "@" and is searched for only in
-the tokens around each "@" (`_tokens_around`); an IPv6 address needs two colons one group apart
-in a run of hex digits and colons long enough for 3 groups. Masks only cut digit runs (a
-placeholder holds no digit, space, dot or dash), so the gates of the text as given hold for every
-later pattern's input. Years, versions (`3.11.2`), dates (`2024-01-15`), times, port numbers
-and numbers failing their checksum are left alone. Pure functions of strings; it knows nothing
-about documents or the pipeline.
+never also counted as a phone, and an IBAN never as a card. Most documents hold no PII, so each
+pattern first checks a cheap necessary condition (`_gate`) and runs only when it holds; the output
+is the same as running every pattern (tests/test_data_prepare.py compares both on fuzzed text).
+Scanning a text costs about as much for a gate as for its pattern, so `mask_pii_many` finds most
+gates for a whole batch of texts in a few numpy calls over one array of code points (`words.py`),
+each a shape every match has: for a key, its first characters at a word boundary with a long
+enough run of `[A-Za-z0-9_-]` after them; for a cn_id, a run of 17 digits; for a card, 13 digits
+in runs one space or dash apart; for an IPv4 address, 4 digit runs one dot apart; for an SSN, digit
+runs of 3, 2 and 4 a dash or space apart; for an IBAN, two capitals and two digits; for a hex
+secret, a run of 32 hex digits; for a phone, 8 digits in runs one space, dot or dash apart, or
+`\\d{3}[ .-]\\d{4}` (or `+` and a digit). An email needs "@" and is searched for only in the tokens
+around each "@" (`_tokens_around`); URL credentials need "://" and "@"; a secret pair needs one of
+its key words (`_SECRET_WORDS`, in the lower-cased text); an IPv6 address needs two colons one
+group apart in a run of hex digits and colons long enough for 3 groups. A placeholder holds no
+digit, space, dot or dash and starts and ends with `<` `>`, so masking never joins two runs: the
+gates of the text as given hold for every later pattern's input. Years, versions (`3.11.2`),
+dates (`2024-01-15`), times, port numbers, prices, token counts and numbers failing their checksum
+or libphonenumber's validation are left alone; tests/test_pii.py measures recall and false
+positives on a labelled set (tests/pii_labelled.jsonl). Pure functions of strings; it knows
+nothing about documents or the pipeline.
 """
 
 from __future__ import annotations
@@ -37,11 +46,16 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
+import phonenumbers
+from stdnum import iban as stdnum_iban
+from stdnum import luhn
+from stdnum.us import ssn as stdnum_ssn
 
 from lmforge.data.config import PiiConfig
 from lmforge.data.words import DIGIT, char_classes, code_points
 
-PLACEHOLDERS = {"api_key": "<API_KEY>", "email": "<EMAIL>", "cn_id": "<CN_ID>",
+PLACEHOLDERS = {"api_key": "<API_KEY>", "url_credentials": "<CREDENTIALS>", "email": "<EMAIL>",
+                "secret": "<SECRET>", "ssn": "<SSN>", "iban": "<IBAN>", "cn_id": "<CN_ID>",
                 "credit_card": "<CREDIT_CARD>", "ipv6": "<IP_ADDRESS>", "ipv4": "<IP_ADDRESS>",
                 "phone": "<PHONE>"}
 
@@ -51,26 +65,58 @@ _API_KEY = re.compile(
     r"|[sr]k_live_[A-Za-z0-9]{20,}|pk_live_[A-Za-z0-9]{20,}"
     r"|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,})"
     r"|(?<=Bearer )[A-Za-z0-9._~+/-]{20,}=*")
+# The userinfo of a URL with a password (RFC 3986: no "/", "?", "#" or "@" in it unescaped).
+_URL_CREDENTIALS = re.compile(r"(?<=[A-Za-z0-9]://)[^\s/?#@:]*:[^\s/?#@]+(?=@)")
 _EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
+# A key (ASCII, any case), the closing quote of a JSON/YAML key, a separator, then a quoted value or a
+# bare one (which ends at a space, quote, bracket, ";", "," or "<>", the ends of a value in code and URLs).
+_SECRET_PAIR = re.compile(
+    r"(?<![A-Za-z0-9])(?P<key>(?ai:pass(?:word|wd|phrase)?|pwd|(?:client[_-]?)?secret|"
+    r"(?:api|access|secret|private)[_-]?key|apikey|(?:access|auth|refresh|session|api|bearer)?[_-]?token))"
+    r"(?![A-Za-z0-9])[\"']?(?P<sep>[ \t]{0,8}[:=][ \t]{0,8}|[ \t]{1,8}(?ai:is)[ \t]{1,8})"
+    r"(?:\"(?P<dq>[^\"\n]{0,200})\"|'(?P<sq>[^'\n]{0,200})'|(?P<bare>[^\s\"'<>(){}\[\];,]{1,200}))")
+_NOT_A_SECRET = frozenset({"none", "null", "nil", "true", "false", "undefined", "empty", "required", "optional",
+                           "string", "str", "bytes", "int", "redacted", "hidden", "n/a", "..."})
+_DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")  # `settings.SECRET_KEY`: code, not a value
+# The ends of every `_SECRET_PAIR` key (pass, password, passwd, passphrase, pwd, (client_)secret, *key,
+# *token), case-insensitive, in the gate; and, on the lower-cased text, a key's end, quote and
+# separator, around which `_secret_windows` looks for pairs.
+_SECRET_ENDS = ("pass", "word", "sswd", "rase", "pwd", "cret", "key", "oken")
+_SECRET_WORDS = re.compile(r"(?:pass|word|wd|phrase|secret|key|token)[\"']?[ \t]{0,8}(?:[:=]|is[ \t])")
+_SECRET_REACH = (16, 8 + 202)  # a key starts <= 16 characters before its word; a value ends <= 210 after its separator
+_LOWER = np.array([c + 32 if 65 <= c <= 90 else c for c in range(256)], dtype=np.uint8)  # ASCII lower case
+_SEPARATORS = bytes(1 if chr(c) in ":=" else 2 if chr(c) in "iI" else 0 for c in range(256))
+_HEX_SECRET = re.compile(r"[0-9A-Fa-f](?<![0-9A-Za-z_-][0-9A-Fa-f])[0-9A-Fa-f]{31,}(?![0-9A-Za-z_-])")
+_HASH_WORD = re.compile(r"(?i)(?:sha-?\d*|md5|hash|digest|checksum|commit|etag|sum)\W{0,3}\Z")
+_SSN = re.compile(r"\d(?<![\w-]\d)\d{2}(?P<sep>[- ])\d{2}(?P=sep)\d{4}(?![\w-])")
+_SSN_WORDS = re.compile(r"(?i)(?:ssn|social security(?: number| no\.?)?)\W{0,4}\Z")
+_IBAN = re.compile(r"[A-Z](?<![0-9A-Za-z][A-Z])[A-Z][0-9]{2}(?: ?[0-9A-Z]{4}){2,7}(?: ?[0-9A-Z]{1,4})?(?![0-9A-Za-z])")
 # A pattern that starts with a character set lets sre skip to candidate characters in C; the
 # lookbehind comes after that first character: `[1-9](?<![0-9A-Za-z][1-9])` == `(?<![0-9A-Za-z])[1-9]`.
 _CN_ID = re.compile(r"[1-9](?<![0-9A-Za-z][1-9])\d{5}(?:19|20)\d{2}(?:0[1-9]|1[0-2])(?:0[1-9]|[12]\d|3[01])\d{3}[0-9Xx]"
                     r"(?![0-9A-Za-z])")
-_CARD = re.compile(r"[3-6](?<![\d.-][3-6])\d{3}(?:[ -]?\d){9,15}(?![\d.])")
+_CARD = re.compile(r"[2-6](?<![\d.-][2-6])\d{3}(?:[ -]?\d){9,15}(?![\d.])")
 _IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![\w:])")
 _OCTET = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
 _IPV4 = re.compile(rf"(?<![\w.]){_OCTET}(?:\.{_OCTET}){{3}}(?![\w]|\.\d)")
-# Four alternatives: `+CC ...`, `(555) 123-4567`, `555-123-4567`, Chinese mobile `(86)1[3-9]...`, each
-# behind its own lookbehind. Spelled charset-first like _CN_ID: the first character is consumed by
-# `[+(\d]` and each alternative re-checks it and its left neighbour with a two-character lookbehind,
-# in the original order (the Chinese mobile split by its first character, 8 or 1).
-_PHONE = re.compile(
-    r"[+(\d](?:"
-    r"(?<=\+)(?<![\w+]\+)\d{1,3}[ .-]?(?:\(\d{1,4}\)[ .-]?)?\d{1,4}(?:[ .-]?\d{2,4}){1,4}(?![\w])"
-    r"|(?<=\()(?<![\w(]\()\d{3}\) ?\d{3}[ .-]\d{4}(?!\d)"
-    r"|(?<=\d)(?<![\w.-]\d)\d{2}[-.]\d{3}[-.]\d{4}(?![\w.-])"
-    r"|(?<=8)(?<![0-9A-Za-z_+]8)6[ -]?1[3-9]\d{9}(?![0-9A-Za-z_])"
-    r"|(?<=1)(?<![0-9A-Za-z_+]1)[3-9]\d{9}(?![0-9A-Za-z_]))")
+# A phone candidate: `+`, `(` or a digit not inside a word, number or version, then digits, spaces,
+# dots, dashes and brackets, ending on a digit or `)` that no word, number or time continues, with the
+# gate's shape (`_PHONE_SHAPE`) near its start, so that most numbers cost no Python call.
+# libphonenumber decides (`_phone_mask`); the shape below is the gate's condition, checked on each match.
+_PHONE = re.compile(r"[+(\d](?<![0-9A-Za-z_.+-][+(\d])"
+                    r"(?:(?<=\+)(?=\d)|(?<=\d)(?=\d{2}[ .-]\d{4}|(?:[ .-]?\d){7})"  # the shape from the first character
+                    r"|(?=[\d ().-]{0,20}?(?:\d{3}[ .-]\d{4}|\d(?:[ .-]?\d){7})))"  # or from one of the next 21
+                    r"[\d ().-]{6,26}(?<=[\d)])(?![0-9A-Za-z_]|[.:-]\d)")
+_PHONE_SHAPE = re.compile(r"\+\d|\d{3}[ .-]\d{4}|\d(?:[ .-]?\d){7}")
+_PHONE_WORDS = re.compile(r"(?i)(?:\b(?:phone|tel|call|mobil|cell|contact|fax|sms|text|whatsapp|ring|dial|reach|"
+                          r"number is|my number)|电话|手机|联系)[^\n\d]{0,24}\Z")
+_DIGIT_RUN = re.compile(r"\d+")
+_PHONE_MARK = re.compile(r"[+(.-]|^0| 0")  # written as a phone number: `_phone_ok`
+_CN_MOBILE = re.compile(r"(?<!\d)1[3-9]\d(?: ?\d){8}(?!\d)")
+# a decimal, a version, a date
+_NUMBERISH = re.compile(r"\d+\.\d+|\d{1,2}(?:\.\d{1,3}){2,3}|(?:19|20)\d\d([-./])\d\d?\1\d\d?")
+_TRUNK_ZERO_REGIONS = ("GB", "DE", "FR", "NL", "IT", "AU", "IN", "JP", "BR", "CN")
+_CONTEXT = 40  # characters before a match that `_SSN_WORDS`, `_PHONE_WORDS` and `_HASH_WORD` look at
 
 _PLUS_DIGIT = re.compile(r"\+\d")
 # Each key shape but `Bearer` is a run of [A-Za-z0-9_-] starting at a word boundary (a run start,
@@ -81,8 +127,9 @@ _KEY_STARTS = (("sk-", 23), ("ghp_", 40), ("gho_", 40), ("ghu_", 40), ("ghs_", 4
                ("rk_l", 28), ("pk_l", 28), ("eyJ", 11))
 _KEY_WINDOW = 52  # longer than the longest least length above
 _KEY_CHARS = "0123456789_-ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
-_FLAGS = bytes(1 * (chr(c) in "0123456789") | 2 * (chr(c) in _KEY_CHARS)
-               for c in range(256))  # by code point: bit 1 an ASCII digit, bit 2 [A-Za-z0-9_-]
+# by code point: bit 1 an ASCII digit, 2 [A-Za-z0-9_-], 4 [A-Z], 8 [0-9A-Fa-f]
+_FLAGS = bytes(1 * (chr(c) in "0123456789") | 2 * (chr(c) in _KEY_CHARS) | 4 * ("A" <= chr(c) <= "Z")
+               | 8 * (chr(c) in "0123456789ABCDEFabcdef") for c in range(256))
 _COLON_PAIR = re.compile(r":(?=[0-9A-Fa-f]{0,4}:)")  # two colons of an IPv6 match, one group apart
 _HEX_COLONS_BEFORE = re.compile(r"[0-9A-Fa-f:]*\Z")
 _HEX_COLONS = re.compile(r"[0-9A-Fa-f:]*")
@@ -93,10 +140,14 @@ class Gates(NamedTuple):
     """Necessary conditions of each pattern on one text (and on what the masks before it leave)."""
 
     api_key: bool  # a key shape's first characters at a word boundary, with a long enough run
+    secret: bool  # a key word's end (`_SECRET_ENDS`), a quote, 8 blanks, then `:`, `=` or `is` and a blank
+    hex_secret: bool  # a run of 32 hex digits
+    ssn: bool  # digit runs of 3, 2 and 4, each a dash or space from the next
+    iban: bool  # [A-Z][A-Z][0-9][0-9]
     cn_id: bool  # a run of 17 digits
     credit_card: bool  # 13 digits, each run one space or dash from the next
     ipv4: bool  # 4 runs of digits, each a dot from the next
-    phone: bool  # `\\d{3}[ .-]\\d{4}` or a run of 11 digits (the `+CC` form is checked on the text)
+    phone: bool  # `\\d{3}[ .-]\\d{4}` or 8 digits in runs one space, dot or dash apart (`+CC` is checked on the text)
 
 
 def gates(texts: list[str]) -> list[Gates]:
@@ -114,7 +165,25 @@ def gates(texts: list[str]) -> list[Gates]:
         return out
 
     flags = np.frombuffer(low.tobytes().translate(_FLAGS), dtype=np.uint8)  # C-level, faster than numpy ops
-    digit, key = (flags & 1).view(bool), (flags & 2).view(bool)
+    digit, key, upper, hexd = ((flags & bit).astype(bool) for bit in (1, 2, 4, 8))
+    secret = _secret_hits(low)
+    hex32 = hexd  # hex32[p]: hexd[p:p + 32] all true
+    for shift in (1, 2, 4, 8, 16):
+        hex32 = hex32[:-shift] & hex32[shift:]
+    iban = upper[:-3] & upper[1:-2] & digit[2:-1] & digit[3:]
+    digits = [texts_of(pos) for pos in _digit_gates(low, digit)]
+    if cp.dtype != np.uint8:
+        high = np.flatnonzero(cp > 255)
+        other = texts_of(high[(char_classes(cp[high]) & DIGIT) != 0])
+        digits = [d | other for d in digits]
+    ssn, *rest = digits
+    return list(map(Gates, texts_of(_key_hits(low, key)).tolist(), texts_of(secret).tolist(),
+                    texts_of(np.flatnonzero(hex32)).tolist(),
+                    ssn.tolist(), texts_of(np.flatnonzero(iban)).tolist(), *(d.tolist() for d in rest)))
+
+
+def _key_hits(low: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """Positions where a key shape's first characters start a long enough run of [A-Za-z0-9_-]."""
     run11 = key  # run11[p]: key[p:p + 11] all true
     for shift in (1, 2, 4, 3):
         run11 = run11[:-shift] & run11[shift:]
@@ -132,24 +201,48 @@ def gates(texts: list[str]) -> list[Gates]:
     pos, need = pos[hit], need[hit]
     window = key[np.minimum(pos[:, None] + np.arange(_KEY_WINDOW), len(key) - 1)]  # (hits, _KEY_WINDOW)
     left = np.where(window.all(axis=1), _KEY_WINDOW, np.argmin(window, axis=1))  # run length from each hit
-    api_key = left >= need
+    return pos[left >= need]
 
+
+def _secret_hits(low: np.ndarray) -> np.ndarray:
+    """Positions of a `:`, `=` or `is` + blank with, before it, up to 8 blanks, an optional quote and
+    one of `_SECRET_ENDS` (case-insensitive): where a `_SECRET_PAIR` key meets its separator."""
+    sep = np.frombuffer(low.tobytes().translate(_SEPARATORS), dtype=np.uint8)  # 1 at ":" and "=", 2 at "i" / "I"
+    i = np.flatnonzero(sep[:-2] == 2)
+    i = i[((low[i + 1] | 32) == ord("s")) & ((low[i + 2] == 32) | (low[i + 2] == 9))]  # "is" and a blank
+    pos = np.concatenate([np.flatnonzero(sep == 1), i])
+    before = _LOWER[low[np.maximum(pos[:, None] - np.arange(1, 14), 0)]]  # (seps, 13) lower-cased, nearest first
+    blank = (before == 32) | (before == 9)
+    rows = np.arange(len(pos))
+    k = np.argmin(blank[:, :9], axis=1)  # the first of 9 that is not blank (0 when all are: never a key end)
+    k += (before[rows, k] == ord('"')) | (before[rows, k] == ord("'"))
+    ends = []  # ends[n]: the n + 1 characters before (nearest in the low byte), as an integer
+    for n in range(4):
+        ends.append((ends[-1] if n else 0) + (before[rows, k + n].astype(np.int64) << 8 * n))
+    hit = np.zeros(len(pos), dtype=bool)
+    for end in _SECRET_ENDS:
+        hit |= ends[len(end) - 1] == int.from_bytes(end[::-1].encode(), "little")
+    return pos[hit]
+
+
+def _digit_gates(low: np.ndarray, digit: np.ndarray) -> list[np.ndarray]:
+    """Start positions of the digit-run shapes of the ssn, cn_id, credit_card, ipv4 and phone gates."""
     edges = np.flatnonzero(np.diff(digit.view(np.int8), prepend=np.int8(0)))  # the final "\n" ends the last run
     d_start, d_end = edges[0::2], edges[1::2]
     d_len = d_end - d_start
     gap = np.where(d_start[1:] == d_end[:-1] + 1, low[d_end[:-1]], 0)  # (runs - 1,) the one character between
-    us = (d_len[:-1] >= 3) & (d_len[1:] >= 4) & ((gap == 32) | (gap == 46) | (gap == 45))
-    chain = np.cumsum(np.concatenate([d_len[:1] > 0, (gap != 32) & (gap != 45)])) - 1  # runs joined by a space or dash
-    card = (np.bincount(chain, d_len) >= 13)[chain]
+    space_dash = (gap == 32) | (gap == 45)
+    ssn = (d_len[:-2] == 3) & (d_len[1:-1] == 2) & (d_len[2:] == 4) & space_dash[:-1] & space_dash[1:]
+    us = (d_len[:-1] >= 3) & (d_len[1:] >= 4) & (space_dash | (gap == 46))
+
+    def chained(joined: np.ndarray, least: int) -> np.ndarray:  # runs in a chain of `least` digits, links `joined`
+        chain = np.cumsum(np.concatenate([d_len[:1] > 0, ~joined])) - 1
+        return (np.bincount(chain, d_len) >= least)[chain]
+
     dot = gap == 46
-    ipv4 = np.concatenate([dot[:-2] & dot[1:-1] & dot[2:], np.zeros(min(len(d_start), 3), dtype=bool)])
-    digits = [texts_of(d_start[d_len >= 17]), texts_of(d_start[card]), texts_of(d_start[ipv4]),
-              texts_of(np.concatenate([d_start[:-1][us], d_start[d_len >= 11]]))]
-    if cp.dtype != np.uint8:
-        high = np.flatnonzero(cp > 255)
-        other = texts_of(high[(char_classes(cp[high]) & DIGIT) != 0])
-        digits = [d | other for d in digits]
-    return list(map(Gates, texts_of(pos[api_key]).tolist(), *(d.tolist() for d in digits)))
+    ipv4 = dot[:-2] & dot[1:-1] & dot[2:]
+    return [d_start[:-2][ssn], d_start[d_len >= 17], d_start[chained(space_dash, 13)], d_start[:-3][ipv4],
+            np.concatenate([d_start[:-1][us], d_start[chained(space_dash | dot, 8)]])]
 
 
 def _ipv6_possible(text: str) -> bool:
@@ -165,30 +258,22 @@ def _ipv6_possible(text: str) -> bool:
     return False
 
 
-def _gate(kind: str, text: str, g: Gates) -> bool:
-    """False only when `kind` cannot match `text` (a necessary condition of its pattern)."""
-    if kind == "api_key":
+def _gate(name: str, text: str, g: Gates) -> bool:
+    """False only when rule `name` cannot match `text` (a necessary condition of its pattern)."""
+    if name == "api_key":
         return g.api_key or "Bearer " in text
-    if kind == "email":
+    if name == "email":
         return "@" in text
-    if kind == "ipv6":
+    if name == "url_credentials":
+        return "://" in text and "@" in text
+    if name == "ipv6":
         return _ipv6_possible(text)
-    if kind == "phone":
+    if name == "phone":
         return g.phone or _PLUS_DIGIT.search(text) is not None
-    return getattr(g, kind)
+    return getattr(g, name)
 
 
 _CN_WEIGHTS = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
-
-
-def luhn_ok(digits: str) -> bool:
-    total = 0
-    for i, ch in enumerate(reversed(digits)):
-        d = int(ch)
-        if i % 2:
-            d = d * 2 - 9 if d > 4 else d * 2
-        total += d
-    return total % 10 == 0
 
 
 def cn_id_ok(value: str) -> bool:
@@ -202,7 +287,9 @@ def cn_id_ok(value: str) -> bool:
 
 def _card_ok(match: str) -> bool:
     digits = re.sub(r"[ -]", "", match)
-    return 13 <= len(digits) <= 19 and luhn_ok(digits)
+    if digits[0] == "2" and not (len(digits) == 16 and 2221 <= int(digits[:4]) <= 2720):
+        return False  # the 2-series is Mastercard's alone
+    return 13 <= len(digits) <= 19 and luhn.is_valid(digits)
 
 
 def _ipv6_ok(match: str) -> bool:
@@ -215,16 +302,151 @@ def _ipv6_ok(match: str) -> bool:
     return True
 
 
-def _phone_ok(match: str) -> bool:
-    n = sum(c.isdigit() for c in match)
-    return 8 <= n <= 15
+def _before(m: re.Match, pattern: re.Pattern, start: int | None = None) -> bool:
+    """`pattern` (anchored with `\\Z`) ends right before the match (or before `start` in its text)."""
+    start = m.start() if start is None else start
+    return pattern.search(m.string, max(0, start - _CONTEXT), start) is not None
 
 
-_RULES: tuple[tuple[str, re.Pattern, Callable[[str], bool] | None], ...] = (
-    ("api_key", _API_KEY, None), ("email", _EMAIL, None), ("cn_id", _CN_ID, cn_id_ok),
-    ("credit_card", _CARD, _card_ok), ("ipv6", _IPV6, _ipv6_ok), ("ipv4", _IPV4, None),
-    ("phone", _PHONE, _phone_ok))
-_CONFIG_NAME = {"ipv4": "ip_address", "ipv6": "ip_address"}
+def _secret_value(m: re.Match) -> tuple[int, int] | None:
+    """The span of a key/value pair's value to mask, or None when the value is no secret: empty,
+    a template (`${X}`, `{{ x }}`, `<...>`), a mask (`****`), `None`/`null`..., code (`os.environ[...]`,
+    `getpass.getpass()`, `settings.KEY`), prose after `:` or ` is ` (letters only), or too short for its key."""
+    group = "bare" if m["bare"] is not None else "dq" if m["dq"] is not None else "sq"
+    a, b = m.span(group)
+    text = m.string
+    if group == "bare" and text[m.start() - 1:m.start()] in ("?", "&"):  # a URL query: the value ends at "&"
+        b = text.find("&", a, b) if "&" in text[a:b] else b
+    value = text[a:b].strip()
+    if (not value or value.lower() in _NOT_A_SECRET or value[0] in "$%{<" or "{{" in value
+            or set(value) <= set("*xX•.-_ ") or ">" in value):
+        return None
+    if group == "bare" and (text[b:b + 1] in ("(", "[") or _DOTTED_NAME.fullmatch(value)):
+        return None
+    if group == "bare" and m["sep"].strip() != "=" and value.isalpha():
+        return None
+    key = m["key"].lower()
+    least = 3 if key.startswith(("pass", "pwd")) else 6 if key.endswith("secret") else 8
+    return (a, b) if len(value) >= least else None
+
+
+def _secret_pair_mask(m: re.Match) -> str:
+    span = _secret_value(m)
+    if span is None:
+        return m.group(0)
+    start = m.start()
+    return m.string[start:span[0]] + PLACEHOLDERS["secret"] + m.string[span[1]:m.end()]
+
+
+def _hex_secret_ok(m: re.Match) -> bool:
+    run = m.group(0)
+    return not run.isdigit() and not run.isalpha() and not _before(m, _HASH_WORD)
+
+
+def _ssn_ok(m: re.Match) -> bool:
+    if m["sep"] == " " and not _before(m, _SSN_WORDS):
+        return False
+    return stdnum_ssn.is_valid(m.group(0).replace(" ", "-"))
+
+
+def _iban_mask(m: re.Match) -> str:
+    """The longest valid IBAN the match starts with, dropping its trailing groups one at a time. Valid:
+    the country's length and format and the mod 97 check digits; not `check_country`, which also
+    asks for the bank in python-stdnum's own (incomplete) registry (it refuses `BE68 5390 0754 7034`)."""
+    value = m.group(0)
+    groups = value.split(" ")
+    for k in range(len(groups), 0, -1):
+        head = " ".join(groups[:k])
+        if len(head.replace(" ", "")) < 15:
+            break
+        if stdnum_iban.is_valid(head, check_country=False):
+            return PLACEHOLDERS["iban"] + value[len(head):]
+    return value
+
+
+def _phone_regions(candidate: str) -> tuple[str, ...]:
+    """Where to read a candidate: international as it says, `0...` for the countries with a trunk 0,
+    the rest as US numbers or Chinese mobiles."""
+    s = candidate.lstrip("(")
+    if s.startswith("+"):
+        return ("ZZ",)
+    if s.startswith("00"):
+        return ("GB",)  # any region whose international prefix is 00
+    if s.startswith("0"):
+        return _TRUNK_ZERO_REGIONS
+    return ("US", "CN")
+
+
+def _phone_ok(m: re.Match, raw: str, start: int) -> bool:
+    """A number libphonenumber found at `start` of the candidate `m` is a phone: not the tail of a
+    longer number (`3.0244754248`), shaped as the gate requires, not a decimal (one dot), at most two
+    one-digit groups (so `1 2 3 4 5 6 7 8 9 10` is none), and written as a phone number (`+`, a
+    leading `0`, brackets, dashes or dots) or after a phone word."""
+    if start and m.group(0)[start - 1] not in " (":
+        return False
+    if (_PHONE_SHAPE.search(raw) is None or raw.count(".") == 1
+            or sum(len(g) == 1 for g in _DIGIT_RUN.findall(raw)) > 2):
+        return False
+    if _PHONE_MARK.search(raw):
+        return True
+    return _CN_MOBILE.fullmatch(raw) is not None or _before(m, _PHONE_WORDS, m.start() + start)
+
+
+def _phone_possible(m: re.Match) -> bool:
+    """Whether libphonenumber is worth asking (it costs ~0.1 ms a region): a number of digits and
+    spaces alone needs a Chinese mobile's 11 digits or a phone word before it (the only place a
+    phone word can be for such a number: `_phone_ok`); any other needs the gate's shape once its
+    decimals, versions and dates are left out."""
+    candidate = m.group(0)
+    if _PHONE_MARK.search(candidate) is None:
+        return _CN_MOBILE.search(candidate) is not None or _before(m, _PHONE_WORDS)
+    rest = " ".join(t for t in candidate.split(" ") if not _NUMBERISH.fullmatch(t))
+    return _PHONE_SHAPE.search(rest) is not None and _PHONE_MARK.search(rest) is not None
+
+
+def _phone_mask(m: re.Match) -> str:
+    candidate = m.group(0)
+    if not _phone_possible(m):
+        return candidate
+    for region in _phone_regions(candidate):
+        spans = [(p.start, p.end) for p in phonenumbers.PhoneNumberMatcher(
+            candidate, region, leniency=phonenumbers.Leniency.STRICT_GROUPING) if _phone_ok(m, p.raw_string, p.start)]
+        if spans:
+            pieces, done = [], 0
+            for a, b in spans:
+                pieces += [candidate[done:a], PLACEHOLDERS["phone"]]
+                done = b
+            return "".join(pieces) + candidate[done:]
+    return candidate
+
+
+def _whole(kind: str, valid: Callable[[str], bool] | None = None) -> Callable[[re.Match], str]:
+    """Mask a whole match (that `valid` accepts)."""
+    return lambda m: PLACEHOLDERS[kind] if valid is None or valid(m.group(0)) else m.group(0)
+
+
+class _Rule(NamedTuple):
+    name: str  # of its gate and its switch
+    kind: str  # counted, and its placeholder
+    pattern: re.Pattern
+    mask: Callable[[re.Match], str]  # the match's replacement (the match itself to keep it)
+
+
+_RULES = (
+    _Rule("api_key", "api_key", _API_KEY, _whole("api_key")),
+    _Rule("url_credentials", "url_credentials", _URL_CREDENTIALS, _whole("url_credentials")),
+    _Rule("email", "email", _EMAIL, _whole("email")),
+    _Rule("secret", "secret", _SECRET_PAIR, _secret_pair_mask),
+    _Rule("hex_secret", "secret", _HEX_SECRET, lambda m: PLACEHOLDERS["secret"] if _hex_secret_ok(m) else m.group(0)),
+    _Rule("ssn", "ssn", _SSN, lambda m: PLACEHOLDERS["ssn"] if _ssn_ok(m) else m.group(0)),
+    _Rule("iban", "iban", _IBAN, _iban_mask),
+    _Rule("cn_id", "cn_id", _CN_ID, _whole("cn_id", cn_id_ok)),
+    _Rule("credit_card", "credit_card", _CARD, _whole("credit_card", _card_ok)),
+    _Rule("ipv6", "ipv6", _IPV6, _whole("ipv6", _ipv6_ok)),
+    _Rule("ipv4", "ipv4", _IPV4, _whole("ipv4")),
+    _Rule("phone", "phone", _PHONE, _phone_mask))
+# PiiConfig's switch of each rule; `ssn`, `iban` and `secret` are on where PiiConfig has no such field
+_SWITCH = {"ipv4": "ip_address", "ipv6": "ip_address", "url_credentials": "secret", "hex_secret": "secret"}
 
 
 def mask_pii(text: str, cfg: PiiConfig) -> tuple[str, dict[str, int]]:
@@ -239,30 +461,49 @@ def mask_pii_many(texts: list[str], cfg: PiiConfig) -> list[tuple[str, dict[str,
 
 def _mask(text: str, cfg: PiiConfig, g: Gates) -> tuple[str, dict[str, int]]:
     counts: dict[str, int] = {}
-    for kind, pattern, valid in _RULES:
-        if not getattr(cfg, _CONFIG_NAME.get(kind, kind)) or not _gate(kind, text, g):
+    for rule in _RULES:
+        if not getattr(cfg, _SWITCH.get(rule.name, rule.name), True) or not _gate(rule.name, text, g):
             continue
-        n = 0
+        placeholder, n = PLACEHOLDERS[rule.kind], 0
 
         def replace(m: re.Match) -> str:
             nonlocal n
-            if valid is not None and not valid(m.group(0)):
-                return m.group(0)
-            n += 1
-            return PLACEHOLDERS[kind]
+            old = m.group(0)
+            new = rule.mask(m)
+            if new != old:
+                n += new.count(placeholder) - old.count(placeholder)
+            return new
 
-        spans = _tokens_around(text, "@") if kind == "email" else None
+        spans = _tokens_around(text, "@") if rule.name == "email" else \
+            _secret_windows(text) if rule.name == "secret" else None
         if spans is None:
-            text = pattern.sub(replace, text)
-        else:  # only the tokens holding an "@": the same matches, without scanning every position
+            text = rule.pattern.sub(replace, text)
+        elif spans:  # only where a match can be: the same matches, without scanning every position
             pieces, done = [], 0
-            for a, b in spans:
-                pieces += [text[done:a], pattern.sub(replace, text[a:b])]
-                done = b
+            for a, b in spans:  # finditer from a to b sees the text before a, as sub on the whole text does
+                for m in rule.pattern.finditer(text, a, b):
+                    pieces += [text[done:m.start()], replace(m)]
+                    done = m.end()
             text = "".join(pieces) + text[done:]
         if n:
-            counts[kind] = n
+            counts[rule.kind] = counts.get(rule.kind, 0) + n
     return text, counts
+
+
+def _secret_windows(text: str) -> list[tuple[int, int]] | None:
+    """Disjoint spans, in order, holding every `_SECRET_PAIR` match: around each `_SECRET_WORDS` hit
+    in the lower-cased text. None (scan it all) when lower-casing changes the text's length."""
+    low = text.lower()
+    if len(low) != len(text):
+        return None
+    spans: list[tuple[int, int]] = []
+    for hit in _SECRET_WORDS.finditer(low):
+        a, b = max(0, hit.start() - _SECRET_REACH[0]), min(len(text), hit.end() + _SECRET_REACH[1])
+        if spans and a <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], b)
+        else:
+            spans.append((a, b))
+    return spans
 
 
 _REACH = 256  # how far `_tokens_around` looks for the ends of a token
