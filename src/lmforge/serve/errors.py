@@ -43,7 +43,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = "inva
     return OpenAIError(400, message, param, code)
 
 
-_FIELD = re.compile(r"^(?:SamplingParams|EngineConfig)\.(\w+)=")
+_FIELD = re.compile(r"^(?:SamplingParams|EngineConfig)\.(\w+)[=\[:]|^(structured_outputs)[.:]")
 
 
 def from_value_error(e: ValueError) -> OpenAIError:
@@ -52,7 +52,7 @@ def from_value_error(e: ValueError) -> OpenAIError:
     msg = str(e)
     m = _FIELD.match(msg)
     if m:
-        return bad_request(msg, m.group(1))
+        return bad_request(msg, m.group(1) or m.group(2))
     if "max_model_len" in msg or "KV blocks" in msg:
         return bad_request(msg, "max_tokens", "context_length_exceeded")
     return bad_request(msg, "prompt" if "prompt" in msg else None)
