@@ -1,11 +1,13 @@
 """`lmforge eval ...`: the command-line face of `lmforge.eval`.
 
     lmforge eval MODEL_DIR [--suite arith --suite my.jsonl] [--out DIR] [--limit N]   # = eval run
+    lmforge eval MODEL_DIR --suite gsm8k_test.jsonl       # a task file (GSM8K or prompt/answer JSONL), hashed
     lmforge eval compare RUN_A RUN_B [--allow-changed-suite]
     lmforge eval diff MODEL_A MODEL_B [--suite quant-check] --out DIR   # per sample: same/changed, ppl per category
     lmforge eval suites                                   # list the built-in suites, verify their lock
     lmforge eval make-suite perplexity PREPARED_DIR --out FILE
     lmforge eval make-suite builtins                      # regenerate the frozen built-ins (after a version bump)
+    lmforge eval make-suite tasks TASKS.jsonl --out SUITE.jsonl   # freeze a task file with a header
 
 `run` is the default verb: when the first argument is not a verb name, `run` is assumed, so
 `lmforge eval MODEL_DIR ...` and `lmforge eval run MODEL_DIR ...` are the same command.
@@ -24,6 +26,7 @@ from lmforge.eval.builtin import write_builtin_suites
 from lmforge.eval.compare import SuiteChangedError, compare_runs, diff_markdown, diff_models
 from lmforge.eval.evaluate import evaluate, refuse_finished_run
 from lmforge.eval.suites import make_perplexity_suite
+from lmforge.eval.user_tasks import load_any_suite, make_task_suite
 from lmforge.tasks.suite import SuiteError, builtin_names, load_suite, verify_builtin_suites
 from lmforge.track.run import RunExistsError
 
@@ -59,8 +62,9 @@ def _fmt(v: float | None, digits: int = 4) -> str:
     return f"{v:,}" if isinstance(v, int) else f"{v:.{digits}f}"
 
 
-@app.command(help="Score MODEL_DIR on each --suite (a built-in name or a suite .jsonl file; default: all "
-                  "built-ins) and write results.json, samples.jsonl, bad_cases.jsonl, config.yaml and "
+@app.command(help="Score MODEL_DIR on each --suite (a built-in name, a suite .jsonl file, or a task file: GSM8K "
+                  "question/answer '#### N' or prompt/answer JSONL, scored on the reasoning format's Answer: line; "
+                  "default: all built-ins) and write results.json, samples.jsonl, bad_cases.jsonl, config.yaml and "
                   "record.json to --out.")
 def run(
     model_dir: Path = typer.Argument(..., help="Model folder in HF layout (config.json, *.safetensors, tokenizer.json)."),
@@ -82,7 +86,7 @@ def run(
     out = out or Path("runs") / f"eval-{model_dir.resolve().name}"
     console = Console(stderr=True)
     try:
-        suites = [load_suite(r) for r in refs]
+        suites = [load_any_suite(r) for r in refs]
         refuse_finished_run(out, overwrite)
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{model_dir}: no config.json; MODEL_DIR must be a model folder in HF layout "
@@ -189,16 +193,19 @@ def suites() -> None:
 
 
 @app.command("make-suite", help="Write a frozen suite file. KIND 'perplexity': from PREPARED_DIR/splits/val.jsonl "
-                                "to --out FILE. KIND 'builtins': regenerate the built-in suites and their lock "
-                                "(only after bumping a version in lmforge/eval/builtin.py).")
+                                "to --out FILE. KIND 'tasks': from a task file (GSM8K or prompt/answer JSONL) given "
+                                "as the second argument, to --out FILE. KIND 'builtins': regenerate the built-in "
+                                "suites and their lock (only after bumping a version in lmforge/eval/builtin.py).")
 def make_suite(
     kind: str = typer.Argument(..., help="perplexity or builtins."),
-    prepared_dir: Path = typer.Argument(None, help="For perplexity: a prepared data folder (with splits/val.jsonl)."),
+    prepared_dir: Path = typer.Argument(None, help="perplexity: a prepared data folder (with splits/val.jsonl); "
+                                                   "tasks: the task JSONL file."),
     out: Path = typer.Option(None, "--out", "-o", help="The suite file to write (perplexity)."),
     name: str = typer.Option(None, "--name", help="Suite name (default: val-PREPARED_DIR_NAME)."),
     version: int = typer.Option(1, "--version", help="Suite version; bump it whenever the content changes."),
     max_docs: int = typer.Option(500, "--max-docs", help="Take the first N non-empty documents."),
     max_chars: int = typer.Option(4000, "--max-chars", help="Cut each document to at most N characters."),
+    max_tokens: int = typer.Option(None, "--max-tokens", help="tasks: new tokens per answer (default 512)."),
 ) -> None:
     from rich.console import Console  # deferred: rich (~0.15 s) loads only when a verb prints
 
@@ -208,11 +215,18 @@ def make_suite(
             for s in write_builtin_suites():
                 console.print(f"{s.name} v{s.version}: {s.n} items, sha256 {s.sha256[:12]} -> {s.path}", highlight=False)
             return
+        if kind == "tasks":
+            if prepared_dir is None or out is None:
+                raise SuiteError("make-suite tasks needs the task file and --out FILE")
+            s = make_task_suite(prepared_dir, out, name=name, version=version,
+                                **({"max_tokens": max_tokens} if max_tokens else {}))
+            console.print(f"{s.name} v{s.version}: {s.n} tasks, sha256 {s.sha256} -> {out}", highlight=False)
+            return
         if kind != "perplexity":
-            raise SuiteError(f"KIND must be 'perplexity' or 'builtins', got {kind!r}")
+            raise SuiteError(f"KIND must be 'perplexity', 'tasks' or 'builtins', got {kind!r}")
         if prepared_dir is None or out is None:
             raise SuiteError("make-suite perplexity needs PREPARED_DIR and --out FILE")
         s = make_perplexity_suite(prepared_dir, out, name=name, version=version, max_docs=max_docs, max_chars=max_chars)
-    except (SuiteError, FileNotFoundError) as e:
+    except (SuiteError, FileNotFoundError, ValueError) as e:
         _fail(e)
     console.print(f"{s.name} v{s.version}: {s.n} documents, sha256 {s.sha256} -> {out}", highlight=False)
