@@ -126,3 +126,18 @@ def test_grpo_trains_on_a_gsm8k_file(setup, tmp_path):
     rec = train_grpo(cfg, tmp_path / "grpo")
     assert rec["status"] == "finished" and rec["num_tasks"] == 4
     assert rec["data_hash"] == hashlib.sha256(gsm.read_bytes()).hexdigest()
+
+
+def test_sft_pads_with_a_hugging_face_tokenizer_s_own_token():
+    """A pretrained model's tokenizer (Qwen2.5's) has no <|pad|>: SFT pads with its pad or EOS token."""
+    from lmforge.train.sft_data import pad_id
+
+    class QwenLike:
+        unk_token_id, pad_token_id, eos_token_id = None, None, 151645
+
+        def convert_tokens_to_ids(self, token):
+            return None
+
+    assert pad_id(QwenLike()) == 151645
+    QwenLike.pad_token_id = 151643
+    assert pad_id(QwenLike()) == 151643

@@ -87,6 +87,18 @@ class _Conversation:
     loss_mask: torch.Tensor  # (n,) bool: True where the token is one the model must learn to emit
 
 
+def pad_id(tokenizer: Any) -> int:
+    """lmforge's `<|pad|>`, else the tokenizer's pad or EOS token (a Hugging Face model's tokenizer, e.g. Qwen2.5's,
+    has no `<|pad|>`): padding never carries loss and sits in a document of its own, so any id serves."""
+    pad = tokenizer.convert_tokens_to_ids(PAD)
+    if pad is not None and pad != tokenizer.unk_token_id:
+        return pad
+    for pad in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if pad is not None:
+            return pad
+    raise SFTDataError(f"the tokenizer has neither {PAD}, a pad token nor an EOS token to pad rows with")
+
+
 def _fail(path: str, lineno: int, field: str, why: str) -> SFTDataError:
     return SFTDataError(f"{path}:{lineno}: field {field!r}: {why}")
 
@@ -183,7 +195,7 @@ class SFTLoader:
         self.path, self.seq_len, self.batch_size = os.fspath(path), seq_len, batch_size
         self.seed, self.packed, self.rank, self.world_size = seed, packed, rank, world_size
         self.device = torch.device(device)
-        self.pad_id = tokenizer.convert_tokens_to_ids(PAD)
+        self.pad_id = pad_id(tokenizer)
         self.data_hash = sha256_file(self.path)
         self.stats = SFTStats()
         self._conversations = self._read(tokenizer)
