@@ -20,6 +20,8 @@ taken on a busy machine are lower bounds and are labelled so.
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import time
 from pathlib import Path
@@ -89,15 +91,15 @@ def _quantized(K: int, N: int, scheme: QuantScheme) -> QuantizedLinear:
 
 
 def _kernels(q: QuantizedLinear, lib: kernels.CpuKernels | None) -> dict[str, Callable[[torch.Tensor], Any]]:
-    """Name -> callable on float32 rows, for one weight: the A8 bodies, the A16 kernel, torch's."""
+    """Name -> callable on float32 rows, for one weight (each kernel on its own layout of it): the A8
+    bodies and the A16 kernel on one `QmmLinear`'s codes, torch's kernel on its packed copy."""
     out: dict[str, Callable[[torch.Tensor], Any]] = {}
     if lib is not None:
+        layer = QmmLinear(q, torch.float32, qmm=lib.qmm_f32)
+        layer.MAX_ROWS = max(BATCHES)  # the A16 kernel itself at every batch, not its sgemm fallback
         for isa in lib.a8_isas():
-            layer = QmmLinear(q, torch.float32, a8=lib.a8(isa))
-            out[f"A8 {isa}"] = layer.forward_a8
-        a16 = QmmLinear(q, torch.float32, qmm=lib.qmm_f32)
-        a16.MAX_ROWS = max(BATCHES)  # the kernel itself at every batch, not its sgemm fallback
-        out["A16 exact (lmf_qmm_f32)"] = a16
+            out[f"A8 {isa}"] = functools.partial(layer.forward_a8, a8=lib.a8(isa))
+        out["A16 exact (lmf_qmm_f32)"] = layer
     torch_cls = Int8Linear if q.scheme.num_bits == 8 else Int4Linear
     if torch_cls.supports(q, torch.device("cpu")):
         out["torch (bf16 activations)"] = torch_cls(q, torch.bfloat16)
@@ -130,7 +132,7 @@ def _bench_weight(scheme: QuantScheme, K: int, N: int, lib, batches, working_set
     one = _quantized(K, N, scheme)
     copies = []  # enough distinct weights that each call reads its own from memory, not from the caches
     for _ in range(max(1, working_set_mb * 2**20 // (one.qweight.numel() * scheme.num_bits // 8))):
-        copies.append(_kernels(one, lib))
+        copies.append(_kernels(copy.deepcopy(one), lib))  # its own buffers: int8 layers keep the codes as given
     weight_bytes = N * K * scheme.num_bits // 8 + N * scheme.groups(K) * 4  # codes + float32 scales
     rows = []
     for name in copies[0]:

@@ -187,14 +187,15 @@ class QmmLinear(nn.Module):
             w_NK.sub_(8)
         return scale_groups_(w_NK, self.scale)
 
-    def forward_a8(self, x_MK: torch.Tensor) -> torch.Tensor:
-        """(M, N) float32 from (M, K) float32 or bfloat16 rows, int8 activations (M <= A8_MAX_ROWS)."""
+    def forward_a8(self, x_MK: torch.Tensor, a8=None) -> torch.Tensor:
+        """(M, N) float32 from (M, K) float32 or bfloat16 rows, int8 activations (M <= A8_MAX_ROWS);
+        `a8` another body's kernel than the layer's (the benchmark compares them on one weight)."""
         M = x_MK.shape[0]
         out_MN = torch.empty(M, self.N)
-        rc = self.a8(x_MK.data_ptr(), int(x_MK.dtype == torch.float32), self.codes.data_ptr(), self.scale.data_ptr(),
+        rc = (a8 or self.a8)(x_MK.data_ptr(), int(x_MK.dtype == torch.float32), self.codes.data_ptr(), self.scale.data_ptr(),
                      out_MN.data_ptr(), M, self.N, self.K, self.bits, self.gs, self.threads)
         if rc != 0:
-            raise RuntimeError(f"lmf_qmm_a8 ({self.a8.isa}) refused {self.N}x{self.K} int{self.bits} group {self.gs}")
+            raise RuntimeError(f"lmf_qmm_a8 ({(a8 or self.a8).isa}) refused {self.N}x{self.K} int{self.bits} group {self.gs}")
         return out_MN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -768,7 +768,7 @@ int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, i
 
 typedef struct {
     const int8_t *q; const float *xs; const void *w; const float *ws; float *out;
-    int64_t M, N, K, gs, bits, n0, n1, isa;
+    int64_t M, N, K, gs, bits, n0, n1, isa, G;  /* G = K / gs groups a row */
 } a8_job;
 
 /* The int32 dot product of one block of 32 quantized activations with one block of codes. */
@@ -778,8 +778,9 @@ static inline int32_t a8_block_dot(const int8_t *q, const void *w, int bits, int
         const int8_t *c = (const int8_t *)w + b * 32;
         for (int i = 0; i < 32; i++) dot += (int32_t)q[i] * c[i];
     } else {  /* int4: byte i holds the block's k = 2i (low nibble, paired with q[i]) and 2i + 1 (q[16 + i]) */
-        const uint8_t *c = (const uint8_t *)w + b * 16;
-        for (int i = 0; i < 16; i++) dot += (int32_t)q[i] * ((c[i] & 0x0F) - 8) + (int32_t)q[16 + i] * ((c[i] >> 4) - 8);
+        const uint8_t *c = (const uint8_t *)w + b * 16;  /* two plain loops: each vectorizes */
+        for (int i = 0; i < 16; i++) dot += (int32_t)q[i] * ((int32_t)(c[i] & 0x0F) - 8);
+        for (int i = 0; i < 16; i++) dot += (int32_t)q[16 + i] * ((int32_t)(c[i] >> 4) - 8);
     }
     return dot;
 }
@@ -808,16 +809,33 @@ static void a8_range_portable(const a8_job *j) {
 #define LMF_A8_AVXVNNI 1
 #endif
 
-/* 256-bit bodies: one block of 32 codes a step. A macro, instantiated per ISA: the dot-product step
- * DOT(acc, |c|, signed q) is the only difference. */
+/* R (rows, 1..4) and BITS (8 or 4) as compile-time constants of an always-inline row function FN, so
+ * its accumulators stay in registers and no branch on the weight format runs inside its loops. */
+#define A8_ROWS_SWITCH(FN, R, ...) do {                                              \
+        if (j->bits == 8) switch (R) {                                                \
+            case 1: FN(__VA_ARGS__, 1, 8); break;                                     \
+            case 2: FN(__VA_ARGS__, 2, 8); break;                                     \
+            case 3: FN(__VA_ARGS__, 3, 8); break;                                     \
+            default: FN(__VA_ARGS__, 4, 8); break;                                    \
+        } else switch (R) {                                                           \
+            case 1: FN(__VA_ARGS__, 1, 4); break;                                     \
+            case 2: FN(__VA_ARGS__, 2, 4); break;                                     \
+            case 3: FN(__VA_ARGS__, 3, 4); break;                                     \
+            default: FN(__VA_ARGS__, 4, 4); break;                                    \
+        }                                                                             \
+    } while (0)
+
+/* 256-bit bodies: one block of 32 codes a step, two steps (two dot chains a row) at a time. A macro,
+ * instantiated per ISA: the dot-product step DOT(acc, |c|, signed q) is the only difference. */
 #define A8_YMM_BODY(NAME, TARGET, DOT)                                                                      \
-__attribute__((target(TARGET))) static inline __m256i NAME##_codes(const void *w, int bits, int64_t k) {     \
+__attribute__((target(TARGET), always_inline)) static inline __m256i NAME##_codes(const void *w, const int bits, \
+                                                                                 int64_t k) {               \
     if (bits == 8) return _mm256_loadu_si256((const __m256i *)((const int8_t *)w + k));                     \
     const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)w + k / 2)), f = _mm_set1_epi8(0x0F); \
     const __m256i z = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), f), _mm_and_si128(b, f));         \
     return _mm256_sub_epi8(z, _mm256_set1_epi8(8));                                                         \
 }                                                                                                           \
-__attribute__((target(TARGET))) static inline __m256i NAME##_dot(__m256i acc, __m256i a, __m256i x) {       \
+__attribute__((target(TARGET), always_inline)) static inline __m256i NAME##_dot(__m256i acc, __m256i a, __m256i x) { \
     DOT;                                                                                                    \
 }                                                                                                           \
 __attribute__((target(TARGET))) static inline float NAME##_hsum(__m256 v) {                                 \
@@ -826,25 +844,26 @@ __attribute__((target(TARGET))) static inline float NAME##_hsum(__m256 v) {     
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));                                           \
 }                                                                                                           \
 __attribute__((target(TARGET), always_inline)) static inline void NAME##_rows(                              \
-        const a8_job *j, const void *w, const float *ws, const int8_t *q, const int R, float *total) {      \
-    const int64_t K = j->K, gs = j->gs, G = K / gs;                                                         \
+        const a8_job *j, const void *w, const float *ws, const int8_t *q, float *total, const int R, const int bits) { \
+    const int64_t K = j->K, gs = j->gs, G = j->G;                                                           \
     __m256 tf[A8_MAX_R];                                                                                    \
     for (int r = 0; r < R; r++) tf[r] = _mm256_setzero_ps();                                                \
     for (int64_t g = 0; g < G; g++) {                                                                       \
         __m256i acc[A8_MAX_R], acc2[A8_MAX_R];  /* two dot chains a row: even and odd blocks */            \
         for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_si256();                              \
         int64_t k = g * gs;                                                                                 \
-        for (; k + 64 <= (g + 1) * gs; k += 64) {                                                           \
-            const __m256i c = NAME##_codes(w, (int)j->bits, k), a = _mm256_abs_epi8(c);                     \
-            const __m256i c2 = NAME##_codes(w, (int)j->bits, k + 32), a2 = _mm256_abs_epi8(c2);             \
+        const int64_t end = k + gs;                                                                         \
+        for (; k + 64 <= end; k += 64) {                                                                    \
+            const __m256i c = NAME##_codes(w, bits, k), a = _mm256_abs_epi8(c);                             \
+            const __m256i c2 = NAME##_codes(w, bits, k + 32), a2 = _mm256_abs_epi8(c2);                     \
             for (int r = 0; r < R; r++) {                                                                   \
                 acc[r] = NAME##_dot(acc[r], a, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q + r * K + k)), c)); \
                 acc2[r] = NAME##_dot(acc2[r], a2,                                                           \
                                      _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q + r * K + k + 32)), c2)); \
             }                                                                                               \
         }                                                                                                   \
-        if (k < (g + 1) * gs) {  /* an odd block left */                                                    \
-            const __m256i c = NAME##_codes(w, (int)j->bits, k), a = _mm256_abs_epi8(c);                     \
+        if (k < end) {  /* an odd block left */                                                             \
+            const __m256i c = NAME##_codes(w, bits, k), a = _mm256_abs_epi8(c);                             \
             for (int r = 0; r < R; r++)                                                                     \
                 acc[r] = NAME##_dot(acc[r], a, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q + r * K + k)), c)); \
         }                                                                                                   \
@@ -855,18 +874,13 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME##_rows(  
     for (int r = 0; r < R; r++) total[r] = NAME##_hsum(tf[r]);                                              \
 }                                                                                                           \
 __attribute__((target(TARGET))) static void a8_range_##NAME(const a8_job *j) {                              \
-    const int64_t K = j->K, G = K / j->gs, row_bytes = j->bits == 8 ? K : K / 2;                            \
+    const int64_t K = j->K, G = j->G, row_bytes = j->bits == 8 ? K : K / 2;                                 \
     for (int64_t n = j->n0; n < j->n1; n++) {                                                               \
         const void *w = (const uint8_t *)j->w + n * row_bytes;                                              \
         for (int64_t m0 = 0; m0 < j->M; m0 += A8_MAX_R) {                                                   \
             const int R = j->M - m0 < A8_MAX_R ? (int)(j->M - m0) : A8_MAX_R;                               \
             float total[A8_MAX_R];                                                                          \
-            switch (R) {                                                                                    \
-                case 1: NAME##_rows(j, w, j->ws + n * G, j->q + m0 * K, 1, total); break;                   \
-                case 2: NAME##_rows(j, w, j->ws + n * G, j->q + m0 * K, 2, total); break;                   \
-                case 3: NAME##_rows(j, w, j->ws + n * G, j->q + m0 * K, 3, total); break;                   \
-                default: NAME##_rows(j, w, j->ws + n * G, j->q + m0 * K, 4, total); break;                  \
-            }                                                                                               \
+            A8_ROWS_SWITCH(NAME##_rows, R, j, w, j->ws + n * G, j->q + m0 * K, total);                      \
             for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r] * j->xs[m0 + r];             \
         }                                                                                                   \
     }                                                                                                       \
@@ -885,11 +899,12 @@ A8_YMM_BODY(avxvnni, "avx2,fma,avxvnni", return _mm256_dpbusd_avx_epi32(acc, a, 
  * K < 65536). Two accumulators a row (even and odd steps) keep two dpbusd chains in flight at batch 1.
  * A K that is 32 more than a multiple of 64 ends on a masked half step. Groups of 64 or more (and
  * int8's one group) convert to float once a group; int4 groups of 32 (or 96, ...) every step, with
- * the two blocks' scales. */
+ * the two blocks' scales (`wsb`: the row's scale per block of 32, filled once a weight row). */
 #define T512 "avx512f,avx512bw,avx512vl,avx512vnni,fma"
 #define A8_ALL (~(__mmask64)0)
 #define A8_LOW32 ((((__mmask64)1) << 32) - 1)
-__attribute__((target(T512))) static inline __m512i a8_codes512(const void *w, int bits, int64_t k, __mmask64 live) {
+__attribute__((target(T512), always_inline)) static inline __m512i a8_codes512(const void *w, const int bits, int64_t k,
+                                                                                __mmask64 live) {
     if (bits == 8) return _mm512_maskz_loadu_epi8(live, (const int8_t *)w + k);
     const __mmask32 half = live == A8_ALL ? 0xFFFFFFFFu : 0xFFFFu;  /* a half step: one block, 16 bytes */
     const __m256i y = _mm256_maskz_loadu_epi8(half, (const uint8_t *)w + k / 2), f = _mm256_set1_epi8(0x0F);
@@ -900,9 +915,8 @@ __attribute__((target(T512))) static inline __m512i a8_codes512(const void *w, i
 }
 
 __attribute__((target(T512), always_inline)) static inline void a8_groups512(
-        const a8_job *j, const void *w, const float *ws, const uint8_t *u, const int R, __m512 *tf) {
-    const int64_t K = j->K, gs = j->gs, G = K / gs;
-    const int bits = (int)j->bits;
+        const a8_job *j, const void *w, const float *ws, const uint8_t *u, __m512 *tf, const int R, const int bits) {
+    const int64_t K = j->K, gs = j->gs, G = j->G;
     const __m512i k128 = _mm512_set1_epi8((char)0x80);
     for (int64_t g = 0; g < G; g++) {
         __m512i a0[A8_MAX_R], a1[A8_MAX_R], c0 = _mm512_setzero_si512(), c1 = _mm512_setzero_si512();
@@ -933,17 +947,17 @@ __attribute__((target(T512), always_inline)) static inline void a8_groups512(
 }
 
 __attribute__((target(T512), always_inline)) static inline void a8_steps512(
-        const a8_job *j, const void *w, const float *ws, const uint8_t *u, const int R, __m512 *tf) {
-    const int64_t K = j->K, gs = j->gs;
+        const a8_job *j, const void *w, const float *wsb, const uint8_t *u, __m512 *tf, const int R, const int bits) {
+    const int64_t K = j->K;
     const __m512i k128 = _mm512_set1_epi8((char)0x80);
     for (int64_t k = 0; k < K; k += 64) {
         const int full = K - k >= 64;
         const __mmask64 live = full ? A8_ALL : A8_LOW32;
-        const __m512i c = a8_codes512(w, (int)j->bits, k, live);
+        const __m512i c = a8_codes512(w, bits, k, live);
         const __m512i neg = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), k128, c));
         /* lanes 0-7: block k / 32, lanes 8-15: the next (0 in a half step: its dot is 0 too) */
-        const __m512 sv = _mm512_mask_broadcastss_ps(_mm512_set1_ps(ws[k / gs]), 0xFF00,
-                                                     _mm_set_ss(full ? ws[(k + 32) / gs] : 0.0f));
+        const __m512 sv = _mm512_mask_broadcastss_ps(_mm512_set1_ps(wsb[k / 32]), 0xFF00,
+                                                     _mm_set_ss(full ? wsb[k / 32 + 1] : 0.0f));
         for (int r = 0; r < R; r++)
             tf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg, _mm512_maskz_loadu_epi8(live, u + r * K + k), c)),
                                     sv, tf[r]);
@@ -951,28 +965,32 @@ __attribute__((target(T512), always_inline)) static inline void a8_steps512(
 }
 
 __attribute__((target(T512), always_inline)) static inline void a8_rows512(
-        const a8_job *j, const void *w, const float *ws, const uint8_t *u, const int R, float *total) {
+        const a8_job *j, const void *w, const float *ws, const float *wsb, const uint8_t *u, float *total,
+        const int R, const int bits) {
     __m512 tf[A8_MAX_R];
     for (int r = 0; r < R; r++) tf[r] = _mm512_setzero_ps();
-    if (j->gs % 64 == 0 || j->gs == j->K) a8_groups512(j, w, ws, u, R, tf);
-    else a8_steps512(j, w, ws, u, R, tf);
+    if (wsb == NULL) a8_groups512(j, w, ws, u, tf, R, bits);
+    else a8_steps512(j, w, wsb, u, tf, R, bits);
     for (int r = 0; r < R; r++) total[r] = _mm512_reduce_add_ps(tf[r]);
 }
 
 __attribute__((target(T512))) static void a8_range_avx512vnni(const a8_job *j) {
-    const int64_t K = j->K, G = K / j->gs, row_bytes = j->bits == 8 ? K : K / 2;
+    const int64_t K = j->K, G = j->G, row_bytes = j->bits == 8 ? K : K / 2;
+    const int steps = j->gs % 64 != 0 && G > 1;  /* groups of 32 (96, ...): scales change inside a step */
+    float wsb[65536 / 32];
     const uint8_t *u = (const uint8_t *)j->q;  /* q + 128 here (lmf_qmm_s8) */
     for (int64_t n = j->n0; n < j->n1; n++) {
         const void *w = (const uint8_t *)j->w + n * row_bytes;
+        const float *ws = j->ws + n * G;
+        if (steps)  /* the row's scale per block of 32, without a division */
+            for (int64_t b = 0, g = 0, left = j->gs / 32; b < K / 32; b++) {
+                wsb[b] = ws[g];
+                if (--left == 0) g++, left = j->gs / 32;
+            }
         for (int64_t m0 = 0; m0 < j->M; m0 += A8_MAX_R) {
             const int R = j->M - m0 < A8_MAX_R ? (int)(j->M - m0) : A8_MAX_R;
             float total[A8_MAX_R];
-            switch (R) {
-                case 1: a8_rows512(j, w, j->ws + n * G, u + m0 * K, 1, total); break;
-                case 2: a8_rows512(j, w, j->ws + n * G, u + m0 * K, 2, total); break;
-                case 3: a8_rows512(j, w, j->ws + n * G, u + m0 * K, 3, total); break;
-                default: a8_rows512(j, w, j->ws + n * G, u + m0 * K, 4, total); break;
-            }
+            A8_ROWS_SWITCH(a8_rows512, R, j, w, ws, steps ? wsb : NULL, u + m0 * K, total);
             for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r] * j->xs[m0 + r];
         }
     }
@@ -1056,7 +1074,8 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
     }
     a8_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, M, N, K, gs, bits, N * t / threads, N * (t + 1) / threads, isa};
+        jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, M, N, K, gs, bits, N * t / threads, N * (t + 1) / threads, isa,
+                           K / gs};
     run_jobs(a8_range, jobs, sizeof jobs[0], threads);
     free(u);
     return 0;
