@@ -115,6 +115,21 @@ def test_prepare_on_ray_is_byte_identical(cluster, corpus, local_run, tmp_path):
         _same_outputs(out, tmp_path / f"ray{buckets}")
 
 
+def test_uri_inputs_read_through_pyarrow_fs(cluster, corpus, local_run, tmp_path):
+    """file:// URIs take the pyarrow.fs path (as s3:// would): local and Ray agree, and the same
+    documents survive as from the plain paths (ids and meta.path name the URI instead)."""
+    uris = [Path(p).as_uri() for p in corpus["inputs"]]
+    for name, ex in (("local", None), ("ray", ray_executor.RayExecutor(shard_bytes=16_000))):
+        prepare_dataset(uris, tmp_path / name, eval_sets=[corpus["eval"]], overrides=OVERRIDES, workers=1,
+                        executor=ex)
+    _same_outputs(tmp_path / "local", tmp_path / "ray")
+    manifest = json.loads((tmp_path / "ray" / "manifest.json").read_text())
+    assert [i["path"] for i in manifest["inputs"]] == uris
+    assert manifest["counts"] == json.loads((local_run[0] / "manifest.json").read_text())["counts"]
+    train = (tmp_path / "ray" / "splits" / "train.jsonl").read_text()
+    assert uris[0] + ":" in train  # a default id: the URI and the line number
+
+
 def test_killed_worker_is_retried_and_output_identical(cluster, corpus, local_run, tmp_path):
     for stage in ("clean", "split"):
         cluster["fault"].write_text(stage)

@@ -75,7 +75,7 @@ def prepare(
     from lmforge.data.prepare import prepare_dataset  # deferred: numpy and the pipeline, not for --help
 
     console = Console(stderr=True, soft_wrap=True)
-    overrides = [i for i in inputs if "=" in i and not Path(i).exists()]
+    overrides = [i for i in inputs if "=" in i and "://" not in i and not Path(i).exists()]
     paths = [i for i in inputs if i not in overrides]
     try:
         stats = prepare_dataset(paths, out, config=config, eval_sets=[str(e) for e in eval_set],

@@ -46,7 +46,7 @@ from lmforge.data.dedup import NearDedup, exact_key, signatures
 from lmforge.data.normalize import normalize_text
 from lmforge.data.pii import mask_pii_many
 from lmforge.data.quality import quality_reasons, split_long
-from lmforge.data.readers import iter_records, resolve_inputs
+from lmforge.data.readers import file_sha256, file_size, iter_records, resolve_inputs
 from lmforge.data.sources import python_docs_snapshot
 from lmforge.data.split import SPLITS, assign_split
 from lmforge.track.io import atomic_write_json, atomic_write_text, sha256_file
@@ -509,8 +509,8 @@ def _input_entries(sources: list, builtin: dict) -> list[dict]:
         if s.kind == "builtin":
             entries.append({"source": s.location, "kind": "builtin", **builtin[s.location]})
         else:
-            entries.append({"path": s.location, "kind": s.kind, "bytes": os.path.getsize(s.location),
-                            "sha256": sha256_file(s.location)})
+            entries.append({"path": s.location, "kind": s.kind, "bytes": file_size(s.location),
+                            "sha256": file_sha256(s.location)})
     return entries
 
 
@@ -539,7 +539,7 @@ def _pool_workers(workers: int, sources: list) -> int:
     numpy and this package), what this pipeline spends on ~1.5 MB; below the threshold the
     documents are processed in this process (1 means no pool), which is cheaper in CPU and, on a
     busy machine, in wall time too. The outputs do not depend on it."""
-    size = sum(os.path.getsize(s.location) for s in sources if s.kind != "builtin")
+    size = sum(file_size(s.location) for s in sources if s.kind != "builtin")
     return max(1, min(workers, size // MIN_BYTES_PER_WORKER))
 
 

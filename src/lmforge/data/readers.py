@@ -21,9 +21,12 @@ A document's id is its `id` field when present, else `path:line` (`path:row` for
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import gzip
+import hashlib
+import io
 import json
 import logging
 import os
@@ -31,7 +34,7 @@ import re
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any, BinaryIO
 
 from lmforge.data.sources import BUILTIN_SOURCES, PYTHON_DOCS, iter_python_docs
 
@@ -59,15 +62,55 @@ class Source:
     first_line: int = 1
 
 
+def is_uri(location: str) -> bool:
+    """A `pyarrow.fs` URI (s3://bucket/key, gs://, hdfs://, file:///path) rather than a local path."""
+    return "://" in location
+
+
+def _filesystem(uri: str) -> tuple[Any, str]:
+    try:
+        import pyarrow.fs  # deferred: optional dependency, only for URI inputs
+    except ImportError:
+        raise ReaderError(f"{uri}: reading URIs needs pyarrow, which is not installed; run "
+                          "`pip install pyarrow` (or copy the file to a local path)") from None
+    try:
+        return pyarrow.fs.FileSystem.from_uri(uri)
+    except (ValueError, OSError) as e:  # ArrowInvalid is a ValueError: unknown scheme, bad URI
+        raise ReaderError(f"{uri}: {e}") from None
+
+
+def open_binary(location: str) -> BinaryIO:
+    """A local file or a `pyarrow.fs` URI, open for reading (seekable, line-iterable)."""
+    if not is_uri(location):
+        return open(location, "rb")
+    fs, path = _filesystem(location)
+    return io.BufferedReader(fs.open_input_file(path))
+
+
+def file_size(location: str) -> int:
+    if not is_uri(location):
+        return os.path.getsize(location)
+    fs, path = _filesystem(location)
+    return fs.get_file_info(path).size
+
+
+def file_sha256(location: str) -> str:
+    h = hashlib.sha256()
+    with open_binary(location) as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
 def byte_ranges(source: Source, size: int) -> list[Source]:
     """An uncompressed .jsonl file as ranges of about `size` bytes cut at line starts (their
     `first_line` still 1: count each range's lines with `count_lines` and add them up); any other
     source as itself. Reading the ranges in order gives the documents of the whole file."""
     if source.kind != "jsonl" or source.location.lower().endswith(".gz"):
         return [source]
-    total = os.path.getsize(source.location)
+    total = file_size(source.location)
     cuts = [0]
-    with open(source.location, "rb") as f:
+    with open_binary(source.location) as f:
         for k in range(1, -(-total // size)):
             f.seek(max(k * size, cuts[-1]))
             f.readline()  # to the start of the next line
@@ -78,8 +121,8 @@ def byte_ranges(source: Source, size: int) -> list[Source]:
 
 def count_lines(source: Source) -> int:
     """Newlines in a byte range of a file (`byte_ranges`)."""
-    n, left = 0, (source.end if source.end is not None else os.path.getsize(source.location)) - source.start
-    with open(source.location, "rb") as f:
+    n, left = 0, (source.end if source.end is not None else file_size(source.location)) - source.start
+    with open_binary(source.location) as f:
         f.seek(source.start)
         while left > 0:
             block = f.read(min(left, 1 << 22))
@@ -139,12 +182,33 @@ def _file_source(path: str) -> Source:
     if kind is None:
         raise ReaderError(f"{path}: unsupported file type; expected one of "
                           f"{', '.join(SUPPORTED_SUFFIXES)} (or a directory, glob or '{PYTHON_DOCS}')")
-    return Source(kind, canonical_path(path))
+    return Source(kind, path if is_uri(path) else canonical_path(path))
+
+
+def _resolve_uri(uri: str) -> list[Source]:
+    """The files a URI names: itself, or every supported file under it (sorted by path)."""
+    import pyarrow.fs  # deferred: optional dependency (_filesystem says how to install it)
+
+    fs, path = _filesystem(uri)
+    scheme = uri.split("://", 1)[0]
+    info = fs.get_file_info(path)
+    if info.type == pyarrow.fs.FileType.NotFound:
+        raise FileNotFoundError(f"{uri}: no such file or directory")
+    if info.type == pyarrow.fs.FileType.File:
+        return [_file_source(uri)]
+    found = fs.get_file_info(pyarrow.fs.FileSelector(path, recursive=True))
+    files = sorted(i.path for i in found if i.type == pyarrow.fs.FileType.File and _kind_of(i.path)
+                   and not any(part.startswith(".") for part in i.path[len(path):].split("/")))
+    if not files:
+        raise FileNotFoundError(f"{uri}: directory holds no {', '.join(SUPPORTED_SUFFIXES)} files")
+    return [Source(_kind_of(f) or "text", f"{scheme}://{f}") for f in files]
 
 
 def _resolve_one(item: str) -> list[Source]:
     if item in BUILTIN_SOURCES:
         return [Source("builtin", item)]
+    if is_uri(item):
+        return _resolve_uri(item)
     if os.path.isdir(item):
         files = _files_under(item)
         if not files:
@@ -168,7 +232,7 @@ def _resolve_one(item: str) -> list[Source]:
 def _check_readable(source: Source) -> None:
     if source.kind == "builtin":
         return
-    if not os.access(source.location, os.R_OK):
+    if not is_uri(source.location) and not os.access(source.location, os.R_OK):
         raise ReaderError(f"{source.location}: file exists but is not readable (permissions); "
                           "fix its permissions or leave it out")
     if source.kind == "parquet":
@@ -219,9 +283,9 @@ def _jsonl_record(path: str, lineno: int, raw: bytes, text_field: str) -> dict |
 
 def _read_jsonl(path: str, text_field: str, quarantine: Quarantine | None = None, start: int = 0,
                 end: int | None = None, first_line: int = 1) -> Iterator[dict]:
-    opener = gzip.open if path.lower().endswith(".gz") else open
+    gz = path.lower().endswith(".gz")
     lineno = first_line - 1
-    with opener(path, "rb") as f:
+    with open_binary(path) as raw, (gzip.GzipFile(fileobj=raw) if gz else contextlib.nullcontext(raw)) as f:
         f.seek(start)
         pos = start
         try:
@@ -244,7 +308,7 @@ def _read_jsonl(path: str, text_field: str, quarantine: Quarantine | None = None
 def _read_parquet(path: str, text_field: str, quarantine: Quarantine | None = None) -> Iterator[dict]:
     import pyarrow.parquet as pq  # deferred: optional dependency, only for .parquet inputs
 
-    table = pq.ParquetFile(path)
+    table = pq.ParquetFile(open_binary(path) if is_uri(path) else path)
     if text_field not in table.schema_arrow.names:
         raise ReaderError(f"{path}: no column '{text_field}' (columns: {', '.join(table.schema_arrow.names)}); "
                           "choose one with read.text_field")
@@ -263,7 +327,8 @@ def _read_parquet(path: str, text_field: str, quarantine: Quarantine | None = No
 
 def _read_text(path: str, txt_mode: str, quarantine: Quarantine | None) -> Iterator[dict]:
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with io.TextIOWrapper(open_binary(path), encoding="utf-8") as f:  # universal newlines, as read_text
+            text = f.read()
     except UnicodeDecodeError as e:
         _bad_line(path, 1, f"invalid UTF-8 at byte {e.start}; re-encode the file as UTF-8", quarantine)
         return
