@@ -20,6 +20,7 @@ import typer
 
 from lmforge.bench import engine as bench_engine
 from lmforge.bench import grpo as bench_grpo
+from lmforge.bench import linear as bench_linear
 from lmforge.bench import parallel as pipeline_bench
 from lmforge.bench import quant as bench_quant
 from lmforge.config import ConfigError
@@ -109,6 +110,7 @@ def bench_data_cmd(
 
 
 app.command("engine")(bench_engine.bench_engine)
+app.command("linear")(bench_linear.main)
 
 
 @app.command("mfu")
