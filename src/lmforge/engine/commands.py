@@ -54,3 +54,7 @@ def generate(
                     f"{summary['completion_tokens']} completion tokens in {summary['seconds']:.2f} s "
                     f"({summary['completion_tokens_per_s']:.1f} tok/s, {executor}, {replicas} replica(s))",
                     highlight=False)
+
+
+if __name__ == "__main__":  # until cli.py mounts it as `lmforge generate`
+    typer.run(generate)
