@@ -167,8 +167,12 @@ def test_gates_and_windows_change_nothing_for_the_new_rules():
               "+44", " 20 ", "7946", "0958", "(415) ", "555-0132", "1", "0", "13812345678", "2223 0031 2200 3222",
               "٣", "4111 1111 1111 1111", "10.0.0.1", "0.333333333"]
     texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 14))) for _ in range(3000)]
+    texts += ["SSN 536-22-1234, IBAN DE89 3704 0044 0532 0130 00, password=hunter2"[:n] for n in range(80)]
     expected = [_reference(t) for t in texts]
     assert mask_pii_many(texts, PiiConfig()) == expected
+    assert [mask_pii(t, PiiConfig()) for t in texts[-80:]] == expected[-80:]  # a batch of one short text
+    open_gates = pii.Gates(*[True] * len(pii.Gates._fields))  # as registry/feedback.py masks one or two texts
+    assert [pii._mask(t, PiiConfig(), open_gates) for t in texts[:500]] == expected[:500]
     kinds = Counter(kind for _, counts in expected for kind in counts)
     new_kinds = ("secret", "ssn", "iban", "url_credentials", "phone", "credit_card", "email")
     assert min(kinds[k] for k in new_kinds) > 20, kinds

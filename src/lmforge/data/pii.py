@@ -66,7 +66,7 @@ _API_KEY = re.compile(
     r"|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,})"
     r"|(?<=Bearer )[A-Za-z0-9._~+/-]{20,}=*")
 # The userinfo of a URL with a password (RFC 3986: no "/", "?", "#" or "@" in it unescaped).
-_URL_CREDENTIALS = re.compile(r"(?<=[A-Za-z0-9]://)[^\s/?#@:]*:[^\s/?#@]+(?=@)")
+_URL_CREDENTIALS = re.compile(r"://(?<=[A-Za-z0-9]://)[^\s/?#@:]*:[^\s/?#@]+(?=@)")  # "://" first: sre finds it fast
 _EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
 # A key (ASCII, any case), the closing quote of a JSON/YAML key, a separator, then a quoted value or a
 # bare one (which ends at a space, quote, bracket, ";", "," or "<>", the ends of a value in code and URLs).
@@ -85,7 +85,6 @@ _SECRET_ENDS = ("pass", "word", "sswd", "rase", "pwd", "cret", "key", "oken")
 _SECRET_WORDS = re.compile(r"(?:pass|word|wd|phrase|secret|key|token)[\"']?[ \t]{0,8}(?:[:=]|is[ \t])")
 _SECRET_REACH = (16, 8 + 202)  # a key starts <= 16 characters before its word; a value ends <= 210 after its separator
 _LOWER = np.array([c + 32 if 65 <= c <= 90 else c for c in range(256)], dtype=np.uint8)  # ASCII lower case
-_SEPARATORS = bytes(1 if chr(c) in ":=" else 2 if chr(c) in "iI" else 0 for c in range(256))
 _HEX_SECRET = re.compile(r"[0-9A-Fa-f](?<![0-9A-Za-z_-][0-9A-Fa-f])[0-9A-Fa-f]{31,}(?![0-9A-Za-z_-])")
 _HASH_WORD = re.compile(r"(?i)(?:sha-?\d*|md5|hash|digest|checksum|commit|etag|sum)\W{0,3}\Z")
 _SSN = re.compile(r"\d(?<![\w-]\d)\d{2}(?P<sep>[- ])\d{2}(?P=sep)\d{4}(?![\w-])")
@@ -111,10 +110,12 @@ _PHONE_SHAPE = re.compile(r"\+\d|\d{3}[ .-]\d{4}|\d(?:[ .-]?\d){7}")
 _PHONE_WORDS = re.compile(r"(?i)(?:\b(?:phone|tel|call|mobil|cell|contact|fax|sms|text|whatsapp|ring|dial|reach|"
                           r"number is|my number)|电话|手机|联系)[^\n\d]{0,24}\Z")
 _DIGIT_RUN = re.compile(r"\d+")
+_NOT_DIGIT = re.compile(r"\D")
 _PHONE_MARK = re.compile(r"[+(.-]|^0| 0")  # written as a phone number: `_phone_ok`
 _CN_MOBILE = re.compile(r"(?<!\d)1[3-9]\d(?: ?\d){8}(?!\d)")
-# a decimal, a version, a date
-_NUMBERISH = re.compile(r"\d+\.\d+|\d{1,2}(?:\.\d{1,3}){2,3}|(?:19|20)\d\d([-./])\d\d?\1\d\d?")
+# a decimal, a version, a date, a range of years, a negative number
+_NUMBERISH = re.compile(r"[-+]?\d+\.\d+|\d{1,2}(?:\.\d{1,3}){2,3}|(?:19|20)\d\d([-./])\d\d?\1\d\d?"
+                        r"|(?:1[89]|20)\d\d-(?:1[89]|20)\d\d|-\d+")
 _TRUNK_ZERO_REGIONS = ("GB", "DE", "FR", "NL", "IT", "AU", "IN", "JP", "BR", "CN")
 _CONTEXT = 40  # characters before a match that `_SSN_WORDS`, `_PHONE_WORDS` and `_HASH_WORD` look at
 
@@ -127,9 +128,10 @@ _KEY_STARTS = (("sk-", 23), ("ghp_", 40), ("gho_", 40), ("ghu_", 40), ("ghs_", 4
                ("rk_l", 28), ("pk_l", 28), ("eyJ", 11))
 _KEY_WINDOW = 52  # longer than the longest least length above
 _KEY_CHARS = "0123456789_-ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
-# by code point: bit 1 an ASCII digit, 2 [A-Za-z0-9_-], 4 [A-Z], 8 [0-9A-Fa-f]
+# by code point: bit 1 an ASCII digit, 2 [A-Za-z0-9_-], 4 [A-Z], 8 [0-9A-Fa-f], 16 [0-9A-Z ], 32 ":" or "=", 64 i or I
 _FLAGS = bytes(1 * (chr(c) in "0123456789") | 2 * (chr(c) in _KEY_CHARS) | 4 * ("A" <= chr(c) <= "Z")
-               | 8 * (chr(c) in "0123456789ABCDEFabcdef") for c in range(256))
+               | 8 * (chr(c) in "0123456789ABCDEFabcdef") | 16 * (chr(c) in "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ ")
+               | 32 * (chr(c) in ":=") | 64 * (chr(c) in "iI") for c in range(256))
 _COLON_PAIR = re.compile(r":(?=[0-9A-Fa-f]{0,4}:)")  # two colons of an IPv6 match, one group apart
 _HEX_COLONS_BEFORE = re.compile(r"[0-9A-Fa-f:]*\Z")
 _HEX_COLONS = re.compile(r"[0-9A-Fa-f:]*")
@@ -143,7 +145,7 @@ class Gates(NamedTuple):
     secret: bool  # a key word's end (`_SECRET_ENDS`), a quote, 8 blanks, then `:`, `=` or `is` and a blank
     hex_secret: bool  # a run of 32 hex digits
     ssn: bool  # digit runs of 3, 2 and 4, each a dash or space from the next
-    iban: bool  # [A-Z][A-Z][0-9][0-9]
+    iban: bool  # [A-Z][A-Z][0-9][0-9], then 8 of [0-9A-Z ]
     cn_id: bool  # a run of 17 digits
     credit_card: bool  # 13 digits, each run one space or dash from the next
     ipv4: bool  # 4 runs of digits, each a dot from the next
@@ -165,12 +167,16 @@ def gates(texts: list[str]) -> list[Gates]:
         return out
 
     flags = np.frombuffer(low.tobytes().translate(_FLAGS), dtype=np.uint8)  # C-level, faster than numpy ops
-    digit, key, upper, hexd = ((flags & bit).astype(bool) for bit in (1, 2, 4, 8))
-    secret = _secret_hits(low)
+    digit, key, upper, hexd, iban_char = ((flags & bit).astype(bool) for bit in (1, 2, 4, 8, 16))
+    secret = _secret_hits(low, flags)
     hex32 = hexd  # hex32[p]: hexd[p:p + 32] all true
     for shift in (1, 2, 4, 8, 16):
         hex32 = hex32[:-shift] & hex32[shift:]
-    iban = upper[:-3] & upper[1:-2] & digit[2:-1] & digit[3:]
+    run8 = iban_char  # run8[p]: iban_char[p:p + 8] all true
+    for shift in (1, 2, 4):
+        run8 = run8[:-shift] & run8[shift:]
+    n_iban = max(len(run8) - 4, 0)  # positions p with p + 4 + 8 <= len(low)
+    iban = (upper[:-3] & upper[1:-2] & digit[2:-1] & digit[3:])[:n_iban] & run8[4:4 + n_iban]
     digits = [texts_of(pos) for pos in _digit_gates(low, digit)]
     if cp.dtype != np.uint8:
         high = np.flatnonzero(cp > 255)
@@ -204,13 +210,12 @@ def _key_hits(low: np.ndarray, key: np.ndarray) -> np.ndarray:
     return pos[left >= need]
 
 
-def _secret_hits(low: np.ndarray) -> np.ndarray:
+def _secret_hits(low: np.ndarray, flags: np.ndarray) -> np.ndarray:
     """Positions of a `:`, `=` or `is` + blank with, before it, up to 8 blanks, an optional quote and
     one of `_SECRET_ENDS` (case-insensitive): where a `_SECRET_PAIR` key meets its separator."""
-    sep = np.frombuffer(low.tobytes().translate(_SEPARATORS), dtype=np.uint8)  # 1 at ":" and "=", 2 at "i" / "I"
-    i = np.flatnonzero(sep[:-2] == 2)
+    i = np.flatnonzero(flags[:-2] & 64)
     i = i[((low[i + 1] | 32) == ord("s")) & ((low[i + 2] == 32) | (low[i + 2] == 9))]  # "is" and a blank
-    pos = np.concatenate([np.flatnonzero(sep == 1), i])
+    pos = np.concatenate([np.flatnonzero(flags & 32), i])
     before = _LOWER[low[np.maximum(pos[:, None] - np.arange(1, 14), 0)]]  # (seps, 13) lower-cased, nearest first
     blank = (before == 32) | (before == 9)
     rows = np.arange(len(pos))
@@ -396,12 +401,15 @@ def _phone_possible(m: re.Match) -> bool:
     """Whether libphonenumber is worth asking (it costs ~0.1 ms a region): a number of digits and
     spaces alone needs a Chinese mobile's 11 digits or a phone word before it (the only place a
     phone word can be for such a number: `_phone_ok`); any other needs the gate's shape once its
-    decimals, versions and dates are left out."""
+    decimals, versions, dates and negative numbers are left out, and 10 digits unless it starts with
+    `+` or `0` (a US or Chinese number has at least 10)."""
     candidate = m.group(0)
     if _PHONE_MARK.search(candidate) is None:
         return _CN_MOBILE.search(candidate) is not None or _before(m, _PHONE_WORDS)
-    rest = " ".join(t for t in candidate.split(" ") if not _NUMBERISH.fullmatch(t))
-    return _PHONE_SHAPE.search(rest) is not None and _PHONE_MARK.search(rest) is not None
+    rest = " ".join(t for t in candidate.split(" ") if not _NUMBERISH.fullmatch(t.strip("()")))
+    if _PHONE_SHAPE.search(rest) is None or _PHONE_MARK.search(rest) is None:
+        return False
+    return rest.lstrip("(")[:1] in ("+", "0") or len(_NOT_DIGIT.sub("", rest)) >= 10  # US and CN: 10 digits or more
 
 
 def _phone_mask(m: re.Match) -> str:
@@ -434,7 +442,7 @@ class _Rule(NamedTuple):
 
 _RULES = (
     _Rule("api_key", "api_key", _API_KEY, _whole("api_key")),
-    _Rule("url_credentials", "url_credentials", _URL_CREDENTIALS, _whole("url_credentials")),
+    _Rule("url_credentials", "url_credentials", _URL_CREDENTIALS, lambda m: "://" + PLACEHOLDERS["url_credentials"]),
     _Rule("email", "email", _EMAIL, _whole("email")),
     _Rule("secret", "secret", _SECRET_PAIR, _secret_pair_mask),
     _Rule("hex_secret", "secret", _HEX_SECRET, lambda m: PLACEHOLDERS["secret"] if _hex_secret_ok(m) else m.group(0)),
