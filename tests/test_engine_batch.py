@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,13 @@ def test_bad_lines_named_before_any_work(tmp_path):
     res = CliRunner().invoke(app, [str(tmp_path), "--input", str(bad), "--out", str(tmp_path / "o.jsonl"),
                                    "--replicas", "2"])
     assert res.exit_code == 2 and "--executor ray" in res.output
+
+
+def test_without_ray_generate_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n')
+    with pytest.raises(ImportError, match=r"pip install 'lmforge\[ray\]'"):
+        generate_file(tmp_path, tmp_path / "p.jsonl", tmp_path / "o.jsonl", executor="ray", replicas=2)
 
 
 def test_ray_replicas_give_the_single_process_bytes(model, prompts, local_out, tmp_path):

@@ -204,12 +204,13 @@ class NearDedup:
         self.tables: list[dict[bytes, list[str]]] = [{} for _ in range(self.bands)]
         self.signatures: dict[str, np.ndarray] = {}
 
-    def _band_keys(self, sig: np.ndarray) -> list[bytes]:
+    def band_keys(self, sig: np.ndarray) -> list[bytes]:
+        """The LSH table keys of a signature: its `bands` slices of `rows` values, as bytes."""
         r = self.rows
         return [sig[i * r:(i + 1) * r].tobytes() for i in range(self.bands)]
 
     def add(self, key: str, sig: np.ndarray) -> tuple[str | None, float]:
-        bands = self._band_keys(sig)
+        bands = self.band_keys(sig)
         candidates = {other for table, band in zip(self.tables, bands) for other in table.get(band, ())}
         best, best_sim = None, 0.0
         for other in sorted(candidates):  # sorted: the same survivor whatever set order

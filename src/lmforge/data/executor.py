@@ -174,7 +174,7 @@ def dedup_keys(parts: list[dict], cfg: PrepareConfig, nb: int) -> tuple[list[lis
             exact[_bucket_of(part["exact"], nb)].append((q, part["exact"], part["doc"]["id"]))
         if lsh is not None:
             by_bucket = defaultdict(list)
-            for i, band in enumerate(lsh._band_keys(part["sig"])):
+            for i, band in enumerate(lsh.band_keys(part["sig"])):
                 by_bucket[zlib.crc32(band, i) % nb].append((i, band))  # the band's index is part of its key
             for b, keys in by_bucket.items():
                 bands[b].append((q, part["doc"]["id"], part["sig"], keys))
