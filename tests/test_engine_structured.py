@@ -16,6 +16,7 @@ import torch
 
 from lmforge.engine import LLM, EngineConfig, ProcessAsyncLLMEngine, SamplingParams
 from lmforge.engine.sampling_params import StructuredOutputsParams as SO
+from lmforge.engine.structured import unpack_banned_numpy, unpack_banned_torch
 
 SCHEMA = {
     "type": "object",
@@ -129,12 +130,20 @@ def test_bitmask_unpacks_to_llguidance_own_per_token_mask(llm):
         def __init__(self, g):
             self.grammar = g
 
-    V = engine.vocab_size
+    V, words = engine.vocab_size, []
     for token in llm.get_tokenizer().encode(text, add_special_tokens=False):
         banned_SV = engine.structured.banned_tokens([Row(grammar), Row(None)], torch.device("cpu"))
         reference_V = torch.frombuffer(bytearray(grammar.matcher.compute_logit_bias()), dtype=torch.uint8)[:V] == 0
         assert torch.equal(banned_SV[0], reference_V) and not banned_SV[1].any()
         assert not banned_SV[0, token] and grammar.accept(token)
+        words.append(engine.structured._bitmask(2).clone())
+    for bitmask_SW in words:  # the numpy path (CPU) and the tensor path (CUDA) agree
+        assert torch.equal(unpack_banned_numpy(bitmask_SW, V), unpack_banned_torch(bitmask_SW, V))
+    words_1W = torch.tensor([[-1, -(2**31), 0b101]], dtype=torch.int32)  # all; only bit 31 (sign); bits 0, 2
+    allowed = set(range(32)) | {63, 64, 66}
+    expected_V = torch.tensor([t not in allowed for t in range(70)])
+    assert torch.equal(unpack_banned_numpy(words_1W, 70)[0], expected_V)
+    assert torch.equal(unpack_banned_torch(words_1W, 70)[0], expected_V)
     assert grammar.is_terminated and not grammar.error
 
 

@@ -27,9 +27,11 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from .sampling_params import StructuredOutputsParams
@@ -76,7 +78,6 @@ class StructuredOutputManager:
         self._ll_tokenizer = None  # built on the first constrained request: ~1 s for a 150k vocabulary
         self._executor = None
         self._bitmask_SW: torch.Tensor | None = None
-        self._bits: dict[torch.device, torch.Tensor] = {}
         self._compile = functools.lru_cache(maxsize=cache_size)(self._compile_uncached)
 
     def check(self, params: StructuredOutputsParams) -> None:
@@ -145,16 +146,32 @@ class StructuredOutputManager:
         llguidance.torch.fill_next_token_bitmask_par(self._executor, rows, bitmask_SW)
 
     def _unpack_banned(self, bitmask_SW: torch.Tensor) -> torch.Tensor:
-        """int32 words -> (S, V) bool, True where the bit is clear: bit b of word w is token 32 w + b
-        (llguidance's layout). Plain tensor ops rather than llguidance's `apply_token_bitmask_inplace`, a
-        `torch.compile`d kernel that needs a compiler on the serving machine and warms up per shape."""
-        device = bitmask_SW.device
-        if device not in self._bits:
-            self._bits[device] = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32,
-                                              device=device)  # bit 31 is the int32 sign bit
-        S, W = bitmask_SW.shape
-        banned_SW32 = (bitmask_SW.unsqueeze(-1) & self._bits[device]) == 0
-        return banned_SW32.view(S, W * 32)[:, : self.vocab_size]  # the tokenizer covers >= V ids
+        """Not llguidance's `apply_token_bitmask_inplace`: a `torch.compile`d kernel, which needs a compiler
+        on the serving machine and warms up per shape. On a CPU numpy's `unpackbits` took 0.17 ms for 16
+        rows of a 131k vocabulary, the tensor ops 3.7 ms; on a GPU the tensor ops run where the logits are."""
+        if bitmask_SW.device.type == "cpu" and sys.byteorder == "little":
+            return unpack_banned_numpy(bitmask_SW, self.vocab_size)
+        return unpack_banned_torch(bitmask_SW, self.vocab_size)
+
+
+def unpack_banned_numpy(bitmask_SW: torch.Tensor, V: int) -> torch.Tensor:
+    """int32 words (CPU) -> (S, V) bool, True where the bit is clear: bit b of word w is token 32 w + b
+    (llguidance's layout), so on a little-endian machine the words' bytes unpack least significant bit first."""
+    bits_SV = np.unpackbits(bitmask_SW.numpy().view(np.uint8), axis=1, count=V, bitorder="little")
+    return torch.from_numpy(bits_SV == 0)
+
+
+def unpack_banned_torch(bitmask_SW: torch.Tensor, V: int) -> torch.Tensor:
+    """The same on any device, in two tensor ops."""
+    S, W = bitmask_SW.shape
+    banned_SW32 = (bitmask_SW.unsqueeze(-1) & _bit_values(bitmask_SW.device)) == 0
+    return banned_SW32.view(S, W * 32)[:, :V]
+
+
+@functools.cache
+def _bit_values(device: torch.device) -> torch.Tensor:
+    """(32,) int32: 1 << b; bit 31 is the sign bit."""
+    return torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32, device=device)
 
 
 def _cpus() -> int:
