@@ -67,6 +67,13 @@ def test_sft_renders_gsm8k_steps_and_final_answer(setup):
     text = "\n".join(targets)
     assert "Answer: 72" in text and "Answer: 1,000" in text and "<<48/2=24>>24 clips" in text
     assert "How many clips" not in text  # the question is the user's turn: no loss on it
+    plain = SFTLoader(setup[2], tok, seq_len=512, batch_size=1, packed=False, seed=1)  # no traces: empty think
+    targets = set()
+    for _ in range(4):
+        labels = next(plain)["labels"][0]
+        targets.add(tok.decode(labels[labels != IGNORE_INDEX].tolist()))
+    assert DEFAULT_FORMAT.render("", "72") + "<|im_end|>" in targets
+    assert DEFAULT_FORMAT.is_well_formed(DEFAULT_FORMAT.render("", "72"))  # GRPO's format reward accepts it
 
 
 def test_reward_and_eval_score_an_answer_the_same_way(setup):

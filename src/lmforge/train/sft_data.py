@@ -141,16 +141,14 @@ def parse_messages(line: str, path: str, lineno: int) -> list[dict[str, str]]:
 
 
 def task_messages(record: dict, where: str) -> list[dict[str, str]]:
-    """A task row (prompt/answer + reasoning, or GSM8K's question/'#### N') as a user turn and an
-    assistant turn in the reasoning format (`lmforge.tasks.reasoning`)."""
+    """A task row (prompt/answer with or without reasoning, or GSM8K's question/'#### N') as a user turn and
+    an assistant turn in the reasoning format (`lmforge.tasks.reasoning`); without a trace the think block is
+    empty, so the model learns the format and the answer, and GRPO's format reward still holds."""
     try:
         task = parse_task(record, where)
     except TaskFileError as e:
         raise SFTDataError(str(e)) from None
-    if not task["reasoning"]:
-        raise SFTDataError(f"{where}: field 'reasoning' is missing or empty; SFT on a task row needs the "
-                           "steps (GSM8K: the text before '####')")
-    content = DEFAULT_FORMAT.render(task["reasoning"], task["answer"])
+    content = DEFAULT_FORMAT.render(task["reasoning"] or "", task["answer"])
     return [{"role": "user", "content": task["prompt"]}, {"role": "assistant", "content": content}]
 
 
