@@ -176,3 +176,22 @@ def test_gates_and_windows_change_nothing_for_the_new_rules():
     kinds = Counter(kind for _, counts in expected for kind in counts)
     new_kinds = ("secret", "ssn", "iban", "url_credentials", "phone", "credit_card", "email")
     assert min(kinds[k] for k in new_kinds) > 20, kinds
+
+
+def test_logged_exchanges_keep_none_of_the_missed_forms_on_disk(tmp_path):
+    """`--log-requests` stores exchanges through FeedbackStore, which masks before writing: none of
+    finding 8's values reaches the database file, its WAL or shm."""
+    from lmforge.registry.feedback import FeedbackStore
+
+    store = FeedbackStore(tmp_path / "fb.db")
+    prompt = " | ".join(text for text, _, _ in MISSED_FORMS)
+    store.log_exchanges([{"id": "cmpl-0", "created": "2026-12-02T00:00:00Z", "model": "tiny", "model_version": "1",
+                          "user": "u", "kind": "completion", "prompt": prompt, "response": "ok"}])
+    [row] = list(store.exchanges())
+    store.close()
+    on_disk = b"".join(p.read_bytes() for p in tmp_path.glob("fb.db*"))
+    for value in ("123-45-6789", "DE89 3704", "GB82WEST", "4155550132", "0044 20 7946", "415 555 0132",
+                  "020 7946", "hunter2", "7fj39Dk2LmQ0x", "Zx9Yw8Vu7Ts6", "9f8e7d6c5b4a3928", "user:pass",
+                  "S3cret!", "2223 0031"):
+        assert value.encode() not in on_disk, value
+    assert b"<CREDENTIALS>" in on_disk and row["pii"]["phone"] == 4

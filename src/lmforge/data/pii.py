@@ -17,18 +17,21 @@
 Patterns run in that order, each over the text the previous ones left, so a card number is
 never also counted as a phone, and an IBAN never as a card. Most documents hold no PII, so each
 pattern first checks a cheap necessary condition (`_gate`) and runs only when it holds; the output
-is the same as running every pattern (tests/test_data_prepare.py compares both on fuzzed text).
-Scanning a text costs about as much for a gate as for its pattern, so `mask_pii_many` finds most
+is the same as running every pattern (tests/test_data_prepare.py and tests/test_pii.py compare both
+on fuzzed text). Scanning a text costs about as much for a gate as for its pattern, so `mask_pii_many` finds most
 gates for a whole batch of texts in a few numpy calls over one array of code points (`words.py`),
 each a shape every match has: for a key, its first characters at a word boundary with a long
 enough run of `[A-Za-z0-9_-]` after them; for a cn_id, a run of 17 digits; for a card, 13 digits
 in runs one space or dash apart; for an IPv4 address, 4 digit runs one dot apart; for an SSN, digit
-runs of 3, 2 and 4 a dash or space apart; for an IBAN, two capitals and two digits; for a hex
-secret, a run of 32 hex digits; for a phone, 8 digits in runs one space, dot or dash apart, or
-`\\d{3}[ .-]\\d{4}` (or `+` and a digit). An email needs "@" and is searched for only in the tokens
-around each "@" (`_tokens_around`); URL credentials need "://" and "@"; a secret pair needs one of
-its key words (`_SECRET_WORDS`, in the lower-cased text); an IPv6 address needs two colons one
-group apart in a run of hex digits and colons long enough for 3 groups. A placeholder holds no
+runs of 3, 2 and 4 a dash or space apart; for an IBAN, two capitals and two digits, then 8 of
+`[0-9A-Z ]`; for a hex secret, a run of 32 hex digits; for a key/value secret, the end of a key
+word, up to 8 blanks and `:`, `=` or `is` (`_secret_hits`); for a phone, 8 digits in runs one
+space, dot or dash apart, or `\\d{3}[ .-]\\d{4}` (or `+` and a digit). An email needs "@" and is
+searched for only in the tokens around each "@" (`_tokens_around`), a key/value secret only around
+each key word and separator of the lower-cased text (`_secret_windows`); URL credentials need
+"://" and "@"; libphonenumber (~0.1 ms a region) sees only the candidates `_phone_possible`
+lets through; an IPv6 address needs two colons one group apart in a run of hex digits and colons
+long enough for 3 groups. A placeholder holds no
 digit, space, dot or dash and starts and ends with `<` `>`, so masking never joins two runs: the
 gates of the text as given hold for every later pattern's input. Years, versions (`3.11.2`),
 dates (`2024-01-15`), times, port numbers, prices, token counts and numbers failing their checksum
