@@ -174,6 +174,21 @@ def _bit_values(device: torch.device) -> torch.Tensor:
     return torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32, device=device)
 
 
+@functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
+def _check_key(kind: str, spec: str, whitespace: bool | str) -> None:
+    llguidance = _llguidance()
+    error = llguidance.LLMatcher.validate_grammar(_serialize(llguidance, kind, spec, whitespace))
+    if error:
+        raise ValueError(f"structured_outputs.{kind}: {_describe(kind, error)}")
+
+
+def check_spec(params: StructuredOutputsParams) -> None:
+    """ValueError naming the problem when `params` cannot compile, without a tokenizer or an engine: what
+    a server checks before it answers 200 (a stream's status cannot change once its headers are out),
+    as vLLM's front end does. Cached per spec, like the compile."""
+    _check_key(*_cache_key(params))
+
+
 def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 

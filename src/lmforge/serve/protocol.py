@@ -133,6 +133,15 @@ class _SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    def structured_field(self) -> str | None:
+        """The request field that carries its output constraint, to name in an error."""
+        for name in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar"):
+            value = getattr(self, name)
+            if value is not None and not (name == "response_format" and value.type == "text"):
+                return name
+        return None
+
     def structured(self) -> dict | None:
         """The one constraint this request asks for, as `StructuredOutputsParams` fields; ValueError when
         it asks for several (they could not all hold)."""

@@ -34,6 +34,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from lmforge.engine import EngineDeadError, EngineStepError, RequestOutput, SamplingParams
+from lmforge.engine.structured import check_spec
 
 from .engine_client import EngineRequest, not_ready
 from .errors import OpenAIError, bad_request, from_value_error
@@ -336,10 +337,18 @@ def check_prompt(sv: Served, ids: list[int], max_tokens: int | None, param: str)
 
 
 def check_params(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The request's SamplingParams, its structured-output spec checked to compile (on the tokenize
+    worker: a spec that fails in the engine would surface in-band, after a stream's 200)."""
     try:
-        return req.sampling_params(max_tokens, logprobs)
+        params = req.sampling_params(max_tokens, logprobs)
+        if params.structured_outputs is not None:
+            check_spec(params.structured_outputs)
+        return params
     except ValueError as e:
-        raise from_value_error(e) from None
+        err = from_value_error(e)
+        if err.param == "structured_outputs":
+            err.param = req.structured_field() or err.param
+        raise err from None
 
 
 def check_length(sv: Served, at_least: int, max_tokens: int | None, param: str, what: str) -> None:
