@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
 import typer
 
 from .config import ListenConfig, ServerConfig, ServerLimits, VersionsConfig
+from .tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:
     from lmforge.engine import EngineConfig
@@ -78,6 +79,8 @@ AdminRateOpt = Annotated[int, typer.Option(
     help="Requests a minute per client address on /admin/*; 429 past it.")]
 MaxEngineRestartsOpt = Annotated[int, typer.Option(
     help="Restart a dead engine this many times; then exit 3 so a supervisor learns.")]
+ToolCallParserOpt = Annotated[str, typer.Option(
+    help=f"How the model writes tool calls, as vLLM's flag: {' | '.join(TOOL_PARSERS)} (docs/serving.md).")]
 
 
 def serve(
@@ -116,6 +119,7 @@ def serve(
     max_connections: MaxConnectionsOpt = ServerLimits.max_connections,
     admin_rate: AdminRateOpt = ServerLimits.admin_requests_per_minute,
     max_engine_restarts: MaxEngineRestartsOpt = ServerLimits.max_engine_restarts,
+    tool_call_parser: ToolCallParserOpt = ServerConfig.tool_call_parser,
 ) -> None:
     """Serve MODEL_DIR over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
     with /health, /metrics (Prometheus, vLLM's names) and /version."""
@@ -133,7 +137,7 @@ def serve(
         _usage_error("--shutdown-timeout must be >= 0")
     preflight(model_dir, dtype, device, max_num_seqs, max_model_len, kv_cache_memory_bytes)
     server = _server_config(served_model_name or model or model_dir.name, (api_key, admin_api_key), limits,
-                            log_requests, feedback_db, registry is not None)
+                            log_requests, feedback_db, registry is not None, tool_call_parser)
     raise typer.Exit(run_server(config, server, ListenConfig(host, port, shutdown_timeout, log_level), engine_process,
                                 registry=(registry, model) if registry else None, canary=canary))
 
@@ -205,7 +209,8 @@ def _server_limits(**values) -> ServerLimits:
 
 
 def _server_config(served_model_name: str, keys: tuple[str | None, str | None], limits: ServerLimits,
-                   log_requests: bool, feedback_db: Path | None, from_registry: bool) -> ServerConfig:
+                   log_requests: bool, feedback_db: Path | None, from_registry: bool,
+                   tool_call_parser: str = ServerConfig.tool_call_parser) -> ServerConfig:
     """The app's settings; a feedback store (--feedback-db, by default `feedback.db` beside the registry's
     default store) when requests are logged, a store is named, or versions come from a registry."""
     feedback = None
@@ -217,8 +222,10 @@ def _server_config(served_model_name: str, keys: tuple[str | None, str | None], 
     api_key, admin_api_key = keys
     if admin_api_key is not None and admin_api_key == api_key:
         _usage_error("--admin-api-key must differ from --api-key: an inference client must not administer")
+    if tool_call_parser not in TOOL_PARSERS:
+        _usage_error(f"--tool-call-parser {tool_call_parser}: one of {', '.join(TOOL_PARSERS)}")
     return ServerConfig(served_model_name, api_key, limits, admin_api_key=admin_api_key, feedback=feedback,
-                        log_requests=log_requests)
+                        log_requests=log_requests, tool_call_parser=tool_call_parser)
 
 
 def preflight(model_dir: Path, dtype: str, device: str, max_num_seqs: int, max_model_len: int | None,

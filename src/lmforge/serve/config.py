@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .tool_parsers import TOOL_PARSERS
+
 Loader = Callable[[], Any]  # () -> AsyncLLMEngine: builds an engine when called (the app then owns it)
 
 
@@ -86,10 +88,13 @@ class ServerConfig:
     feedback: Any = None
     log_requests: bool = False
     admin_api_key: str | None = None  # required on /admin/*; without it the admin routes are off (403)
+    tool_call_parser: str = "hermes"  # how the model writes tool calls (tool_parsers.py): hermes | llama3_json
 
     def __post_init__(self) -> None:
         if self.log_interval_s <= 0:
             raise ValueError(f"log_interval_s={self.log_interval_s}: must be > 0")
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser={self.tool_call_parser!r}: one of {', '.join(TOOL_PARSERS)}")
         if self.admin_api_key is not None and self.admin_api_key == self.api_key:
             raise ValueError("admin_api_key must differ from api_key: an inference client must not administer")
 
