@@ -426,25 +426,30 @@ def test_contamination_hits_match_reference():
 
 
 def _mask_reference(text: str) -> tuple[str, dict[str, int]]:
-    """Every PII pattern, no gates, with the lookbehind-first spellings of cn_id, card and phone."""
+    """Every PII rule on the whole text (no gates, no windows), with the lookbehind-first spellings of
+    cn_id, card and phone."""
     import re
 
     from lmforge.data import pii
 
     original = {"cn_id": re.compile(r"(?<![0-9A-Za-z])[1-9]\d{5}(?:19|20)\d{2}(?:0[1-9]|1[0-2])"
                                     r"(?:0[1-9]|[12]\d|3[01])\d{3}[0-9Xx](?![0-9A-Za-z])"),
-                "credit_card": re.compile(r"(?<![\d.-])[3-6]\d{3}(?:[ -]?\d){9,15}(?![\d.])"),
-                "phone": re.compile(r"(?<![\w+])\+\d{1,3}[ .-]?(?:\(\d{1,4}\)[ .-]?)?\d{1,4}(?:[ .-]?\d{2,4}){1,4}(?![\w])"
-                                    r"|(?<![\w(])\(\d{3}\) ?\d{3}[ .-]\d{4}(?!\d)"
-                                    r"|(?<![\w.-])\d{3}[-.]\d{3}[-.]\d{4}(?![\w.-])"
-                                    r"|(?<![0-9A-Za-z_+])(?:86[ -]?)?1[3-9]\d{9}(?![0-9A-Za-z_])")}
-    counts = {}
-    for kind, pattern, valid in pii._RULES:
-        found = [m for m in original.get(kind, pattern).finditer(text) if valid is None or valid(m.group(0))]
-        text = original.get(kind, pattern).sub(lambda m: pii.PLACEHOLDERS[kind] if valid is None or valid(m.group(0))
-                                              else m.group(0), text)
-        if found:
-            counts[kind] = len(found)
+                "credit_card": re.compile(r"(?<![\d.-])[2-6]\d{3}(?:[ -]?\d){9,15}(?![\d.])"),
+                "phone": re.compile(r"(?<![0-9A-Za-z_.+-])(?=(?:[+(\d][\d ().-]{0,20}?)?(?:\+\d|\d{3}[ .-]\d{4}|\d(?:[ .-]?\d){7}))"
+                                    r"[+(\d][\d ().-]{6,26}(?<=[\d)])(?![0-9A-Za-z_]|[.:-]\d)")}
+    counts: dict[str, int] = {}
+    for rule in pii._RULES:
+        n = 0
+
+        def replace(m: re.Match) -> str:
+            nonlocal n
+            new = rule.mask(m)
+            n += new.count(pii.PLACEHOLDERS[rule.kind]) - m.group(0).count(pii.PLACEHOLDERS[rule.kind])
+            return new
+
+        text = original.get(rule.name, rule.pattern).sub(replace, text)
+        if n:
+            counts[rule.kind] = counts.get(rule.kind, 0) + n
     return text, counts
 
 

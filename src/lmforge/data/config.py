@@ -72,6 +72,9 @@ class PiiConfig:
     credit_card: bool = True
     cn_id: bool = True
     api_key: bool = True
+    ssn: bool = True
+    iban: bool = True
+    secret: bool = True  # password= / token: pairs, 32+ hex secrets, credentials in URLs
 
 
 @dataclass
