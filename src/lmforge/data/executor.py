@@ -61,7 +61,6 @@ from lmforge.data.split import SPLITS
 
 SHARD_BYTES = 32 << 20  # an uncompressed .jsonl file is read as ranges of about this size, one task each
 MAX_RETRIES = 3  # a task whose worker process dies is run again (tasks are pure: same result)
-EXECUTORS = ("local", "ray")
 FAULT_ENV = "LMFORGE_RAY_FAULT"  # tests: a file naming a stage whose process kills itself once
 RAY_MISSING = "--executor ray needs Ray, which is not installed: pip install 'lmforge[ray]'"
 
