@@ -38,6 +38,8 @@ OUTPUTS = ("splits/train.jsonl", "splits/val.jsonl", "splits/test.jsonl", "rejec
 def cluster(tmp_path_factory):
     fault = tmp_path_factory.mktemp("fault") / "fault"
     os.environ[ray_executor.FAULT_ENV] = str(fault)  # inherited by the workers ray.init starts
+    if ray.is_initialized():  # another module's cluster: ours needs the variable above
+        ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield {"fault": fault, "address": ray.get_runtime_context().gcs_address}
     ray.shutdown()
