@@ -21,6 +21,7 @@ from lmforge.bench.comm import comm_doctor
 from lmforge.bench.commands import app as bench_app
 from lmforge.bench.doctor import doctor
 from lmforge.data.commands import app as data_app
+from lmforge.engine import commands as engine_commands
 from lmforge.eval.commands import app as eval_app
 from lmforge.parallel.commands import app as parallel_app
 from lmforge.perf import commands as perf_commands
@@ -58,6 +59,9 @@ app.add_typer(registry_commands.app, name="registry", help="Model versions, alia
 app.add_typer(registry_commands.flywheel_app, name="flywheel", help="Feedback -> scrubbed SFT and preference data.")
 app.command("serve", help="Serve MODEL_DIR over an OpenAI-compatible HTTP API with Prometheus /metrics.")(
     serve_commands.serve)
+app.command("generate", help="Batch inference: a JSONL of prompts in, OpenAI-style completion records out, in "
+                        "input order, resumable; --executor ray --replicas N for engine replicas.")(
+    engine_commands.generate)
 app.command("report")(perf_commands.report_cmd)
 app.command("smoke")(smoke.smoke_cmd)
 app.add_typer(bench_app, name="bench")
