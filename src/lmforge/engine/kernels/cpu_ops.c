@@ -771,30 +771,33 @@ typedef struct {
     int64_t M, N, K, gs, bits, n0, n1, isa, G;  /* G = K / gs groups a row */
 } a8_job;
 
-/* The int32 dot product of one block of 32 quantized activations with one block of codes. */
-static inline int32_t a8_block_dot(const int8_t *q, const void *w, int bits, int64_t b) {
-    int32_t dot = 0;
-    if (bits == 8) {
-        const int8_t *c = (const int8_t *)w + b * 32;
-        for (int i = 0; i < 32; i++) dot += (int32_t)q[i] * c[i];
-    } else {  /* int4: byte i holds the block's k = 2i (low nibble, paired with q[i]) and 2i + 1 (q[16 + i]) */
-        const uint8_t *c = (const uint8_t *)w + b * 16;  /* two plain loops: each vectorizes */
-        for (int i = 0; i < 16; i++) dot += (int32_t)q[i] * ((int32_t)(c[i] & 0x0F) - 8);
-        for (int i = 0; i < 16; i++) dot += (int32_t)q[16 + i] * ((int32_t)(c[i] >> 4) - 8);
-    }
-    return dot;
+/* int4 codes of a row as int8, in the order the quantized activations use: for each block of 32,
+ * byte i's low nibble (k = 2i) at i, its high nibble (k = 2i + 1) at 16 + i. */
+static void a8_unpack4(const uint8_t *w, int64_t K, int8_t *out) {
+    for (int64_t b = 0; b < K / 32; b++)
+        for (int i = 0; i < 16; i++) {
+            out[b * 32 + i] = (int8_t)((w[b * 16 + i] & 0x0F) - 8);
+            out[b * 32 + 16 + i] = (int8_t)((w[b * 16 + i] >> 4) - 8);
+        }
 }
 
+/* Plain C: int4 rows are unpacked once a weight row, then every group is one loop the compiler
+ * vectorizes for the target, as for int8. */
 static void a8_range_portable(const a8_job *j) {
     const int64_t K = j->K, gs = j->gs, G = K / gs, row_bytes = j->bits == 8 ? K : K / 2;
+    int8_t unpacked[j->bits == 4 ? K : 1];
     for (int64_t n = j->n0; n < j->n1; n++) {
-        const void *w = (const uint8_t *)j->w + n * row_bytes;
+        const int8_t *c = (const int8_t *)j->w + n * row_bytes;
+        if (j->bits == 4) {
+            a8_unpack4((const uint8_t *)c, K, unpacked);
+            c = unpacked;
+        }
         for (int64_t m = 0; m < j->M; m++) {
             const int8_t *q = j->q + m * K;
             float total = 0.0f;
             for (int64_t g = 0; g < G; g++) {
                 int32_t dot = 0;
-                for (int64_t b = g * gs / 32; b < (g + 1) * gs / 32; b++) dot += a8_block_dot(q + b * 32, w, (int)j->bits, b);
+                for (int64_t k = g * gs; k < (g + 1) * gs; k++) dot += (int32_t)q[k] * c[k];
                 total += (float)dot * j->ws[n * G + g];
             }
             j->out[m * j->N + n] = total * j->xs[m];
