@@ -27,7 +27,8 @@ from lmforge.eval.backends import MockBackend
 from lmforge.eval.evaluate import evaluate
 from lmforge.tasks.suite import load_suite
 from lmforge.registry import FeedbackStore, ModelVersion, Registry, RegistryError
-from lmforge.registry.feedback import mask_texts
+from lmforge.registry.feedback import (MAX_FEEDBACK_PER_EXCHANGE, MAX_USER_CHARS, FeedbackLimitError, is_low,
+                                       mask_texts, normalize_score)
 from lmforge.registry.store import hash_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,6 +169,38 @@ def test_rollback_restores_previous_byte_identical(tmp_path: Path) -> None:
     assert ev["kind"] == "rollback" and ev["details"]["from"] == 2 and ev["details"]["to"] == 1
 
 
+def test_champion_and_challenger_are_never_one_version(tmp_path: Path) -> None:
+    """A rollback to the version that is the challenger clears the challenger (a server would load
+    those weights twice, as champion and as challenger, and compare them with themselves)."""
+    reg = Registry(tmp_path / "reg.db")
+    reg.add("tiny", make_model(tmp_path / "m1", 1))
+    reg.add("tiny", make_model(tmp_path / "m2", 2))
+    with pytest.raises(RegistryError, match="v1 is the champion; a challenger is another version"):
+        reg.set_alias("tiny", "challenger", 1)
+    reg.promote("tiny", 2, force=True)
+    reg.set_alias("tiny", "challenger", 1)  # the old champion, canaried against the new one
+    assert reg.aliases("tiny") == {"champion": 2, "challenger": 1, "previous": 1}
+    reg.rollback("tiny")
+    assert reg.aliases("tiny") == {"champion": 1}
+    ev = reg.events("tiny")[-1]
+    assert ev["kind"] == "rollback" and ev["details"]["challenger_cleared"] is True
+
+
+def test_read_verbs_never_create_a_registry(tmp_path: Path) -> None:
+    """`registry list --registry typo/path.db` created the file (and its folder) and printed an empty table."""
+    typo = tmp_path / "typo" / "path.db"
+    for verb in (["list"], ["show", "tiny"], ["verify", "tiny"], ["rollback", "tiny"], ["gc"],
+                 ["alias", "tiny", "staging", "1"], ["promote", "tiny", "2"]):
+        r = cli(*verb, "--registry", str(typo), expect=2)
+        assert f"{typo}: no registry database there" in " ".join(r.stderr.split()), (verb, r.stderr)
+    assert not typo.parent.exists()
+    with pytest.raises(RegistryError, match="no feedback store there"):
+        FeedbackStore(tmp_path / "typo.db", create=False)
+    assert not (tmp_path / "typo.db").exists()
+    reg = Registry(typo)  # the API's default (and `registry add`) creates it
+    assert typo.is_file() and Registry(typo, create=False).names() == [] == reg.names()
+
+
 def test_refusals_name_what_to_fix(tmp_path: Path) -> None:
     reg = Registry(tmp_path / "reg.db")
     with pytest.raises(RegistryError, match="no such folder"):
@@ -248,6 +281,10 @@ class RegistryMachine(RuleBasedStateMachine):
     def alias(self, data: st.DataObject, alias: str) -> None:
         name = data.draw(st.sampled_from(sorted(self.versions)))
         v = data.draw(st.sampled_from(sorted(self.versions[name])))
+        if alias == "challenger" and self.aliases[name].get("champion") == v:
+            with pytest.raises(RegistryError, match="is the champion"):
+                self.reg.set_alias(name, alias, v)
+            return
         self.reg.set_alias(name, alias, v)
         self.aliases[name][alias] = v
 
@@ -276,6 +313,8 @@ class RegistryMachine(RuleBasedStateMachine):
             return
         assert self.reg.rollback(name).version == a["previous"]
         a["champion"] = a.pop("previous")
+        if a.get("challenger") == a["champion"]:
+            del a["challenger"]
 
     @rule(keep=st.integers(0, 2))
     def gc(self, keep: int) -> None:
@@ -296,6 +335,7 @@ class RegistryMachine(RuleBasedStateMachine):
             assert {mv.version for mv in self.reg.list(name)} == self.versions[name]
             assert self.reg.aliases(name) == self.aliases[name]
             assert self.aliases[name].get("previous") != self.aliases[name]["champion"]
+            assert self.aliases[name].get("challenger") != self.aliases[name]["champion"]
 
 
 TestRegistryMachine = RegistryMachine.TestCase
@@ -361,6 +401,8 @@ def _replay(events: list[dict]) -> tuple[dict[str, int], set[int]]:
         elif e["kind"] == "rollback":
             aliases["champion"] = d["to"]
             aliases.pop("previous")
+            if d.get("challenger_cleared"):
+                aliases.pop("challenger")
         elif e["kind"] == "gc":
             versions -= set(d["dropped"])
     return aliases, versions
@@ -422,12 +464,36 @@ def test_feedback_pii_never_reaches_the_file(tmp_path: Path) -> None:
     on_disk = b"".join(p.read_bytes() for p in tmp_path.glob("fb.db*"))  # the file, its WAL and shm
     assert secret.encode() not in on_disk and b"carol@example.org" not in on_disk and b"415 555" not in on_disk
     assert b"<EMAIL>" in on_disk  # the check above looked at real data
-    for bad, match in ((0, "score 0"), (7, "star score"), (float("nan"), "score nan"), (True, "score True")):
+    for bad, match in ((0, "score 0: neither a thumbs nor a star score"), (7, "score 7: neither"),
+                       (0.5, "score 0.5: neither"), (2.5, "score 2.5: neither"), (-0.5, "score -0.5: neither"),
+                       (float("nan"), "score nan: not a finite number"), (True, "score True: must be a number"),
+                       ("1", "score '1': must be a number")):
         with pytest.raises(RegistryError, match=match):
             store.add_feedback("cmpl-0", bad)
+    with pytest.raises(RegistryError, match="a star score is an integer 1..5"):
+        store.add_feedback("cmpl-0", 2.5, scale="stars")
     with pytest.raises(RegistryError, match="row 0: missing field"):
         store.log_exchanges([{"id": "x"}])
     store.close()
+
+
+def test_one_score_rule_and_bounded_rows(tmp_path: Path) -> None:
+    """The scale rule the server's metric and canary guard use too: +1 is a thumbs-up, never low;
+    an exchange takes MAX_FEEDBACK_PER_EXCHANGE rows; a 100 KB `user` is not stored whole."""
+    assert [normalize_score(s) for s in (-1, 1, 2, 5)] == [(-1.0, "thumbs", 0.0), (1.0, "thumbs", 1.0),
+                                                           (2.0, "stars", 0.25), (5.0, "stars", 1.0)]
+    assert [is_low(normalize_score(s)[2]) for s in (-1, 1, 2, 3, 4, 5)] == [True, False, True, False, False, False]
+    assert is_low(normalize_score(1, "stars")[2])  # one star, when the client says so
+    store = FeedbackStore(tmp_path / "fb.db")
+    store.log_exchanges([{**_exchange(0, "hi"), "user": "bob@example.com " + "x" * 100_000}])
+    (ex,) = store.exchanges()
+    assert ex["user"].startswith("<EMAIL> x") and len(ex["user"]) == MAX_USER_CHARS
+    assert all(store.add_feedback("cmpl-0", -1) for _ in range(MAX_FEEDBACK_PER_EXCHANGE))
+    with pytest.raises(FeedbackLimitError, match=f"already has {MAX_FEEDBACK_PER_EXCHANGE} feedback rows"):
+        store.add_feedback("cmpl-0", 1)
+    assert not store.add_feedback("cmpl-404", 1)  # unknown is still False, not the limit
+    s = store.stats()
+    assert s["feedback_rows"] == MAX_FEEDBACK_PER_EXCHANGE and s["with_feedback"] == 1 and s["low"] == 1
 
 
 def test_feedback_fast_mask_matches_the_batch_scrubber() -> None:

@@ -1,7 +1,8 @@
 """`--log-requests`' writer process (`lmforge.serve.exchange_log`): rows are masked and written by a
 child interpreter, the queue is bounded (drops counted), feedback on an id waits for that id's
-write, and a dead writer neither hangs nor takes serving down. The writer is paused with SIGSTOP to
-make "the writer has not caught up yet" happen on purpose.
+write, a dead writer neither hangs nor takes serving down, and a server killed with SIGKILL loses
+no answered exchange it had handed over. The writer is paused with SIGSTOP to make "the writer has
+not caught up yet" happen on purpose.
 
     python -m pytest -q tests/test_serve_exchange_log.py
 """
@@ -10,19 +11,23 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from lmforge.engine import AsyncLLMEngine, EngineConfig
 from lmforge.registry import FeedbackStore
 from lmforge.serve.app import build_app
 from lmforge.serve.config import ServerConfig, VersionsConfig
-from lmforge.serve.exchange_log import ExchangeLog
-from lmforge.serve.testing import ServerThread
+from lmforge.serve.exchange_log import INTERVAL_S, ExchangeLog
+from lmforge.serve.testing import ServerThread, free_port
 
 SECRET_MAIL, SECRET_KEY = "jane.doe@example.com", "sk-" + "a1B2c3D4e5F6g7H8i9J0k1L2m3N4"
 
@@ -153,3 +158,56 @@ def test_a_batch_the_store_refuses_is_counted_and_the_writer_goes_on(store):
     finally:
         xlog.close()
     assert [r["id"] for r in store.exchanges()] == ["cmpl-1"]
+
+
+def _writer_of(server: psutil.Process, timeout: float = 60) -> psutil.Process:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for child in server.children():
+            if "lmforge.serve.exchange_log" in " ".join(child.cmdline()):
+                return child
+        time.sleep(0.05)
+    raise AssertionError("the server started no exchange-log writer")
+
+
+@pytest.mark.slow
+def test_answered_exchanges_survive_a_kill_9_of_the_server(chat_model_dir, tmp_path):
+    """20 completions answered 200 while the writer is behind (stopped), then SIGKILL to the server:
+    every row handed to the writer is committed by it after the server is gone (before: the rows
+    waited in the server's memory for the writer's ack of the batch before, and died with it)."""
+    db, port, n = tmp_path / "fb.db", free_port(), 20
+    log = tempfile.TemporaryFile("w+")  # never a pipe nobody reads
+    proc = subprocess.Popen([sys.executable, "-m", "lmforge.cli", "serve", str(chat_model_dir), "--port", str(port),
+                             "--log-requests", "--feedback-db", str(db), "--no-engine-process", "--dtype", "float32",
+                             "--max-model-len", "256", "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, (log.seek(0), log.read())
+            try:
+                if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        writer = _writer_of(psutil.Process(proc.pid))
+        writer.suspend()  # the writer falls behind: nothing is committed while the requests are answered
+        with httpx.Client(base_url=url, timeout=60) as c:
+            ids = []
+            for i in range(n):
+                r = c.post("/v1/completions", json={"prompt": f"request {i} from jane.doe@example.com",
+                                                    "max_tokens": 4})
+                assert r.status_code == 200, r.text
+                ids.append(r.json()["id"])
+        time.sleep(10 * INTERVAL_S)  # the documented window: a row is in the pipe within INTERVAL_S
+        proc.kill()
+        assert proc.wait(30) == -signal.SIGKILL
+        writer.resume()
+        writer.wait(60)  # it reads the pipe to its end, commits, and exits on EOF
+    finally:
+        proc.kill()
+        proc.wait(30)
+    rows = {r["id"]: r for r in FeedbackStore(db, create=False).exchanges()}
+    assert sorted(rows) == sorted(ids), f"{n - len(rows)} of {n} answered exchanges lost"
+    assert all("jane.doe@example.com" not in r["prompt"] for r in rows.values())

@@ -11,8 +11,9 @@
     lmforge registry gc [--keep 3]
     lmforge flywheel build --feedback FEEDBACK_DB --model NAME --out DIR [--min-count N] [--train-data DIR]
 
-Every verb takes `--registry PATH` (default `$LMFORGE_HOME/registry.db`). Errors print one line
-and exit 2. `python -m lmforge.registry ...` runs the same verbs without loading the other stages.
+Every verb takes `--registry PATH` (default `$LMFORGE_HOME/registry.db`); only `add` creates the
+file, every other verb refuses a path that names none. Errors print one line and exit 2.
+`python -m lmforge.registry ...` runs the same verbs without loading the other stages.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ def _fail(e: Exception) -> None:
     raise typer.Exit(code=2)
 
 
-def _open(registry: Path | None) -> Any:
+def _open(registry: Path | None, create: bool = False) -> Any:
+    """The registry; only `add` creates one (a mistyped --registry is an error, not a new empty file)."""
     try:
-        return Registry(registry)
+        return Registry(registry, create=create)
     except RegistryError as e:
         _fail(e)
 
@@ -80,7 +82,7 @@ def add_cmd(name: str = typer.Argument(..., help="Model name (letters, digits, .
             registry: RegistryOpt = None) -> None:
     """Register MODEL_DIR as the next version of NAME: hashes its weights, config and tokenizer files,
     reads the lineage from its export record. The first version of a name becomes `champion`."""
-    mv = _call(_open(registry).add, name, model_dir, notes)
+    mv = _call(_open(registry, create=True).add, name, model_dir, notes)
     typer.echo(f"{mv.ref} sha256 {mv.sha256[:12]} {', '.join(mv.aliases) or '(no alias)'} <- {mv.path}")
 
 

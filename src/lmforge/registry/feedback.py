@@ -10,12 +10,17 @@ the registry: exchanges arrive at serving rate and are not registry state. Two t
 scrubber (`lmforge.data.pii.mask_pii_many`, every PII type on) inside the call, before the
 transaction starts; `pii` keeps the per-type counts. One transaction per call: the server batches.
 `add_feedback` appends a row (a user may change their vote; the latest counts) and returns False
-for an unknown id.
+for an unknown id. An exchange takes at most `MAX_FEEDBACK_PER_EXCHANGE` rows: past that
+`FeedbackLimitError` (the server's 409), so one client cannot grow the table, or weigh on anything
+counted per row, by re-scoring one completion in a loop. The `user` field is an end-user id: it is
+stored up to `MAX_USER_CHARS` characters (masked first, then cut).
 
-Scores: -1 / +1 are thumbs, 1..5 stars. 1 is both a thumbs-up and one star, so it reads as a
-thumbs-up unless `scale="stars"` says otherwise. Each score maps to `normalized` in [0, 1]
-(thumbs 0 / 1, stars (s - 1) / 4); `normalized < 0.5` is a low score (thumbs down, 1-2 stars)
-and `>= 0.75` a high one (thumbs up, 4-5 stars). It knows nothing about HTTP or training.
+Scores, the one scale rule that the store, the server's `/metrics` and its canary guard share:
+-1 / +1 are thumbs, 1..5 stars. 1 is both a thumbs-up and one star, so it reads as a thumbs-up
+unless `scale="stars"` says otherwise; anything else (0, 0.5, 2.5, NaN) is refused by
+`normalize_score`. Each score maps to `normalized` in [0, 1] (thumbs 0 / 1, stars (s - 1) / 4);
+`is_low(normalized)` (below 0.5: thumbs down, 1-2 stars) and `is_high` (0.75 and up: thumbs up,
+4-5 stars) classify it. It knows nothing about HTTP or training.
 
     store = FeedbackStore("runs/serve/feedback.db")
     store.log_exchanges([{"id": "cmpl-1", "created": "...", "model": "tiny", "model_version": "3",
@@ -41,6 +46,9 @@ from lmforge.data.pii import mask_pii_many
 from lmforge.registry.store import BUSY_TIMEOUT_MS, RegistryError, commit_or_rollback, now, refuse_foreign
 
 LOW, HIGH = 0.5, 0.75  # normalized score: below LOW is low, at or above HIGH is high
+MAX_FEEDBACK_PER_EXCHANGE = 10  # rows one exchange takes: a few changes of mind, not a loop
+MAX_USER_CHARS = 256  # OpenAI's `user` is an end-user id; a longer one is cut (after masking)
+ALLOWED_SCORES = "-1 or +1 (thumbs down / up) or an integer 1..5 (stars)"
 KINDS = ("completion", "chat")
 FIELDS = ("id", "created", "model", "model_version", "user", "kind", "prompt", "response")
 SCHEMA = """
@@ -84,13 +92,21 @@ def mask_texts(texts: list[str]) -> list[tuple[str, dict[str, int]]]:
     return mask_pii_many(texts, _PII)
 
 
+class FeedbackLimitError(RegistryError):
+    """An exchange already has `MAX_FEEDBACK_PER_EXCHANGE` feedback rows."""
+
+
 def normalize_score(score: float, scale: str | None = None) -> tuple[float, str, float]:
-    """(score, "thumbs" | "stars", normalized in [0, 1]); ValueError naming the allowed values."""
-    if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
-        raise RegistryError(f"score {score!r}: must be -1 or +1 (thumbs) or 1..5 (stars)")
+    """(score, "thumbs" | "stars", normalized in [0, 1]); RegistryError naming the allowed values."""
+    if isinstance(score, bool) or not isinstance(score, (int, float)):
+        raise RegistryError(f"score {score!r}: must be a number, {ALLOWED_SCORES}")
+    if not math.isfinite(score):
+        raise RegistryError(f"score {score!r}: not a finite number; send {ALLOWED_SCORES}")
     if scale not in (None, "thumbs", "stars"):
         raise RegistryError(f"scale {scale!r}: must be 'thumbs', 'stars' or omitted")
     if scale is None:
+        if score not in (-1, 1, 2, 3, 4, 5):
+            raise RegistryError(f"score {score:g}: neither a thumbs nor a star score; send {ALLOWED_SCORES}")
         scale = "thumbs" if score in (-1, 1) else "stars"
     if scale == "thumbs":
         if score not in (-1, 1):
@@ -101,16 +117,30 @@ def normalize_score(score: float, scale: str | None = None) -> tuple[float, str,
     return float(score), scale, (score - 1) / 4
 
 
+def is_low(normalized: float) -> bool:
+    """A low score (thumbs down, 1-2 stars): what the flywheel corrects and the canary guard counts."""
+    return normalized < LOW
+
+
+def is_high(normalized: float) -> bool:
+    return normalized >= HIGH
+
+
 def histogram_key(score: float, scale: str) -> str:
     return ("thumbs_up" if score > 0 else "thumbs_down") if scale == "thumbs" else f"stars_{int(score)}"
 
 
 class FeedbackStore:
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, create: bool = True):
+        """`create=False` for readers (`flywheel build`): a path that names no file is an error, not a
+        new empty store."""
         self.path = Path(path)
         if self.path.is_dir():
             raise RegistryError(f"{self.path}: is a folder; the feedback store is a file (e.g. "
                                 f"{self.path / 'feedback.db'})")
+        if not create and not self.path.is_file():
+            raise RegistryError(f"{self.path}: no feedback store there; check the path (`lmforge serve "
+                                f"--log-requests --feedback-db PATH` creates one)")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()  # one connection per thread (and per process: see _db)
         db = self._db()
@@ -175,7 +205,8 @@ class FeedbackStore:
                 if not isinstance(row[f], str):
                     raise RegistryError(f"log_exchanges row {i}: field {f!r} must be a string, got "
                                         f"{type(row[f]).__name__}")
-        users = [r["user"] if isinstance(r["user"], str) else "" for r in rows]
+        # a margin past MAX_USER_CHARS is masked, so a secret cut at the margin is beyond the final cut
+        users = [r["user"][:4 * MAX_USER_CHARS] if isinstance(r["user"], str) else "" for r in rows]
         masked = mask_pii_many([r["prompt"] for r in rows] + [r["response"] for r in rows] + users, _PII)
         n = len(rows)
         values = []
@@ -187,7 +218,7 @@ class FeedbackStore:
                     counts[k] = counts.get(k, 0) + v
             values.append((r["id"], str(r["created"]), str(r["model"]),
                            None if r["model_version"] is None else str(r["model_version"]),
-                           user if isinstance(r["user"], str) else None, r["kind"], prompt, response,
+                           user[:MAX_USER_CHARS] if isinstance(r["user"], str) else None, r["kind"], prompt, response,
                            json.dumps(counts, sort_keys=True)))
         with self._tx() as db:
             db.executemany("INSERT INTO exchanges (id, created, model, model_version, user, kind, prompt, response, "
@@ -196,7 +227,8 @@ class FeedbackStore:
     def add_feedback(self, id: str, score: float, comment: str | None = None, correction: str | None = None,
                      scale: str | None = None) -> bool:
         """Append a score (and optional comment / corrected answer, PII masked) to exchange `id`;
-        False when no exchange has that id. The latest feedback of an exchange is the one that counts."""
+        False when no exchange has that id, `FeedbackLimitError` when it already has
+        `MAX_FEEDBACK_PER_EXCHANGE` rows. The latest feedback of an exchange is the one that counts."""
         score, scale, normalized = normalize_score(score, scale)
         for f, v in (("comment", comment), ("correction", correction)):
             if v is not None and not isinstance(v, str):
@@ -216,9 +248,16 @@ class FeedbackStore:
         with self._tx() as db:
             cur = db.execute("INSERT INTO feedback (exchange_id, created, score, scale, normalized, comment, "
                              "correction, pii) SELECT ?, ?, ?, ?, ?, ?, ?, ? "
-                             "WHERE EXISTS (SELECT 1 FROM exchanges WHERE id = ?)",
-                             (id, now(), score, scale, normalized, out[0], out[1], json.dumps(counts), id))
-            return cur.rowcount == 1
+                             "WHERE EXISTS (SELECT 1 FROM exchanges WHERE id = ?) "
+                             "AND (SELECT COUNT(*) FROM feedback WHERE exchange_id = ?) < ?",
+                             (id, now(), score, scale, normalized, out[0], out[1], json.dumps(counts), id, id,
+                              MAX_FEEDBACK_PER_EXCHANGE))
+            if cur.rowcount == 1:
+                return True
+            if db.execute("SELECT 1 FROM exchanges WHERE id = ?", (id,)).fetchone() is None:
+                return False
+        raise FeedbackLimitError(f"exchange {id!r} already has {MAX_FEEDBACK_PER_EXCHANGE} feedback rows, the most "
+                                 f"one exchange takes; its latest score counts, and no more are stored for it")
 
     # -- reading
 
@@ -240,10 +279,10 @@ class FeedbackStore:
         for r in rows:
             key = histogram_key(r["score"], r["scale"])
             histogram[key] = histogram.get(key, 0) + 1
-        low = sum(r["normalized"] < LOW for r in rows)
+        low = sum(is_low(r["normalized"]) for r in rows)
         return {"model_version": model_version, "exchanges": exchanges, "with_feedback": len(rows),
                 "feedback_rows": feedback_rows, "histogram": dict(sorted(histogram.items())), "low": low,
-                "high": sum(r["normalized"] >= HIGH for r in rows), "corrected": sum(r["corrected"] for r in rows),
+                "high": sum(is_high(r["normalized"]) for r in rows), "corrected": sum(r["corrected"] for r in rows),
                 "low_score_ratio": low / len(rows) if rows else None,
                 "mean_normalized": sum(r["normalized"] for r in rows) / len(rows) if rows else None}
 

@@ -48,7 +48,7 @@ from lmforge.data.contamination import ContaminationIndex, eval_strings
 from lmforge.data.dedup import NearDedup, exact_key, signatures
 from lmforge.data.normalize import normalize_text
 from lmforge.data.pii import mask_pii_many
-from lmforge.registry.feedback import HIGH, LOW, FeedbackStore
+from lmforge.registry.feedback import FeedbackStore, is_high, is_low
 from lmforge.registry.store import Registry, RegistryError
 from lmforge.tasks.suite import BUILTIN_DIR
 from lmforge.track.io import atomic_write_json, atomic_write_text, sha256_file
@@ -97,9 +97,9 @@ def _key(text: str) -> bytes:
 def _label(fb: dict) -> str:
     if fb.get("correction"):
         return "corrected"
-    if fb["normalized"] < LOW:
+    if is_low(fb["normalized"]):
         return "low"
-    return "high" if fb["normalized"] >= HIGH else "neutral"
+    return "high" if is_high(fb["normalized"]) else "neutral"
 
 
 class Accounts:
@@ -389,7 +389,7 @@ def build(feedback: str | os.PathLike, registry: Registry, model: str, out: str 
                           "champion": {"version": champion.version, "sha256": champion.sha256},
                           "near_dedup": NearDedupConfig().__dict__, "contamination": ContaminationConfig().__dict__})
         acc, pii = Accounts(), Counter()
-        records = select(FeedbackStore(feedback).exchanges(), model, acc)
+        records = select(FeedbackStore(feedback, create=False).exchanges(), model, acc)
         scrub(records, pii)
         records = well_formed(records, acc)
         records, n_docs = dedup(records, training_texts(train_data), acc, NearDedupConfig())

@@ -293,11 +293,17 @@ def gate(champion: dict[str, Any], candidate: dict[str, Any], max_regression: fl
 # ---- the registry --------------------------------------------------------------------------------
 
 class Registry:
-    def __init__(self, path: str | os.PathLike | None = None):
+    def __init__(self, path: str | os.PathLike | None = None, create: bool = True):
+        """`create=False` for the verbs that only read or move what exists (everything but `add`): a
+        path that names no file is an error naming it, not a new empty registry (a typo in --registry
+        would otherwise print an empty table and leave a stray file)."""
         self.path = Path(path) if path is not None else default_path()
         if self.path.is_dir():
             raise RegistryError(f"{self.path}: is a folder; --registry takes the database file "
                                 f"(e.g. {self.path / 'registry.db'})")
+        if not create and not self.path.is_file():
+            raise RegistryError(f"{self.path}: no registry database there; check --registry (`lmforge registry "
+                                f"add NAME MODEL_DIR --registry {self.path}` creates one)")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._connect() as db:
             mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
@@ -484,6 +490,9 @@ class Registry:
                                 f"or '-' (a number would read as a version)")
         with self._transaction() as db:
             self._row(db, name, int(version))
+            if alias == CHALLENGER and self._alias_version(db, name, "champion") == int(version):
+                raise RegistryError(f"{name}: v{version} is the champion; a challenger is another version (a server "
+                                    f"would load the same weights twice to compare them with themselves)")
             before = self._move_alias(db, name, alias, int(version))
             self._event(db, name, "alias", {"alias": alias, "version": int(version), "before": before})
 
@@ -571,7 +580,9 @@ class Registry:
 
     def rollback(self, name: str) -> ModelVersion:
         """champion <- previous in one transaction; `previous` is then cleared, so a second rollback
-        refuses rather than flipping back to the version just rolled away from."""
+        refuses rather than flipping back to the version just rolled away from. A challenger that is
+        the version rolled back to is cleared too (as `promote` does): champion and challenger are
+        never one version, which a server would load twice."""
         target = self.get(name, self._require_alias(name, "previous"))
         self.verify(target)
         with self._transaction() as db:
@@ -580,7 +591,11 @@ class Registry:
                 raise RegistryError(f"{name}: `previous` moved while rolling back (now {prev}); run rollback again")
             champ = self._move_alias(db, name, "champion", prev)
             self._move_alias(db, name, "previous", None)
-            self._event(db, name, "rollback", {"from": champ, "to": prev, "sha256": target.sha256})
+            details = {"from": champ, "to": prev, "sha256": target.sha256}
+            if self._alias_version(db, name, CHALLENGER) == prev:
+                self._move_alias(db, name, CHALLENGER, None)
+                details["challenger_cleared"] = True
+            self._event(db, name, "rollback", details)
             return self._row(db, name, prev)
 
     def _require_alias(self, name: str, alias: str) -> int:

@@ -4,19 +4,31 @@ Masking PII is regex work: in the serving process it would hold the GIL the even
 writer thread does not help: it shares that GIL). So the masking and the SQLite writes run in a
 child interpreter of their own, and the serving process only appends a dict to a list:
 
-    handlers (event loop)          parent thread                          writer process
+    handlers (event loop)          parent threads                         writer process
     add(row) -> pending list  -->  sender: conn.send(rows)  --pipe-->     store.log_exchanges(rows)
-    wait_written(id) <-- notify <- sender: conn.recv() = ack  <--pipe--   (masks, then one transaction)
+    wait_written(id) <-- notify <- acker: conn.recv() = ack  <--pipe--    (masks, then one transaction)
 
 Only masked text reaches the disk: the child calls `FeedbackStore.log_exchanges`, which masks
-before its transaction starts; the rows cross a pipe, never a file. Rows collect for up to
-`INTERVAL_S` (or `MAX_BATCH` rows) and go as one message, answered by one ack: a pipe round trip
-per row would cost the serving process more than masking the row in-process did (measured by
-`scripts/bench_ops.py --phases log_cpu`). One batch is in flight at a time.
+before its transaction starts; the rows cross a pipe, never a file. A row is added before its
+response is sent, and rows go to the pipe at most `interval_s` (default `INTERVAL_S`, 10 ms) after
+they are added, or at once when `MAX_BATCH` have collected or a waiter asks: one message per batch,
+answered by one ack, and the sender does not wait for a batch's ack before it sends the next
+(a pipe round trip per row would cost the serving process more than masking the row in-process did,
+measured by `scripts/bench_ops.py --phases log_cpu`; a row held back until the writer caught up
+would die with the server). The writer commits each batch it reads (batches that queued while it
+was busy go in one transaction).
 
-* **Bounded**: at most `max_pending` rows added and not yet written. Past that, `add` drops the row
-  and counts it (`dropped`, exported as `lmforge:exchange_log_dropped_total`): serving never waits
-  for the log. A dropped exchange is not in the store, so feedback on its id is a 404.
+* **What a crash can lose** (docs/operations.md, "The exchange log"): a row that is in the pipe is
+  the writer's: it reads the pipe to its end and commits every row in it even after the server is
+  killed with SIGKILL, then exits. So a `kill -9` of the server loses only rows not yet handed over:
+  those added in the last `interval_s`, and rows the sender could not write because the writer is
+  more than a pipe buffer behind (the buffer is raised to `PIPE_BYTES`, 1 MiB, about 2,000 rows of a
+  chat exchange). A kill of the writer itself loses the batches it had read and not committed
+  (counted as dropped). Commits use SQLite's `synchronous=NORMAL` under WAL: a process crash loses
+  nothing committed; a power cut can lose the last commits, never the file.
+* **Bounded**: at most `max_pending` rows added and not yet acknowledged. Past that, `add` drops the
+  row and counts it (`dropped`, exported as `lmforge:exchange_log_dropped_total`): serving never
+  waits for the log. A dropped exchange is not in the store, so feedback on its id is a 404.
 * **Feedback on a just-finished completion**: `wait_written(id)` has the pending rows sent at once
   (no interval wait) and blocks until the batch holding `id` is committed.
 * **Writer death**: the rows it had not acknowledged and everything added later are dropped and
@@ -29,10 +41,12 @@ CMD_FD ACK_FD DB_PATH` (started by `ExchangeLog`).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import sys
 import threading
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 
@@ -41,15 +55,21 @@ from lmforge.tools.procs import Status, StatusKind, ignore_sigint, kill, start_c
 
 log = logging.getLogger("lmforge.serve")
 MAX_PENDING, MAX_BATCH, RECENT = 10_000, 512, 100_000
-INTERVAL_S = 0.1  # rows collect this long before they are sent, unless a waiter asks for them
+INTERVAL_S = 0.01  # the longest a row waits in this process before it goes to the writer
+PIPE_BYTES = 1 << 20  # Linux's default cap for an unprivileged process (/proc/sys/fs/pipe-max-size)
 START_TIMEOUT_S = 60.0
 
 
 class ExchangeLog:
-    def __init__(self, store: FeedbackStore, max_pending: int = MAX_PENDING):
-        """`store`: the `FeedbackStore` to write (the writer process opens its own connection to the file)."""
-        self.path, self.max_pending = Path(store.path), max_pending
+    def __init__(self, store: FeedbackStore, max_pending: int = MAX_PENDING, interval_s: float = INTERVAL_S):
+        """`store`: the `FeedbackStore` to write (the writer process opens its own connection to the file).
+        `interval_s`: how long rows may collect before they are sent (0: at once)."""
+        if not 0 <= interval_s <= 1:
+            raise ValueError(f"exchange log interval_s={interval_s!r}: must be in [0, 1] seconds")
+        self.path, self.max_pending, self.interval_s = Path(store.path), max_pending, interval_s
         self._rows: list[tuple[int, dict]] = []  # (seq, row) added and not yet sent
+        self._oldest = 0.0  # when the oldest row in _rows was added (time.monotonic)
+        self._in_flight: deque[tuple[int, int]] = deque()  # (last seq, rows) of batches sent, not acked
         self._lock = threading.Condition()
         self._seq = 0  # rows accepted so far; a row's seq is its number among them
         self._written = 0  # every seq <= this is committed (or known lost)
@@ -60,6 +80,7 @@ class ExchangeLog:
         self._dead: str | None = None
         child_cmd, self._cmd = Pipe(duplex=False)
         self._ack, child_ack = Pipe(duplex=False)
+        _grow_pipe(self._cmd)
         fds = (child_cmd.fileno(), child_ack.fileno())
         self._proc = start_child(["-m", "lmforge.serve.exchange_log", str(fds[0]), str(fds[1]), str(self.path)], fds)
         child_cmd.close()
@@ -68,8 +89,10 @@ class ExchangeLog:
             kill(self._proc)
             raise RuntimeError(f"the exchange-log writer for {self.path} did not start "
                                f"(exit {self._proc.returncode}); the server log has its error")
-        self._thread = threading.Thread(target=self._run, name="lmforge-exchange-log", daemon=True)
-        self._thread.start()
+        self._sender = threading.Thread(target=self._send_loop, name="lmforge-exchange-log", daemon=True)
+        self._acker = threading.Thread(target=self._ack_loop, name="lmforge-exchange-log-acks", daemon=True)
+        self._sender.start()
+        self._acker.start()
 
     # ---- the serving side (event loop) ------------------------------------------------------------------
 
@@ -80,6 +103,8 @@ class ExchangeLog:
                 self.dropped += 1
                 return False
             self._seq += 1
+            if not self._rows:
+                self._oldest = time.monotonic()
             self._rows.append((self._seq, row))
             self._recent[row["id"]] = (row["model_version"], self._seq)
             if len(self._recent) > RECENT:
@@ -124,40 +149,50 @@ class ExchangeLog:
         with self._lock:
             self._closed = True
             self._lock.notify_all()
-        self._thread.join(timeout=30)
-        self._cmd.close()  # the child's recv sees EOF and exits
+        self._sender.join(timeout=30)
+        self._cmd.close()  # the child's recv sees EOF, commits what it read, and exits
         stop(self._proc, grace_s=10)
+        self._acker.join(timeout=30)
 
-    # ---- the sender thread ------------------------------------------------------------------------------
+    # ---- the sender and acker threads -------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _send_loop(self) -> None:
         while True:
             with self._lock:
-                # one IPC round trip per batch, not per row: that costs the serving process more than
-                # masking a row would (measured: scripts/bench_ops.py --phases log_cpu)
-                self._lock.wait_for(lambda: self._rows or self._closed)
-                self._lock.wait_for(lambda: self._urgent or self._closed or len(self._rows) >= MAX_BATCH, INTERVAL_S)
-                if not self._rows:
+                self._lock.wait_for(lambda: self._rows or self._closed or self._dead)
+                self._lock.wait_for(lambda: self._urgent or self._closed or self._dead or len(self._rows) >= MAX_BATCH,
+                                    self._oldest + self.interval_s - time.monotonic())
+                if not self._rows or self._dead:
                     return
-                batch, self._rows = self._rows[:MAX_BATCH], self._rows[MAX_BATCH:]
+                batch, self._rows = self._rows[:MAX_BATCH], self._rows[MAX_BATCH:]  # an overflow goes next, no wait
                 self._urgent = bool(self._rows) and self._urgent
-            last = batch[-1][0]
+                self._in_flight.append((batch[-1][0], len(batch)))
             try:
-                self._cmd.send([row for _, row in batch])  # pickling a few dicts: microseconds
-                reply = self._recv()
-            except (OSError, EOFError) as e:
-                reply = Status(StatusKind.EXITED, f"{type(e).__name__}: {e}")
-            if reply.kind is StatusKind.ERROR:  # a bad batch (a full disk): these rows are lost, the writer goes on
-                log.error("could not write %d exchanges to the feedback store: %s", len(batch), reply.detail)
+                # pickling a few dicts: microseconds; blocks only when the writer is a full pipe behind
+                self._cmd.send([row for _, row in batch])
+            except (OSError, ValueError) as e:  # the writer is gone (or close() raced a failing writer)
+                with self._lock:
+                    self._writer_died(f"could not send to the writer: {type(e).__name__}: {e}")
+                return
+
+    def _ack_loop(self) -> None:
+        """One ack per batch, in the order the batches were sent."""
+        while True:
+            reply = self._recv()
             with self._lock:
-                if reply.kind is not StatusKind.OK:
-                    self.dropped += len(batch)
+                if self._dead is not None:  # the sender found it gone first, and counted the rows in flight
+                    return
                 if reply.kind is StatusKind.EXITED:
-                    self._writer_died(reply.detail)
+                    if not (self._closed and not self._in_flight):  # not the EOF of a clean close
+                        self._writer_died(reply.detail)
+                    self._lock.notify_all()
+                    return
+                last, n = self._in_flight.popleft()
+                if reply.kind is not StatusKind.OK:  # a bad batch (a full disk): these rows are lost, the writer goes on
+                    log.error("could not write %d exchanges to the feedback store: %s", n, reply.detail)
+                    self.dropped += n
                 self._written = last
                 self._lock.notify_all()
-            if self._dead is not None:
-                return
 
     def _recv(self) -> Status:
         """The writer's answer, or `EXITED` with why it can answer no more."""
@@ -169,30 +204,65 @@ class ExchangeLog:
                           f"the writer process exited ({code})" if code is not None else "the pipe closed")
 
     def _writer_died(self, why: str) -> None:
-        """Under the lock: count what can never be written, and release every waiter."""
+        """Under the lock: count what can never be written, and release every waiter (once)."""
+        if self._dead is not None:
+            return
         self._dead = why
-        self.dropped += len(self._rows)
+        self.dropped += len(self._rows) + sum(n for _, n in self._in_flight)
         self._rows = []
+        self._in_flight.clear()
         self._written = self._seq
+        self._lock.notify_all()
         log.error("the exchange-log writer stopped (%s); exchanges are no longer stored", why)
 
 
+def _grow_pipe(conn: Connection) -> None:
+    """Raise the pipe's buffer to PIPE_BYTES (Linux): what sits in the pipe survives a crash of the
+    server, what waits in this process does not."""
+    try:
+        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except (AttributeError, OSError):  # not Linux, or a lower pipe-max-size: the default 64 KiB buffer
+        pass
+
+
 def writer_main(cmd: Connection, ack: Connection, path: str) -> None:
-    """The writer process: batches in, masked rows into the store, one ack per batch. Exits when the
-    parent closes its end (EOF)."""
+    """The writer process: batches in, masked rows into the store, one ack per batch. Batches that
+    queued while it was busy go in one transaction. It reads the pipe to its end (EOF) before it
+    exits, also when the server died (then there is nobody to ack)."""
     ignore_sigint()
     store = FeedbackStore(path)
     ack.send(Status(StatusKind.READY))
-    while True:
+    acks: Connection | None = ack  # None once the server is gone
+    eof = False
+    while not eof:
+        batches = []
         try:
-            rows = cmd.recv()
-        except (EOFError, OSError):
+            batches.append(cmd.recv())
+            while cmd.poll(0) and sum(map(len, batches)) < MAX_BATCH:
+                batches.append(cmd.recv())
+        except (EOFError, OSError):  # the server closed its end (or died): write what was read, then exit
+            eof = True
+        if not batches:
             return
         try:
-            store.log_exchanges(rows)
-            ack.send(Status(StatusKind.OK, len(rows)))
-        except Exception as e:  # noqa: BLE001 - reported to the parent, which logs it and counts the rows
-            ack.send(Status(StatusKind.ERROR, f"{type(e).__name__}: {e}"))
+            store.log_exchanges([row for b in batches for row in b])
+            replies = [Status(StatusKind.OK, len(b)) for b in batches]
+        except Exception:  # noqa: BLE001 - retried batch by batch, so a bad batch loses only its own rows
+            replies = [_write_one(store, b) for b in batches]
+        for reply in replies:
+            try:
+                if acks is not None:
+                    acks.send(reply)
+            except OSError:  # the server died: keep committing what it handed over, until EOF
+                acks = None
+
+
+def _write_one(store: FeedbackStore, rows: list[dict]) -> Status:
+    try:
+        store.log_exchanges(rows)
+        return Status(StatusKind.OK, len(rows))
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which logs it and counts the rows
+        return Status(StatusKind.ERROR, f"{type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

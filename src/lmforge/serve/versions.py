@@ -10,7 +10,8 @@
 * `CanaryGuard`: per-version windows of request outcomes and feedback scores. When the challenger's
   error rate or low-score ratio exceeds the champion's by `margin` over at least `min_samples`,
   its weight drops to 0 (an automatic rollback): logged, counted in /metrics, and handed to
-  `on_rollback` (which records it in the registry).
+  `on_rollback` (which records it in the registry). Scores count per exchange, the latest one only
+  (the feedback store's rule): a client that scores one completion 25 times moves one sample, not 25.
 
 Knows nothing about HTTP, the registry's schema or the engine's internals.
 """
@@ -18,11 +19,12 @@ Knows nothing about HTTP, the registry's schema or the engine's internals.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import random
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from .guard import max_chars_per_token
@@ -107,7 +109,7 @@ class Router:
 @dataclass
 class _Window:
     outcomes: deque = field(default_factory=lambda: deque(maxlen=200))  # True = failed (5xx)
-    scores: deque = field(default_factory=lambda: deque(maxlen=200))  # True = low score
+    scores: OrderedDict = field(default_factory=OrderedDict)  # exchange id -> its latest score is low
 
 
 class CanaryGuard:
@@ -120,22 +122,30 @@ class CanaryGuard:
         self._w: dict[str, _Window] = {}
         self.window = window
         self.rollbacks = 0
+        self._anonymous = itertools.count()  # keys for scores given without an exchange id
 
     def _of(self, label: str) -> _Window:
         w = self._w.get(label)
         if w is None:
-            w = self._w[label] = _Window(deque(maxlen=self.window), deque(maxlen=self.window))
+            w = self._w[label] = _Window(deque(maxlen=self.window))
         return w
 
     def outcome(self, label: str, failed: bool) -> None:
         self._of(label).outcomes.append(failed)
         self._check("error_rate", lambda w: w.outcomes)
 
-    def score(self, label: str, low: bool) -> None:
-        self._of(label).scores.append(low)
-        self._check("low_score_ratio", lambda w: w.scores)
+    def score(self, label: str, low: bool, exchange_id: str | None = None) -> None:
+        """The latest score of exchange `exchange_id` (answered by `label`) replaces its earlier one;
+        the window keeps the `window` most recently scored exchanges."""
+        scores = self._of(label).scores
+        key = exchange_id if exchange_id is not None else next(self._anonymous)
+        scores.pop(key, None)
+        scores[key] = low
+        if len(scores) > self.window:
+            scores.popitem(last=False)
+        self._check("low_score_ratio", lambda w: w.scores.values())
 
-    def _check(self, what: str, series: Callable[[_Window], deque]) -> None:
+    def _check(self, what: str, series: Callable[[_Window], Collection[bool]]) -> None:
         r = self.router
         if r.challenger is None or r.canary_percent <= 0:
             return
