@@ -90,12 +90,14 @@ def test_dpo_counts_both_completions_and_its_reference():
     cfg = config("full", batch_size=4)
     cfg.train.stage = "dpo"
     kw = guards.memory_args(cfg, shape, 128, "cpu")
-    assert kw["batch"] == 8 and kw["reference_model"] and not kw["fused_loss"]
+    assert kw["batch"] == 8 and kw["reference_model"]
     est = guards.train_estimate(cfg, shape, 128, "cpu")
     assert est["reference model"] == est["weights"]
     cfg.dpo.precompute_ref_log_probs = True
     assert not guards.memory_args(cfg, shape, 128, "cpu")["reference_model"]
-    assert guards.estimate_command("m", kw) is None  # `estimate memory` has no option for these
+    assert guards.estimate_command("m", kw) is None  # `estimate memory` has no option for the reference
+    cfg.train.method, cfg.lora.target_modules = "lora", ["q_proj", "lm_head"]
+    assert not guards.memory_args(cfg, shape, 128, "cpu")["fused_loss"]  # a LoRA head: the plain loss
 
 
 def test_light_base_constants_are_lora_s():

@@ -36,12 +36,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from lmforge.config import ConfigError
 from lmforge.quant import load_pretrained
 from lmforge.tokenizer.load import load_tokenizer, tokenizer_hash
 
 from .config import TrainConfig
+from .fused_ce import can_fuse
 from .loop import Data, Trainer, token_byte_lengths
 from .lora import adapters_disabled, is_lora
 from .pref_data import PreferenceLoader
@@ -50,14 +52,45 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/acc
            "logps/rejected")
 
 
+def token_logps(logits_RLV: torch.Tensor, targets_RL: torch.Tensor) -> torch.Tensor:
+    """log p(target) at each position (R, L), the softmax in float32."""
+    return torch.gather(logits_RLV.float().log_softmax(-1), 2, targets_RL.unsqueeze(-1)).squeeze(-1)
+
+
+def _head_logps(h_RLD: torch.Tensor, w_VD: torch.Tensor, targets_RL: torch.Tensor) -> torch.Tensor:
+    return token_logps(F.linear(h_RLD, w_VD), targets_RL)  # under autocast the matmul runs as nn.Linear's would
+
+
+class PreferenceLogps(torch.nn.Module):
+    """`forward(input_ids, completion_mask)` = (summed log-prob of each row's completion tokens (R,), their count
+    (R,)); what DDP and compile wrap. With a plain LM head (`fused_ce.can_fuse`) the logits are made a block of
+    rows at a time (~`BLOCK_TOKENS` tokens) under activation checkpointing and recomputed in backward, so the
+    (R, L, V) logits and log-softmax never exist whole (TRL fuses its LM head for the same reason); otherwise
+    (a LoRA-adapted head) through the model's own forward."""
+
+    BLOCK_TOKENS = 1024
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model, self.blocked = model, can_fuse(model)
+
+    def forward(self, input_ids: torch.Tensor, completion_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mask_RL = completion_mask[:, 1:].bool()  # logits at t predict token t + 1
+        targets_RL = input_ids[:, 1:]
+        if not self.blocked:
+            logp_RL = token_logps(self.model(input_ids)[:, :-1], targets_RL)
+        else:
+            h_RLD, w_VD = self.model.hidden_states(input_ids)[:, :-1], self.model.lm_head.weight
+            rows = max(1, self.BLOCK_TOKENS // max(h_RLD.shape[1], 1))
+            logp_RL = torch.cat([checkpoint(_head_logps, h_RLD[i:i + rows], w_VD, targets_RL[i:i + rows],
+                                            use_reentrant=False) for i in range(0, len(h_RLD), rows)])
+        return (logp_RL * mask_RL).sum(-1), mask_RL.sum(-1)
+
+
 def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed log-prob of each row's completion tokens (R,), number of completion tokens (R,)), float32."""
-    input_ids = batch["input_ids"]
-    logits_RLV = model(input_ids)[:, :-1].float()
-    mask_RL = batch["completion_mask"][:, 1:].bool()  # logits at t predict token t + 1
-    targets = input_ids[:, 1:]
-    logp_RL = torch.gather(logits_RLV.log_softmax(-1), 2, targets.unsqueeze(-1)).squeeze(-1)
-    return (logp_RL * mask_RL).sum(-1), mask_RL.sum(-1)
+    """`PreferenceLogps` of a model (or of an already wrapped one) on a batch."""
+    fwd = model if isinstance(model, PreferenceLogps) else PreferenceLogps(model)
+    return fwd(batch["input_ids"], batch["completion_mask"])
 
 
 def dpo_loss(logps: torch.Tensor, ref_logps: torch.Tensor, lengths: torch.Tensor, beta: float,
@@ -83,8 +116,6 @@ def dpo_loss(logps: torch.Tensor, ref_logps: torch.Tensor, lengths: torch.Tensor
 
 
 class DPOTrainer(Trainer):
-    fuses_loss = False  # DPO needs each completion token's log-prob, not a summed cross-entropy
-
     def __init__(self, cfg: TrainConfig, out: Path, resume: bool = False, overwrite: bool = False):
         super().__init__(cfg, out, resume=resume, overwrite=overwrite)
         self.dpo = cfg.dpo
@@ -96,6 +127,9 @@ class DPOTrainer(Trainer):
             if self.val_loader is not None:
                 self.ref_cache["val"] = self._precompute(self.val_loader)
             self.ref_model = None  # TRL drops it too: no second model during training
+
+    def forward_module(self) -> torch.nn.Module:
+        return PreferenceLogps(self.model)  # each row's completion log-prob, not a summed cross-entropy
 
     def make_data(self) -> Data:
         cfg, t = self.cfg, self.cfg.train
@@ -162,7 +196,7 @@ class DPOTrainer(Trainer):
             ref = self.ref_logps(batch)
             with self.sync_context(i == len(batches) - 1):
                 with self.autocast():
-                    logps, lengths = sequence_logps(self.fwd, batch)
+                    logps, lengths = self.fwd(batch["input_ids"], batch["completion_mask"])
                 losses, stats = dpo_loss(logps, ref, lengths, self.dpo.beta, self.dpo.loss_type)
                 # DDP averages gradients over ranks; scaling by world_size makes that a global pair mean
                 self.scaler.scale(losses.sum() * (self.d.world_size / n_pairs)).backward()

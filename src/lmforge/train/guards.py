@@ -69,14 +69,17 @@ def memory_args(cfg: Any, shape: ModelShape, seq_len: int, device_kind: str, **c
     """The arguments of `perf.estimate.memory` (what `lmforge estimate memory` calls) that describe this run
     as lmforge runs it: fp32 master weights and AdamW (full), or the frozen base as `lora.base_dtype` /
     `lora.base_quant` hold it with fp32 adapters and their AdamW states (LoRA); autocast in train.dtype;
-    the fused loss; for DPO, 2 x batch rows (chosen and rejected), the unfused loss and the reference copy
-    (full fine-tuning without precomputed reference log-probs). `changes` override train fields (and
+    the fused loss (logits a chunk at a time; DPO's blocked log-probs alike) unless a LoRA-adapted head makes it
+    fall back; for DPO, 2 x batch rows (chosen and rejected) and the reference copy (full fine-tuning without
+    precomputed reference log-probs). `changes` override train fields (and
     `lora_base`, the base kind of a LoRA remedy)."""
     t = {**vars(cfg.train), **changes}
     dpo = t["stage"] == "dpo"
     kw: dict[str, Any] = dict(mode="full", dtype="float32", optimizer="adamw", batch=t["batch_size"] * (2 if dpo else 1),
                               seq_len=seq_len, grad_ckpt=t["gradient_checkpointing"],
-                              fused_loss=t["fused_loss"] and not dpo, compute_dtype=t["dtype"], device_kind=device_kind)
+                              fused_loss=t["fused_loss"] and not (t["method"] == "lora" and "lm_head" in
+                                                                  cfg.lora.target_modules),
+                              compute_dtype=t["dtype"], device_kind=device_kind)
     if t["method"] == "full":
         kw["reference_model"] = dpo and not cfg.dpo.precompute_ref_log_probs
         return kw

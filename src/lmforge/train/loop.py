@@ -194,10 +194,9 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    """Pretrain / SFT; a stage with another loss (`dpo.DPOTrainer`) overrides `make_data`, `forward_backward`
-    and `evaluate`, and keeps the rest: model and LoRA, parallelism, optimizer, checkpoints, resume, record."""
-
-    fuses_loss = True  # the stage's loss is next-token cross-entropy: `TrainLoss` may compute it without logits
+    """Pretrain / SFT; a stage with another loss (`dpo.DPOTrainer`) overrides `make_data`, `forward_module`,
+    `forward_backward` and `evaluate`, and keeps the rest: model and LoRA, parallelism, optimizer, checkpoints,
+    resume, record."""
 
     def __init__(self, cfg: TrainConfig, out: Path, resume: bool = False, overwrite: bool = False):
         self.par = plan_for(cfg)  # checks the parallel options before anything starts
@@ -235,8 +234,8 @@ class Trainer:
         self.checkpointer = self._checkpointer()
         if resume:
             self._restore()
-        self.fused = self.fuses_loss and t.fused_loss and can_fuse(self.model)
-        self.fwd = self.par.wrap_data_parallel(TrainLoss(self.model) if self.fused else self.model)
+        self.fused = t.fused_loss and can_fuse(self.model)
+        self.fwd = self.par.wrap_data_parallel(self.forward_module())
         if t.compile:
             self.fwd = torch.compile(self.fwd)
         self.train_iter = iter(self.data.train)
@@ -253,6 +252,10 @@ class Trainer:
 
     def make_data(self) -> Data:
         return build_data(self.cfg, self.d, self.device)
+
+    def forward_module(self) -> torch.nn.Module:
+        """What DDP and compile wrap: the summed loss without full logits (`TrainLoss`), or the model."""
+        return TrainLoss(self.model) if self.fused else self.model
 
     def warn(self, msg: str) -> None:
         if self.d.main:
