@@ -6,8 +6,10 @@ strict and 64-bit, so `true` is never token id 1 and no value overflows the engi
 errors become 400s through FastAPI's validation (see `errors.py`); the rest is checked once, by
 `SamplingParams`. A field that would change what the answer means if it were ignored
 (`response_format`, `tools`, `best_of`, an image part, ...) is either implemented or refused with a
-400 naming it (`unsupported()`, `REFUSED`); other unknown fields are ignored, as OpenAI's clients send
-some that change nothing here (`IGNORED` lists the known ones; docs/serving.md too).
+400 naming it (`unsupported()`, `REFUSED`: `tools`, `tool_choice` and tool messages are implemented,
+see `serving_chat.py`; the legacy `functions` / `function_call` are refused); other unknown fields are
+ignored, as OpenAI's clients send some that change nothing here (`IGNORED` lists the known ones;
+docs/serving.md too).
 
 Responses are built as plain dicts in `app.py` rather than pydantic models: a streamed reply
 serializes one chunk per token per request, and `json.dumps` of a small dict is several times
@@ -19,9 +21,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import json
 import math
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictInt
 
 from lmforge.engine import SamplingParams
 
@@ -37,19 +40,18 @@ MAX_USER_LEN = 256  # an end-user id, not a document: it is stored with every lo
 # Fields that change what an answer means, refused with a 400 naming them until implemented
 # (field -> why). A value that asks for nothing (`tool_choice: "none"`, `modalities: ["text"]`) passes.
 REFUSED = {
-    "tools": "tool calling is not supported by this server yet",
-    "tool_choice": "tool calling is not supported by this server yet",
-    "functions": "function calling (legacy `functions`) is not supported; and `tools` is not supported yet",
-    "function_call": "function calling (legacy `function_call`) is not supported",
+    "functions": "function calling (legacy `functions`) is not supported; send `tools` instead",
+    "function_call": "function calling (legacy `function_call`) is not supported; send `tool_choice` instead",
     "best_of": "best_of (server-side selection among samples) is not supported; ask for n samples instead",
     "modalities": "only text output is supported (modalities: [\"text\"])",
     "audio": "audio output is not supported",
     "web_search_options": "web search is not supported",
 }
 # Known fields that change nothing about the answer here: accepted and ignored.
-IGNORED = ("store", "metadata", "service_tier", "parallel_tool_calls", "prediction", "reasoning_effort",
+IGNORED = ("store", "metadata", "service_tier", "prediction", "reasoning_effort",
            "verbosity", "prompt_cache_key", "safety_identifier", "stream_options.include_obfuscation")
-_NOTHING_ASKED = {"tool_choice": ("none",), "modalities": (["text"],), "parallel_tool_calls": (True, False)}
+_NOTHING_ASKED = {"modalities": (["text"],)}
+MAX_TOOLS = 128  # OpenAI's limit on `tools`
 
 
 def _not_bool(v):
@@ -199,6 +201,48 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object; None = no arguments
+    strict: bool | None = None  # forced calls (required / named) always follow `parameters`
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: call this function."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str  # JSON text of an object, as OpenAI returns it
+
+
+class MessageToolCall(BaseModel):
+    """An assistant message's earlier call, sent back with the conversation."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str = Field(max_length=200)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: str
@@ -210,6 +254,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = Field(None, max_length=200)  # tool: the call this message answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -218,10 +264,20 @@ class ChatMessage(BaseModel):
 
     def unsupported(self, where: str) -> tuple[str, str] | None:
         """(field path, why) of a part of this message the server cannot read, or None."""
-        extra = self.model_extra or {}
-        if self.role == "tool" or extra.get("tool_calls") or extra.get("function_call") or self.role == "function":
-            field_name = "tool_calls" if extra.get("tool_calls") else "role"
-            return f"{where}.{field_name}", "tool calls and tool results are not supported by this server yet"
+        if (self.model_extra or {}).get("function_call"):
+            return f"{where}.function_call", "legacy `function_call` messages are not supported; send `tool_calls`"
+        if self.tool_calls and self.role != "assistant":
+            return f"{where}.tool_calls", "only assistant messages carry tool_calls"
+        if self.role == "tool" and not self.tool_call_id:
+            return f"{where}.tool_call_id", "a tool message needs the `tool_call_id` of the call it answers"
+        for j, call in enumerate(self.tool_calls or ()):
+            try:
+                arguments = json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                return (f"{where}.tool_calls[{j}].function.arguments", "must be the JSON text of an object, "
+                        "as the server returned it")
         for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
             if part.type != "text":
                 return (f"{where}.content[{j}].type", f"content parts of type {part.type!r} are not supported "
@@ -238,6 +294,33 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    _tool_grammar: str | None = PrivateAttr(None)  # set by serving_chat when tool_choice forces a call
+
+    def force_tool_calls(self, grammar: str) -> None:
+        """Constrain the output to tool calls (a Lark grammar of the tool-call parser's format)."""
+        self._tool_grammar = grammar
+
+    def structured(self) -> dict | None:
+        asked = super().structured()
+        if self._tool_grammar is None:
+            return asked
+        if asked is not None:
+            raise ValueError(f"SamplingParams.tool_choice={_choice_name(self.tool_choice)!r}: a forced tool call "
+                             "and response_format / guided_* each constrain the output; send one of them")
+        return {"grammar": self._tool_grammar}
+
+    def resolved_tool_choice(self) -> str | NamedToolChoice:
+        """What the request asks of its tools: OpenAI's default is "auto" with tools and "none" without.
+        ValueError naming `tool_choice` when it asks for a tool that is not there."""
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        if choice != "none" and not self.tools:
+            raise ValueError(f"tool_choice={_choice_name(choice)!r} needs `tools`")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice: the function {choice.function.name!r} is not among `tools`")
+        return choice
 
     def resolved_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -251,6 +334,10 @@ class ChatCompletionRequest(_SamplingFields):
 
     def resolved_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def _choice_name(choice: str | NamedToolChoice) -> str:
+    return choice if isinstance(choice, str) else choice.function.name
 
 
 class FeedbackRequest(BaseModel):

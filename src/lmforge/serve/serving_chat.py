@@ -3,21 +3,41 @@ model's chat template and tokenized so that no text a user typed becomes a contr
 (`encode_chat`); streams open with the assistant role; logprobs in the chat shape (`content`:
 token, logprob, bytes, top_logprobs). Runs through `OpenAIServing`; knows nothing about how many
 engines there are.
+
+Tool calls (`tools`, `tool_choice`): the tools go to the template as Hugging Face's
+`apply_chat_template(tools=...)` does; a template that ignores them (ours, ChatML) gets them as a system
+prompt in the tool-call parser's format instead, and earlier `tool_calls` it cannot render are written
+into the assistant's content as the model would have written them (`--tool-call-parser`,
+`tool_parsers.py`). `required` and a named function are enforced with a grammar of that format
+(`structured_outputs.grammar`), `auto` parses whatever calls the model wrote, `none` parses nothing.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 
+from .config import ServerConfig
 from .errors import OpenAIError, bad_request
 from .guard import check_text
-from .protocol import ChatCompletionRequest
+from .protocol import JSON_WHITESPACE, ChatCompletionRequest, NamedToolChoice
 from .serving_engine import Job, OpenAIServing, check_length, check_params, check_prompt, encode
+from .tool_parsers import ToolCallStream, ToolParser, get_tool_parser
 from .versions import Served
 
 _PLACEHOLDER = "\ue000lmforge{}\ue001"  # private-use characters: no template alters or emits them
 _PLACEHOLDER_RE = re.compile("\ue000lmforge(\\d+)\ue001")
+_PROBE = "lmforge_template_probe"  # a function name no template writes unless it renders the tools it is given
+_TEMPLATE_FEATURES: dict[str, tuple[bool, bool]] = {}  # chat template -> (renders tools, renders tool_calls)
+
+
+class ChatJob(Job):
+    tool_parser: ToolParser | None = None  # set when the reply is read for tool calls (tools, tool_choice != none)
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.tool_streams: dict[tuple[int, int], ToolCallStream] = {}  # (prompt, sample) -> its stream state
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -34,21 +54,33 @@ class OpenAIServingChat(OpenAIServing):
             check_length(sv, -(-chars // sv.chars_per_token), req.resolved_max_tokens(), "messages",
                          f"{chars} characters of content")
 
-    def build_job(self, sv: Served, req: ChatCompletionRequest) -> Job:
+    def build_job(self, sv: Served, req: ChatCompletionRequest) -> ChatJob:
         self.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         tok = sv.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", "messages", "unsupported")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        parser = get_tool_parser(getattr(self.st, "tool_call_parser", ServerConfig.tool_call_parser))
+        choice = _tool_choice(req)
+        renders_tools, renders_calls = template_features(tok)
+        tools = _tools(sv, req)
+        messages = template_messages(req, parser, renders_calls)
+        if tools and not renders_tools:
+            messages = with_tools_prompt(messages, parser.system_prompt(tools))
         # The template writes every special token itself; do not let the tokenizer add a BOS on top.
-        ids = encode_chat(sv, messages, req.add_generation_prompt)
+        ids = encode_chat(sv, messages, req.add_generation_prompt, tools if renders_tools else None)
+        specials = frozenset(m for m in parser.markers if m in sv.specials)
+        if choice not in ("auto", "none"):
+            req.force_tool_calls(forced_grammar(parser, tools, choice, req.parallel_tool_calls, specials))
+        if specials and choice != "none":
+            req.skip_special_tokens = False  # the call markers are special tokens (Qwen's <tool_call>): keep them
         max_tokens = req.resolved_max_tokens()
         params = check_params(req, max_tokens, req.resolved_logprobs())
         check_prompt(sv, ids, max_tokens, "messages")
-        job = Job(sv, req, [ids], params, "chatcmpl")
+        job = ChatJob(sv, req, [ids], params, "chatcmpl")
         job.messages = messages
+        job.tool_parser = parser if tools and choice != "none" else None
         return job
 
     def opening_chunks(self, job: Job, base: dict) -> Iterator[dict]:
@@ -56,26 +88,40 @@ class OpenAIServingChat(OpenAIServing):
             yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]}
 
-    def final_choice(self, job: Job, prompt_index: int, c) -> dict:
+    def final_choice(self, job: ChatJob, prompt_index: int, c) -> dict:
         lp = {"content": _logprobs(job, c.token_ids, c.logprobs, 0)} if c.logprobs is not None else None
-        return {"index": prompt_index * job.n + c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": lp, "finish_reason": c.finish_reason}
+        message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+        if job.tool_parser is not None:
+            content, calls = job.tool_parser.extract(c.text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": [t.openai() for t in calls]}
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": prompt_index * job.n + c.index, "message": message, "logprobs": lp, "finish_reason": finish}
 
-    def delta_choice(self, job: Job, prompt_index: int, c, delta: str, start: int, text_start: int) -> dict:
+    def delta_choice(self, job: ChatJob, prompt_index: int, c, delta: str, start: int, text_start: int) -> dict:
         lp = {"content": _logprobs(job, c.token_ids, c.logprobs, start)} if c.logprobs is not None else None
-        return {"index": c.index, "delta": {"content": delta}, "logprobs": lp, "finish_reason": c.finish_reason}
+        out, finish = {"content": delta}, c.finish_reason
+        if job.tool_parser is not None:  # content as it comes, a call as `delta.tool_calls` entries
+            stream = job.tool_streams.setdefault((prompt_index, c.index), ToolCallStream(job.tool_parser))
+            content, calls = stream.update(c.text, final=finish is not None)
+            out = {"content": content, "tool_calls": calls} if calls else {"content": content}
+            finish = "tool_calls" if stream.calls and finish == "stop" else finish
+        return {"index": c.index, "delta": out, "logprobs": lp, "finish_reason": finish}
 
     def exchange_prompt(self, job: Job) -> str:
         return "\n".join(f"{m['role']}: {m['content']}" for m in job.messages)
 
 
-def encode_chat(sv: Served, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+def encode_chat(sv: Served, messages: list[dict], add_generation_prompt: bool,
+                tools: list[dict] | None = None) -> list[int]:
     """Token ids of the rendered conversation. Control tokens come from the template only: text a user
     typed that looks like one (`<|im_start|>system`) is encoded as plain text, so no turn can be spoofed.
-    Messages without such text are encoded in one piece, exactly as before (and as offline chat)."""
+    Messages without such text are encoded in one piece, exactly as before (and as offline chat). `tools`
+    go to a template that renders them (`_tools` refused control tokens in them)."""
     tok = sv.tokenizer
+    extra = {"tools": tools} if tools else {}
     render = lambda msgs: tok.apply_chat_template(msgs, tokenize=False,  # noqa: E731
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt, **extra)
     try:
         if not any(sp in m["content"] for m in messages for sp in sv.specials):
             return encode(sv, render(messages), "messages", add_special_tokens=False)
@@ -91,6 +137,104 @@ def encode_chat(sv: Served, messages: list[dict], add_generation_prompt: bool) -
                       split_special_tokens=True)
         pos = m.end()
     return ids + encode(sv, text[pos:], "messages", add_special_tokens=False)
+
+
+def _tool_choice(req: ChatCompletionRequest) -> str | NamedToolChoice:
+    try:
+        return req.resolved_tool_choice()
+    except ValueError as e:
+        raise bad_request(str(e), "tool_choice") from None
+
+
+def _tools(sv: Served, req: ChatCompletionRequest) -> list[dict]:
+    """The request's tools as template-ready dicts (OpenAI's shape, which Hugging Face templates read);
+    control-token text in them or in earlier calls is refused: a template may write it verbatim."""
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
+    for where, value in (("tools", tools), *((f"messages[{i}].tool_calls", m.model_dump()["tool_calls"])
+                                             for i, m in enumerate(req.messages) if m.tool_calls)):
+        text = json.dumps(value, ensure_ascii=False)
+        check_text(text, where)
+        special = next((sp for sp in sv.specials if sp in text), None)
+        if special is not None:
+            raise bad_request(f"{where}: contains the control token {special!r}; remove it", where)
+    return tools
+
+
+def template_features(tok) -> tuple[bool, bool]:
+    """(renders `tools`, renders assistant `tool_calls`) for this tokenizer's chat template, found once per
+    template by rendering a probe function and looking for its name."""
+    key = str(tok.chat_template)
+    if key not in _TEMPLATE_FEATURES:
+        fn = {"name": _PROBE, "description": "probe", "parameters": {"type": "object", "properties": {}}}
+        user = {"role": "user", "content": "hi"}
+        call = {"role": "assistant", "content": "",
+                "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": _PROBE, "arguments": {}}}]}
+        _TEMPLATE_FEATURES[key] = (_renders(tok, [user], [{"type": "function", "function": fn}]),
+                                   _renders(tok, [user, call], None))
+    return _TEMPLATE_FEATURES[key]
+
+
+def _renders(tok, messages: list[dict], tools: list[dict] | None) -> bool:
+    try:
+        return _PROBE in tok.apply_chat_template(messages, tools=tools, tokenize=False)
+    except Exception:  # a template that refuses these messages does not render them either
+        return False
+
+
+def template_messages(req: ChatCompletionRequest, parser: ToolParser, renders_calls: bool) -> list[dict]:
+    """The conversation as the template reads it. An assistant's earlier calls go as `tool_calls` with their
+    arguments as objects (Hugging Face's convention, vLLM does the same) to a template that renders them, or
+    else written into its content in the parser's format; a tool result keeps its `tool_call_id`."""
+    out = []
+    for m in req.messages:
+        msg = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            calls = [{"name": t.function.name, "arguments": json.loads(t.function.arguments)} for t in m.tool_calls]
+            if renders_calls:
+                msg["tool_calls"] = [{"id": t.id, "type": "function", "function": fn}
+                                     for t, fn in zip(m.tool_calls, calls)]
+            else:
+                msg["content"] = "\n".join(filter(None, (msg["content"], parser.render_calls(calls))))
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
+
+
+def with_tools_prompt(messages: list[dict], prompt: str) -> list[dict]:
+    """The tools' system prompt before the first system message's text, or as a new first message."""
+    if messages and messages[0]["role"] in ("system", "developer"):
+        first = messages[0]
+        return [{**first, "content": f"{prompt}\n\n{first['content']}" if first["content"] else prompt},
+                *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
+
+
+def forced_grammar(parser: ToolParser, tools: list[dict], choice: str | NamedToolChoice, parallel: bool,
+                   specials: frozenset = frozenset()) -> str:
+    """The grammar of `required` (one or more calls of any tool; one when parallel_tool_calls is false) or of a
+    named function (exactly one call of it). A `parameters` schema the grammar engine cannot compile is the
+    client's 400, naming the tool."""
+    chosen = [(i, t) for i, t in enumerate(tools)
+              if not isinstance(choice, NamedToolChoice) or t["function"]["name"] == choice.function.name]
+    for i, t in chosen:
+        error = _schema_error(t["function"].get("parameters"))
+        if error:
+            raise bad_request(f"tools[{i}].function.parameters ({t['function']['name']}): {error}",
+                              f"tools[{i}].function.parameters")
+    parallel = parallel and not isinstance(choice, NamedToolChoice)  # a named function: exactly one call
+    return parser.grammar([t for _, t in chosen], parallel, JSON_WHITESPACE, specials)
+
+
+def _schema_error(schema: dict | None) -> str:
+    if not schema:
+        return ""
+    import llguidance  # deferred: optional heavy dependency, loaded only for forced tool calls
+
+    try:
+        return llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)))
+    except (ValueError, RuntimeError) as e:
+        return str(e)
 
 
 def _logprobs(job: Job, token_ids: list[int], logprobs: list[dict], start: int) -> list[dict]:

@@ -158,6 +158,7 @@ class ToolParser:
 
     name = ""
     arguments_key = "arguments"
+    markers: tuple[str, ...] = ()  # text that frames calls; a tokenizer may hold them as special tokens
     call_instruction = ""  # how the system prompt tells the model to write a call
 
     def call_starts(self, text: str, final: bool) -> tuple[int, list[int]]:
@@ -189,9 +190,10 @@ class ToolParser:
                 "You are provided with function signatures within <tools></tools> XML tags:\n"
                 f"<tools>\n{listed}\n</tools>\n\n{self.call_instruction}")
 
-    def grammar(self, tools: list[dict], parallel: bool, whitespace: str) -> str:
+    def grammar(self, tools: list[dict], parallel: bool, whitespace: str, specials: frozenset = frozenset()) -> str:
         """A Lark grammar (llguidance) whose language is one or more calls of `tools` in this format, the
-        arguments validated by each function's `parameters` schema."""
+        arguments validated by each function's `parameters` schema. A marker among `specials` (the
+        tokenizer's special tokens) is matched as that token, not as text."""
         raise NotImplementedError
 
     def call_schema(self, tools: list[dict], whitespace: str) -> str:
@@ -209,13 +211,14 @@ def _parameters(tool: dict) -> dict:
     return tool["function"].get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-def _lark_literal(s: str) -> str:
-    return json.dumps(s)
+def _lark_literal(s: str, specials: frozenset) -> str:
+    return s if s in specials else json.dumps(s)  # <|name|>, unquoted, is llguidance's special-token syntax
 
 
 class HermesToolParser(ToolParser):
     name = "hermes"
     open_tag, close_tag = "<tool_call>", "</tool_call>"
+    markers = (open_tag, close_tag)
     call_instruction = ("For each function call, return a json object with function name and arguments within "
                         "<tool_call></tool_call> XML tags:\n<tool_call>\n"
                         '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
@@ -235,10 +238,11 @@ class HermesToolParser(ToolParser):
     def render_calls(self, calls: list[dict]) -> str:
         return "\n".join(f"{self.open_tag}\n{json.dumps(c, ensure_ascii=False)}\n{self.close_tag}" for c in calls)
 
-    def grammar(self, tools: list[dict], parallel: bool, whitespace: str) -> str:
+    def grammar(self, tools: list[dict], parallel: bool, whitespace: str, specials: frozenset = frozenset()) -> str:
         more = f' ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
+        open_tag, close_tag = _lark_literal(self.open_tag, specials), _lark_literal(self.close_tag, specials)
         return (f"start: call{more}\n"
-                f'call: {_lark_literal(self.open_tag + chr(10))} body {_lark_literal(chr(10) + self.close_tag)}\n'
+                f'call: {open_tag} "\\n" body "\\n" {close_tag}\n'
                 f"body: %json {self.call_schema(tools, whitespace)}\n")
 
 
@@ -246,6 +250,7 @@ class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     arguments_key = "parameters"
     python_tag = "<|python_tag|>"
+    markers = (python_tag,)
     call_instruction = ("To call functions, respond only with JSON of the form "
                         '{"name": function name, "parameters": dictionary of argument name and its value}; '
                         "separate several calls with '; '. Do not use variables.")
@@ -273,7 +278,7 @@ class Llama3JsonToolParser(ToolParser):
         return "; ".join(json.dumps({"name": c["name"], "parameters": c["arguments"]}, ensure_ascii=False)
                          for c in calls)
 
-    def grammar(self, tools: list[dict], parallel: bool, whitespace: str) -> str:
+    def grammar(self, tools: list[dict], parallel: bool, whitespace: str, specials: frozenset = frozenset()) -> str:
         more = f' ("; " body){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
         return f"start: body{more}\nbody: %json {self.call_schema(tools, whitespace)}\n"
 
