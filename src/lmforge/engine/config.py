@@ -28,8 +28,20 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (codes + a bf16 scale per token per head)
     quant_activations: str = "none"  # w8/w4 checkpoints on CPU: none (exact) | int8 (per-token int8, integer dots)
     tensor_parallel_size: int = 1  # processes (ranks) the model's layers are split over (engine/executor.py)
+    # speculative decoding (engine/spec_decode.py): a draft model, or ngram prompt lookup, proposes K tokens
+    speculative_model: str | None = None  # the draft model's directory (same tokenizer); implies method "draft"
+    num_speculative_tokens: int = 0  # K, tokens proposed per step; required (>= 1) with a method
+    speculative_method: str | None = None  # None (off, unless speculative_model) | ngram | draft
+    ngram_prompt_lookup_max: int = 4  # ngram: the longest suffix looked up in the sequence
+    ngram_prompt_lookup_min: int = 2  # ngram: the shortest
 
     def __post_init__(self) -> None:
+        if self.speculative_model is not None and self.speculative_method is None:
+            self.speculative_method = "draft"
+        self._check()
+        self._check_spec()
+
+    def _check(self) -> None:
         checks = [
             ("block_size", self.block_size >= 1, "must be >= 1"),
             ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1, "must be >= 1"),
@@ -43,6 +55,21 @@ class EngineConfig:
             ("quant_activations", self.quant_activations in ("none", "int8"), "must be 'none' or 'int8'"),
             ("tensor_parallel_size", isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
              "must be an integer >= 1"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r}: {why}")
+
+    def _check_spec(self) -> None:
+        m, k = self.speculative_method, self.num_speculative_tokens
+        checks = [
+            ("speculative_method", m in (None, "ngram", "draft"), "must be 'ngram' or 'draft' (or unset)"),
+            ("speculative_model", (m == "draft") == (self.speculative_model is not None),
+             "a draft model directory goes with speculative_method 'draft' and only with it"),
+            ("num_speculative_tokens", isinstance(k, int) and (k >= 1 if m else k >= 0),
+             "must be an integer >= 1 when speculative decoding is on"),
+            ("ngram_prompt_lookup_min", 1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max,
+             "must be >= 1 and <= ngram_prompt_lookup_max"),
         ]
         for name, ok, why in checks:
             if not ok:

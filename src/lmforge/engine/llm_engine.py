@@ -37,6 +37,7 @@ from .sampler import Sampler, SampleResult, make_generator
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence
+from .spec_decode import SpecDecoder
 from .structured import StructuredOutputManager
 
 CPU_KV_CACHE_BYTES = 2 * 1024**3  # default pool cap on CPU, where memory is shared with everything
@@ -109,9 +110,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(sorted(self.eos_token_ids))
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        self.spec = SpecDecoder(config, num_blocks, self.vocab_size, self.sampler, self.max_model_len) \
+            if config.speculative_method else None
         self.requests: dict[str, Request] = {}
         self.counters = dict(steps=0, tokens_processed=0, kv_util_sum=0.0)
-        self.timings = dict.fromkeys(("schedule", "sample", "postprocess", "detokenize"), 0.0)  # seconds
+        self.timings = dict.fromkeys(("propose", "schedule", "sample", "postprocess", "detokenize"), 0.0)  # seconds
         r = self.model_runner
         log.info("engine ready: %s, %s on %s; weights %.1f MiB (linear: %s); %d KV blocks of %d tokens "
                  "(%.1f MiB, %d B/token, %s, %d tokens); attention: %s; %d packed linears, %d fused modules",
@@ -213,6 +216,8 @@ class LLMEngine:
             if seq.detokenizer is not None and seq.detokenizer.lazy and not seq.is_finished:
                 seq.output_text += seq.detokenizer.catch_up()
             self.scheduler.finish(seq, "abort")
+            if self.spec is not None:
+                self.spec.release(seq)
         return self._output(req)
 
     def has_unfinished_requests(self) -> bool:
@@ -221,7 +226,11 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """schedule -> run -> sample -> postprocess; each phase adds its seconds to `timings`."""
+        """[propose ->] schedule -> run -> sample -> postprocess; each phase adds its seconds to `timings`."""
+        if self.spec is not None:
+            t0 = time.perf_counter()
+            self.spec.propose(self.scheduler.running)  # drafts for the decoding sequences, verified this step
+            self.timings["propose"] += time.perf_counter() - t0
         scheduled = self._schedule()
         if not scheduled:
             return self._idle()
@@ -237,22 +246,38 @@ class LLMEngine:
         return scheduled
 
     def _sample(self, scheduled: list[ScheduledSeq],
-                logits_SV: torch.Tensor) -> tuple[list[Sequence], list[SampleResult]]:
-        """The sequences that sample this step (their chunk reached its end), and their tokens."""
+                logits_SV: torch.Tensor) -> tuple[list[Sequence], list[list[SampleResult]]]:
+        """The sequences that sample this step (their chunk reached its end), and their new tokens: one
+        each, or for a verifying sequence its accepted drafts and the target's token."""
         t0 = time.perf_counter()
-        sampling = [s.seq for s in scheduled if s.samples]
-        banned_SV = self.structured.banned_tokens(sampling, logits_SV.device) if sampling else None
-        results = self.sampler(logits_SV, sampling, banned_SV) if sampling else []
+        sampling = [s for s in scheduled if s.samples]
+        verifying = [s for s in sampling if s.spec_token_ids]
+        plain = [s.seq for s in sampling if not s.spec_token_ids]
+        if verifying:  # split the rows: one per plain sequence, K+1 per verifying one
+            rows, spec_rows, r = [], [], 0
+            for s in sampling:
+                (spec_rows if s.spec_token_ids else rows).extend(range(r, r + 1 + len(s.spec_token_ids)))
+                r += 1 + len(s.spec_token_ids)
+            spec_SV, logits_SV = logits_SV[spec_rows], logits_SV[rows]
+        banned_SV = self.structured.banned_tokens(plain, logits_SV.device) if plain else None
+        results = iter(self.sampler(logits_SV, plain, banned_SV) if plain else [])
+        kept = iter(self.spec.verify([s.seq for s in verifying], [s.spec_token_ids for s in verifying], spec_SV)
+                    if verifying else [])
+        tokens = [[SampleResult(t, None, None) for t in next(kept)] if s.spec_token_ids else [next(results)]
+                  for s in sampling]
         self.timings["sample"] += time.perf_counter() - t0
-        return sampling, results
+        return [s.seq for s in sampling], tokens
 
     def _update(self, scheduled: list[ScheduledSeq], sampling: list[Sequence],
-                results: list[SampleResult]) -> list[RequestOutput]:
+                results: list[list[SampleResult]]) -> list[RequestOutput]:
         """Advance the scheduler, count the step, append the tokens, end requests, build the outputs."""
         t0 = time.perf_counter()
         self.scheduler.update(scheduled)
         self._count(scheduled)
         outputs = self._postprocess(sampling, results)
+        for s in scheduled:
+            if s.spec_token_ids:
+                self.scheduler.accept_spec(s.seq)
         self.timings["postprocess"] += time.perf_counter() - t0
         return outputs
 
@@ -261,8 +286,9 @@ class LLMEngine:
         forward, sample, detokenize, postprocess (block hashing, end conditions, outputs; without
         detokenize)."""
         t, r = self.timings, self.model_runner.timings
-        return {"schedule": t["schedule"], "prepare": r["prepare"], "forward": r["forward"], "sample": t["sample"],
-                "detokenize": t["detokenize"], "postprocess": t["postprocess"] - t["detokenize"]}
+        spec = {"propose": t["propose"]} if self.spec is not None else {}  # the drafting (ngram or draft model)
+        return {**spec, "schedule": t["schedule"], "prepare": r["prepare"], "forward": r["forward"],
+                "sample": t["sample"], "detokenize": t["detokenize"], "postprocess": t["postprocess"] - t["detokenize"]}
 
     def _idle(self) -> list[RequestOutput]:
         if self.requests:  # requests that can never fit are refused upfront, so this is a bug
@@ -270,27 +296,12 @@ class LLMEngine:
                                f"{list(self.scheduler.waiting)[:3]}")
         return []
 
-    def _postprocess(self, seqs: list[Sequence], results: list[SampleResult]) -> list[RequestOutput]:
+    def _postprocess(self, seqs: list[Sequence], results: list[list[SampleResult]]) -> list[RequestOutput]:
         now, touched = time.time(), {}
-        for seq, r in zip(seqs, results):
-            seq.append_token(r.token_id, now)
-            if seq.grammar is not None and not seq.grammar.accept(r.token_id):  # a bug: the mask allowed it
-                log.error("request %s: grammar refused sampled token %d: %s", seq.request_id, r.token_id,
-                          seq.grammar.error)
-            if r.logprob is not None:
-                seq.cumulative_logprob += r.logprob
-                seq.logprobs.append({r.token_id: r.logprob, **(r.top_logprobs or {})})
-            delta, hit_stop = "", False
-            if seq.detokenizer is not None:
-                t0 = time.perf_counter()
-                delta, hit_stop = seq.detokenizer.step([r.token_id])
-                self.timings["detokenize"] += time.perf_counter() - t0
-            seq.output_text += delta
-            reason = self._finish_reason(seq, r.token_id, hit_stop)
-            if reason is not None:
-                if seq.detokenizer and not hit_stop:
-                    seq.output_text += seq.detokenizer.flush()
-                self.scheduler.finish(seq, reason)
+        for seq, rs in zip(seqs, results):
+            for r in rs:  # a verification's tokens one by one: any of them may end the sequence
+                if self._append(seq, r, now):
+                    break
             touched[seq.request_id] = self.requests[seq.request_id]
         outputs = []
         for req in touched.values():
@@ -300,6 +311,30 @@ class LLMEngine:
             if done or req.output_kind != "final_only":
                 outputs.append(self._output(req))
         return outputs
+
+    def _append(self, seq: Sequence, r: SampleResult, now: float) -> bool:
+        """Append one token and apply the end conditions; True when it finished the sequence."""
+        seq.append_token(r.token_id, now)
+        if seq.grammar is not None and not seq.grammar.accept(r.token_id):  # a bug: the mask allowed it
+            log.error("request %s: grammar refused sampled token %d: %s", seq.request_id, r.token_id,
+                      seq.grammar.error)
+        if r.logprob is not None:
+            seq.cumulative_logprob += r.logprob
+            seq.logprobs.append({r.token_id: r.logprob, **(r.top_logprobs or {})})
+        delta, hit_stop = "", False
+        if seq.detokenizer is not None:
+            t0 = time.perf_counter()
+            delta, hit_stop = seq.detokenizer.step([r.token_id])
+            self.timings["detokenize"] += time.perf_counter() - t0
+        seq.output_text += delta
+        reason = self._finish_reason(seq, r.token_id, hit_stop)
+        if reason is not None:
+            if seq.detokenizer and not hit_stop:
+                seq.output_text += seq.detokenizer.flush()
+            self.scheduler.finish(seq, reason)
+            if self.spec is not None:
+                self.spec.release(seq)
+        return reason is not None
 
     def _finish_reason(self, seq: Sequence, token_id: int, hit_stop: bool) -> str | None:
         p = seq.sampling_params
@@ -366,7 +401,7 @@ class LLMEngine:
                     kv_util_sum=c["kv_util_sum"], tokens_processed=c["tokens_processed"],
                     running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                     num_requests_running=len({s.request_id for s in self.scheduler.running}),
-                    **self.memory_stats(),
+                    **self.memory_stats(), **(self.spec.stats() if self.spec is not None else {}),
                     num_requests_waiting=len({s.request_id for s in self.scheduler.waiting}
                                              - {s.request_id for s in self.scheduler.running}))
 

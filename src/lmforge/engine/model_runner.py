@@ -159,7 +159,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """float32 (float64 in exactness mode) logits (S, V), one row per sampling sequence, in `scheduled` order.
+        """float32 (float64 in exactness mode) logits (S, V), one row per sampling sequence (1 + its drafts' rows
+        for a verifying one), in `scheduled` order.
         Adds its seconds to `timings` (on CUDA, `forward` is launch time: the sampler's copy waits for the rest)."""
         t0 = time.perf_counter()
         inputs = self.prepare(scheduled)
@@ -173,13 +174,13 @@ class ModelRunner:
     def prepare(scheduled: list[ScheduledSeq]) -> StepInputs:
         """The step as plain ints: what every tensor-parallel rank needs to run the same forward."""
         input_ids, positions, last_rows, start = [], [], [], 0
-        for s in scheduled:
-            c, n = s.seq.num_computed_tokens, s.num_new_tokens
-            input_ids += s.seq.token_ids[c:c + n]
+        for s in scheduled:  # a verifying sequence: its last token, then its drafts, all K+1 rows sampled
+            c, n, k = s.seq.num_computed_tokens, s.num_new_tokens, len(s.spec_token_ids)
+            input_ids += s.seq.token_ids[c:c + n - k] + s.spec_token_ids
             positions += range(c, c + n)
             start += n
             if s.samples:
-                last_rows.append(start - 1)
+                last_rows += range(start - 1 - k, start)
         return StepInputs(input_ids, positions, last_rows, [s.seq.block_table for s in scheduled],
                           [s.seq.num_computed_tokens for s in scheduled], [s.num_new_tokens for s in scheduled])
 

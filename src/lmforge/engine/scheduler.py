@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
@@ -23,11 +23,12 @@ from .sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # tokens whose K/V this step computes, from seq.num_computed_tokens on
+    num_new_tokens: int  # tokens whose K/V this step computes, from seq.num_computed_tokens on (drafts included)
+    spec_token_ids: list[int] = field(default_factory=list)  # speculative decoding: the drafts verified this step
 
     @property
     def samples(self) -> bool:  # the chunk reaches the last token: its logits give the next token
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == self.seq.num_tokens
 
 
 class Scheduler:
@@ -50,14 +51,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            spec = self._spec_tokens(seq, n, budget)
             while bm.blocks_needed(seq, n) > bm.num_free_blocks and seq.status == SequenceStatus.RUNNING:
                 self._preempt(self.running.pop())  # the newest; maybe seq itself
                 preempted = True
             if seq.status != SequenceStatus.RUNNING:
                 break
-            bm.allocate(seq, n)
-            scheduled.append(ScheduledSeq(seq, n))
-            budget -= n
+            bm.allocate(seq, n + len(spec))
+            scheduled.append(ScheduledSeq(seq, n + len(spec), spec))
+            budget -= n + len(spec)
             i += 1
         # vLLM's rule: no admissions in a step that had to preempt (memory is tight)
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
@@ -80,6 +82,15 @@ class Scheduler:
             budget -= n
         return scheduled
 
+    def _spec_tokens(self, seq: Sequence, n: int, budget: int) -> list[int]:
+        """The drafts a decoding sequence verifies this step: what the budget and the free blocks allow
+        (never a preemption for a draft); dropped from `seq` otherwise."""
+        spec = seq.spec_token_ids[:budget - n] if n == seq.num_tokens - seq.num_computed_tokens == 1 else []
+        while spec and self.block_manager.blocks_needed(seq, n + len(spec)) > self.block_manager.num_free_blocks:
+            spec = spec[:-1]
+        seq.spec_token_ids = spec
+        return spec
+
     def _prompt_cached(self, seq: Sequence) -> bool:
         if not self.block_manager.enable_prefix_caching:
             return True
@@ -88,6 +99,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_seq(seq)
+        seq.spec_token_ids, seq.spec_probs = [], []
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -96,9 +108,16 @@ class Scheduler:
 
     def update(self, scheduled: list[ScheduledSeq]) -> None:
         """After the forward: the scheduled tokens' K/V are in the pool; hash blocks that filled."""
-        for s in scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+        for s in scheduled:  # drafts' K/V count once the engine has accepted them (`accept_spec`)
+            s.seq.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)
             self.block_manager.cache_full_blocks(s.seq)
+
+    def accept_spec(self, seq: Sequence) -> None:
+        """After a verification appended the accepted drafts and the target's token: every token but
+        that last one has its K/V in the pool (a rejected draft's slot is overwritten later)."""
+        if not seq.is_finished:
+            seq.num_computed_tokens = seq.num_tokens - 1
+            self.block_manager.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` (any status) and free its blocks at once."""

@@ -43,6 +43,9 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop token id or stop string that matched
         self.detokenizer = None  # set by the engine when the model has a tokenizer
         self.grammar = None  # structured outputs: this sample's matcher (engine/structured.py), advanced per token
+        self.spec_token_ids: list[int] = []  # speculative decoding: this step's proposals (engine/spec_decode.py)
+        self.spec_probs: list[torch.Tensor] = []  # their draft probabilities q (V,), for sampled rows of a draft model
+        self.draft_view = None  # the draft model's view of this sequence (spec_decode.DraftView)
         self.output_text = ""  # text emitted so far (stop-string hold-back excluded)
         self.wait_for: Sequence | None = None  # n > 1: sample 0, whose prompt blocks we reuse
         self.arrival_time = time.time() if arrival_time is None else arrival_time

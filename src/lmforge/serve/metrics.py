@@ -4,7 +4,9 @@ Two sources, both read outside the engine's step loop:
 
 * the engine's cumulative statistics (`AsyncLLMEngine.stats()`), read at scrape time by
   `EngineCollector`: running/waiting gauges, KV-cache usage (fraction of blocks in use, 0..1 as
-  vLLM's `kv_cache_usage_perc`), preemptions and prefix-cache queries/hits (in tokens);
+  vLLM's `kv_cache_usage_perc`), preemptions and prefix-cache queries/hits (in tokens), and with
+  speculative decoding vLLM's `spec_decode_num_drafts` / `_num_draft_tokens` / `_num_accepted_tokens`
+  / `_num_accepted_tokens_per_pos` (label `position`) counters;
 * each request's `RequestOutput`, observed by the HTTP layer when the request ends: token
   counters, finish reasons and the latency histograms, from the timestamps the engine recorded
   (arrival, first scheduled, first token, each token, finished).
@@ -78,6 +80,26 @@ class EngineCollector:
             for version, s in per_version.items():
                 f.add_metric([self.model_name, version], value(s))
             yield f
+        yield from self._spec_decode(per_version)
+
+    def _spec_decode(self, per_version: dict[str, dict]):
+        """vLLM's speculative-decoding counters, for the versions whose engine speculates (as vLLM: only then)."""
+        spec = {v: s for v, s in per_version.items() if "spec_decode_num_drafts" in s}
+        if not spec:
+            return
+        for key, doc in (("num_drafts", "Number of spec decoding drafts."),
+                         ("num_draft_tokens", "Number of draft tokens."),
+                         ("num_accepted_tokens", "Number of accepted tokens.")):
+            f = CounterMetricFamily(f"vllm:spec_decode_{key}", doc, labels=["model_name", "model_version"])
+            for version, s in spec.items():
+                f.add_metric([self.model_name, version], s[f"spec_decode_{key}"])
+            yield f
+        f = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                                labels=["model_name", "model_version", "position"])
+        for version, s in spec.items():
+            for pos, n in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
+                f.add_metric([self.model_name, version, str(pos)], n)
+        yield f
 
 
 class ExchangeLogCollector:
