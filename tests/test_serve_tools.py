@@ -289,3 +289,26 @@ def test_scanner_reads_partial_objects():
     assert end is None and keys["name"] == (9, 12) and keys["arguments"][1] is None
     keys, end = scan_object(text + "]}}", 0)
     assert end == len(text) + 3 and text[keys["arguments"][0]:] + "]}" == '{"a": "}", "b": [1]}'
+
+
+# A Hermes/Qwen2.5-style template that renders `tools` and `tool_calls` itself (abridged)
+NATIVE_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n"
+    "</tools><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- for tc in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ tc.function.name }}\", \"arguments\": "
+    "{{ tc.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_renders_tools_gets_them_natively(chat_model_dir):
+    tok = load_tokenizer(chat_model_dir)
+    tok.chat_template = NATIVE_TEMPLATE
+    assert template_features(tok) == (True, True)
+    req = ChatCompletionRequest(messages=[*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}], tools=TOOLS)
+    text = tok.apply_chat_template(template_messages(req, get_tool_parser("hermes"), True), tools=TOOLS,
+                                   tokenize=False, add_generation_prompt=True)
+    assert text.count('"name": "get_weather"') == 1 and "# Tools" in text  # the template's own tools prompt
+    assert '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>' in text  # not re-quoted
