@@ -81,6 +81,12 @@ MaxEngineRestartsOpt = Annotated[int, typer.Option(
     help="Restart a dead engine this many times; then exit 3 so a supervisor learns.")]
 ToolCallParserOpt = Annotated[str, typer.Option(
     help=f"How the model writes tool calls, as vLLM's flag: {' | '.join(TOOL_PARSERS)} (docs/serving.md).")]
+SpeculativeModelOpt = Annotated[Optional[str], typer.Option(
+    help="Speculative decoding with this draft model (same tokenizer, smaller), as vLLM's flag (docs/engine.md).")]
+NumSpeculativeTokensOpt = Annotated[int, typer.Option(
+    help="Tokens proposed per step and verified in one forward; needed with --speculative-model or -method.")]
+SpeculativeMethodOpt = Annotated[Optional[str], typer.Option(
+    help="ngram (prompt lookup: no draft model) | draft (the default with --speculative-model).")]
 
 
 def serve(
@@ -120,6 +126,8 @@ def serve(
     admin_rate: AdminRateOpt = ServerLimits.admin_requests_per_minute,
     max_engine_restarts: MaxEngineRestartsOpt = ServerLimits.max_engine_restarts,
     tool_call_parser: ToolCallParserOpt = ServerConfig.tool_call_parser,
+    speculative_model: SpeculativeModelOpt = None, speculative_method: SpeculativeMethodOpt = None,
+    num_speculative_tokens: NumSpeculativeTokensOpt = 0,
 ) -> None:
     """Serve MODEL_DIR over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
     with /health, /metrics (Prometheus, vLLM's names) and /version."""
@@ -128,7 +136,8 @@ def serve(
                             num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
                             kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-                            tensor_parallel_size=tensor_parallel_size)
+                            tensor_parallel_size=tensor_parallel_size, num_speculative_tokens=num_speculative_tokens,
+                            speculative_model=speculative_model, speculative_method=speculative_method)
     limits = _server_limits(max_waiting=max_waiting, max_body_bytes=max_body_bytes, read_timeout_s=read_timeout,
                             body_timeout_s=body_timeout, header_timeout_s=header_timeout,
                             keep_alive_timeout_s=keep_alive_timeout, max_connections=max_connections,
