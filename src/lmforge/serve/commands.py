@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import signal
@@ -87,6 +88,10 @@ NumSpeculativeTokensOpt = Annotated[int, typer.Option(
     help="Tokens proposed per step and verified in one forward; needed with --speculative-model or -method.")]
 SpeculativeMethodOpt = Annotated[Optional[str], typer.Option(
     help="ngram (prompt lookup: no draft model) | draft (the default with --speculative-model).")]
+ReplicasOpt = Annotated[int, typer.Option(min=1, help=(
+    "Engine replicas on Ray actors behind this one endpoint, routed by prompt prefix (docs/scale.md)."))]
+RayAddressOpt = Annotated[Optional[str], typer.Option(
+    help="Ray cluster for the replicas (auto, HOST:6379, ray://HOST:10001) [default: a local cluster].")]
 
 
 def serve(
@@ -127,10 +132,9 @@ def serve(
     max_engine_restarts: MaxEngineRestartsOpt = ServerLimits.max_engine_restarts,
     tool_call_parser: ToolCallParserOpt = ServerConfig.tool_call_parser,
     speculative_model: SpeculativeModelOpt = None, speculative_method: SpeculativeMethodOpt = None,
-    num_speculative_tokens: NumSpeculativeTokensOpt = 0,
+    num_speculative_tokens: NumSpeculativeTokensOpt = 0, replicas: ReplicasOpt = 1, ray_address: RayAddressOpt = None,
 ) -> None:
-    """Serve MODEL_DIR over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
-    with /health, /metrics (Prometheus, vLLM's names) and /version."""
+    """Serve MODEL_DIR over the OpenAI API (/v1/*), with /health, /metrics (vLLM's names) and /version."""
     model_dir = _model_dir(model_dir, registry, model, canary)
     config = _engine_config(model=str(model_dir), dtype=dtype, device=device, block_size=block_size, seed=seed,
                             num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
@@ -148,7 +152,8 @@ def serve(
     server = _server_config(served_model_name or model or model_dir.name, (api_key, admin_api_key), limits,
                             log_requests, feedback_db, registry is not None, tool_call_parser)
     raise typer.Exit(run_server(config, server, ListenConfig(host, port, shutdown_timeout, log_level), engine_process,
-                                registry=(registry, model) if registry else None, canary=canary))
+                                registry=(registry, model) if registry else None, canary=canary,
+                                replicas=(replicas, ray_address)))
 
 
 def _model_dir(model_dir: Path | None, registry: Path | None, model: str | None, canary: float) -> Path:
@@ -290,20 +295,29 @@ ABORT_GRACE_S = 5.0  # after aborting what still runs, the time streams get to s
 
 
 def run_server(config: EngineConfig, server: ServerConfig, listen: ListenConfig, engine_process: bool = True,
-               registry: tuple[Path, str] | None = None, canary: float = 0.0) -> int:
+               registry: tuple[Path, str] | None = None, canary: float = 0.0,
+               replicas: tuple[int, str | None] = (1, None)) -> int:
     """Block serving until SIGTERM/SIGINT (see the exit codes above). `config` is every engine's (a
     registry version's differs only in its model folder); with `registry=(path, name)` the champion
     and challenger come from there, the challenger taking `canary` percent of requests.
 
     Shutdown: uvicorn stops accepting first, then in-flight requests get `listen.shutdown_timeout`
     seconds to finish; whatever still runs then is aborted in the engine, so every stream still ends
-    with `finish_reason: "abort"` and `[DONE]` (not a cut connection), within `ABORT_GRACE_S` more."""
+    with `finish_reason: "abort"` and `[DONE]` (not a cut connection), within `ABORT_GRACE_S` more.
+    `replicas=(N, address)` with N > 1 or an address: each engine is N replicas on Ray actors
+    (`replicas.RayReplicaEngine`, each its own process, so `engine_process` does not apply)."""
     from lmforge.engine import AsyncLLMEngine, ProcessAsyncLLMEngine  # deferred: torch, only when serving
 
     from .app import build_app  # deferred: fastapi and the engine, only when serving
 
     logging.basicConfig(level=listen.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    loader = _engine_loader(config, ProcessAsyncLLMEngine if engine_process else AsyncLLMEngine)
+    engine_cls = ProcessAsyncLLMEngine if engine_process else AsyncLLMEngine
+    if replicas[0] > 1 or replicas[1] is not None:
+        from .replicas import RayReplicaEngine  # deferred: torch and (inside) Ray, only for --replicas
+
+        engine_cls = functools.partial(RayReplicaEngine, replicas=replicas[0], address=replicas[1],
+                                       max_restarts=server.limits.max_engine_restarts)
+    loader = _engine_loader(config, engine_cls)
     if registry is not None:
         server = dataclasses.replace(server, versions=_registry_versions_config(*registry, canary, loader))
     fastapi_app = build_app(loader(config.model), server)
