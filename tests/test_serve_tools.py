@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import jsonschema
 import openai
@@ -312,3 +314,25 @@ def test_a_template_that_renders_tools_gets_them_natively(chat_model_dir):
                                    tokenize=False, add_generation_prompt=True)
     assert text.count('"name": "get_weather"') == 1 and "# Tools" in text  # the template's own tools prompt
     assert '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>' in text  # not re-quoted
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_the_model_wrote(client):
+    one = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    regex = (one + "\n" + one.replace("UTC", "CET")).replace("{", "\\{").replace("}", "\\}")
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=200, extra_body={"guided_regex": regex})
+    both = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    assert [json.loads(c.function.arguments)["zone"] for c in both] == ["UTC", "CET"]
+    first = client.chat.completions.create(**kw, parallel_tool_calls=False).choices[0].message.tool_calls
+    with client.chat.completions.stream(**kw, parallel_tool_calls=False) as s:
+        streamed = s.get_final_completion().choices[0].message.tool_calls
+    assert [json.loads(c.function.arguments)["zone"] for c in first] == ["UTC"]
+    assert [json.loads(c.function.arguments)["zone"] for c in streamed] == ["UTC"]
+
+
+def test_the_tool_call_parser_flag_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="tool_call_parser='xml'"):
+        ServerConfig(MODEL, tool_call_parser="xml")
+    (tmp_path / "config.json").write_text("{}")
+    r = subprocess.run([sys.executable, "-m", "lmforge.cli", "serve", str(tmp_path), "--tool-call-parser", "xml"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--tool-call-parser xml: one of hermes, llama3_json" in r.stderr

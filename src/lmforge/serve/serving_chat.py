@@ -34,6 +34,7 @@ _TEMPLATE_FEATURES: dict[str, tuple[bool, bool]] = {}  # chat template -> (rende
 
 class ChatJob(Job):
     tool_parser: ToolParser | None = None  # set when the reply is read for tool calls (tools, tool_choice != none)
+    max_calls: int | None = None  # 1 with parallel_tool_calls=false: later calls the model wrote are dropped
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -81,6 +82,7 @@ class OpenAIServingChat(OpenAIServing):
         job = ChatJob(sv, req, [ids], params, "chatcmpl")
         job.messages = messages
         job.tool_parser = parser if tools and choice != "none" else None
+        job.max_calls = None if req.parallel_tool_calls else 1
         return job
 
     def opening_chunks(self, job: Job, base: dict) -> Iterator[dict]:
@@ -94,6 +96,7 @@ class OpenAIServingChat(OpenAIServing):
         if job.tool_parser is not None:
             content, calls = job.tool_parser.extract(c.text)
             if calls:
+                calls = calls[:job.max_calls]
                 message = {"role": "assistant", "content": content, "tool_calls": [t.openai() for t in calls]}
                 finish = "tool_calls" if finish == "stop" else finish
         return {"index": prompt_index * job.n + c.index, "message": message, "logprobs": lp, "finish_reason": finish}
@@ -102,7 +105,8 @@ class OpenAIServingChat(OpenAIServing):
         lp = {"content": _logprobs(job, c.token_ids, c.logprobs, start)} if c.logprobs is not None else None
         out, finish = {"content": delta}, c.finish_reason
         if job.tool_parser is not None:  # content as it comes, a call as `delta.tool_calls` entries
-            stream = job.tool_streams.setdefault((prompt_index, c.index), ToolCallStream(job.tool_parser))
+            stream = job.tool_streams.setdefault((prompt_index, c.index),
+                                                 ToolCallStream(job.tool_parser, job.max_calls))
             content, calls = stream.update(c.text, final=finish is not None)
             out = {"content": content, "tool_calls": calls} if calls else {"content": content}
             finish = "tool_calls" if stream.calls and finish == "stop" else finish

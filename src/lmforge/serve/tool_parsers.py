@@ -308,8 +308,8 @@ class ToolCallStream:
     index, id, type and `function.name` (once the name is complete), then `function.arguments` fragments,
     exactly the argument text the model wrote."""
 
-    def __init__(self, parser: ToolParser):
-        self.parser = parser
+    def __init__(self, parser: ToolParser, max_calls: int | None = None):
+        self.parser, self.max_calls = parser, max_calls  # calls past max_calls (None: no limit) are not sent
         self.sent_content = 0
         self.calls: list[dict] = []  # per call sent: {"id", "sent": characters of arguments sent}
 
@@ -320,7 +320,7 @@ class ToolCallStream:
         content = text[self.sent_content:content_end] if content_end > self.sent_content else ""
         self.sent_content = max(self.sent_content, content_end)
         deltas = []
-        for index, start in enumerate(starts):
+        for index, start in enumerate(starts[:self.max_calls]):
             delta = self._call_delta(text, index, start)
             if delta is None:
                 break  # a call's header goes out before any later call's
