@@ -909,12 +909,13 @@ A8_YMM_BODY(avxvnni, "avx2,fma,avxvnni", return _mm256_dpbusd_avx_epi32(acc, a, 
 __attribute__((target(T512), always_inline)) static inline __m512i a8_codes512(const void *w, const int bits, int64_t k,
                                                                                 __mmask64 live) {
     if (bits == 8) return _mm512_maskz_loadu_epi8(live, (const int8_t *)w + k);
-    const __mmask32 half = live == A8_ALL ? 0xFFFFFFFFu : 0xFFFFu;  /* a half step: one block, 16 bytes */
-    const __m256i y = _mm256_maskz_loadu_epi8(half, (const uint8_t *)w + k / 2), f = _mm256_set1_epi8(0x0F);
-    const __m256i lo = _mm256_and_si256(y, f), hi = _mm256_and_si256(_mm256_srli_epi16(y, 4), f);
-    __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  /* (b0 even, b1 even, b0 odd, b1 odd) */
-    z = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));           /* (b0 even, b0 odd, b1 even, b1 odd) */
-    return _mm512_maskz_sub_epi8(live, z, _mm512_set1_epi8(8));        /* dead lanes: code 0 */
+    const uint8_t *b = (const uint8_t *)w + k / 2;  /* 32 bytes: blocks b0 and b1, 16 each (a half step: b0) */
+    const __m512i y = _mm512_broadcast_i64x4(live == A8_ALL ? _mm256_loadu_si256((const __m256i *)b)
+                                                           : _mm256_maskz_loadu_epi8(0xFFFFu, b));
+    /* the upper copy shifted: (low nibbles, high nibbles) = (b0 even, b1 even, b0 odd, b1 odd) in 128-bit lanes */
+    const __m512i z = _mm512_and_si512(_mm512_mask_srli_epi16(y, 0xFFFF0000u, y, 4), _mm512_set1_epi8(0x0F));
+    const __m512i p = _mm512_permutexvar_epi64(_mm512_set_epi64(7, 6, 3, 2, 5, 4, 1, 0), z);  /* b0 even, b0 odd, ... */
+    return _mm512_maskz_sub_epi8(live, p, _mm512_set1_epi8(8));  /* dead lanes: code 0 */
 }
 
 __attribute__((target(T512), always_inline)) static inline void a8_groups512(
