@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import random
 
+import httpx
+import openai
 import pytest
 import torch
 
 from hf_models import save_hf_model
-from lmforge.engine import EngineConfig, LLMEngine, SamplingParams
+from lmforge.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from lmforge.engine.spec_decode import NgramProposer, greedy_accept, rejection_sample
+from lmforge.serve.app import build_app
+from lmforge.serve.config import ServerConfig
 from lmforge.serve.metrics import EngineCollector
+from lmforge.serve.testing import ServerThread
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -160,14 +165,14 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 @pytest.mark.parametrize("draft", ["model", "ngram"])
 def test_rejection_sampling_keeps_the_target_distribution(draft):
     """V = 5, K = 2, a context-free target (row i = p_i whatever came before): the first two emitted
-    tokens must be distributed as p_0 x p_1 whatever the draft proposes. 24 cells, 20,000 draws; the
+    tokens must be distributed as p_0 x p_1 whatever the draft proposes. 24 cells, 12,000 draws; the
     chi-square 0.999 quantile at 23 degrees of freedom is 49.7 (a wrong rule, e.g. always accepting,
     scores in the thousands). The acceptance rate of the first draft must be sum(min(p, q))."""
     gen = torch.Generator().manual_seed(0)
     p_KV = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05], [0.1, 0.0, 0.3, 0.4, 0.2], [0.2, 0.2, 0.2, 0.2, 0.2]],
                         dtype=torch.float64)
     q_KV = torch.tensor([[0.1, 0.6, 0.1, 0.1, 0.1], [0.25, 0.25, 0.25, 0.0, 0.25]], dtype=torch.float64)
-    counts, accepted, N = torch.zeros(5, 5, dtype=torch.float64), 0, 20_000
+    counts, accepted, N = torch.zeros(5, 5, dtype=torch.float64), 0, 12_000
     for _ in range(N):
         if draft == "model":
             d = [int(torch.multinomial(q_KV[i], 1, generator=gen)) for i in range(2)]
@@ -186,15 +191,22 @@ def test_rejection_sampling_keeps_the_target_distribution(draft):
     assert abs(accepted / N - expected_rate) < 4 * (expected_rate * (1 - expected_rate) / N) ** 0.5
 
 
-def test_sampled_requests_speculate_and_stay_seeded(target):
-    """Sampled rows speculate too (drafts counted); a seeded request gives the same tokens on a rerun."""
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sampled_requests_speculate_and_stay_seeded(target, method):
+    """Sampled rows speculate too (drafts counted); a seeded request gives the same tokens on a rerun. A
+    draft equal to the target has q = p, so min(1, p/q) accepts (almost: the two forwards round apart)
+    every draft."""
     requests = [(p, SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=3, ignore_eos=True))
                 for p in _prompts()[:3]]
-    cfg = dict(num_kv_blocks=200, speculative_method="ngram", num_speculative_tokens=4, ngram_prompt_lookup_min=1)
+    spec = dict(speculative_method="ngram", ngram_prompt_lookup_min=1) if method == "ngram" else dict(
+        speculative_model=str(target))
+    cfg = dict(num_kv_blocks=200, num_speculative_tokens=4, **spec)
     a, stats = _run(target, requests, **cfg)
     b, _ = _run(target, requests, **cfg)
     assert a == b and stats["spec_decode_num_drafts"] > 0
     assert all(len(s[0]) == 20 for s in a)
+    if method == "draft":
+        assert stats["spec_decode_acceptance_rate"] > 0.9
 
 
 @pytest.mark.parametrize("cfg, field", [
@@ -230,3 +242,26 @@ def test_metrics_export_vllm_spec_decode_names():
     for k in [k for k in plain if k.startswith("spec_decode")]:
         del plain[k]
     assert not any("spec_decode" in f.name for f in EngineCollector(lambda: {"v1": plain}, "m").collect())
+
+
+def test_openai_client_greedy_is_identical_with_speculation_on_and_off(chat_model_dir):
+    """Through the `openai` client: the same greedy completions (plain and streamed) from a server that
+    speculates (ngram, K = 4) and one that does not; /metrics carries vLLM's spec_decode counters."""
+    prompts = ["the cat sat on the mat. the cat sat on the mat. the cat", "def f(x):\n    return x\ndef f(x):\n"]
+    texts = []
+    for spec in ({}, dict(speculative_method="ngram", num_speculative_tokens=4)):
+        engine = AsyncLLMEngine(EngineConfig(model=str(chat_model_dir), dtype="float32", max_model_len=256, **spec))
+        try:
+            with ServerThread(build_app(engine, ServerConfig("tiny"))) as srv:
+                client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+                got = [client.completions.create(model="tiny", prompt=p, max_tokens=24, temperature=0).choices[0].text
+                       for p in prompts]
+                stream = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=24, temperature=0,
+                                                   stream=True)
+                got.append("".join(c.choices[0].text for c in stream))
+                metrics = httpx.get(srv.url + "/metrics").text
+        finally:
+            engine.shutdown()
+        texts.append(got)
+        assert ("vllm:spec_decode_num_drafts_total" in metrics) == bool(spec)
+    assert texts[0] == texts[1] and texts[1][0] == texts[1][2]
