@@ -109,6 +109,24 @@ def bench_data_cmd(
     run_bench(inputs=tuple(inputs or ["python-docs"]), workers=tuple(workers), repeats=repeats, out_dir=out)
 
 
+@app.command("scale")
+def bench_scale_cmd(
+    model: Annotated[Optional[Path], typer.Option(help="Model to serve (default: a random tiny Llama).")] = None,
+    workers: Annotated[list[int], typer.Option("--workers", help="Workers / replicas to compare; repeat.")] = [1, 2],
+    num_prompts: Annotated[int, typer.Option(help="Requests per serve run.")] = 32,
+    output_len: Annotated[int, typer.Option(help="Output tokens per request.")] = 32,
+    concurrency: Annotated[int, typer.Option(help="Requests in flight at most.")] = 8,
+    replicas_per_node: Annotated[int, typer.Option(help="For the 8-node estimate.")] = 1,
+    skip_data: Annotated[bool, typer.Option(help="Only the serve half.")] = False,
+    out: Annotated[Path, typer.Option(help="Folder for bench_scale.json and .md.")] = Path("runs/bench-scale"),
+) -> None:
+    """data prepare MB/s and serve tok/s, local vs Ray at 1 and N workers/replicas, and 8 nodes on paper."""
+    from lmforge.bench.scale import run_scale  # deferred: data.prepare, the server and Ray load only for this verb
+
+    run_scale(model, workers=tuple(workers), num_prompts=num_prompts, output_len=output_len, concurrency=concurrency,
+              replicas_per_node=replicas_per_node, skip_data=skip_data, out=out)
+
+
 app.command("engine")(bench_engine.bench_engine)
 app.command("linear")(bench_linear.main)
 
