@@ -188,8 +188,9 @@ def quant_markdown(q: dict, prov: dict) -> list[str]:
              f"Kernels: {q['kernels_status'][:60]}", "",
              "| weights | in → out | kernel | batch | best µs (median) | weight GB/s | % of triad | GFLOP/s |",
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-    lines += [f"| {r['weights']} | {r['in']} → {r['out']} | {r['kernel']} | {r['batch']} | {r['us']} ({r['median_us']}) | "
-              f"{r['weight_gbs']} | {100 * (r['of_triad'] or 0):.0f}% | {r['gflops']} |" for r in q["rows"]]
+    lines += [f"| {r['weights']} | {r['in']} → {r['out']} | {r['kernel']} | {r['batch']} | "
+              f"{r['us']} ({r['median_us']}) | {r['weight_gbs']} | {100 * (r['of_triad'] or 0):.0f}% | {r['gflops']} |"
+              for r in q["rows"]]
     return lines + [""]
 
 

@@ -190,12 +190,12 @@ class QmmLinear(nn.Module):
     def forward_a8(self, x_MK: torch.Tensor, a8=None) -> torch.Tensor:
         """(M, N) float32 from (M, K) float32 or bfloat16 rows, int8 activations (M <= A8_MAX_ROWS);
         `a8` another body's kernel than the layer's (the benchmark compares them on one weight)."""
-        M = x_MK.shape[0]
+        M, a8 = x_MK.shape[0], a8 or self.a8
         out_MN = torch.empty(M, self.N)
-        rc = (a8 or self.a8)(x_MK.data_ptr(), int(x_MK.dtype == torch.float32), self.codes.data_ptr(), self.scale.data_ptr(),
-                     out_MN.data_ptr(), M, self.N, self.K, self.bits, self.gs, self.threads)
+        rc = a8(x_MK.data_ptr(), int(x_MK.dtype == torch.float32), self.codes.data_ptr(), self.scale.data_ptr(),
+                out_MN.data_ptr(), M, self.N, self.K, self.bits, self.gs, self.threads)
         if rc != 0:
-            raise RuntimeError(f"lmf_qmm_a8 ({(a8 or self.a8).isa}) refused {self.N}x{self.K} int{self.bits} group {self.gs}")
+            raise RuntimeError(f"lmf_qmm_a8 ({a8.isa}) refused {self.N}x{self.K} int{self.bits} group {self.gs}")
         return out_MN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -263,7 +263,7 @@ def select_backend(model: nn.Module, device: torch.device, reference: bool = Fal
     if quant_activations == "int8":
         if not layers:
             raise ValueError("quant_activations='int8' applies to int8/int4-weight checkpoints; this model has "
-                             "no quantized linear layer (quantize it with `lmforge quant`)")
+                             "no quantized linear layer (quantize it with `lmforge quantize`)")
         return _a8_backend(layers, device, dtype, reference, qmm, a8)
     if not layers:
         return None

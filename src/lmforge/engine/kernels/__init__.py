@@ -70,7 +70,8 @@ class CpuKernels:
     silu_mul_f32: ctypes._CFuncPtr
     qmm_f32: ctypes._CFuncPtr | None = None  # lmf_qmm_f32(x, codes, scales, out, M, N, K, bits, gs, threads)
     qmm_a8: ctypes._CFuncPtr | None = None  # lmf_qmm_a8(isa, x, act, codes, scales, out, M, N, K, bits, gs, threads)
-    qmm_s8: ctypes._CFuncPtr | None = None  # lmf_qmm_s8(q, q_scales, codes, scales, out, M, N, K, bits, gs, threads, isa)
+    qmm_s8: ctypes._CFuncPtr | None = None  # lmf_qmm_s8(q, q_scales, codes, scales, out, M, N, K, bits, gs, threads,
+    #                                         isa): on rows quantized already (the tests' entry point)
     quantize_s8: ctypes._CFuncPtr | None = None  # lmf_quantize_s8(x, act, M, K, nibble_order, q, q_scales)
     a8_isa_supported: ctypes._CFuncPtr | None = None  # lmf_a8_isa_supported(isa) -> 0 | 1
 
