@@ -165,3 +165,23 @@ def test_bad_pairs_and_config_are_refused_with_the_place(files, tmp_path):
         load_config(TrainConfig, ROOT / "configs/dpo.yaml", [f"data.path={files['standard']}"]).validate()
     with pytest.raises(ConfigError, match="dpo.beta"):
         _cfg(files, "dpo.beta=0").validate()
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_equal_one_with_twice_the_pairs(files, tmp_path):
+    """The loss is the mean over the step's pairs across ranks and micro-batches: 2 processes x 1 pair (torchrun)
+    = 1 process x 2 pairs = 1 process x 1 pair x accumulation 2."""
+    from test_train_ddp import lmforge_train
+
+    common = ["train.method=full", "train.max_steps=3", "train.lr=3e-3", "train.warmup_steps=1", "train.eval_every=0",
+              "train.ckpt_every=0", "train.preflight=false", "train.dtype=float32", f"data.path={files['conversational']}"]
+    lmforge_train(ROOT / "configs/dpo.yaml", f"model.init={files['model']}", *common, "train.batch_size=1",
+                  "--out", tmp_path / "ddp", nproc=2)
+    train_dpo(_cfg(files, *common, "train.batch_size=2", "data.val_path=null"), tmp_path / "one")
+    train_dpo(_cfg(files, *common, "train.batch_size=1", "train.grad_accum=2", "data.val_path=null"),
+              tmp_path / "accum")
+    runs = {n: _metrics(tmp_path / n) for n in ("ddp", "one", "accum")}
+    for key in ("loss", "rewards/margins", "grad_norm"):
+        assert [m[key] for m in runs["ddp"]] == pytest.approx([m[key] for m in runs["one"]], abs=1e-5), key
+        assert [m[key] for m in runs["accum"]] == pytest.approx([m[key] for m in runs["one"]], abs=1e-5), key
+    assert runs["one"][-1]["loss"] != runs["one"][0]["loss"]
