@@ -81,6 +81,7 @@ class ServerState:
         self.created = int(time.time())
         self.exchange_log = None  # ExchangeLog when --log-requests
         self.feedback = None  # FeedbackStore when feedback is on
+        self.tool_call_parser = "hermes"  # how tool calls are written and read (--tool-call-parser)
         self.reloader: Callable[[], dict] | None = None  # role -> (label, loader, path), for /admin/reload
         # one worker: tokenization and template rendering leave the event loop, and a burst of them
         # queues here instead of multiplying memory
@@ -137,6 +138,7 @@ def build_app(engine: EngineOrLoader, config: ServerConfig) -> FastAPI:
     stays the caller's. Versions, feedback and request logging: see `ServerConfig`."""
     state = ServerState(config.served_model_name, config.api_key, config.limits, config.versions.on_rollback)
     state.reloader, state.feedback = config.versions.reloader, config.feedback
+    state.tool_call_parser = config.tool_call_parser
     app = FastAPI(title="lmforge", lifespan=_lifespan(state, engine, config), docs_url=None, redoc_url=None)
     app.state.server = state
     count_error = lambda status: state.metrics and state.metrics.count_error(status)  # noqa: E731

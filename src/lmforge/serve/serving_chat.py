@@ -18,7 +18,6 @@ import json
 import re
 from collections.abc import Iterator
 
-from .config import ServerConfig
 from .errors import OpenAIError, bad_request
 from .guard import check_text
 from .protocol import JSON_WHITESPACE, ChatCompletionRequest, NamedToolChoice
@@ -62,8 +61,7 @@ class OpenAIServingChat(OpenAIServing):
         tok = sv.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", "messages", "unsupported")
-        # ServerState.tool_call_parser is ServerConfig's (--tool-call-parser), once build_app copies it there
-        parser = get_tool_parser(getattr(self.st, "tool_call_parser", ServerConfig.tool_call_parser))
+        parser = get_tool_parser(self.st.tool_call_parser)
         choice = _tool_choice(req)
         renders_tools, renders_calls = template_features(tok)
         tools = _tools(sv, req)
