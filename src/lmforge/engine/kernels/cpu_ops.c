@@ -1040,20 +1040,67 @@ static void *a8_range(void *arg) {
     return NULL;
 }
 
+/* absmax / 127 of one row. The absolute values are compared as bit patterns (for finite floats the
+ * order is the same), so the loop is an integer max the compiler vectorizes without fast-math. */
+static float a8_row_scale(const void *x, int act, int64_t K) {
+    uint32_t amax = 0;
+    if (act) {
+        const uint32_t *u = (const uint32_t *)x;
+        for (int64_t k = 0; k < K; k++) {
+            const uint32_t a = u[k] & 0x7fffffffu;
+            amax = a > amax ? a : amax;
+        }
+    } else {
+        const uint16_t *h = (const uint16_t *)x;
+        for (int64_t k = 0; k < K; k++) {
+            const uint32_t a = ((uint32_t)h[k] << 16) & 0x7fffffffu;
+            amax = a > amax ? a : amax;
+        }
+    }
+    union { uint32_t u; float f; } c = {amax};
+    return c.f / 127.0f;
+}
+
+/* codes = clamp(rint(x / s), -127, 127), ties to even (torch.round); one plain loop per dtype. */
+static void a8_row_codes(const void *x, int act, int64_t K, float sc, int8_t *q) {
+    if (!(sc > 0.0f)) {  /* an all-zero row */
+        for (int64_t k = 0; k < K; k++) q[k] = 0;
+        return;
+    }
+    if (act) {
+        const float *f = (const float *)x;
+        for (int64_t k = 0; k < K; k++) {
+            const float v = nearbyintf(f[k] / sc);
+            q[k] = (int8_t)(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+        }
+    } else {
+        const uint16_t *h = (const uint16_t *)x;
+        for (int64_t k = 0; k < K; k++) {
+            const float v = nearbyintf(bf16_to_f32(h[k]) / sc);
+            q[k] = (int8_t)(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+        }
+    }
+}
+
 /* Per-row dynamic int8 quantization of x (M, K) (act: 0 bf16, 1 f32) into q (M, K) and scales s (M);
  * nibble_order 1 (int4 weights): each block of 32 stored as its even k, then its odd k. */
 int lmf_quantize_s8(const void *x, int64_t act, int64_t M, int64_t K, int64_t nibble_order, int8_t *q, float *s) {
-    if (act < 0 || act > 1 || (nibble_order && K % 32)) return -1;
+    if (act < 0 || act > 1 || M < 0 || K < 0 || (nibble_order && K % 32)) return -1;
+    const size_t es = act ? 4 : 2;
     for (int64_t m = 0; m < M; m++) {
-        float amax = 0.0f;
-        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(load_act(x, (int)act, m * K + k)));
-        const float sc = amax / 127.0f;
-        s[m] = sc;
-        for (int64_t k = 0; k < K; k++) {
-            const float v = sc > 0.0f ? nearbyintf(load_act(x, (int)act, m * K + k) / sc) : 0.0f;
-            const int64_t j = k % 32, at = nibble_order ? k - j + (j % 2) * 16 + j / 2 : k;
-            q[m * K + at] = (int8_t)(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
-        }
+        const void *xr = (const char *)x + (size_t)(m * K) * es;
+        int8_t *qr = q + m * K;
+        s[m] = a8_row_scale(xr, (int)act, K);
+        a8_row_codes(xr, (int)act, K, s[m], qr);
+        if (nibble_order)
+            for (int64_t b = 0; b < K; b += 32) {
+                int8_t t[32];
+                memcpy(t, qr + b, 32);
+                for (int i = 0; i < 16; i++) {
+                    qr[b + i] = t[2 * i];
+                    qr[b + 16 + i] = t[2 * i + 1];
+                }
+            }
     }
     return 0;
 }
