@@ -336,3 +336,10 @@ def test_the_tool_call_parser_flag_is_checked(tmp_path):
     r = subprocess.run([sys.executable, "-m", "lmforge.cli", "serve", str(tmp_path), "--tool-call-parser", "xml"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--tool-call-parser xml: one of hermes, llama3_json" in r.stderr
+
+
+def test_the_parser_flag_reaches_the_chat_endpoint(server):
+    app = build_app(server.state.client.router.champion.engine, ServerConfig(MODEL, tool_call_parser="llama3_json"))
+    assert app.state.server.tool_call_parser == "llama3_json"
+    assert build_app(server.state.client.router.champion.engine, ServerConfig(MODEL)).state.server.tool_call_parser \
+        == "hermes"
