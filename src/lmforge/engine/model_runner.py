@@ -174,6 +174,7 @@ class ModelRunner:
     def prepare(scheduled: list[ScheduledSeq]) -> StepInputs:
         """The step as plain ints: what every tensor-parallel rank needs to run the same forward."""
         input_ids, positions, last_rows, start = [], [], [], 0
+        tables, computed, q_lens = [], [], []
         for s in scheduled:  # a verifying sequence: its last token, then its drafts, all K+1 rows sampled
             c, n, k = s.seq.num_computed_tokens, s.num_new_tokens, len(s.spec_token_ids)
             input_ids += s.seq.token_ids[c:c + n - k] + s.spec_token_ids
@@ -181,8 +182,13 @@ class ModelRunner:
             start += n
             if s.samples:
                 last_rows += range(start - 1 - k, start)
-        return StepInputs(input_ids, positions, last_rows, [s.seq.block_table for s in scheduled],
-                          [s.seq.num_computed_tokens for s in scheduled], [s.num_new_tokens for s in scheduled])
+            # the attention sees a verification's K+1 rows as K+1 one-token decodes of the same block table
+            # (every backend writes a step's K/V before it attends): the decode path, and its rounding
+            parts = n if k else 1
+            tables += [s.seq.block_table] * parts
+            computed += range(c, c + parts) if k else [c]
+            q_lens += [1] * parts if k else [n]
+        return StepInputs(input_ids, positions, last_rows, tables, computed, q_lens)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, logits: bool = True, t0: float | None = None) -> torch.Tensor | None:
