@@ -12,13 +12,15 @@ run's dtypes. Writes OUT/preflight_peaks.json and OUT/preflight_peaks.md (ratio 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 RUNS = [{"method": "full", "base": None}, {"method": "lora", "base": "float32"},
-        {"method": "lora", "base": "bfloat16"}, {"method": "lora", "base": "int8"}, {"method": "lora", "base": "int4"}]
+        {"method": "lora", "base": "bfloat16"}, {"method": "lora", "base": "int8"}, {"method": "lora", "base": "int4"},
+        {"method": "full", "base": None, "stage": "dpo"}, {"method": "lora", "base": "bfloat16", "stage": "dpo"}]
 SHAPE = {"hidden": 256, "layers": 4, "heads": 4, "intermediate": 704, "vocab": 4096, "batch": 8, "seq_len": 128}
 DTYPE = "bfloat16"  # train.dtype (autocast)
 
@@ -29,6 +31,8 @@ def train_config(run: dict):
     cfg = TrainConfig()
     cfg.data.path = "unused"
     cfg.train.method, cfg.train.batch_size, cfg.train.dtype = run["method"], SHAPE["batch"], DTYPE
+    if run.get("stage") == "dpo":  # batch_size counts pairs: the same rows as the SFT runs
+        cfg.train.stage, cfg.train.batch_size, cfg.model.init = "dpo", SHAPE["batch"] // 2, "unused"
     cfg.lora.rank = 16
     cfg.lora.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     if run["base"] in ("int8", "int4"):
@@ -44,8 +48,9 @@ def child(runs: list[dict]) -> list[dict]:
     from lmforge.bench.estimate import PeakSampler, _in_use
     from lmforge.model.config import ModelConfig
     from lmforge.model.transformer import Transformer
+    from lmforge.train.dpo import PreferenceLogps, dpo_loss
     from lmforge.train.fused_ce import TrainLoss
-    from lmforge.train.lora import apply_lora
+    from lmforge.train.lora import adapters_disabled, apply_lora
     from lmforge.train.optim import build_optimizer
 
     def train(run: dict, mc: ModelConfig, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -55,9 +60,21 @@ def child(runs: list[dict]) -> list[dict]:
             model = apply_lora(model, cfg.lora)
         opt = build_optimizer(model, cfg.train, torch.device("cpu"))
         fwd = TrainLoss(model)
+        dpo = cfg.train.stage == "dpo"
+        if dpo:  # DPOTrainer's step: the reference (a frozen copy, or adapters off), the policy's log-probs
+            ref = None if run["method"] == "lora" else Transformer(mc).init_weights(0).eval().requires_grad_(False)
+            fwd = PreferenceLogps(model)
+            mask = torch.zeros_like(x)
+            mask[:, x.shape[1] // 2:] = 1  # the second half of each row is its completion
         for _ in range(2):  # the first step allocates the optimizer state, the second peaks with it
             with torch.autocast("cpu", dtype=getattr(torch, DTYPE)):
-                loss = fwd(x, y, None, None)
+                if dpo:
+                    with torch.no_grad(), (contextlib.nullcontext() if ref else adapters_disabled(model)):
+                        ref_logps, _ = PreferenceLogps(ref or model)(x, mask)
+                    logps, lengths = fwd(x, mask)
+                    loss = dpo_loss(logps, ref_logps, lengths, 0.1)[0].mean()
+                else:
+                    loss = fwd(x, y, None, None)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -68,7 +85,7 @@ def child(runs: list[dict]) -> list[dict]:
     for run in runs:
         toy = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                           num_attention_heads=2, max_position_embeddings=16)
-        train(run, toy, torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))  # warm-up
+        train(run, toy, torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))  # warm-up
         mc = ModelConfig(vocab_size=SHAPE["vocab"], hidden_size=SHAPE["hidden"], intermediate_size=SHAPE["intermediate"],
                          num_hidden_layers=SHAPE["layers"], num_attention_heads=SHAPE["heads"],
                          max_position_embeddings=SHAPE["seq_len"], tie_word_embeddings=True)
@@ -104,11 +121,12 @@ def measure(runs: list[dict]) -> list[dict]:
 def to_markdown(rows: list[dict]) -> str:
     lines = ["# pre-flight vs measured training peak (CPU allocator, 2 steps)", "",
              f"model: {SHAPE['layers']} layers, hidden {SHAPE['hidden']}, vocab {SHAPE['vocab']} (tied); batch "
-             f"{SHAPE['batch']} x {SHAPE['seq_len']} tokens; train.dtype {DTYPE}; LoRA rank 16 on all 7 matmuls", "",
-             "| method | base | measured MB | pre-flight MB | estimate/measured | within 15% |",
-             "| --- | --- | ---: | ---: | ---: | --- |"]
+             f"{SHAPE['batch']} x {SHAPE['seq_len']} tokens; train.dtype {DTYPE}; LoRA rank 16 on all 7 matmuls; DPO: 4 pairs = the same 8 rows", "",
+             "| stage | method | base | measured MB | pre-flight MB | estimate/measured | within 15% |",
+             "| --- | --- | --- | ---: | ---: | ---: | --- |"]
     for r in rows:
-        lines.append(f"| {r['method']} | {r['base'] or 'float32 (trained)'} | {r['measured_bytes'] / 1e6:.1f} | "
+        lines.append(f"| {r.get('stage', 'sft')} | {r['method']} | {r['base'] or 'float32 (trained)'} | "
+                     f"{r['measured_bytes'] / 1e6:.1f} | "
                      f"{r['estimated_bytes'] / 1e6:.1f} | {r['ratio']:.3f} | {'yes' if abs(r['ratio'] - 1) <= 0.15 else 'NO'} |")
     return "\n".join(lines) + "\n"
 

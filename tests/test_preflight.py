@@ -101,6 +101,11 @@ def test_dpo_counts_both_completions_and_its_reference():
 
 
 def test_light_base_constants_are_lora_s():
+    from lmforge.perf.estimate import LOSS_CHUNK_TOKENS
+    from lmforge.train.dpo import PreferenceLogps
+    from lmforge.train.fused_ce import CHUNK_TOKENS
+
+    assert LOSS_CHUNK_TOKENS == CHUNK_TOKENS == PreferenceLogps.BLOCK_TOKENS
     assert LIGHT_BASE["rebuild_elements"] == REBUILD_ELEMENTS
     from lmforge.train.lora import FrozenLinear
 

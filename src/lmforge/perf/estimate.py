@@ -65,6 +65,9 @@ OVERHEAD_BYTES = {"cuda": 0.75 * GB, "cpu": 0.4 * GB}
 # FrozenLinear): float32 scales, the untied head held like the matmuls, each weight rebuilt per matmul into
 # one reused buffer of at most `REBUILD_ELEMENTS` weights (tests/test_preflight.py checks they agree).
 LIGHT_BASE = {"scale_bytes": 4, "light_head": True, "rebuild_elements": 1 << 23}
+# Tokens per chunk of the fused loss (train/fused_ce.py's CHUNK_TOKENS; DPO's log-prob blocks are as large):
+# one chunk's fp32 logits and log-softmax and their 16-bit copies exist at a time.
+LOSS_CHUNK_TOKENS = 256
 FRAGMENTATION = 0.05
 
 
@@ -505,9 +508,11 @@ def _activation_terms(est: Estimate, shape: ModelShape, tokens: int, seq_len: in
     # The loss: full logits (16-bit) + fp32 log-softmax saved for backward, or one chunk when fused.
     if fused_loss:  # the head's gradient only when the head trains (not under LoRA)
         head = shape.vocab * shape.hidden * 4 / tp if head_trainable else 0
-        loss_b = est.add("logits / loss", tokens * shape.hidden * 4 + head, "B",
+        chunk = min(tokens, LOSS_CHUNK_TOKENS)
+        loss_b = est.add("logits / loss", tokens * shape.hidden * 4 + head + chunk * shape.vocab * 12 / tp, "B",
                          f"fused LM head + CE: saved grad of hidden {fmt_num(tokens)}×{shape.hidden}×4 B"
-                         + (f" + head grad {shape.vocab}×{shape.hidden}×4 B" if head else ""))
+                         + (f" + head grad {shape.vocab}×{shape.hidden}×4 B" if head else "")
+                         + f" + one chunk's logits {chunk}×{shape.vocab}×(4+4+2+2) B")
     else:
         loss_b = est.add("logits / loss", tokens * shape.vocab * (2 + 4 + 4) / tp, "B",
                          f"{fmt_num(tokens)} tokens × {shape.vocab} vocab × (2 logits + 4 fp32 log-softmax + 4 its grad)")

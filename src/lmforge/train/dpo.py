@@ -43,7 +43,7 @@ from lmforge.quant import load_pretrained
 from lmforge.tokenizer.load import load_tokenizer, tokenizer_hash
 
 from .config import TrainConfig
-from .fused_ce import can_fuse
+from .fused_ce import CHUNK_TOKENS, can_fuse
 from .loop import Data, Trainer, token_byte_lengths
 from .lora import adapters_disabled, is_lora
 from .pref_data import PreferenceLoader
@@ -68,7 +68,7 @@ class PreferenceLogps(torch.nn.Module):
     (R, L, V) logits and log-softmax never exist whole (TRL fuses its LM head for the same reason); otherwise
     (a LoRA-adapted head) through the model's own forward."""
 
-    BLOCK_TOKENS = 1024
+    BLOCK_TOKENS = CHUNK_TOKENS  # as the fused SFT loss's chunks (the pre-flight counts one block of logits)
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
