@@ -107,7 +107,7 @@ def test_resume_is_bit_exact(files, tmp_path, monkeypatch, method):
 
     cfg = lambda: _cfg(files, f"train.method={method}")  # noqa: E731
     a = train_dpo(cfg(), tmp_path / "a")
-    assert a["status"] == "finished" and a["dpo"]["pairs"]["kept"] == 16
+    assert a["status"] == "finished" and a["dpo"]["pairs"]["kept"] == 16 and len(a["model_init_hash"]) == 64
     real_step = DPOTrainer.train_step
 
     def stop_after_4(self):

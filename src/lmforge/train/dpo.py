@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lmforge.config import ConfigError
+from lmforge.eval.backends import model_hash
 from lmforge.quant import load_pretrained
 from lmforge.tokenizer.load import load_tokenizer, tokenizer_hash
 
@@ -233,6 +234,7 @@ class DPOTrainer(Trainer):
                       "reference": ("precomputed" if self.dpo.precompute_ref_log_probs else
                                     "adapters disabled" if self.ref_model is None else "frozen copy of model.init"),
                       "pairs": self.data.train.stats.as_dict(), "pairs_per_step": rec["effective_batch"]}
+        rec["model_init"], rec["model_init_hash"] = self.cfg.model.init, model_hash(self.cfg.model.init)
         return rec
 
 
