@@ -287,3 +287,24 @@ def test_bench_linear_reports_every_kernel(tmp_path, monkeypatch):
     md = (tmp_path / "bench_linear.md").read_text()
     assert "STREAM triad 20.0 GB/s" in md and "A8 " + LIB.a8_isas()[0] in md
     assert "bf16 `F.linear`" not in md  # --no-packed
+
+
+def test_avx_vnni_body_by_its_evex_twin(tmp_path):
+    """The avx_vnni body (VEX `vpdpbusd`, Alder Lake and later) cannot run on a CPU without AVX-VNNI;
+    built with -DLMF_A8_AVXVNNI_AS_EVEX it is the same code on the EVEX form of the instruction, which
+    an AVX-512 VNNI CPU runs: its dot products must be exact too."""
+    if "avx512_vnni" not in LIB.a8_isas():
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    lib = kernels._bind(kernels.build(("-DLMF_A8_AVXVNNI_AS_EVEX",), out_dir=tmp_path))
+    assert "avx_vnni" in lib.a8_isas()
+    rng = np.random.default_rng(11)
+    for bits, gs, K in SHAPES:
+        N, M = 13, 5
+        q = rng.integers(-127, 128, (M, K), dtype=np.int8)
+        c = rng.integers(-128, 128, (N, K), dtype=np.int8) if bits == 8 else rng.integers(-8, 8, (N, K), dtype=np.int8)
+        w, G, q_in = (c, 1, q) if bits == 8 else (_pack4(c), K // gs, _nibble_order(q))
+        out = np.zeros((M, N), np.float32)
+        assert lib.qmm_s8(q_in.ctypes.data, np.ones(M, np.float32).ctypes.data, w.ctypes.data,
+                          np.ones((N, G), np.float32).ctypes.data, out.ctypes.data, M, N, K, bits, gs, 2,
+                          kernels.A8_ISAS["avx_vnni"]) == 0
+        assert np.array_equal(out.astype(np.int64), q.astype(np.int64) @ c.astype(np.int64).T), (bits, gs, K)

@@ -811,6 +811,10 @@ static void a8_range_portable(const a8_job *j) {
 #if defined(__clang__) ? (__clang_major__ >= 12) : (__GNUC__ >= 11)
 #define LMF_A8_AVXVNNI 1
 #endif
+#ifdef LMF_A8_AVXVNNI_AS_EVEX
+#undef LMF_A8_AVXVNNI
+#define LMF_A8_AVXVNNI 1
+#endif
 
 /* R (rows, 1..4) and BITS (8 or 4) as compile-time constants of an always-inline row function FN, so
  * its accumulators stay in registers and no branch on the weight format runs inside its loops. */
@@ -891,7 +895,11 @@ __attribute__((target(TARGET))) static void a8_range_##NAME(const a8_job *j) {  
 
 A8_YMM_BODY(avx2, "avx2,fma",
             return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), _mm256_set1_epi16(1))))
-#ifdef LMF_A8_AVXVNNI
+#if defined(LMF_A8_AVXVNNI_AS_EVEX)
+/* Tests only (`-DLMF_A8_AVXVNNI_AS_EVEX`): the avx_vnni body with the EVEX form of the same
+ * instruction, so that a CPU with AVX-512 VNNI but no AVX-VNNI (Zen 4) can check its code. */
+A8_YMM_BODY(avxvnni, "avx2,fma,avx512vl,avx512vnni", return _mm256_dpbusd_epi32(acc, a, x))
+#elif defined(LMF_A8_AVXVNNI)
 A8_YMM_BODY(avxvnni, "avx2,fma,avxvnni", return _mm256_dpbusd_avx_epi32(acc, a, x))
 #endif
 
@@ -1009,7 +1017,9 @@ int lmf_a8_isa_supported(int64_t isa) {
 #ifdef LMF_A8_X86
     __builtin_cpu_init();
     if (isa == A8_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#ifdef LMF_A8_AVXVNNI
+#if defined(LMF_A8_AVXVNNI_AS_EVEX)
+    if (isa == A8_AVX_VNNI) return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+#elif defined(LMF_A8_AVXVNNI)
     if (isa == A8_AVX_VNNI) return __builtin_cpu_supports("avxvnni") && __builtin_cpu_supports("avx2");
 #endif
     if (isa == A8_AVX512_VNNI)
