@@ -22,6 +22,7 @@ import pytest
 import ray
 
 from lmforge.engine import AsyncLLMEngine, EngineConfig, EngineDeadError
+from lmforge.eval.backends import TransformerBackend
 from lmforge.serve.app import build_app
 from lmforge.serve.config import ServerConfig
 from lmforge.serve.replicas import PrefixRouter, RayReplicaEngine, block_hashes, sum_stats
@@ -121,6 +122,17 @@ def test_without_ray_replicas_say_how_to_install(model_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(ImportError, match=r"pip install 'lmforge\[ray\]'"):
         RayReplicaEngine(EngineConfig(model=str(model_dir), **ENGINE), 2)
+
+
+def test_eval_generates_on_ray_replicas_as_in_one_process(model_dir, cluster):
+    """`lmforge eval --executor ray --replicas 2`: the backend hands generation to `lmforge generate`'s Ray path."""
+    prompts = ["the city school", "python code data model", "river national", "engine value error"]
+    kw = dict(max_tokens=6, stop=["."], temperature=0.0)
+    local = TransformerBackend(model_dir, dtype="float32", device="cpu").generate(prompts, **kw)
+    on_ray = TransformerBackend(model_dir, dtype="float32", device="cpu", executor="ray", replicas=2)
+    assert on_ray.generate(prompts, **kw) == local and "Ray (2 replicas)" in on_ray.info()["generation"]
+    with pytest.raises(ValueError, match="--executor ray"):
+        TransformerBackend(model_dir, device="cpu", replicas=2)
 
 
 # ---- through the server ------------------------------------------------------------------------------------

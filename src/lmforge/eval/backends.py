@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import math
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -61,11 +63,20 @@ def truncate_at_stop(text: str, stop: Iterable[str]) -> tuple[str, bool]:
     return (text[:cut], True) if cut >= 0 else (text, False)
 
 
+def _check_executor(executor: str, replicas: int, engine: str) -> None:
+    if executor not in ("local", "ray"):
+        raise ValueError(f"--executor {executor!r}: choose local or ray")
+    if replicas < 1 or (replicas > 1 and executor != "ray"):
+        raise ValueError(f"--replicas {replicas}: at least 1, and more than 1 needs --executor ray")
+    if executor == "ray" and engine != "llm":
+        raise ValueError("--executor ray generates with the engine: use --engine llm (or auto)")
+
+
 class TransformerBackend:
     """A model folder in HF layout (weights + tokenizer) on CPU or GPU."""
 
     def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "auto", batch_size: int = 16,
-                 engine: str = "auto"):
+                 engine: str = "auto", executor: str = "local", replicas: int = 1, ray_address: str | None = None):
         # deferred: torch and lmforge.model load only when a backend is built (importing lmforge.eval is cheap)
         import torch
 
@@ -77,6 +88,8 @@ class TransformerBackend:
             raise ValueError(f"engine must be auto, llm or simple, got {engine!r}")
         if engine == "auto":
             engine = "llm" if importlib.util.find_spec("lmforge.engine.llm") else "simple"
+        _check_executor(executor, replicas, engine)
+        self.executor, self.replicas, self.ray_address = executor, replicas, ray_address
         self.model_dir, self.dtype, self.batch_size, self.engine = Path(model_dir), dtype, batch_size, engine
         self.device = resolve_device(device)
         self._model = None  # loaded on first log-likelihood: generation through the engine loads its own
@@ -101,6 +114,8 @@ class TransformerBackend:
     def info(self) -> dict[str, Any]:
         gen = ("lmforge.engine.LLM" if self.engine == "llm"
                else "reference loop (full forward per token, no KV cache)")
+        if self.executor == "ray":
+            gen = f"lmforge.engine.batch on Ray ({self.replicas} replicas)"
         return {"backend": "transformer", "generation": gen, "dtype": self.resolved_dtype,
                 "device": str(self.device), "batch_size": self.batch_size, "max_len": self.max_len,
                 "bos": self.bos is not None}
@@ -196,13 +211,29 @@ class TransformerBackend:
                       n: int, seed: int | None) -> list[list[str]]:
         from lmforge.engine import LLM, SamplingParams  # deferred: the engine loads torch
 
-        if self._llm is None:
+        if self._llm is None and self.executor == "local":
             self._llm = LLM(str(self.model_dir), dtype=self.dtype, device=str(self.device))
         max_tokens = min(max_tokens, self.max_len - max(len(i) for i in ids))  # long outputs: cut to the context
-        params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, stop=list(stop), n=n,
-                                 seed=None if seed is None else seed + i) for i in range(len(ids))]
-        outputs = self._llm.generate(ids, params, use_tqdm=False)
+        params = [dict(temperature=temperature, max_tokens=max_tokens, stop=list(stop), n=n,
+                       seed=None if seed is None else seed + i) for i in range(len(ids))]
+        if self.executor == "ray":
+            return self._generate_ray(ids, params)
+        outputs = self._llm.generate(ids, [SamplingParams(**p) for p in params], use_tqdm=False)
         return [[c.text for c in o.outputs] for o in outputs]
+
+    def _generate_ray(self, ids: list[list[int]], params: list[dict[str, Any]]) -> list[list[str]]:
+        """The same requests through `lmforge generate`'s Ray path (`replicas` engines on Ray actors, input
+        order kept, greedy outputs those of one process), by way of a temporary prompt file."""
+        from lmforge.engine.batch import generate_file  # deferred: the engine loads torch
+
+        with tempfile.TemporaryDirectory() as tmp:
+            src, dst = Path(tmp) / "prompts.jsonl", Path(tmp) / "out.jsonl"
+            src.write_text("".join(json.dumps({"custom_id": str(i), "prompt": p, **kw}) + "\n"
+                                   for i, (p, kw) in enumerate(zip(ids, params))))
+            generate_file(self.model_dir, src, dst, executor="ray", replicas=self.replicas,
+                          ray_address=self.ray_address, engine_kwargs={"dtype": self.dtype, "device": str(self.device)})
+            records = [json.loads(line) for line in dst.read_text().splitlines()]
+        return [[c["text"] for c in r["choices"]] for r in records]
 
     def _generate_one(self, prompt_ids: list[int], max_tokens: int, stop: list[str], temperature: float,
                       n: int, seed: int | None) -> list[str]:

@@ -77,6 +77,10 @@ def run(
     engine: str = typer.Option("auto", "--engine", help="Generation: llm (lmforge.engine), simple (reference "
                                                         "loop), auto (llm when installed)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished run in --out."),
+    executor: str = typer.Option("local", "--executor", help="Generation: local (one engine) or ray (`lmforge "
+                                                              "generate`'s Ray path: --replicas engines)."),
+    replicas: int = typer.Option(1, "--replicas", help="With --executor ray: engine replicas on Ray actors."),
+    ray_address: str = typer.Option(None, "--ray-address", help="Ray cluster (default: a local one)."),
 ) -> None:
     from rich.console import Console  # deferred: rich (~0.15 s) loads only when a verb prints
     from rich.table import Table
@@ -91,9 +95,11 @@ def run(
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{model_dir}: no config.json; MODEL_DIR must be a model folder in HF layout "
                                     f"(e.g. the output of `lmforge export`)")
-        backend = TransformerBackend(model_dir, dtype=dtype, device=device, batch_size=batch_size, engine=engine)
+        backend = TransformerBackend(model_dir, dtype=dtype, device=device, batch_size=batch_size, engine=engine,
+                                     executor=executor, replicas=replicas, ray_address=ray_address)
         config = {"model_dir": str(model_dir), "suites": refs, "out": str(out), "limit": limit, "dtype": dtype,
-                  "device": device, "batch_size": batch_size, "engine": backend.engine}
+                  "device": device, "batch_size": batch_size, "engine": backend.engine,
+                  **({"executor": executor, "replicas": replicas} if executor != "local" else {})}
         results = evaluate(backend, suites, out, model_dir=model_dir, limit=limit, overwrite=overwrite,
                            config=config, log=lambda name, t: console.print(
                                f"{name}: {t['metric']} {_fmt(t['value'])} ± {_fmt(t['stderr'])} (n={t['n']}, "
