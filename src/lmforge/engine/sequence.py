@@ -46,6 +46,7 @@ class Sequence:
         self.spec_token_ids: list[int] = []  # speculative decoding: this step's proposals (engine/spec_decode.py)
         self.spec_probs: list[torch.Tensor] = []  # their draft probabilities q (V,), for sampled rows of a draft model
         self.draft_view = None  # the draft model's view of this sequence (spec_decode.DraftView)
+        self.lora_request = None  # multi-LoRA: the adapter this sample runs with (engine/lora.py's LoRARequest)
         self.output_text = ""  # text emitted so far (stop-string hold-back excluded)
         self.wait_for: Sequence | None = None  # n > 1: sample 0, whose prompt blocks we reuse
         self.arrival_time = time.time() if arrival_time is None else arrival_time
@@ -65,6 +66,10 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def lora_int_id(self) -> int:  # 0: the base model
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def is_finished(self) -> bool:
