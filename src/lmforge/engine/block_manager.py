@@ -14,6 +14,8 @@ matched, so a collision costs a recompute, never wrong K/V. Blocks whose ref cou
 stay in the cache ("cached-free") at the MRU end of the free list; allocation takes from the LRU
 end and evicts whatever it takes. Only free blocks are ever evicted. The last prompt token is
 never served from cache (its logits are needed), so matching stops at `num_tokens - 1`.
+With multi-LoRA serving the chain starts from the sequence's adapter (`root_hash`), and a block
+remembers its adapter, so two adapters never share the K/V of the same tokens.
 """
 
 from __future__ import annotations
@@ -27,8 +29,13 @@ def block_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
+def root_hash(lora_int_id: int = 0) -> int:
+    """The parent hash of a sequence's first block: -1 for the base model, else one per adapter id."""
+    return -1 if not lora_int_id else hash((-1, lora_int_id))
+
+
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "parent_id")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "parent_id", "lora_int_id")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -39,6 +46,7 @@ class Block:
         self.hash: int | None = None
         self.token_ids: tuple[int, ...] | None = None
         self.parent_id = -1
+        self.lora_int_id = 0  # the adapter whose K/V it holds (0: the base model)
 
 
 class BlockManager:
@@ -81,12 +89,13 @@ class BlockManager:
         """Block ids and hashes of the longest cached, verified prefix of full blocks (not taken yet)."""
         if not self.enable_prefix_caching:
             return [], []
-        bs, ids, hashes, parent_hash, parent_id = self.block_size, [], [], -1, -1
+        bs, ids, hashes, parent_hash, parent_id = self.block_size, [], [], root_hash(seq.lora_int_id), -1
         for i in range((seq.num_tokens - 1) // bs):  # never the block holding the last token
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = block_hash(parent_hash, tokens)
             block = self.blocks[self.hash_to_block[h]] if h in self.hash_to_block else None
-            if block is None or block.token_ids != tokens or block.parent_id != parent_id:
+            if (block is None or block.token_ids != tokens or block.parent_id != parent_id
+                    or block.lora_int_id != seq.lora_int_id):
                 break
             ids.append(block.block_id)
             hashes.append(h)
@@ -124,10 +133,10 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = block_hash(seq.block_hashes[-1] if i else -1, tokens)
+            h = block_hash(seq.block_hashes[-1] if i else root_hash(seq.lora_int_id), tokens)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:  # a hit block is already cached under this very key
-                block.hash, block.token_ids = h, tokens
+                block.hash, block.token_ids, block.lora_int_id = h, tokens, seq.lora_int_id
                 block.parent_id = seq.block_table[i - 1] if i else -1
                 self.hash_to_block.setdefault(h, block.block_id)  # keep an existing twin
             seq.block_hashes.append(h)
