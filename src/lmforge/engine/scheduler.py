@@ -38,6 +38,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is the newest
         self.num_preemptions = 0
+        self.max_loras: int | None = None  # multi-LoRA: running sequences use at most this many adapters
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -66,6 +67,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.wait_for is not None and not self._prompt_cached(seq.wait_for):
                 break  # n > 1: let sample 0 fill the prompt's blocks, then share them
+            if not self._lora_fits(seq):
+                break  # its adapter needs a slot that running sequences hold: wait for one to finish
             hit_ids, hashes = bm.match_prefix(seq)
             n = min(seq.num_tokens - len(hit_ids) * bm.block_size, budget)
             if not bm.can_admit(seq, hit_ids, n):
@@ -90,6 +93,14 @@ class Scheduler:
             spec = spec[:-1]
         seq.spec_token_ids = spec
         return spec
+
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Admitting `seq` keeps the running sequences' adapters within `max_loras` (vLLM's rule), so the
+        LoRA slots can always hold every adapter a step needs."""
+        if self.max_loras is None or not seq.lora_int_id:
+            return True
+        active = {s.lora_int_id for s in self.running if s.lora_int_id}
+        return seq.lora_int_id in active or len(active) < self.max_loras
 
     def _prompt_cached(self, seq: Sequence) -> bool:
         if not self.block_manager.enable_prefix_caching:
