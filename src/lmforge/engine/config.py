@@ -34,12 +34,18 @@ class EngineConfig:
     speculative_method: str | None = None  # None (off, unless speculative_model) | ngram | draft
     ngram_prompt_lookup_max: int = 4  # ngram: the longest suffix looked up in the sequence
     ngram_prompt_lookup_min: int = 2  # ngram: the shortest
+    # multi-LoRA serving (engine/lora.py): requests pick peft adapters over this one base, batched together
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters resident at once (slots); more are swapped in LRU between steps
+    max_lora_rank: int = 16  # the largest adapter rank accepted (every slot is this wide)
+    max_cpu_loras: int | None = None  # parsed adapters kept in memory (None: max_loras)
 
     def __post_init__(self) -> None:
         if self.speculative_model is not None and self.speculative_method is None:
             self.speculative_method = "draft"
         self._check()
         self._check_spec()
+        self._check_lora()
 
     def _check(self) -> None:
         checks = [
@@ -70,6 +76,20 @@ class EngineConfig:
              "must be an integer >= 1 when speculative decoding is on"),
             ("ngram_prompt_lookup_min", 1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max,
              "must be >= 1 and <= ngram_prompt_lookup_max"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r}: {why}")
+
+    def _check_lora(self) -> None:
+        checks = [
+            ("max_loras", isinstance(self.max_loras, int) and self.max_loras >= 1, "must be an integer >= 1"),
+            ("max_lora_rank", isinstance(self.max_lora_rank, int) and self.max_lora_rank >= 1,
+             "must be an integer >= 1"),
+            ("max_cpu_loras", self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+             "must be >= max_loras (or unset)"),
+            ("enable_lora", not self.enable_lora or self.tensor_parallel_size == 1,
+             "LoRA serving runs with tensor_parallel_size 1 (the adapters are not sharded)"),
         ]
         for name, ok, why in checks:
             if not ok:
