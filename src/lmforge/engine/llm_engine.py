@@ -31,6 +31,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .executor import MultiprocExecutor
+from .lora import LoRAManager, LoRARequest
 from .model_runner import ModelRunner, kv_bytes_per_block
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampler import Sampler, SampleResult, make_generator
@@ -108,6 +109,9 @@ class LLMEngine:
         runs = config.attention == "fast" and self.model_runner.attn.contiguous_runs
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, runs)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras) \
+            if config.enable_lora else None
+        self.scheduler.max_loras = config.max_loras if config.enable_lora else None
         self.sampler = Sampler(sorted(self.eos_token_ids))
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self.spec = SpecDecoder(config, num_blocks, self.vocab_size, self.sampler, self.max_model_len) \
@@ -146,12 +150,18 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request; raises ValueError (naming the numbers) for one that could never be served."""
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
+        """Queue a request (on the LoRA adapter `lora_request`, if given); raises ValueError (naming the
+        numbers) for one that could never be served."""
         params = sampling_params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._check_params(params)
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: this engine runs without LoRA; "
+                                 "start it with enable_lora (lmforge serve --lora-modules / --enable-lora)")
+            self.lora.check(lora_request)  # read and checked once (ValueError naming file and field)
         text, ids = self._tokenize(prompt)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         if len(ids) + max_tokens > self.max_model_len:
@@ -166,6 +176,7 @@ class LLMEngine:
                 for i in range(params.n)]
         for seq in seqs:
             seq.wait_for = seqs[0] if seq.index else None  # n > 1: share sample 0's prompt blocks
+            seq.lora_request = lora_request
             if self.tokenizer is not None:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params, ids)
             if params.structured_outputs is not None:  # compiled (and checked) once, cached; a copy per sample
@@ -234,6 +245,8 @@ class LLMEngine:
         scheduled = self._schedule()
         if not scheduled:
             return self._idle()
+        if self.lora is not None:  # adapters of this step resident, each row's slot known
+            self.lora.activate(scheduled, self.scheduler.running)
         logits_SV = self.model_runner.run(scheduled)
         sampling, results = self._sample(scheduled, logits_SV)
         return self._update(scheduled, sampling, results)
@@ -402,6 +415,7 @@ class LLMEngine:
                     running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                     num_requests_running=len({s.request_id for s in self.scheduler.running}),
                     **self.memory_stats(), **(self.spec.stats() if self.spec is not None else {}),
+                    **(self.lora.stats() if self.lora is not None else {}),
                     num_requests_waiting=len({s.request_id for s in self.scheduler.waiting}
                                              - {s.request_id for s in self.scheduler.running}))
 
