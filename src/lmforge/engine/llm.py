@@ -18,6 +18,7 @@ import torch
 
 from .config import EngineConfig
 from .llm_engine import LLMEngine
+from .lora import LoRARequest
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -38,14 +39,16 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True, seed: int = 0,
                  kv_cache_memory_bytes: int | None = None, attention: str = "fast", pack_weights: bool = True,
                  cpu_kernels: bool = True, kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
-                 quant_activations: str = "none"):
+                 quant_activations: str = "none", enable_lora: bool = False, max_loras: int = 1,
+                 max_lora_rank: int = 16):
         self.llm_engine = LLMEngine(EngineConfig(
             model=str(model), dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
             kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, seed=seed, attention=attention,
             pack_weights=pack_weights, cpu_kernels=cpu_kernels, kv_cache_dtype=kv_cache_dtype,
-            tensor_parallel_size=tensor_parallel_size, quant_activations=quant_activations))
+            tensor_parallel_size=tensor_parallel_size, quant_activations=quant_activations, enable_lora=enable_lora,
+            max_loras=max_loras, max_lora_rank=max_lora_rank))
         self._counter = 0
 
     def get_tokenizer(self):
@@ -87,7 +90,9 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Outputs in input order; `lora_request`: one adapter for every prompt, or one (or None) per prompt."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, as text or as token ids
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -96,12 +101,15 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params; pass one or one per prompt")
         params = _final_only(params)
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} lora requests; pass one or one per prompt")
         engine, ids = self.llm_engine, []
         try:
-            for prompt, p in zip(prompts, params):  # all validated before any runs
+            for prompt, p, lora in zip(prompts, params, loras):  # all validated before any runs
                 ids.append(str(self._counter))
                 self._counter += 1
-                engine.add_request(ids[-1], prompt, p)
+                engine.add_request(ids[-1], prompt, p, lora_request=lora)
         except Exception:
             for rid in ids:
                 engine.abort_request(rid)
