@@ -10,9 +10,10 @@ from .async_engine import AsyncLLMEngine, ProcessAsyncLLMEngine
 from .config import EngineConfig
 from .llm import LLM
 from .llm_engine import LLMEngine
+from .lora import LoRARequest
 from .messages import EngineDeadError, EngineStepError
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 
-__all__ = ["LLM", "AsyncLLMEngine", "CompletionOutput", "EngineConfig", "EngineDeadError", "EngineStepError", "LLMEngine", "ProcessAsyncLLMEngine",
+__all__ = ["LLM", "AsyncLLMEngine", "CompletionOutput", "EngineConfig", "EngineDeadError", "EngineStepError", "LLMEngine", "LoRARequest", "ProcessAsyncLLMEngine",
            "RequestMetrics", "RequestOutput", "SamplingParams"]
