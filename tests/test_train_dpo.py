@@ -108,6 +108,7 @@ def test_resume_is_bit_exact(files, tmp_path, monkeypatch, method):
     cfg = lambda: _cfg(files, f"train.method={method}")  # noqa: E731
     a = train_dpo(cfg(), tmp_path / "a")
     assert a["status"] == "finished" and a["dpo"]["pairs"]["kept"] == 16 and len(a["model_init_hash"]) == 64
+    assert a["memory_estimate"]["args"]["batch"] == 4 and a["memory_estimate"]["total_bytes"] > 0  # 2 pairs, 4 rows
     real_step = DPOTrainer.train_step
 
     def stop_after_4(self):

@@ -488,8 +488,18 @@ class Trainer:
                 "num_parameters": self.raw_model.num_parameters(),
                 "trainable_parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
                 "flops_per_token": self.flops_per_token, "peak_flops": self.peak,
-                "determinism": self.determinism}
+                "determinism": self.determinism,
+                "memory_estimate": None if t.parallel.active else self._memory_estimate()}
         return self.par.update_record(rec, self.cfg, self.data.seq_len)
+
+    def _memory_estimate(self) -> dict[str, Any]:
+        """The pre-flight's estimate of this run (`guards.memory_args`: what `perf.estimate.memory` was given),
+        so a report can set the measured peak beside it without re-deriving the run's dtypes."""
+        kind = self.device.type
+        args = guards.memory_args(self.cfg, self.shape, self.data.seq_len, kind)
+        est = guards.train_estimate(self.cfg, self.shape, self.data.seq_len, kind)
+        return {"args": {k: list(v) if isinstance(v, tuple) else v for k, v in args.items()},
+                "total_bytes": est.total, "overhead_bytes": est.overhead}
 
     def _finish(self, train_loss: float | None, last_eval: dict | None) -> dict[str, Any]:
         if not self.d.main:
