@@ -144,7 +144,8 @@ def test_stop_strings_and_eos_end_a_verification_midway(chat_model_dir):
 def test_ngram_proposer_takes_the_most_recent_longest_match():
     p = NgramProposer(min_n=1, max_n=3)
     assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]  # 3-gram, most recent occurrence
-    assert p.propose([4, 5, 6, 5], 3) == [6, 5]  # 1-gram; what follows, up to the end
+    assert p.propose([4, 5, 6, 5], 3) == [6, 5, 6]  # 1-gram; what follows, then the copy copies itself
+    assert p.propose([7, 7, 7], 4) == [7, 7, 7, 7]  # a loop of period 1 proposes K tokens
     assert p.propose([1, 2, 3], 4) == []
     assert NgramProposer(min_n=2, max_n=3).propose([1, 2, 3, 1], 2) == []  # no 2-gram repeats
 

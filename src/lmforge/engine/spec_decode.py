@@ -5,8 +5,9 @@ Two proposers, chosen by `EngineConfig.speculative_method`:
 
 * `ngram` (prompt lookup, no second model): the last n tokens (n from `ngram_prompt_lookup_max` down
   to `ngram_prompt_lookup_min`) are looked up earlier in the sequence (prompt + output); the K tokens
-  that followed their most recent earlier occurrence are the proposal. Its draft distribution q is
-  one-hot.
+  that followed their most recent earlier occurrence are the proposal (a copy that reaches the end of
+  the sequence goes on copying what it just proposed: a loop of period p proposes K tokens, not p).
+  Its draft distribution q is one-hot.
 * `draft` (`speculative_model`): a small model with the target's vocabulary runs K single-token steps
   over its own paged KV pool (its own `ModelRunner` and a `BlockManager` without prefix caching; each
   sequence holds a `DraftView` of its draft-side blocks). Greedy rows take the draft's argmax; sampled
@@ -70,7 +71,10 @@ class NgramProposer:
             hits = np.flatnonzero((windows_WN == ids[L - n:]).all(axis=1))
             if len(hits):
                 start = int(hits[-1]) + n  # the token after the most recent earlier occurrence
-                return ids[start:start + k].tolist()
+                out = ids[start:start + k].tolist()
+                while len(out) < k:  # the copy runs into the present: it goes on copying itself (a loop)
+                    out.append(out[len(out) - (L - start)])
+                return out
         return []
 
 
