@@ -53,7 +53,9 @@ def test_the_checker_finds_a_circle_and_an_upward_arrow(tmp_path):
     root = tmp_path / "lmforge"
     for rel, body in {
         "__init__.py": "",
-        "engine/__init__.py": "def long():\n" + "    x = 1\n" * 60,  # 61 lines, in a package's __init__
+        # a body of 61 lines (the signature, however long, is not counted), in a package's __init__
+        "engine/__init__.py": "def long(\n" + "    a=1,\n" * 80 + "):\n" + "    x = 1\n" * 61
+                              + "def flags(\n" + "    a=1,\n" * 80 + "):\n" + "    x = 1\n" * 60,
         "engine/a.py": "from lmforge.engine import b\nfrom lmforge.serve import app\n",
         "engine/b.py": "def f():\n    from lmforge.engine import a  # deferred, still an arrow\n",
         "serve/__init__.py": "",

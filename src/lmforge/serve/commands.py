@@ -56,6 +56,9 @@ AdminApiKeyOpt = Annotated[Optional[str], typer.Option(
 MaxWaitingOpt = Annotated[Optional[int], typer.Option(
     help="Answer 429 while this many requests wait for their first token (default: unbounded).")]
 NumKvBlocksOpt = Annotated[Optional[int], typer.Option(help="KV pool size in blocks (default: from memory).")]
+QuantActivationsOpt = Annotated[str, typer.Option(
+    help="none: quantized weights run on the exact A16 kernels | int8: activations quantized per token and "
+    "integer dot products (VNNI / AVX2), faster, within ~1% of exact.")]
 KvCacheDtypeOpt = Annotated[str, typer.Option(
     help="auto (the model's dtype) | int8 (a scale per token per head: ~2x the tokens per byte).")]
 TensorParallelSizeOpt = Annotated[int, typer.Option(
@@ -131,8 +134,12 @@ def serve(
     admin_rate: AdminRateOpt = ServerLimits.admin_requests_per_minute,
     max_engine_restarts: MaxEngineRestartsOpt = ServerLimits.max_engine_restarts,
     tool_call_parser: ToolCallParserOpt = ServerConfig.tool_call_parser,
-    speculative_model: SpeculativeModelOpt = None, speculative_method: SpeculativeMethodOpt = None,
-    num_speculative_tokens: NumSpeculativeTokensOpt = 0, replicas: ReplicasOpt = 1, ray_address: RayAddressOpt = None,
+    speculative_model: SpeculativeModelOpt = None,
+    speculative_method: SpeculativeMethodOpt = None,
+    num_speculative_tokens: NumSpeculativeTokensOpt = 0,
+    quant_activations: QuantActivationsOpt = "none",
+    replicas: ReplicasOpt = 1,
+    ray_address: RayAddressOpt = None,
 ) -> None:
     """Serve MODEL_DIR over the OpenAI API (/v1/*), with /health, /metrics (vLLM's names) and /version."""
     model_dir = _model_dir(model_dir, registry, model, canary)
@@ -141,7 +148,8 @@ def serve(
                             kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
                             tensor_parallel_size=tensor_parallel_size, num_speculative_tokens=num_speculative_tokens,
-                            speculative_model=speculative_model, speculative_method=speculative_method)
+                            speculative_model=speculative_model, speculative_method=speculative_method,
+                            quant_activations=quant_activations)
     limits = _server_limits(max_waiting=max_waiting, max_body_bytes=max_body_bytes, read_timeout_s=read_timeout,
                             body_timeout_s=body_timeout, header_timeout_s=header_timeout,
                             keep_alive_timeout_s=keep_alive_timeout, max_connections=max_connections,

@@ -173,7 +173,7 @@ def to_mermaid(mods: dict[str, Module]) -> str:
 class Stats:
     imports: int = 0
     imports_inside_functions: int = 0
-    long_functions: list[tuple[str, int]] = field(default_factory=list)  # (module:function, lines)
+    long_functions: list[tuple[str, int]] = field(default_factory=list)  # (module:function, body lines)
 
 
 def stats(mods: dict[str, Module]) -> Stats:
@@ -181,7 +181,8 @@ def stats(mods: dict[str, Module]) -> Stats:
     for mod in mods.values():
         for node in ast.walk(mod.tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                n = node.end_lineno - node.lineno + 1
+                # the body, from its first statement: a CLI verb's signature is its list of flags, not logic
+                n = node.end_lineno - node.body[0].lineno + 1
                 if n > LONG_FUNCTION:
                     s.long_functions.append((f"{mod.name}:{node.name}", n))
                 inner = sum(isinstance(x, (ast.Import, ast.ImportFrom)) for x in ast.walk(node))
