@@ -25,6 +25,7 @@ import pickle
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
+from .lora import LoRARequest
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -63,13 +64,15 @@ class CoreStart:
 @dataclass(frozen=True)
 class EngineCoreRequest:
     """One command to the engine core; `cid` pairs it with its `Reply`. ADD carries the prompt,
-    its parameters and its arrival time (on the caller's clock, so TTFT counts the wait for a step)."""
+    its parameters, its arrival time (on the caller's clock, so TTFT counts the wait for a step) and the
+    LoRA adapter it runs with, if any."""
     type: RequestType
     cid: int
     request_id: str = ""
     prompt: str | list[int] | None = None
     params: SamplingParams | None = None
     arrival_time: float | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True)
