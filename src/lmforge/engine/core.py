@@ -52,7 +52,7 @@ class EngineCore:
         if request.type is RequestType.ABORT:
             return Reply(RequestType.ABORT, request.cid, rid, output=self.engine.abort_request(rid))
         try:
-            self.engine.add_request(rid, request.prompt, request.params, request.arrival_time)
+            self.engine.add_request(rid, request.prompt, request.params, request.arrival_time, request.lora_request)
         except Exception as e:  # a bad request: its caller raises it
             return Reply(RequestType.ADD, request.cid, rid, error=picklable(e) if self.portable else e)
         return Reply(RequestType.ADD, request.cid, rid)
