@@ -30,6 +30,7 @@ from typing import Any
 from .config import EngineConfig
 from .core_client import EngineCoreClient, InprocClient, MPClient
 from .llm_engine import LLMEngine
+from .lora import LoRARequest
 from .messages import EngineCoreOutputs, EngineCoreRequest, EngineDeadError, RequestType
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -88,16 +89,16 @@ class AsyncLLMEngine:
     # ---- requests ------------------------------------------------------------------------------------
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yield outputs as tokens arrive (cumulative unless `output_kind` says otherwise); the last has
         `finished=True`. Invalid requests raise ValueError before the first yield. Leaving the loop
-        early aborts the request."""
+        early aborts the request. `lora_request`: the LoRA adapter to run it with (engine/lora.py)."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         accepted = loop.create_future()
         # arrival is now, on the caller's clock, so TTFT counts the wait for the step in progress
-        self._submit(EngineCoreRequest(RequestType.ADD, 0, request_id, prompt, sampling_params, time.time()),
-                     accepted, (loop, outputs))
+        self._submit(EngineCoreRequest(RequestType.ADD, 0, request_id, prompt, sampling_params, time.time(),
+                                       lora_request), accepted, (loop, outputs))
         try:
             await accepted  # ValueError -> caller; waits for the step in progress, never blocks the loop
         except asyncio.CancelledError:
