@@ -213,6 +213,7 @@ class LoRAManager:
         self.cpu: OrderedDict[int, Adapter] = OrderedDict()
         self.col_slot_C = torch.arange(max_loras * max_lora_rank, device=p.device) // max_lora_rank
         self.num_loads = 0
+        self.max_adapters_in_step = 0  # the most distinct adapters one step has run (stats: batching shows)
 
     def _install(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> dict[tuple[int, str], LoRALinear]:
         shapes, layers = module_shapes(self.model_cfg), {}
@@ -254,9 +255,10 @@ class LoRAManager:
         if not any(ids):
             self.step.mask_TC = None
             return
-        in_use = {s.lora_int_id for s in running} | set(ids)
-        for lid in dict.fromkeys(i for i in ids if i):
+        in_use, step_ids = {s.lora_int_id for s in running} | set(ids), dict.fromkeys(i for i in ids if i)
+        for lid in step_ids:
             self._resident(lid, in_use)
+        self.max_adapters_in_step = max(self.max_adapters_in_step, len(step_ids))
         slot_T = [self.slot_of[lid] if lid else -1 for s, lid in zip(scheduled, ids) for _ in range(s.num_new_tokens)]
         slot_T1 = torch.tensor(slot_T, device=self.device)[:, None]
         self.step.mask_TC = (slot_T1 == self.col_slot_C).to(self.dtype)
@@ -283,4 +285,5 @@ class LoRAManager:
         self.num_loads += 1
 
     def stats(self) -> dict:
-        return dict(lora_resident=len(self.slot_of), lora_slot_loads=self.num_loads)
+        return dict(lora_resident=len(self.slot_of), lora_slot_loads=self.num_loads,
+                    lora_max_adapters_in_step=self.max_adapters_in_step)
