@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from lmforge.engine import AsyncLLMEngine, RequestOutput, SamplingParams
+from lmforge.engine import AsyncLLMEngine, LoRARequest, RequestOutput, SamplingParams
 
 from .versions import CanaryGuard, Router, Served
 
@@ -32,11 +32,12 @@ Loader = Callable[[], AsyncLLMEngine]  # in-process or ProcessAsyncLLMEngine: on
 
 @dataclass(frozen=True)
 class EngineRequest:
-    """One engine request: a prompt's token ids and how to sample it."""
+    """One engine request: a prompt's token ids, how to sample it, and the LoRA adapter it runs with."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True)
@@ -126,8 +127,10 @@ class VersionRouterClient:
         """The engine's outputs for `request` on `served`. Leaving early (the consumer stops or is
         cancelled) aborts the engine request, as `AsyncLLMEngine.generate` does."""
         served.inflight.add(request.request_id)
+        lora = {"lora_request": request.lora_request} if request.lora_request is not None else {}
         try:
-            async for out in served.engine.generate(request.prompt_token_ids, request.params, request.request_id):
+            async for out in served.engine.generate(request.prompt_token_ids, request.params, request.request_id,
+                                                    **lora):
                 yield out
         finally:
             served.inflight.discard(request.request_id)
