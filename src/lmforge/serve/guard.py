@@ -3,8 +3,8 @@
 * `ServerLimits` (defined in `config.py`, with the rest of the server's settings): every limit in one
   place, with the defaults `lmforge serve` uses (docs/serving.md lists them with their flags).
 * `GuardMiddleware` (pure ASGI, outermost): the keys are checked from the headers before a byte of
-  the body is read (`/v1/*` the API key; `/admin/*` its own admin key, off without one, and a rate
-  per client address); a POST body is read here, in full, under a size limit (413), a per-read and
+  the body is read (`/v1/*` the API key; `/admin/*` and the runtime LoRA endpoints their own admin
+  key, off without one, and a rate per client address); a POST body is read here, in full, under a size limit (413), a per-read and
   a whole-body deadline (408, so a slow client cannot hold a connection forever), then replayed to
   the app. No handler ever sees a body larger than the limit, so nothing downstream can be made to
   allocate gigabytes. The connection-level limits (header deadline, idle timeout, connection cap,
@@ -31,6 +31,8 @@ from .config import ServerLimits
 from .errors import OpenAIError, bad_request
 
 V1_PREFIX, ADMIN_PREFIX = "/v1/", "/admin/"
+# /v1 paths that change what is served (vLLM's runtime LoRA endpoints): the admin key, as /admin/*
+ADMIN_V1_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 BODY_METHODS = (b"POST", b"PUT", b"PATCH")
 
 
@@ -77,7 +79,7 @@ class GuardMiddleware:
     def _check_headers(self, scope) -> tuple | None:
         """(status, message, code[, headers]) of a refusal decided from the headers alone, or None."""
         path = scope["path"]
-        if path.startswith(ADMIN_PREFIX):
+        if path.startswith(ADMIN_PREFIX) or path.rstrip("/") in ADMIN_V1_PATHS:
             client = (scope.get("client") or ("?",))[0]
             wait = self.admin_rate.take(client)
             if wait > 0:
