@@ -89,12 +89,19 @@ class ServerConfig:
     log_requests: bool = False
     admin_api_key: str | None = None  # required on /admin/*; without it the admin routes are off (403)
     tool_call_parser: str = "hermes"  # how the model writes tool calls (tool_parsers.py): hermes | llama3_json
+    # multi-LoRA (serving_lora.py): adapter name -> peft folder, served over the base in one batch
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    max_lora_rank: int = 16  # the engine's; adapters are checked against it when registered
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin key)
 
     def __post_init__(self) -> None:
         if self.log_interval_s <= 0:
             raise ValueError(f"log_interval_s={self.log_interval_s}: must be > 0")
         if self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser={self.tool_call_parser!r}: one of {', '.join(TOOL_PARSERS)}")
+        if self.served_model_name in self.lora_modules:
+            raise ValueError(f"lora_modules: {self.served_model_name!r} is the base model's name; name the adapter "
+                             "otherwise")
         if self.admin_api_key is not None and self.admin_api_key == self.api_key:
             raise ValueError("admin_api_key must differ from api_key: an inference client must not administer")
 
