@@ -57,6 +57,7 @@ class Job:
     """One HTTP request: its engine prompts (token ids), sampling params, and what rendering needs."""
 
     ticket: Ticket  # its sequences' share of the admission count
+    lora_request = None  # the LoRA adapter its `model` picked (set once, after build_job), or the base
 
     def __init__(self, sv: Served, req, prompts: list[list[int]], params: SamplingParams, prefix: str):
         self.sv, self.req, self.prompts, self.params = sv, req, prompts, params
@@ -108,6 +109,7 @@ class OpenAIServing:
         sv = self.st.client.route(req.user)
         self.precheck(sv, req)
         job = await asyncio.get_running_loop().run_in_executor(self.st.tokenize_pool, self.build_job, sv, req)
+        job.lora_request = self.st.loras.lookup(req.model)  # on the loop: 404 if unloaded meanwhile
         return await self.serve(raw, job)
 
     # ---- the subclass's part ----------------------------------------------------------------------------------
@@ -135,10 +137,8 @@ class OpenAIServing:
     # ---- checks both endpoints make ------------------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
-        name = self.st.served_model_name
-        if model is not None and model != name:
-            raise OpenAIError(404, f"the model {model!r} does not exist; this server serves {name!r}",
-                              "model", "model_not_found")
+        """The base's name, a served LoRA adapter's (`serving_lora.LoRAAdapters`), or none; else 404."""
+        self.st.loras.lookup(model)
 
     def check_stop(self, req) -> None:
         lim = self.st.limits
@@ -174,7 +174,7 @@ class OpenAIServing:
         Leaving early (a disconnect cancels us, or an error) aborts every engine request still running:
         the client's `generate` aborts when its consumer goes away, and pumps are cancelled."""
         st = self.st
-        gens = [st.client.generate(job.sv, EngineRequest(f"{job.id}-{i}", ids, job.params))
+        gens = [st.client.generate(job.sv, EngineRequest(f"{job.id}-{i}", ids, job.params, job.lora_request))
                 for i, ids in enumerate(job.prompts)]
         try:
             if len(gens) == 1:
@@ -239,14 +239,14 @@ class OpenAIServing:
             raise err from None
         choices = [self.final_choice(job, i, c) for i, t in enumerate(trackers) for c in t.last.outputs]
         self._ended(job, trackers, 200)
-        return {"id": job.id, "object": self.kind, "created": job.created, "model": self.st.served_model_name,
+        return {"id": job.id, "object": self.kind, "created": job.created, "model": _model_name(self.st, job),
                 "system_fingerprint": _fingerprint(job), "choices": choices, "usage": _usage(trackers)}
 
     async def stream(self, job: Job) -> AsyncIterator[str]:
         """SSE chunks; one per sample per engine step. A cancelled stream (client gone) aborts."""
         trackers = [Tracker(job.n) for _ in job.prompts]
         base = {"id": job.id, "object": self.kind + ".chunk", "created": job.created,
-                "model": self.st.served_model_name, "system_fingerprint": _fingerprint(job)}
+                "model": _model_name(self.st, job), "system_fingerprint": _fingerprint(job)}
         status = 200
         try:
             for chunk in self.opening_chunks(job, base):
@@ -317,6 +317,11 @@ def _usage(trackers: list[Tracker]) -> dict:
     cached = sum(o.num_cached_tokens for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _model_name(st, job: Job) -> str:
+    """The `model` a response names: the adapter the request ran on, else the base."""
+    return job.lora_request.lora_name if job.lora_request is not None else st.served_model_name
 
 
 def _fingerprint(job: Job) -> str:
