@@ -4,7 +4,9 @@
 settings); `lmforge serve` runs it under uvicorn.
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/feedback`,
 `POST /admin/reload`, `GET /v1/models`, `GET /health` (`/live`, `/ready`), `GET /metrics`,
-`GET /version`, `/ui`. Streams are SSE (`data: {json}\\n\\n` ... `data: [DONE]\\n\\n`).
+`GET /version`, `/ui`; with `allow_runtime_lora_updating`, `POST /v1/load_lora_adapter` and
+`/v1/unload_lora_adapter` (admin key; `serving_lora.py`).
+Streams are SSE (`data: {json}\\n\\n` ... `data: [DONE]\\n\\n`).
 
 The layers, as vLLM's `entrypoints/openai` has them:
 
@@ -57,6 +59,7 @@ from .serving_chat import encode_chat as _encode_chat  # noqa: F401 - tests impo
 from .serving_completions import OpenAIServingCompletion
 from .serving_engine import VERSION_HEADER  # noqa: F401 - part of this module's surface
 from .serving_feedback import ServingFeedback
+from .serving_lora import LoadLoRAAdapterRequest, LoRAAdapters, ServingLoRA, UnloadLoRAAdapterRequest
 from .versions import Served
 
 log = logging.getLogger("lmforge.serve")
@@ -82,6 +85,7 @@ class ServerState:
         self.exchange_log = None  # ExchangeLog when --log-requests
         self.feedback = None  # FeedbackStore when feedback is on
         self.tool_call_parser = "hermes"  # how tool calls are written and read (--tool-call-parser)
+        self.loras = LoRAAdapters(served_model_name)  # model names that pick a LoRA adapter (--lora-modules)
         self.reloader: Callable[[], dict] | None = None  # role -> (label, loader, path), for /admin/reload
         # one worker: tokenization and template rendering leave the event loop, and a burst of them
         # queues here instead of multiplying memory
@@ -139,6 +143,10 @@ def build_app(engine: EngineOrLoader, config: ServerConfig) -> FastAPI:
     state = ServerState(config.served_model_name, config.api_key, config.limits, config.versions.on_rollback)
     state.reloader, state.feedback = config.versions.reloader, config.feedback
     state.tool_call_parser = config.tool_call_parser
+    state.loras = LoRAAdapters(config.served_model_name, config.max_lora_rank)
+    base_dir = engine.model_path if isinstance(engine, AsyncLLMEngine) else None  # a loader: not known yet
+    for name, path in config.lora_modules.items():  # checked (against the base's shapes when known) up front
+        state.loras.add(name, path, base_dir)
     app = FastAPI(title="lmforge", lifespan=_lifespan(state, engine, config), docs_url=None, redoc_url=None)
     app.state.server = state
     count_error = lambda status: state.metrics and state.metrics.count_error(status)  # noqa: E731
@@ -148,7 +156,7 @@ def build_app(engine: EngineOrLoader, config: ServerConfig) -> FastAPI:
                        on_error=count_error)
     _add_health_routes(app, state)
     _add_info_routes(app, state)
-    _add_openai_routes(app, state)
+    _add_openai_routes(app, state, config)
     mount_console(app)
     document_errors(app, auth=config.api_key is not None)
     return app
@@ -238,10 +246,11 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         # `root` is the served name, not the weights' path on this machine
         return {"object": "list", "data": [{"id": st.served_model_name, "object": "model", "created": st.created,
                                             "owned_by": "lmforge", "root": st.served_model_name, "parent": None,
-                                            "max_model_len": st.max_model_len}]}
+                                            "max_model_len": st.max_model_len},
+                                           *st.loras.cards(st.created, st.max_model_len)]}
 
 
-def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
+def _add_openai_routes(app: FastAPI, state: ServerState, config: ServerConfig) -> None:
     """The work endpoints, each one line over its serving class."""
     ready = _ready_dependency(state)
     serving_completion, serving_chat = OpenAIServingCompletion(state), OpenAIServingChat(state)
@@ -267,6 +276,22 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
                                        "finish on the versions they started on")
     async def admin_reload() -> dict:
         return await serving_admin.reload()
+
+    if config.allow_runtime_lora_updating:
+        _add_lora_routes(app, state)
+
+
+def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
+    """vLLM's runtime adapter endpoints (its VLLM_ALLOW_RUNTIME_LORA_UPDATING): behind the admin key."""
+    serving_lora = ServingLoRA(state)
+
+    @app.post("/v1/load_lora_adapter", summary="Serve a LoRA adapter (peft folder) under a new model name")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest):
+        return await serving_lora.load(req)
+
+    @app.post("/v1/unload_lora_adapter", summary="Stop serving a LoRA adapter (running requests finish)")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
+        return await serving_lora.unload(req)
 
 
 async def _log_load(state: ServerState, interval: float) -> None:

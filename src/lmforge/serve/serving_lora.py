@@ -1,0 +1,111 @@
+"""Multi-LoRA serving, the HTTP side: which model names are adapters, and vLLM's runtime endpoints.
+
+`LoRAAdapters` maps each served adapter name to its `LoRARequest` (name, a fresh int id per load, the
+peft folder): a request's `model` picks an adapter, the base's own name picks none, anything else is
+a 404 (`OpenAIServing.check_model`). Adapters come from `--lora-modules name=path ...` at start, and,
+only with `--allow-runtime-lora-updating` (vLLM's `VLLM_ALLOW_RUNTIME_LORA_UPDATING`), from
+`POST /v1/load_lora_adapter` / `POST /v1/unload_lora_adapter` (`ServingLoRA`), which change what is
+served and so need the admin key (`guard.py` checks it on those two paths as on `/admin/*`).
+
+A folder is checked when it is registered (its config, and every tensor against the base's shapes:
+`lmforge.engine.lora.read_adapter`), so a bad adapter is refused at load, not at its first request.
+Unloading removes the name at once; requests already running on it finish; the engine's slot is
+reused by LRU. Knows nothing about the engine's slots or batching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from pathlib import Path
+
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel
+
+from lmforge.engine import LoRARequest
+from lmforge.engine.lora import read_adapter, read_adapter_config
+from lmforge.model import ModelConfig
+from lmforge.model.checkpoint import read_hf_config
+
+from .errors import OpenAIError, bad_request
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+class LoRAAdapters:
+    """Served adapter names -> `LoRARequest`s, over the base named `base_name` with `max_lora_rank` slots."""
+
+    def __init__(self, base_name: str, max_lora_rank: int = 16):
+        self.base_name, self.max_lora_rank = base_name, max_lora_rank
+        self.by_name: dict[str, LoRARequest] = {}
+        self._ids = itertools.count(1)
+
+    def __contains__(self, name: str | None) -> bool:
+        return name in self.by_name
+
+    def names(self) -> list[str]:
+        return list(self.by_name)
+
+    def add(self, name: str, path: str, model_dir: str | Path | None) -> LoRARequest:
+        """Check the folder (against the base at `model_dir`; its config alone without one: the engine
+        checks the tensors at the first request) and serve it as `name`; ValueError says why not."""
+        if not name or name == self.base_name:
+            raise ValueError(f"lora_name {name!r}: an adapter needs a name of its own, not the base model's")
+        if name in self.by_name:
+            raise ValueError(f"the LoRA adapter {name!r} has already been loaded; unload it first")
+        if model_dir is None:
+            read_adapter_config(path, self.max_lora_rank)
+        else:
+            read_adapter(path, ModelConfig.from_hf(read_hf_config(Path(model_dir))), self.max_lora_rank, name)
+        self.by_name[name] = LoRARequest(name, next(self._ids), str(path))
+        return self.by_name[name]
+
+    def remove(self, name: str) -> LoRARequest | None:
+        return self.by_name.pop(name, None)
+
+    def lookup(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` picks (None: the base); 404 for a name not served (any more)."""
+        if model is None or model == self.base_name:
+            return None
+        if model not in self.by_name:
+            served = ", ".join(repr(n) for n in [self.base_name, *self.by_name])
+            raise OpenAIError(404, f"the model {model!r} does not exist; this server serves {served}",
+                              "model", "model_not_found")
+        return self.by_name[model]
+
+    def cards(self, created: int, max_model_len: int) -> list[dict]:
+        """/v1/models entries: `parent` is the base; `root` the adapter's name (never a path on this machine)."""
+        return [{"id": n, "object": "model", "created": created, "owned_by": "lmforge", "root": n,
+                 "parent": self.base_name, "max_model_len": max_model_len} for n in self.by_name]
+
+
+class ServingLoRA:
+    """`POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's bodies and answers)."""
+
+    def __init__(self, st):
+        self.st = st  # app.ServerState: loras, client
+
+    async def load(self, req: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        st = self.st
+        if not st.client.ready:
+            raise OpenAIError(503, st.client.not_ready_reason(), None, "engine_not_ready")
+        name_taken = req.lora_name in st.loras or req.lora_name in ("", st.loras.base_name)
+        try:  # reads the folder: off the event loop
+            await asyncio.to_thread(st.loras.add, req.lora_name, req.lora_path, st.router.champion.model_dir)
+        except ValueError as e:
+            raise bad_request(str(e), "lora_name" if name_taken else "lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    async def unload(self, req: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        gone = self.st.loras.remove(req.lora_name)
+        if gone is None:
+            raise OpenAIError(404, f"the LoRA adapter {req.lora_name!r} cannot be found", "lora_name", "not_found")
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

@@ -1,0 +1,131 @@
+"""Multi-LoRA serving through the `openai` client (issue 26 item 3): each request's `model` picks an adapter
+(peft folders written by `lmforge.train.lora_adapter`), requests for two adapters and the base run in the
+same engine steps and each answers what its model merged by peft answers offline; `/v1/models` lists the
+adapters with the base as parent; the runtime load/unload endpoints need the admin key and exist only when
+asked for; unknown names are 404s.
+
+    python -m pytest -q tests/test_serve_lora.py
+"""
+
+from __future__ import annotations
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from test_engine_multilora import make_adapter, merged_by_peft
+
+from lmforge.engine import LLM, AsyncLLMEngine, EngineConfig, SamplingParams
+from lmforge.serve.app import build_app
+from lmforge.serve.config import ServerConfig
+from lmforge.serve.testing import TOKENIZER_FILES, ServerThread
+
+MODEL, ADMIN = "tiny", "admin-key"
+PROMPTS = ["The river and the city", "Python code data model token server"]
+
+
+@pytest.fixture(scope="module")
+def folders(chat_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve-lora")
+    out = {}
+    for i, name in enumerate(("a", "b", "c")):
+        out[name] = make_adapter(chat_model_dir, tmp / f"adapter-{name}", name, seed=10 + i)
+        merged = merged_by_peft(chat_model_dir, out[name], tmp / f"merged-{name}")
+        for f in TOKENIZER_FILES:
+            shutil.copy(chat_model_dir / f, merged / f)
+        out[f"merged-{name}"] = merged
+    return out
+
+
+@pytest.fixture(scope="module")
+def want(chat_model_dir, folders) -> dict[str, list[str]]:
+    """Greedy texts of the base and of each merged model, offline, one engine each."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    dirs = {MODEL: chat_model_dir, **{n: folders[f"merged-{n}"] for n in ("a", "b", "c")}}
+    return {n: [o.outputs[0].text for o in LLM(str(d), dtype="float32").generate(PROMPTS, params, use_tqdm=False)]
+            for n, d in dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def server(chat_model_dir, folders):
+    engine = AsyncLLMEngine(EngineConfig(model=str(chat_model_dir), dtype="float32", enable_lora=True, max_loras=2,
+                                         max_lora_rank=8))
+    app = build_app(engine, ServerConfig(MODEL, admin_api_key=ADMIN, allow_runtime_lora_updating=True,
+                                         lora_modules={"a": str(folders["a"]), "b": str(folders["b"])}))
+    with ServerThread(app) as srv:
+        srv.engine = engine
+        yield srv
+    engine.shutdown()
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+
+def complete(client, model: str, prompt: str, stream: bool = False) -> str:
+    kw = dict(model=model, prompt=prompt, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    if not stream:
+        out = client.completions.create(**kw)
+        assert out.model == model
+        return out.choices[0].text
+    return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+
+
+def test_models_lists_the_adapters_with_the_base_as_parent(client, folders):
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {MODEL, "a", "b"}
+    assert cards["a"].parent == cards["b"].parent == MODEL and cards[MODEL].parent is None
+    assert str(folders["a"]) not in str(cards["a"])  # no path of this machine
+
+
+def test_two_adapters_and_the_base_in_one_batch_each_equal_their_merged_model(server, client, want):
+    jobs = [(m, p, s) for m in (MODEL, "a", "b") for p in PROMPTS for s in (False, True)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda j: complete(client, *j), jobs))
+    for (m, p, s), text in zip(jobs, got):
+        assert text == want[m][PROMPTS.index(p)], (m, p, s)
+    assert len({str(want[m]) for m in (MODEL, "a", "b")}) == 3  # the adapters do change the output
+    assert server.engine.stats()["lora_max_adapters_in_step"] == 2  # a and b shared engine steps
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError, match="'nope' does not exist"):
+        complete(client, "nope", PROMPTS[0])
+
+
+def test_runtime_load_and_unload_need_the_admin_key(server, client, folders, want):
+    url = server.url + "/v1/load_lora_adapter"
+    body = {"lora_name": "c", "lora_path": str(folders["c"])}
+    assert httpx.post(url, json=body).status_code == 401
+    assert httpx.post(url, json=body, headers={"Authorization": "Bearer x"}).status_code == 401
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    r = httpx.post(url, json=body, headers=admin)
+    assert r.status_code == 200 and "added" in r.text
+    assert "c" in {m.id for m in client.models.list().data}
+    assert complete(client, "c", PROMPTS[1]) == want["c"][1]
+    again = httpx.post(url, json=body, headers=admin)
+    assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "c"}, headers=admin)
+    assert r.status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        complete(client, "c", PROMPTS[1])
+    assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "c"},
+                      headers=admin).status_code == 404
+
+
+def test_runtime_load_refuses_a_bad_folder(server, tmp_path):
+    r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)},
+                   headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 400 and "adapter_config.json: not found" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "lora_path"
+
+
+def test_runtime_endpoints_are_off_unless_allowed(server, folders):
+    app = build_app(server.engine, ServerConfig(MODEL, admin_api_key=ADMIN, lora_modules={"a": str(folders["a"])}))
+    paths = {r.path for r in app.routes}
+    assert "/v1/load_lora_adapter" not in paths and "/v1/unload_lora_adapter" not in paths
+    with pytest.raises(ValueError, match="r=8 is above --max-lora-rank 4"):
+        build_app(server.engine, ServerConfig(MODEL, max_lora_rank=4, lora_modules={"b": str(folders["b"])}))
