@@ -10,15 +10,17 @@ child interpreter of their own, and the serving process only appends a dict to a
 
 Only masked text reaches the disk: the child calls `FeedbackStore.log_exchanges`, which masks
 before its transaction starts; the rows cross a pipe, never a file. A row is added before its
-response is sent, and rows go to the pipe at most `interval_s` (default `INTERVAL_S`, 10 ms) after
+response is sent, and rows go to the pipe at most `interval_s` (default `INTERVAL_S`, 50 ms) after
 they are added, or at once when `MAX_BATCH` have collected or a waiter asks: one message per batch,
-answered by one ack, and the sender does not wait for a batch's ack before it sends the next
-(a pipe round trip per row would cost the serving process more than masking the row in-process did,
-measured by `scripts/bench_ops.py --phases log_cpu`; a row held back until the writer caught up
-would die with the server). The writer commits each batch it reads (batches that queued while it
-was busy go in one transaction).
+answered by one ack, and the sender does not wait for a batch's ack before it sends the next (a row
+held back until the writer caught up would die with the server). The interval trades the crash
+window for the serving process's CPU: each batch costs a pipe message, an ack and two thread
+wake-ups, so at 100 exchanges/s `scripts/bench_ops.py --phases log_cpu` measured ~160 us of it per
+exchange at 10 ms (one row per batch), ~140 us at 25 ms and ~80 us at 50 ms (2026-12-02, a busy
+2-core box). The writer commits each batch it reads (batches that queued while it was busy go in
+one transaction).
 
-* **What a crash can lose** (docs/operations.md, "The exchange log"): a row that is in the pipe is
+* **What a crash can lose** (docs/operations.md, "Request logging"): a row that is in the pipe is
   the writer's: it reads the pipe to its end and commits every row in it even after the server is
   killed with SIGKILL, then exits. So a `kill -9` of the server loses only rows not yet handed over:
   those added in the last `interval_s`, and rows the sender could not write because the writer is
@@ -55,7 +57,7 @@ from lmforge.tools.procs import Status, StatusKind, ignore_sigint, kill, start_c
 
 log = logging.getLogger("lmforge.serve")
 MAX_PENDING, MAX_BATCH, RECENT = 10_000, 512, 100_000
-INTERVAL_S = 0.01  # the longest a row waits in this process before it goes to the writer
+INTERVAL_S = 0.05  # the longest a row waits in this process before it goes to the writer (see the docstring)
 PIPE_BYTES = 1 << 20  # Linux's default cap for an unprivileged process (/proc/sys/fs/pipe-max-size)
 START_TIMEOUT_S = 60.0
 
