@@ -6,7 +6,8 @@ Two halves, one report:
   workers (`bench/data_scale.py`, which also checks the outputs are byte-identical);
 * serve: output tok/s of `lmforge serve` under `lmforge bench serve`'s load (a `uniform` workload by
   default: every request `input_len` prompt and `output_len` output tokens, `ignore_eos`, at most
-  `concurrency` in flight), as a child process: one engine without Ray (`local`), then
+  `concurrency` in flight), as a child process: one engine without Ray (`local`: in the server's
+  process, `--no-engine-process`, as each Ray actor holds its engine), then
   `--replicas N --ray-address local` for each N (a fresh local Ray cluster with every core).
   Ray's overhead is the 1-replica Ray run against the local one, both on the same cores; the
   time to get ready (model load, and cluster start for Ray) is reported apart.
@@ -41,8 +42,8 @@ def _serve_run(model: Path, replicas: int, ray: bool, cfg: dict[str, Any]) -> di
     """One server (local engine, or `replicas` Ray replicas), loaded, measured, stopped."""
     port = free_port()
     args = [str(model), "--device", "cpu", "--served-model-name", "bench", "--log-level", "warning"]
-    if ray:
-        args += ["--replicas", str(replicas), "--ray-address", "local"]
+    # local: the engine in the server's process, as each Ray actor holds it, so the ratio prices Ray alone
+    args += ["--replicas", str(replicas), "--ray-address", "local"] if ray else ["--no-engine-process"]
     t0 = time.perf_counter()
     proc = spawn_server(args, port)
     ready_s = time.perf_counter() - t0
