@@ -27,39 +27,11 @@ import typer
 
 from lmforge.model.checkpoint import read_hf_config
 
+from .gguf_load import ARCH, PERMUTED, permute_qk, tensor_names, unpermute_qk  # noqa: F401 (unpermute_qk: read-back)
 from .linear import quantized_linears
 from .load import load_pretrained
 
 GGUF_TYPES = ("bf16", "q8_0", "q4_0", "f32")
-ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-PERMUTED = ("llama",)  # GGML's llama RoPE rotates interleaved pairs; HF's rotates halves
-
-
-def _names(layers: int):
-    """Our (HF) parameter names -> GGUF names, from gguf's own table."""
-    T, M = gguf.TENSOR_NAMES, gguf.MODEL_TENSOR
-    out = {"model.embed_tokens.weight": T[M.TOKEN_EMBD] + ".weight", "model.norm.weight": T[M.OUTPUT_NORM] + ".weight",
-           "lm_head.weight": T[M.OUTPUT] + ".weight"}
-    per = {"input_layernorm": M.ATTN_NORM, "self_attn.q_proj": M.ATTN_Q, "self_attn.k_proj": M.ATTN_K,
-           "self_attn.v_proj": M.ATTN_V, "self_attn.o_proj": M.ATTN_OUT, "post_attention_layernorm": M.FFN_NORM,
-           "mlp.gate_proj": M.FFN_GATE, "mlp.up_proj": M.FFN_UP, "mlp.down_proj": M.FFN_DOWN,
-           "self_attn.q_norm": M.ATTN_Q_NORM, "self_attn.k_norm": M.ATTN_K_NORM}
-    for i in range(layers):
-        for ours, t in per.items():
-            for suffix in ("weight", "bias"):
-                out[f"model.layers.{i}.{ours}.{suffix}"] = T[t].format(bid=i) + f".{suffix}"
-    return out
-
-
-def permute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows of each head from [first halves | second halves] to interleaved pairs (GGML's NORM RoPE)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def unpermute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _qtype(gguf_type: str, t: torch.Tensor):
     Q = gguf.GGMLQuantizationType
     if t.ndim == 1 or gguf_type == "f32" or t.shape[-1] % 32:
@@ -162,7 +134,7 @@ def _add_hparams(writer, model_dir: Path, c, gguf_type: str) -> None:
 def _add_tensors(writer, state: dict[str, torch.Tensor], model_dir: Path, arch: str, c,
                  gguf_type: str) -> dict[str, int]:
     """Every tensor under its GGUF name (q/k rows permuted for GGML's RoPE); returns counts per type."""
-    names = _names(c.num_hidden_layers)
+    names = tensor_names(c.num_hidden_layers)
     counts: dict[str, int] = {}
     for name, t in state.items():
         if name not in names:

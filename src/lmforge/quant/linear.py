@@ -159,8 +159,8 @@ class QmmLinear(nn.Module):
     def supports(q: QuantizedLinear, device: torch.device, dtype: torch.dtype) -> bool:
         gs = q.scheme.group_size
         return (device.type == "cpu" and dtype == torch.float32 and
-                (q.scheme.num_bits == 8 and gs is None or
-                 q.scheme.num_bits == 4 and gs is not None and gs % 32 == 0 and q.in_features % gs == 0))
+                (q.scheme.num_bits == 8 and gs is None or  # int8 per channel, or in groups (GGUF's Q8_0) as int4
+                 q.scheme.num_bits in (8, 4) and gs is not None and gs % 32 == 0 and q.in_features % gs == 0))
 
     @staticmethod
     def supports_a8(q: QuantizedLinear, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -171,8 +171,8 @@ class QmmLinear(nn.Module):
         if K % 32 or K >= 65536:
             return f"needs in_features a multiple of 32 below 65536, not {K}"
         if not (q.scheme.num_bits == 8 and gs is None or
-                q.scheme.num_bits == 4 and gs is not None and gs % 32 == 0 and K % gs == 0):
-            return f"takes int8 per-channel or int4 with groups a multiple of 32, not {q.scheme.name} group {gs}"
+                q.scheme.num_bits in (8, 4) and gs is not None and gs % 32 == 0 and K % gs == 0):
+            return f"takes int8 per channel or int8/int4 with groups a multiple of 32, not {q.scheme.name} group {gs}"
         return None
 
     def dequantized(self) -> torch.Tensor:

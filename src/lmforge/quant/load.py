@@ -1,5 +1,6 @@
 """Load a checkpoint folder that may be quantized: compressed-tensors W8A16/W4A16 or an AutoGPTQ /
-AutoAWQ layout that maps onto ours, else a plain float folder through `Transformer.from_pretrained`.
+AutoAWQ layout that maps onto ours, else a plain float folder through `Transformer.from_pretrained`;
+or a llama.cpp `.gguf` file (`gguf_load`: Q8_0 / Q4_0 codes kept, other types dequantized).
 
 Every caller that loads a folder a user names (engine, eval, training init, export, benchmarks)
 calls this; the model package's own loader reads float checkpoints only (the model sits below
@@ -20,13 +21,16 @@ import torch
 from lmforge.model import ModelConfig, Transformer
 from lmforge.model import checkpoint
 
-from . import compressed_tensors, gptq_awq
+from . import compressed_tensors, gguf_load, gptq_awq
 
 
 def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto",
                     device: str | torch.device = "auto") -> Transformer:
-    """The folder's model, quantized layers installed where its `quantization_config` says so."""
+    """The folder's model, quantized layers installed where its `quantization_config` says so (a
+    `.gguf` file: its tensors, `gguf_load.load_gguf`)."""
     path = Path(path)
+    if is_gguf(path):
+        return gguf_load.load_gguf(path, dtype=dtype, device=device)
     hf = checkpoint.read_hf_config(path)
     if not hf.get("quantization_config"):
         return Transformer.from_pretrained(path, dtype=dtype, device=device)
@@ -40,6 +44,21 @@ def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto",
     else:  # compressed-tensors W8A16/W4A16 (refused otherwise, naming the field)
         state = _load_compressed_tensors(model, hf, path, torch_dtype, device)
     return checkpoint.assign_weights(model, state, path)
+
+
+def checkpoint_info(path: str | Path) -> tuple[str | None, bool]:
+    """(the dtype the weights were saved in or None, whether linear weights are int8/int4 codes), read
+    from config.json or the GGUF header without loading tensors: what `--dtype auto` decides on."""
+    path = Path(path)
+    if is_gguf(path):
+        return gguf_load.file_dtype(path)
+    hf = checkpoint.read_hf_config(path)
+    return hf.get("torch_dtype") or hf.get("dtype"), bool(hf.get("quantization_config"))
+
+
+def is_gguf(path: str | Path) -> bool:
+    """A path naming a GGUF file (what `LLM(model=...)` and `lmforge serve` accept beside a folder)."""
+    return Path(path).suffix.lower() == ".gguf"
 
 
 def _load_gptq_awq(model: Transformer, hf: dict, path: Path, torch_dtype: torch.dtype,

@@ -1,8 +1,9 @@
 """Open a trained tokenizer folder: as `transformers` sees it, and by its content hash.
 
 The hash (sha256 of `tokenizer.json`) is what later stages record as their tokenizer input,
-so two runs can tell whether they tokenized the same way. This module knows nothing about
-training or models.
+so two runs can tell whether they tokenized the same way. A llama.cpp `.gguf` file is opened too:
+`transformers` builds a fast tokenizer from its `tokenizer.ggml.*` fields, and the chat template is
+its `tokenizer.chat_template`. This module knows nothing about training or models.
 
     from lmforge.tokenizer.load import load_tokenizer, tokenizer_hash
     tok = load_tokenizer("runs/tok"); tok.apply_chat_template(messages, tokenize=False)
@@ -13,6 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any
+
+import gguf
 
 from lmforge.track.io import sha256_file
 
@@ -37,7 +40,10 @@ def load_tokenizer(directory: str | os.PathLike, optional: bool = False) -> Any:
     """The folder as a `transformers` tokenizer via AutoTokenizer (fast when it has `tokenizer.json`).
 
     A folder with none of `TOKENIZER_FILES` raises FileNotFoundError, or gives None when `optional`
-    (the engine serves token-id prompts from a model folder without a tokenizer)."""
+    (the engine serves token-id prompts from a model folder without a tokenizer). A `.gguf` file:
+    `load_gguf_tokenizer`."""
+    if Path(directory).suffix.lower() == ".gguf":
+        return load_gguf_tokenizer(directory, optional)
     if not any((Path(directory) / f).is_file() for f in TOKENIZER_FILES):
         if optional:
             return None
@@ -45,6 +51,26 @@ def load_tokenizer(directory: str | os.PathLike, optional: bool = False) -> Any:
     from transformers import AutoTokenizer  # deferred: transformers takes seconds to import
 
     return AutoTokenizer.from_pretrained(os.fspath(directory))
+
+
+def load_gguf_tokenizer(path: str | os.PathLike, optional: bool = False) -> Any:
+    """The vocabulary, merges and special tokens of a GGUF file (`tokenizer.ggml.*`) as a `transformers`
+    fast tokenizer, with the file's `tokenizer.chat_template`. A file without `tokenizer.ggml.tokens`
+    raises ValueError naming it, or gives None when `optional`."""
+    path = Path(path)
+    fields = gguf.GGUFReader(str(path)).fields
+    if "tokenizer.ggml.tokens" not in fields:
+        if optional:
+            return None
+        raise ValueError(f"{path}: no tokenizer.ggml.tokens in the GGUF metadata; pass prompts as token ids "
+                         "or re-export the file with its tokenizer")
+    from transformers import AutoTokenizer  # deferred: transformers takes seconds to import
+
+    tok = AutoTokenizer.from_pretrained(os.fspath(path.parent), gguf_file=path.name)
+    template = fields.get("tokenizer.chat_template")
+    if template is not None and not getattr(tok, "chat_template", None):
+        tok.chat_template = bytes(template.parts[template.data[0]]).decode()
+    return tok
 
 
 def tokenizer_hash(directory: str | os.PathLike) -> str:

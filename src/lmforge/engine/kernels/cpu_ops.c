@@ -597,7 +597,7 @@ void lmf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n) {
 /* ---- weight-only int8 / int4 matmul on float32 activations (CPUs without bf16) ------------------------
  *
  * out[m, n] = sum_k x[m, k] * w[n, k] with w = code * scale:
- *   int8: codes (N, K) int8, one float32 scale per output row (w8a16 per channel);
+ *   int8: codes (N, K) int8, one float32 scale per output row (w8a16 per channel) or per group of `gs`;
  *   int4: codes packed two per byte (N, K/2) uint8, low nibble = even k, stored unsigned (code + 8),
  *         one float32 scale per output row and group of `gs` inputs (gs a multiple of 32).
  * For the few rows of a decode step (M small): every weight row is read from memory once and, for a
@@ -702,7 +702,7 @@ typedef struct {
 
 static void *qmm_range(void *arg) {
     const qmm_job *j = (const qmm_job *)arg;
-    const int64_t K = j->K, gs = j->bits == 8 ? K : j->gs, G = K / gs;
+    const int64_t K = j->K, gs = j->gs, G = K / gs;
     const int64_t row_bytes = j->bits == 8 ? K : K / 2;
     for (int64_t m0 = 0; m0 < j->M; m0 += 4) {
         const int R = j->M - m0 < 4 ? (int)(j->M - m0) : 4;
@@ -726,11 +726,13 @@ static void *qmm_range(void *arg) {
     return NULL;
 }
 
-/* bits 8 or 4; returns -1 for shapes it does not take (int4: K odd or gs not a multiple of 32 dividing K). */
+/* bits 8 or 4; int8 with gs <= 0 or gs = K is per channel (any K), else gs is a group as for int4 (GGUF's
+ * Q8_0: groups of 32). Returns -1 for shapes it does not take (a group not a multiple of 32 dividing K). */
 int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
                 int64_t bits, int64_t gs, int64_t threads) {
     if (bits != 8 && bits != 4) return -1;
-    if (bits == 4 && (gs <= 0 || gs % 32 || K % gs)) return -1;
+    if (bits == 8 && (gs <= 0 || gs == K)) gs = K;
+    else if (gs <= 0 || gs % 32 || K % gs) return -1;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > N) threads = N;
@@ -745,7 +747,7 @@ int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, i
  *
  * x (M, K) float32 or bfloat16 is quantized per row (token), dynamically: s[m] = absmax / 127,
  * q = rint(x / s) (ties to even, as torch.round), |q| <= 127 (vLLM's dynamic per-token W8A8 int8).
- * For every weight group (int8: the whole row, per channel; int4: `gs` inputs) the products q * code
+ * For every weight group (int8: the whole row, per channel, or `gs` inputs; int4: `gs` inputs) the products q * code
  * accumulate exactly in int32 (K < 65536: |dot| <= 128 * 127 * K, and the 512-bit body's
  * offset sums below stay exact), and
  *     out[m, n] = s[m] * sum_g scale[n, g] * float(dot_g[m, n])          (float32)
@@ -1121,7 +1123,7 @@ int lmf_quantize_s8(const void *x, int64_t act, int64_t M, int64_t K, int64_t ni
 int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws, float *out, int64_t M, int64_t N,
                int64_t K, int64_t bits, int64_t gs, int64_t threads, int64_t isa) {
     if ((bits != 8 && bits != 4) || K % 32 || K >= 65536 || M < 1 || N < 1) return -1;
-    if (bits == 8) gs = K;
+    if (bits == 8 && gs <= 0) gs = K;  /* per channel; int8 groups of 32 or more (GGUF's Q8_0) as for int4 */
     if (gs <= 0 || gs % 32 || K % gs) return -1;
     if (isa < 0) isa = lmf_a8_best_isa();
     if (isa >= A8_ISAS || !lmf_a8_isa_supported(isa)) return -2;
