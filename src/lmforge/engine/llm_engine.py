@@ -24,9 +24,12 @@ from pathlib import Path
 import torch
 
 from lmforge.model import Transformer
+from lmforge.model.checkpoint import resolve_device
 from lmforge.quant import load_pretrained
+from lmforge.quant.load import checkpoint_info, is_gguf
 from lmforge.tokenizer.load import load_tokenizer
 
+from . import kernels
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
@@ -81,8 +84,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         model_dir = Path(config.model)
-        if not (model_dir / "config.json").exists():
-            raise FileNotFoundError(f"{model_dir}: no config.json; pass a Hugging Face layout model directory")
+        if not (model_dir / "config.json").exists() and not is_gguf(model_dir):
+            raise FileNotFoundError(f"{model_dir}: no config.json; pass a Hugging Face layout model directory "
+                                    "or a .gguf file")
+        # --dtype auto on CPU: what is fast here (kernels.auto_dtype); resolved before any worker starts
+        self.dtype_choice = "set by --dtype"
+        if config.dtype == "auto" and resolve_device(config.device).type == "cpu":
+            config.dtype, self.dtype_choice = kernels.auto_dtype(*checkpoint_info(model_dir))
         torch.manual_seed(config.seed)
         # tensor parallelism: the workers start loading now, beside rank 0 (this process)
         self.executor = MultiprocExecutor(config) if config.tensor_parallel_size > 1 else None
@@ -120,9 +128,10 @@ class LLMEngine:
         self.counters = dict(steps=0, tokens_processed=0, kv_util_sum=0.0)
         self.timings = dict.fromkeys(("propose", "schedule", "sample", "postprocess", "detokenize"), 0.0)  # seconds
         r = self.model_runner
-        log.info("engine ready: %s, %s on %s; weights %.1f MiB (linear: %s); %d KV blocks of %d tokens "
+        log.info("engine ready: %s, %s (%s) on %s; weights %.1f MiB (linear: %s); %d KV blocks of %d tokens "
                  "(%.1f MiB, %d B/token, %s, %d tokens); attention: %s; %d packed linears, %d fused modules",
-                 model_dir, r.dtype, r.device, r.weight_bytes / 2**20, r.linear_backend, num_blocks, config.block_size,
+                 model_dir, r.dtype, self.dtype_choice, r.device, r.weight_bytes / 2**20, r.linear_backend, num_blocks,
+                 config.block_size,
                  num_blocks * r.attn.bytes_per_block / 2**20, r.attn.bytes_per_block // config.block_size,
                  config.kv_cache_dtype, num_blocks * config.block_size, r.attention_backend, r.packed_linears,
                  r.fused_modules)
@@ -423,6 +432,7 @@ class LLMEngine:
         """What the chosen schemes cost: weight bytes, KV bytes per token, pool capacity in tokens."""
         r, bs = self.model_runner, self.config.block_size
         return dict(weight_bytes=r.weight_bytes, linear_backend=r.linear_backend, attention_backend=r.attention_backend,
+                    dtype=str(r.dtype).removeprefix("torch."), dtype_choice=self.dtype_choice,
                     kv_cache_dtype=self.config.kv_cache_dtype, kv_bytes_per_token=r.attn.bytes_per_block // bs,
                     kv_pool_tokens=self.block_manager.num_blocks * bs)
 
