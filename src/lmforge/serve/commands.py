@@ -169,8 +169,9 @@ def _model_dir(model_dir: Path | None, registry: Path | None, model: str | None,
     _check_source(model_dir, registry, model, canary)
     if registry is not None:
         model_dir = _champion_dir(registry, model)
-    if not (model_dir / "config.json").exists():  # before importing torch: a typo should fail fast
-        _usage_error(f"{model_dir}: no config.json; pass a Hugging Face layout model directory")
+    gguf_file = model_dir.suffix.lower() == ".gguf" and model_dir.is_file()  # a llama.cpp file, served as is
+    if not gguf_file and not (model_dir / "config.json").exists():  # before importing torch: fail fast on a typo
+        _usage_error(f"{model_dir}: no config.json; pass a Hugging Face layout model directory or a .gguf file")
     return model_dir
 
 
