@@ -95,7 +95,7 @@ def run_scale(model: Path | None = None, inputs: Sequence[str] = ("python-docs",
         runs = [_serve_run(model, 1, False, cfg)] + [_serve_run(model, n, True, cfg) for n in workers]
     local, ray1 = runs[0], next(r for r in runs[1:] if r["replicas"] == min(workers))
     report = {"model": model_label, "serve_config": cfg, "serve": runs,
-              "ray_overhead_serve": round(local["output_tok_s"] / ray1["output_tok_s"], 3) if ray1["output_tok_s"] else None,
+              "ray_overhead_serve": round(local["output_tok_s"] / max(ray1["output_tok_s"], 1e-9), 3),
               "eight_nodes_serve": eight_nodes_serve(runs, replicas_per_node), "data": data,
               "measured_on": "this machine, shared with other jobs (busy): re-measure idle before quoting",
               "command": "lmforge bench scale", **provenance("n/a")}
@@ -116,11 +116,13 @@ def to_markdown(r: dict[str, Any]) -> str:
         lines.append(f"| {x['executor']} | {x['replicas']} | {x['output_tok_s']} | {x['ttft_p50_ms']} | "
                      f"{100 * x['prefix_cache_hit_rate']:.1f}% | {x['failed']} | {x['ready_s']} |")
     e = r["eight_nodes_serve"]
-    lines += ["", f"Ray overhead (serve, 1 replica): the local engine gives {r['ray_overhead_serve']}x the Ray "
-              f"replica's tok/s on the same cores ('ready s' includes the Ray cluster's start).", "",
+    lines += ["", f"Ray overhead (serve, 1 replica): the local engine (in the server's process, as in each Ray "
+              f"actor) gives {r['ray_overhead_serve']}x the Ray replica's tok/s on the same cores ('ready s' "
+              "includes the Ray cluster's start).", "",
               f"On paper, {e['nodes']} nodes x {e['replicas_per_node']} replica(s): {e['tok_s_per_replica']} tok/s "
               f"per replica x {e['replicas']} replicas x {e['efficiency_1_to_n']} (the measured 1 -> "
-              f"{e['from_replicas']} efficiency here) = {e['output_tok_s']} tok/s (linear: {e['output_tok_s_linear']}), "
+              f"{e['from_replicas']} efficiency here) = {e['output_tok_s']} tok/s "
+              f"(linear: {e['output_tok_s_linear']}), "
               "an upper bound: the one HTTP front is not multiplied, and its ceiling is not measured here.", ""]
     d = r.get("data")
     if d:

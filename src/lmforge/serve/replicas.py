@@ -170,7 +170,8 @@ def sum_stats(snapshots: list[dict]) -> dict:
         out["spec_decode_num_accepted_tokens_per_pos"] = [sum(col) for col in zip(
             *(s["spec_decode_num_accepted_tokens_per_pos"] for s in snapshots))]
     if out.get("spec_decode_num_draft_tokens"):
-        out["spec_decode_acceptance_rate"] = out["spec_decode_num_accepted_tokens"] / out["spec_decode_num_draft_tokens"]
+        accepted, drafted = out["spec_decode_num_accepted_tokens"], out["spec_decode_num_draft_tokens"]
+        out["spec_decode_acceptance_rate"] = accepted / drafted
     return out
 
 
@@ -256,8 +257,11 @@ class RayReplicaEngine:
         `EngineDeadError` (others are untouched); leaving early aborts the request there."""
         if self._stopped:
             raise EngineDeadError("the replica set is shut down")
-        ids = prompt if not isinstance(prompt, str) or self.tokenizer is None else self.tokenizer.encode(prompt)
-        k = self.router.pick(list(ids), self.up)
+        if isinstance(prompt, str):  # the server sends token ids; a text prompt is routed on its encoding
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False) if self.tokenizer is not None else []
+        else:
+            ids = list(prompt)
+        k = self.router.pick(ids, self.up)
         self.router.load[k] += 1
         self._where[request_id] = k
         finished = False
@@ -313,7 +317,8 @@ class RayReplicaEngine:
         ray = _ray()
         while not self._stopped:
             refs = {a.stats.remote(): k for k, a in enumerate(self.actors) if self.lost[k] is None}
-            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=max(2.0, 4 * self.poll_s)) if refs else ([], [])
+            wait_s = max(2.0, 4 * self.poll_s)
+            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s) if refs else ([], [])
             for ref, k in refs.items():
                 try:
                     snapshot = ray.get(ref) if ref in ready else None
