@@ -95,6 +95,14 @@ ReplicasOpt = Annotated[int, typer.Option(min=1, help=(
     "Engine replicas on Ray actors behind this one endpoint, routed by prompt prefix (docs/scale.md)."))]
 RayAddressOpt = Annotated[Optional[str], typer.Option(
     help="Ray cluster for the replicas (auto, HOST:6379, ray://HOST:10001) [default: a local cluster].")]
+LoraModulesOpt = Annotated[Optional[list[str]], typer.Option(help=(
+    "LoRA adapters (peft folders) served over the base, as name=path; repeat the flag or separate with commas; "
+    "a request's model picks one (docs/serving.md)."))]
+MaxLorasOpt = Annotated[int, typer.Option(min=1, help="LoRA adapters resident at once; more are swapped in LRU.")]
+MaxLoraRankOpt = Annotated[int, typer.Option(min=1, help="The largest LoRA rank accepted (every slot is this wide).")]
+AllowRuntimeLoraOpt = Annotated[bool, typer.Option(
+    envvar=["LMFORGE_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"],
+    help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter, behind --admin-api-key (vLLM's env switch).")]
 
 
 def serve(
@@ -140,16 +148,22 @@ def serve(
     quant_activations: QuantActivationsOpt = "none",
     replicas: ReplicasOpt = 1,
     ray_address: RayAddressOpt = None,
+    lora_modules: LoraModulesOpt = None,
+    max_loras: MaxLorasOpt = 1,
+    max_lora_rank: MaxLoraRankOpt = 16,
+    allow_runtime_lora_updating: AllowRuntimeLoraOpt = False,
 ) -> None:
     """Serve MODEL_DIR over the OpenAI API (/v1/*), with /health, /metrics (vLLM's names) and /version."""
     model_dir = _model_dir(model_dir, registry, model, canary)
+    loras = _lora_modules(lora_modules or [], model_dir, max_lora_rank)
     config = _engine_config(model=str(model_dir), dtype=dtype, device=device, block_size=block_size, seed=seed,
                             num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
                             kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
                             tensor_parallel_size=tensor_parallel_size, num_speculative_tokens=num_speculative_tokens,
                             speculative_model=speculative_model, speculative_method=speculative_method,
-                            quant_activations=quant_activations)
+                            quant_activations=quant_activations, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                            enable_lora=bool(loras) or allow_runtime_lora_updating)
     limits = _server_limits(max_waiting=max_waiting, max_body_bytes=max_body_bytes, read_timeout_s=read_timeout,
                             body_timeout_s=body_timeout, header_timeout_s=header_timeout,
                             keep_alive_timeout_s=keep_alive_timeout, max_connections=max_connections,
@@ -159,6 +173,8 @@ def serve(
     preflight(model_dir, dtype, device, max_num_seqs, max_model_len, kv_cache_memory_bytes)
     server = _server_config(served_model_name or model or model_dir.name, (api_key, admin_api_key), limits,
                             log_requests, feedback_db, registry is not None, tool_call_parser)
+    server = dataclasses.replace(server, lora_modules=loras, max_lora_rank=max_lora_rank,
+                                 allow_runtime_lora_updating=allow_runtime_lora_updating)
     raise typer.Exit(run_server(config, server, ListenConfig(host, port, shutdown_timeout, log_level), engine_process,
                                 registry=(registry, model) if registry else None, canary=canary,
                                 replicas=(replicas, ray_address)))
@@ -173,6 +189,37 @@ def _model_dir(model_dir: Path | None, registry: Path | None, model: str | None,
     if not gguf_file and not (model_dir / "config.json").exists():  # before importing torch: fail fast on a typo
         _usage_error(f"{model_dir}: no config.json; pass a Hugging Face layout model directory or a .gguf file")
     return model_dir
+
+
+def _lora_modules(values: list[str], model_dir: Path, max_lora_rank: int) -> dict[str, str]:
+    """--lora-modules name=path[,name=path] (or vLLM's JSON {"name": .., "path": ..}) -> {name: path}, each
+    folder checked against the base (`lmforge.engine.lora.read_adapter`); exit 2 naming what is wrong."""
+    pairs = []
+    for value in values:
+        if value.lstrip().startswith("{"):
+            try:
+                item = json.loads(value)
+                pairs.append((item["name"], item["path"]))
+            except (ValueError, KeyError, TypeError):
+                _usage_error(f'--lora-modules {value}: the JSON form is {{"name": "NAME", "path": "PATH"}}')
+        else:
+            pairs += [tuple(p.split("=", 1)) if "=" in p else (p, "") for p in value.split(",") if p.strip()]
+    names = [name for name, _ in pairs]
+    for name, path in pairs:
+        if not name.strip() or not path.strip() or names.count(name) > 1:
+            _usage_error(f"--lora-modules {name}={path}: each adapter is NAME=PATH, with a name of its own")
+    if not pairs:
+        return {}
+    from lmforge.engine.lora import check_adapter  # deferred: torch, after the cheap checks
+
+    out = {}
+    for name, path in pairs:
+        try:
+            check_adapter(path, model_dir, max_lora_rank, name)
+        except ValueError as e:
+            _usage_error(f"--lora-modules {name}: {e}")
+        out[name] = path
+    return out
 
 
 def _usage_error(message: str) -> NoReturn:
