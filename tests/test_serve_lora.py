@@ -9,7 +9,12 @@ asked for; unknown names are 404s.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -20,7 +25,7 @@ from test_engine_multilora import make_adapter, merged_by_peft
 from lmforge.engine import LLM, AsyncLLMEngine, EngineConfig, SamplingParams
 from lmforge.serve.app import build_app
 from lmforge.serve.config import ServerConfig
-from lmforge.serve.testing import TOKENIZER_FILES, ServerThread
+from lmforge.serve.testing import TOKENIZER_FILES, ServerThread, free_port
 
 MODEL, ADMIN = "tiny", "admin-key"
 PROMPTS = ["The river and the city", "Python code data model token server"]
@@ -129,3 +134,45 @@ def test_runtime_endpoints_are_off_unless_allowed(server, folders):
     assert "/v1/load_lora_adapter" not in paths and "/v1/unload_lora_adapter" not in paths
     with pytest.raises(ValueError, match="r=8 is above --max-lora-rank 4"):
         build_app(server.engine, ServerConfig(MODEL, max_lora_rank=4, lora_modules={"b": str(folders["b"])}))
+
+
+# ---- lmforge serve --lora-modules, as a process (the engine in its own process: requests cross a pipe) ------------
+
+
+def serve_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "lmforge.cli", "serve", *args]
+
+
+@pytest.mark.slow
+def test_cli_serves_adapters_from_its_engine_process(chat_model_dir, folders, want):
+    port = free_port()
+    proc = subprocess.Popen(serve_cmd(str(chat_model_dir), "--port", str(port), "--served-model-name", MODEL,
+                                      "--dtype", "float32", "--lora-modules", f"a={folders['a']},b={folders['b']}",
+                                      "--max-loras", "2", "--max-lora-rank", "8"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        assert {m.id for m in client.models.list().data} == {MODEL, "a", "b"}
+        assert complete(client, "b", PROMPTS[0]) == want["b"][0]
+        assert httpx.post(url + "/v1/load_lora_adapter", json={}).status_code == 403  # no admin key: admin is off
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert proc.returncode == 0, proc.stderr.read()[-2000:]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lora-modules", "a=A,b=/nowhere"], "--lora-modules b: /nowhere/adapter_config.json: not found"),
+    (["--lora-modules", "a=A", "--max-lora-rank", "2"], "r=4 is above --max-lora-rank 2"),
+])
+def test_cli_refuses_bad_lora_modules_naming_them(chat_model_dir, folders, flags, message):
+    flags = [f.replace("a=A", f"a={folders['a']}") for f in flags]
+    proc = subprocess.run(serve_cmd(str(chat_model_dir), *flags), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in " ".join(proc.stderr.split()), proc.stderr

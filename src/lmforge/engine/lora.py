@@ -41,6 +41,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from lmforge.model.checkpoint import read_hf_config
 from lmforge.model.config import ModelConfig
 
 # the linears an adapter may target, and where they live in a decoder layer
@@ -132,6 +133,12 @@ def read_adapter(path: str | Path, model_cfg: ModelConfig, max_lora_rank: int, n
             parts.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = f.get_tensor(key).float()
     return Adapter(name or path.name, r, scale, tuple(sorted({m for _, m in parts})),
                    _checked_weights(file, parts, model_cfg, r, scale))
+
+
+def check_adapter(path: str | Path, model_dir: str | Path, max_lora_rank: int, name: str = "") -> Adapter:
+    """`read_adapter` against the base model folder `model_dir` (its config.json): what a server checks
+    before it serves an adapter."""
+    return read_adapter(path, ModelConfig.from_hf(read_hf_config(Path(model_dir))), max_lora_rank, name)
 
 
 def _checked_weights(file: Path, parts: dict, model_cfg: ModelConfig, r: int,

@@ -23,9 +23,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
 from lmforge.engine import LoRARequest
-from lmforge.engine.lora import read_adapter, read_adapter_config
-from lmforge.model import ModelConfig
-from lmforge.model.checkpoint import read_hf_config
+from lmforge.engine.lora import check_adapter, read_adapter_config
 
 from .errors import OpenAIError, bad_request
 
@@ -64,7 +62,7 @@ class LoRAAdapters:
         if model_dir is None:
             read_adapter_config(path, self.max_lora_rank)
         else:
-            read_adapter(path, ModelConfig.from_hf(read_hf_config(Path(model_dir))), self.max_lora_rank, name)
+            check_adapter(path, model_dir, self.max_lora_rank, name)
         self.by_name[name] = LoRARequest(name, next(self._ids), str(path))
         return self.by_name[name]
 
