@@ -6,7 +6,8 @@ Two sources, both read outside the engine's step loop:
   `EngineCollector`: running/waiting gauges, KV-cache usage (fraction of blocks in use, 0..1 as
   vLLM's `kv_cache_usage_perc`), preemptions and prefix-cache queries/hits (in tokens), and with
   speculative decoding vLLM's `spec_decode_num_drafts` / `_num_draft_tokens` / `_num_accepted_tokens`
-  / `_num_accepted_tokens_per_pos` (label `position`) counters;
+  / `_num_accepted_tokens_per_pos` (label `position`) counters; and `lmforge:kernel_info` (value 1:
+  labels `linear`, `attention`, `dtype`, `dtype_choice` say which kernels run and why that dtype);
 * each request's `RequestOutput`, observed by the HTTP layer when the request ends: token
   counters, finish reasons and the latency histograms, from the timestamps the engine recorded
   (arrival, first scheduled, first token, each token, finished).
@@ -81,6 +82,19 @@ class EngineCollector:
                 f.add_metric([self.model_name, version], value(s))
             yield f
         yield from self._spec_decode(per_version)
+        yield from self._kernel_info(per_version)
+
+    def _kernel_info(self, per_version: dict[str, dict]):
+        """`lmforge:kernel_info` = 1, labelled with what runs: the linear and attention backends, the compute
+        dtype and why `--dtype auto` chose it (the Prometheus info-metric idiom)."""
+        labels = ["model_name", "model_version", "linear", "attention", "dtype", "dtype_choice"]
+        f = GaugeMetricFamily("lmforge:kernel_info", "Kernels and compute dtype the engine runs (value 1).",
+                              labels=labels)
+        for version, s in per_version.items():
+            if "linear_backend" in s:
+                f.add_metric([self.model_name, version, s["linear_backend"], s.get("attention_backend", ""),
+                              s.get("dtype", ""), s.get("dtype_choice", "")], 1)
+        yield f
 
     def _spec_decode(self, per_version: dict[str, dict]):
         """vLLM's speculative-decoding counters, for the versions whose engine speculates (as vLLM: only then)."""
