@@ -51,9 +51,13 @@ def bench_serve(
     offline_dtype: Annotated[str, typer.Option(help="dtype for --offline-model.")] = "auto",
     out: Annotated[Optional[Path], typer.Option(help="Write bench.json and bench.md here.")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    against: Annotated[Optional[str], typer.Option(
+        help="Another OpenAI-compatible server (e.g. llama-server): same workload on both, ratios.")] = None,
+    against_model: Annotated[Optional[str], typer.Option(help="Model id on --against (default: its first).")] = None,
+    concurrency: Annotated[str, typer.Option(help="With --against: concurrencies to run, e.g. 1,16.")] = "1,16",
 ) -> None:
     """Load-test an OpenAI-compatible server: TTFT, TPOT, ITL, E2E percentiles, throughput, goodput,
-    and the server's own /metrics view beside them."""
+    and the server's own /metrics view beside them; with --against, lmforge against another server."""
     # deferred: httpx (and the HTTP client runner) only for this verb; `lmforge --help` stays lighter
     import httpx
 
@@ -66,6 +70,8 @@ def bench_serve(
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+    if against:
+        raise typer.Exit(_bench_against(cfg, against, against_model, concurrency, out))
     try:
         report = run(cfg, out)
     except httpx.HTTPError as e:
@@ -73,6 +79,28 @@ def bench_serve(
         raise typer.Exit(1) from None
     typer.echo(to_markdown(report))
     raise typer.Exit(0 if report["client"]["failed"] == 0 else 1)
+
+
+def _bench_against(cfg, against: str, against_model: str | None, concurrency: str, out: Path | None) -> int:
+    import httpx  # deferred: as in bench_serve
+
+    from lmforge.bench.serve import against_markdown, bench_against  # deferred: same
+
+    try:
+        levels = [int(c) for c in concurrency.split(",") if c.strip()]
+        if not levels or min(levels) < 1:
+            raise ValueError
+    except ValueError:
+        typer.echo(f"error: --concurrency {concurrency!r}: a comma-separated list of positive integers, e.g. 1,16",
+                   err=True)
+        return 2
+    try:
+        report = bench_against(cfg, against.rstrip("/"), levels, against_model, out)
+    except httpx.HTTPError as e:
+        typer.echo(f"error: {type(e).__name__}: {e} (is every server up? {cfg.base_url}, {against})", err=True)
+        return 1
+    typer.echo(against_markdown(report))
+    return 0 if all(r["failed"] == 0 for side in report["runs"].values() for r in side.values()) else 1
 
 
 @app.command("soak", help="Load and faults against a real lmforge serve (hostile requests, a killed exchange-log "

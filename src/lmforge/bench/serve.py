@@ -19,13 +19,24 @@ server's `max_model_len`. This module knows nothing about the engine (except for
 comparison) and imports no torch unless asked for it.
 
     lmforge bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 8 --out runs/bench
+
+With `--against URL` (`bench_against`) the same requests go, one concurrency at a time (1 and 16 by
+default), to lmforge's server and to any other OpenAI-compatible server (llama.cpp's `llama-server`,
+vLLM, Ollama's /v1): output tok/s and TTFT per server and concurrency, their ratios, and the machine
+with its load average, in one report. A server that sends no stream usage is counted one token a
+chunk (llama-server streams a token a chunk).
+
+    lmforge bench serve --base-url http://127.0.0.1:8000 --against http://127.0.0.1:8080 \
+        --concurrency 1,16 --num-prompts 32 --out runs/vs-llamacpp
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
+import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -159,6 +170,8 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, model: str, req: Ben
                     res.output_tokens = chunk["usage"]["completion_tokens"]
         res.e2e = time.perf_counter() - start
         res.ok = last is not None
+        if res.ok and not res.output_tokens:  # a server without stream usage: one token a chunk (llama-server)
+            res.prompt_tokens, res.output_tokens = len(req.prompt), len(res.itl) + 1
         if not res.ok:
             res.error = "the stream ended without a token"
     except (httpx.HTTPError, json.JSONDecodeError) as e:
@@ -196,8 +209,11 @@ SERVER_HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:inter_token_laten
 
 def scrape(client: httpx.Client, model: str) -> dict[str, float]:
     """Counter totals and histogram sums/counts from /metrics, for `model`'s label only."""
-    text = client.get("/metrics").text
+    r = client.get("/metrics")
     out: dict[str, float] = {}
+    if r.status_code != 200 or "vllm:" not in r.text:  # a server without vLLM's metrics (llama-server)
+        return out
+    text = r.text
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.labels.get("model_name", model) != model:
@@ -354,4 +370,74 @@ def to_markdown(report: dict[str, Any]) -> str:
               f"{s['mean_e2e_ms']:.1f} / {s['mean_queue_time_ms']:.1f} ms |"]
     if c["errors"]:
         lines += ["", "Errors (first 5 distinct):", ""] + [f"- {e}" for e in c["errors"]]
+    return "\n".join(lines) + "\n"
+
+
+# ---- lmforge against another OpenAI-compatible server ------------------------------------------------
+
+
+def _first_model(base_url: str, api_key: str | None) -> tuple[str, int]:
+    with httpx.Client(base_url=base_url, timeout=30.0,
+                      headers={"Authorization": f"Bearer {api_key}"} if api_key else {}) as c:
+        card = c.get("/v1/models").raise_for_status().json()["data"][0]
+    return card["id"], int(card.get("max_model_len") or 2048)
+
+
+def bench_against(cfg: BenchConfig, against: str, concurrencies: list[int], against_model: str | None = None,
+                  out: Path | None = None) -> dict[str, Any]:
+    """The same streamed workload against `cfg.base_url` (lmforge) and `against`, at each concurrency
+    in turn (max_concurrency = c, all requests queued at once); returns (and writes, with `out`)
+    tok/s and TTFT per server and concurrency and the ratios lmforge / other."""
+    ours, our_len = _first_model(cfg.base_url, cfg.api_key)
+    theirs, their_len = _first_model(against, cfg.api_key)
+    reqs = make_workload(cfg, min(our_len, their_len))  # one workload, clipped to fit both servers
+    runs: dict[str, dict[str, Any]] = {"lmforge": {}, "against": {}}
+    for c in concurrencies:
+        for side, url, model in (("lmforge", cfg.base_url, cfg.model or ours), ("against", against,
+                                                                                against_model or theirs)):
+            run_cfg = dataclasses.replace(cfg, base_url=url, max_concurrency=c, request_rate=math.inf)
+            load = os.getloadavg()[0]
+            results, duration = asyncio.run(_run_requests(run_cfg, model, reqs))
+            runs[side][str(c)] = {**summarize(run_cfg, results, duration), "load_avg_1m_before": load}
+    ratios = {c: {"output_throughput": runs["lmforge"][c]["output_throughput"] /
+                  max(runs["against"][c]["output_throughput"], 1e-9),
+                  "ttft_p50_other_over_lmforge": runs["against"][c]["ttft_ms"]["p50"] /
+                  max(runs["lmforge"][c]["ttft_ms"]["p50"], 1e-9)} for c in runs["lmforge"]}
+    report = {"config": {**asdict(cfg), "against": against, "concurrencies": concurrencies,
+                         "models": {"lmforge": cfg.model or ours, "against": against_model or theirs}},
+              "runs": runs, "ratios": ratios,
+              "provenance": {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "packages": package_versions(),
+                             "hardware": hardware_info(), "cpu_model": _cpu_model(), "cpus": os.cpu_count()}}
+    if out is not None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        atomic_write_json(Path(out) / "against.json", report)
+        atomic_write_text(Path(out) / "against.md", against_markdown(report))
+    return report
+
+
+def _cpu_model() -> str | None:
+    try:
+        return next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                     if ln.startswith("model name")), None)
+    except OSError:
+        return None
+
+
+def against_markdown(report: dict[str, Any]) -> str:
+    cfg, runs, p = report["config"], report["runs"], report["provenance"]
+    lines = [f"# bench serve: lmforge ({cfg['base_url']}, {cfg['models']['lmforge']}) against {cfg['against']} "
+             f"({cfg['models']['against']})", "",
+             f"{cfg['num_prompts']} streamed requests per run, workload `{cfg['workload']}`, seed {cfg['seed']}, all "
+             f"queued at once, at most c in flight; {p['date']}; {p['cpu_model'] or p['hardware']['machine']}, "
+             f"{p['cpus']} CPUs. Load average (1 min) before each run is listed: above ~0.5 the machine was busy "
+             "and the figures are not idle-machine figures.", "",
+             "| c | lmforge tok/s | other tok/s | lmforge / other | TTFT p50 lmforge (ms) | TTFT p50 other (ms) "
+             "| other / lmforge TTFT | load before (lmforge, other) | failed (lmforge, other) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    for c, r in report["ratios"].items():
+        a, b = runs["lmforge"][c], runs["against"][c]
+        lines.append(f"| {c} | {a['output_throughput']:.1f} | {b['output_throughput']:.1f} | "
+                     f"{r['output_throughput']:.2f}x | {a['ttft_ms']['p50']:.0f} | {b['ttft_ms']['p50']:.0f} | "
+                     f"{r['ttft_p50_other_over_lmforge']:.2f}x | {a['load_avg_1m_before']:.2f}, "
+                     f"{b['load_avg_1m_before']:.2f} | {a['failed']}, {b['failed']} |")
     return "\n".join(lines) + "\n"
