@@ -24,7 +24,8 @@ prompt's messages + the correction as the assistant turn, `train.stage=sft`'s fo
 the served answer differs, one preference pair (chosen = correction, rejected = served answer).
 A low-scored record without a correction pairs with a high-scored answer to the same prompt.
 Pairs use TRL's conversational preference format. `sft-lora.yaml` is a ready `lmforge train`
-config (SFT, LoRA on the champion's folder); `stats.json` reconciles (in = kept + every drop);
+config (SFT, LoRA on the champion's folder), and `dpo-lora.yaml` one for DPO on the pairs (LoRA on
+the champion, which is also the frozen reference); `stats.json` reconciles (in = kept + every drop);
 `rejected.jsonl` lists each drop. Nothing is trained: the verdict says whether the SFT count
 reached `--min-count`. It knows nothing about HTTP or the training loop.
 """
@@ -62,8 +63,8 @@ SHORT_EVAL_MIN_WORDS = 4  # shorter eval prompts ("What is 2?") would match ordi
 SHORT_EVAL_FIELDS = ("prompt", "question", "text")  # never answers/choices: "45" or "Saturday" alone is no leak
 CONTROL = ("<|im_start|>", "<|im_end|>")  # lmforge.tokenizer.special's IM_START / IM_END
 _CHATML = re.compile(r"<\|im_start\|>([^\n<]+)\n(.*?)<\|im_end\|>", re.S)
-SFT_FILE, PREF_FILE, CONFIG_FILE, STATS_FILE, REJECTED_FILE = (
-    "sft.jsonl", "preferences.jsonl", "sft-lora.yaml", "stats.json", "rejected.jsonl")
+SFT_FILE, PREF_FILE, CONFIG_FILE, DPO_CONFIG_FILE, STATS_FILE, REJECTED_FILE = (
+    "sft.jsonl", "preferences.jsonl", "sft-lora.yaml", "dpo-lora.yaml", "stats.json", "rejected.jsonl")
 
 
 # ---- records ------------------------------------------------------------------------------------
@@ -342,17 +343,21 @@ def longest_conversation(model_dir: str | os.PathLike, sft: list[dict]) -> int |
     return max(sum(next(lengths) + 6 for _ in row["messages"]) for row in sft)
 
 
-def train_config(champion: Any, sft_path: Path, sft: list[dict], name: str) -> dict[str, Any]:
-    """A LoRA SFT config on the champion's folder, sized to the data: one conversation per row (so
-    a batch never needs more rows than there are conversations), rows as long as the longest
-    conversation (rounded up to 64, at most the champion's context and 2048), about 3 epochs."""
+def _row_shape(champion: Any, conversations: list[dict], n: int) -> tuple[int, int, int]:
+    """(seq_len, batch, steps) for n examples: rows as long as the longest conversation (rounded up
+    to 64, at most the champion's context and 2048), one example per row at most n to a batch (so a
+    batch never needs more rows than there are examples), about 3 epochs."""
     cfg = json.loads((Path(champion.path) / "config.json").read_text())
     context = int(cfg.get("max_position_embeddings") or 2048)
-    longest = longest_conversation(champion.path, sft)
+    longest = longest_conversation(champion.path, conversations)
     seq_len = min(context, 2048, 64 * math.ceil(longest / 64) if longest else 1024)
-    n = len(sft)
     batch = max(1, min(8, n))
-    steps = int(min(1000, max(10, math.ceil(3 * n / batch))))
+    return seq_len, batch, int(min(1000, max(10, math.ceil(3 * n / batch))))
+
+
+def train_config(champion: Any, sft_path: Path, sft: list[dict], name: str) -> dict[str, Any]:
+    """A LoRA SFT config on the champion's folder, sized to the data (`_row_shape`)."""
+    seq_len, batch, steps = _row_shape(champion, sft, len(sft))
     return {
         "run": {"name": f"flywheel-{name}-v{champion.version}"},
         "data": {"path": str(sft_path.resolve())},
@@ -363,6 +368,27 @@ def train_config(champion: Any, sft_path: Path, sft: list[dict], name: str) -> d
                   "log_every": 10},
         "lora": {"rank": 8, "alpha": 16, "dropout": 0.05, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
         "sft": {"packed": False},
+    }
+
+
+def dpo_config(champion: Any, pref_path: Path, prefs: list[dict], name: str) -> dict[str, Any]:
+    """A LoRA DPO config on the champion's folder (configs/dpo.yaml's settings), sized to the pairs:
+    rows as long as the prompt with its longer answer, batches of at most 4 pairs (8 rows)."""
+    convs = [{"messages": p["prompt"] + p[side]} for p in prefs for side in ("chosen", "rejected")]
+    seq_len, batch, steps = _row_shape(champion, convs, len(prefs))
+    batch = min(batch, 4)
+    steps = int(min(1000, max(10, math.ceil(3 * len(prefs) / batch))))
+    return {
+        "run": {"name": f"flywheel-dpo-{name}-v{champion.version}"},
+        "data": {"path": str(pref_path.resolve()), "val_path": None},
+        "model": {"init": champion.path},
+        "train": {"stage": "dpo", "method": "lora", "max_steps": steps, "batch_size": batch, "seq_len": seq_len,
+                  "lr": 5.0e-5, "warmup_steps": max(1, steps // 10), "decay": "linear", "min_lr_ratio": 0.0,
+                  "weight_decay": 0.0, "dtype": "float32", "grad_clip": 1.0, "seed": 0, "ckpt_every": 0,
+                  "keep_last": 1, "eval_every": 0, "log_every": 10},
+        "lora": {"rank": 16, "alpha": 32, "dropout": 0.0,
+                 "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
+        "dpo": {"beta": 0.1, "loss_type": "sigmoid", "precompute_ref_log_probs": False},
     }
 
 
@@ -432,8 +458,8 @@ def _stats(acc: Accounts, records: list[dict], sft: list[dict], prefs: list[dict
 
 def _write_products(out: Path, acc: Accounts, sft: list[dict], prefs: list[dict], champion: Any,
                     model: str) -> list[str]:
-    """sft.jsonl, preferences.jsonl, rejected.jsonl and, with any SFT example, the LoRA config
-    (validated: "ready" means `lmforge train` accepts it); returns the files written."""
+    """sft.jsonl, preferences.jsonl, rejected.jsonl and, with any SFT example (preference pair), the
+    LoRA SFT (DPO) config (validated: "ready" means `lmforge train` accepts it); returns the files written."""
     atomic_write_text(out / SFT_FILE, _jsonl(sft))
     atomic_write_text(out / PREF_FILE, _jsonl(prefs))
     atomic_write_text(out / REJECTED_FILE, _jsonl(acc.rejected))
@@ -445,6 +471,14 @@ def _write_products(out: Path, acc: Accounts, sft: list[dict], prefs: list[dict]
         atomic_write_text(out / CONFIG_FILE, header + dump_yaml(train_config(champion, out / SFT_FILE, sft, model)))
         load_config(TrainConfig, out / CONFIG_FILE).validate()  # "ready" means `lmforge train` accepts it
         outputs.append(CONFIG_FILE)
+    if prefs:
+        header = (f"# LoRA DPO on {model} v{champion.version} (champion and frozen reference, sha256 "
+                  f"{champion.sha256[:12]}) from {len(prefs)} preference pairs; made by `lmforge flywheel build`.\n"
+                  f"#   lmforge train {out / DPO_CONFIG_FILE} --out runs/{model}-flywheel-dpo\n")
+        atomic_write_text(out / DPO_CONFIG_FILE,
+                          header + dump_yaml(dpo_config(champion, out / PREF_FILE, prefs, model)))
+        load_config(TrainConfig, out / DPO_CONFIG_FILE).validate()
+        outputs.append(DPO_CONFIG_FILE)
     return outputs
 
 
