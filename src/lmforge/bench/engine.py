@@ -74,6 +74,7 @@ class BenchEngineConfig:
     out: str = "runs/bench-engine"
     kv_cache_dtype: str = "auto"  # lmforge: auto | int8
     kv_cache_memory_bytes: int | None = None  # lmforge: a fixed KV budget (None: the engine's default)
+    quant_activations: str = "none"  # lmforge on a w8/w4 model: none (exact A16) | int8 (A8 integer dots)
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
@@ -83,6 +84,8 @@ class BenchEngineConfig:
             raise ValueError(f"--baselines: unknown {sorted(bad)}; choose from {', '.join(SYSTEMS)}")
         if min(self.num_requests, self.hf_sequential_requests, self.static_batch_size, self.threads) < 1:
             raise ValueError("--num-requests, --hf-sequential-requests, --static-batch-size, --threads must be >= 1")
+        if self.quant_activations not in ("none", "int8"):
+            raise ValueError(f"--quant-activations {self.quant_activations!r}: choose none or int8")
 
 
 @dataclass
@@ -353,7 +356,7 @@ def run_lmforge(model_dir: Path, dtype: str, reqs: list[Request], cfg: BenchEngi
     llm = LLM(str(model_dir), dtype=dtype, device="cpu", max_num_seqs=cfg.max_num_seqs,
               max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_model_len,
               enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=cfg.kv_cache_dtype,
-              kv_cache_memory_bytes=cfg.kv_cache_memory_bytes)
+              kv_cache_memory_bytes=cfg.kv_cache_memory_bytes, quant_activations=cfg.quant_activations)
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True, output_kind="final_only")
               for r in reqs]
     llm.generate([[5] * 16], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
@@ -369,7 +372,7 @@ def run_lmforge(model_dir: Path, dtype: str, reqs: list[Request], cfg: BenchEngi
                           f"prefix cache {'on' if enable_prefix_caching else 'off'}, "
                           f"attention {llm.llm_engine.model_runner.attention_backend}, "
                           f"{llm.llm_engine.model_runner.fused_modules} fused modules, "
-                          f"KV {cfg.kv_cache_dtype} ({s['kv_pool_tokens']} tokens)",
+                          f"KV {cfg.kv_cache_dtype} ({s['kv_pool_tokens']} tokens), linear {s['linear_backend']}",
                      kv_utilization=(s["kv_util_sum"] - before["kv_util_sum"]) / max(steps, 1), steps=steps,
                      preemptions=s["preemptions"] - before["preemptions"],
                      prefix_cache_hit_rate=((s["prefix_cache_hits"] - before["prefix_cache_hits"]) /
@@ -526,6 +529,7 @@ def bench_engine(
     out: Annotated[Path, typer.Option(help="Where bench.json and bench.md go.")] = Path("runs/bench-engine"),
     kv_cache_dtype: Annotated[str, typer.Option(help="lmforge: auto (the model's dtype) | int8.")] = "auto",
     kv_cache_memory_bytes: Annotated[Optional[int], typer.Option(help="lmforge: KV pool budget in bytes.")] = None,
+    quant_activations: Annotated[str, typer.Option(help="lmforge on a w8/w4 model: none (exact) | int8.")] = "none",
 ) -> None:
     """Engine throughput and latency against transformers (one at a time, continuous batching) and
     static batching, on the same requests; KV utilization; prefix-cache TTFT. Writes bench.json, bench.md."""
@@ -535,7 +539,7 @@ def bench_engine(
                                 hf_sequential_requests=hf_sequential_requests, static_batch_size=static_batch_size,
                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 threads=threads, seed=seed, out=str(out), kv_cache_dtype=kv_cache_dtype,
-                                kv_cache_memory_bytes=kv_cache_memory_bytes)
+                                kv_cache_memory_bytes=kv_cache_memory_bytes, quant_activations=quant_activations)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
