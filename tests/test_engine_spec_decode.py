@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hf_models import save_hf_model
+from lmforge.bench.spec_decode import bench_run, to_markdown
 from lmforge.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from lmforge.engine.spec_decode import NgramProposer, greedy_accept, rejection_sample
 from lmforge.serve.app import build_app
@@ -266,3 +267,16 @@ def test_openai_client_greedy_is_identical_with_speculation_on_and_off(chat_mode
         texts.append(got)
         assert ("vllm:spec_decode_num_drafts_total" in metrics) == bool(spec)
     assert texts[0] == texts[1] and texts[1][0] == texts[1][2]
+
+
+def test_bench_spec_decode_reports_every_system_and_checks_identity(target):
+    """`lmforge.bench.spec_decode` on a tiny model (float32): a row per workload x concurrency x system,
+    every output the plain engine's, and the spec rows carry their acceptance."""
+    report = bench_run(target, target, "float32", k=2, num_requests=1, concurrency=2, max_tokens=8, seed=0)
+    rows = report["rows"]
+    assert len(rows) == 2 * 2 * 3 and all(r["identical"] for r in rows)
+    assert all("acceptance_rate" in r for r in rows if r["system"] != "plain")
+    assert all(r["output_tokens"] == 8 * r["concurrency"] for r in rows if r["concurrency"] == 2)
+    md = to_markdown({**report, "provenance": {"date": "d", "threads": 1, "load_average": None},
+                      "load_average_after": None})
+    assert md.count("| code-edit |") == 6
