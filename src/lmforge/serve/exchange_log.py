@@ -11,21 +11,22 @@ child interpreter of their own, and the serving process only appends a dict to a
 Only masked text reaches the disk: the child calls `FeedbackStore.log_exchanges`, which masks
 before its transaction starts; the rows cross a pipe, never a file. A row is added before its
 response is sent, and rows go to the pipe at most `interval_s` (default `INTERVAL_S`, 50 ms) after
-they are added, or at once when `MAX_BATCH` have collected or a waiter asks: one message per batch,
+they are added: at once after a quiet spell, else with the next batch (at most one batch per
+interval, or sooner when `MAX_BATCH` have collected or a waiter asks): one message per batch,
 answered by one ack, and the sender does not wait for a batch's ack before it sends the next (a row
 held back until the writer caught up would die with the server). The interval trades the crash
 window for the serving process's CPU: each batch costs a pipe message, an ack and two thread
 wake-ups, so at 100 exchanges/s `scripts/bench_ops.py --phases log_cpu` measured ~160 us of it per
-exchange at 10 ms (one row per batch), ~140 us at 25 ms and ~80 us at 50 ms (2026-12-02, a busy
-2-core box). The writer commits each batch it reads (batches that queued while it was busy go in
-one transaction).
+exchange with a 10 ms interval (one row per batch), ~140 us at 25 ms and ~80 us at 50 ms
+(2026-12-02, a busy 2-core box). The writer commits each batch it reads (batches that queued while
+it was busy go in one transaction).
 
 * **What a crash can lose** (docs/operations.md, "Request logging"): a row that is in the pipe is
   the writer's: it reads the pipe to its end and commits every row in it even after the server is
   killed with SIGKILL, then exits. So a `kill -9` of the server loses only rows not yet handed over:
   those added in the last `interval_s`, and rows the sender could not write because the writer is
-  more than a pipe buffer behind (the buffer is raised to `PIPE_BYTES`, 1 MiB, about 2,000 rows of a
-  chat exchange). A kill of the writer itself loses the batches it had read and not committed
+  more than a pipe buffer behind (the buffer is raised to `PIPE_BYTES`, 1 MiB, about 1,900 rows of
+  450 characters). A kill of the writer itself loses the batches it had read and not committed
   (counted as dropped). Commits use SQLite's `synchronous=NORMAL` under WAL: a process crash loses
   nothing committed; a power cut can lose the last commits, never the file.
 * **Bounded**: at most `max_pending` rows added and not yet acknowledged. Past that, `add` drops the
@@ -70,7 +71,7 @@ class ExchangeLog:
             raise ValueError(f"exchange log interval_s={interval_s!r}: must be in [0, 1] seconds")
         self.path, self.max_pending, self.interval_s = Path(store.path), max_pending, interval_s
         self._rows: list[tuple[int, dict]] = []  # (seq, row) added and not yet sent
-        self._oldest = 0.0  # when the oldest row in _rows was added (time.monotonic)
+        self._last_sent = 0.0  # when the sender last sent a batch (time.monotonic)
         self._in_flight: deque[tuple[int, int]] = deque()  # (last seq, rows) of batches sent, not acked
         self._lock = threading.Condition()
         self._seq = 0  # rows accepted so far; a row's seq is its number among them
@@ -105,13 +106,11 @@ class ExchangeLog:
                 self.dropped += 1
                 return False
             self._seq += 1
-            if not self._rows:
-                self._oldest = time.monotonic()
             self._rows.append((self._seq, row))
             self._recent[row["id"]] = (row["model_version"], self._seq)
             if len(self._recent) > RECENT:
                 self._recent.popitem(last=False)
-            if len(self._rows) in (1, MAX_BATCH):  # the first row starts the sender's interval; a full batch ends it
+            if len(self._rows) in (1, MAX_BATCH):  # the first row wakes the sender; a full batch ends its wait
                 self._lock.notify_all()
             return True
 
@@ -162,11 +161,14 @@ class ExchangeLog:
         while True:
             with self._lock:
                 self._lock.wait_for(lambda: self._rows or self._closed or self._dead)
+                # at most one batch per interval: after a quiet spell a row goes at once, in a burst rows
+                # collect (each waits less than the interval, since the last batch went before it came)
                 self._lock.wait_for(lambda: self._urgent or self._closed or self._dead or len(self._rows) >= MAX_BATCH,
-                                    self._oldest + self.interval_s - time.monotonic())
+                                    self._last_sent + self.interval_s - time.monotonic())
                 if not self._rows or self._dead:
                     return
-                batch, self._rows = self._rows[:MAX_BATCH], self._rows[MAX_BATCH:]  # an overflow goes next, no wait
+                batch, self._rows = self._rows[:MAX_BATCH], self._rows[MAX_BATCH:]  # an overflow goes next
+                self._last_sent = time.monotonic()
                 self._urgent = bool(self._rows) and self._urgent
                 self._in_flight.append((batch[-1][0], len(batch)))
             try:
