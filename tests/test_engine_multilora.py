@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmforge.engine import LLM, LoRARequest, SamplingParams
+from lmforge.engine import LLM, EngineConfig, LLMEngine, LoRARequest, SamplingParams
 from lmforge.engine.lora import read_adapter
 from lmforge.model import Transformer
 from lmforge.model.reference import save_hf_model
@@ -128,3 +128,25 @@ def test_adapter_for_another_base_is_refused(folders, tmp_path):
     other = save_hf_model("llama", tmp_path / "other", vocab_size=256, hidden_size=32, layers=2)
     with pytest.raises(ValueError, match="do not fit rank 4 over this base"):
         read_adapter(folders["a"], Transformer.from_pretrained(other).config, 16)
+
+
+def run_engine(engine: LLMEngine, prompts, loras) -> list[list[int]]:
+    for i, (p, lora) in enumerate(zip(prompts, loras)):
+        engine.add_request(str(i), p, GREEDY, lora_request=lora)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("extra", [dict(num_kv_blocks=10, block_size=4),  # preemptions: recompute on readmission
+                                   dict(speculative_method="ngram", num_speculative_tokens=3)])
+def test_adapters_survive_preemption_and_speculative_decoding(folders, want, extra):
+    engine = LLMEngine(EngineConfig(model=str(folders["base"]), dtype="float32", enable_lora=True, max_loras=3,
+                                    max_lora_rank=8, **extra))
+    names = [*TARGETS, "base"]
+    loras = [None if n == "base" else req(folders, n, 1 + list(TARGETS).index(n)) for n in names for _ in PROMPTS]
+    got = run_engine(engine, PROMPTS * len(names), loras)
+    assert got == [w for n in names for w in want[n]]
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 if "num_kv_blocks" in extra else stats["spec_decode_num_drafts"] > 0
