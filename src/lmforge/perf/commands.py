@@ -71,12 +71,29 @@ def memory_cmd(model: Model, mode: Annotated[str, typer.Option(help="full | lora
                pp: Annotated[int, typer.Option(help="Pipeline degree.")] = 1,
                lora_rank: Annotated[int, typer.Option(help="LoRA rank (lora, qlora).")] = 16,
                quant_bits: Annotated[Optional[int], typer.Option(help="4 or 8: quantized weights.")] = None,
+               compute_dtype: Annotated[Optional[str], typer.Option(
+                   "--compute-dtype", help="float32 | bfloat16 | float16: what matmuls and activations compute "
+                                           "in (default: the weights' dtype, at most 16 bit; lmforge's "
+                                           "train.dtype).")] = None,
+               lora_targets: Annotated[Optional[str], typer.Option(
+                   "--lora-targets", help="Comma-separated adapted modules (lora, qlora), e.g. q_proj,v_proj "
+                                          "(default: all seven matmuls).")] = None,
+               fused_loss: Annotated[bool, typer.Option(
+                   "--fused-loss/--no-fused-loss", help="Logits a chunk at a time (lmforge's default); "
+                                                        "--no-fused-loss: the whole (batch, seq, vocab) logits.")] = True,
+               reference_model: Annotated[bool, typer.Option(
+                   "--reference-model", help="DPO's frozen reference: a second copy of the weights.")] = False,
                device: DeviceOpt = None, as_json: AsJson = False, out: Out = None) -> None:
+    targets = tuple(t.strip() for t in lora_targets.split(",") if t.strip()) if lora_targets else None
+    if lora_targets is not None and not targets:
+        raise typer.BadParameter("give module names, e.g. --lora-targets q_proj,v_proj", param_hint="--lora-targets")
+
     def make():
         kind = "cpu" if device in ("cpu", "this") else "cuda"
         est = memory(model, mode=mode, dtype=dtype, optimizer=optimizer, batch=batch, seq_len=seq_len,
                      grad_ckpt=grad_ckpt, dp_shard=dp_shard, tp=tp, pp=pp, lora_rank=lora_rank,
-                     quant_bits=quant_bits, device_kind=kind)
+                     quant_bits=quant_bits, device_kind=kind, compute_dtype=compute_dtype,
+                     lora_targets=targets, fused_loss=fused_loss, reference_model=reference_model)
         if device:
             dev = device_spec(device)
             if dev.memory:

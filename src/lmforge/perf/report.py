@@ -55,11 +55,16 @@ def run_memory_gap(rec: dict) -> dict | None:
         return None
     t = cfg.get("train", {})
     kind = "cuda" if str(rec.get("device", "")).startswith("cuda") else "cpu"
-    est = memory(ModelShape.from_config(mc), mode=t.get("method", "full"), dtype="float32",
-                 batch=rec.get("batch_size", 1), seq_len=rec.get("seq_len", 1),
-                 grad_ckpt=bool(t.get("gradient_checkpointing")), lora_rank=cfg.get("lora", {}).get("rank", 16),
-                 fused_loss=bool(t.get("fused_loss", True)), compute_dtype=rec.get("dtype"), device_kind=kind)
-    expected = est.total + (est.overhead if kind == "cpu" else 0)
+    pre = rec.get("memory_estimate")
+    if pre:  # the pre-flight's own estimate, made with the run's real dtypes (train/guards.memory_args)
+        total, overhead = pre["total_bytes"], pre["overhead_bytes"]
+    else:  # a record from before the pre-flight kept its estimate: re-derived, a full-precision base assumed
+        est = memory(ModelShape.from_config(mc), mode=t.get("method", "full"), dtype="float32",
+                     batch=rec.get("batch_size", 1), seq_len=rec.get("seq_len", 1),
+                     grad_ckpt=bool(t.get("gradient_checkpointing")), lora_rank=cfg.get("lora", {}).get("rank", 16),
+                     fused_loss=bool(t.get("fused_loss", True)), compute_dtype=rec.get("dtype"), device_kind=kind)
+        total, overhead = est.total, est.overhead
+    expected = total + (overhead if kind == "cpu" else 0)
     return {"expected": expected, "measured": peak, "ratio": peak / expected,
             "what": "peak memory (" + ("RSS, with framework" if kind == "cpu" else "CUDA allocated") + ")"}
 
