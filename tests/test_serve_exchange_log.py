@@ -160,6 +160,29 @@ def test_a_batch_the_store_refuses_is_counted_and_the_writer_goes_on(store):
     assert [r["id"] for r in store.exchanges()] == ["cmpl-1"]
 
 
+def test_batches_go_to_a_stalled_writer_without_waiting_for_acks_and_a_bad_one_loses_only_itself(store):
+    xlog = ExchangeLog(store)
+    try:
+        os.kill(xlog._proc.pid, signal.SIGSTOP)
+        try:
+            assert xlog.add({**row(0), "kind": "not-a-kind"})
+            deadline = time.time() + 10
+            while len(xlog._in_flight) < 1:  # sent without waiting for any ack
+                assert time.time() < deadline
+                time.sleep(0.01)
+            for i in range(1, 4):
+                assert xlog.add(row(i))
+            while len(xlog._in_flight) < 2:  # the next batch goes too, while the first is not acked
+                assert time.time() < deadline, "the sender waited for the stalled writer's ack"
+                time.sleep(0.01)
+        finally:
+            os.kill(xlog._proc.pid, signal.SIGCONT)
+        assert xlog.flush(timeout=60) and xlog.dropped == 1  # the merged write failed; each batch alone
+    finally:
+        xlog.close()
+    assert sorted(r["id"] for r in store.exchanges()) == ["cmpl-1", "cmpl-2", "cmpl-3"]
+
+
 def _writer_of(server: psutil.Process, timeout: float = 60) -> psutil.Process:
     deadline = time.time() + timeout
     while time.time() < deadline:
