@@ -1,6 +1,7 @@
 """`LLMEngine`: requests in, `RequestOutput`s out, one scheduler step at a time.
 
-`step()` is schedule -> run -> sample -> postprocess -> outputs. The engine owns what ends a
+`step()` is schedule -> run -> sample -> postprocess -> outputs (with speculative decoding,
+`spec_decode.py` proposes drafts first and verifies them where the sampler would sample). The engine owns what ends a
 request other than stop strings (the detokenizer's): EOS (unless `ignore_eos`), `stop_token_ids`,
 `max_tokens`, `min_tokens`, `max_model_len` and a completed grammar (structured outputs); and it
 refuses, upfront, requests that could never fit or whose grammar does not compile. It knows nothing

@@ -3,7 +3,9 @@ decode token, or the next prefill chunk), then on waiting ones in arrival order 
 be allocated. Chunked prefill, prefix-cache hits and resumption after preemption all fall out of
 `num_tokens - num_computed_tokens`. When a running sequence cannot get a block, the newest running
 sequence is preempted by recompute: its blocks are freed, `num_computed_tokens` goes back to 0 and
-it returns to the head of the waiting queue, keeping its generated tokens.
+it returns to the head of the waiting queue, keeping its generated tokens. A decoding sequence with
+speculative drafts (`seq.spec_token_ids`) is given 1 + its drafts, as far as the budget and the free
+blocks allow; only accepted drafts ever count as computed (`accept_spec`).
 
 This module knows nothing about tensors, models, sampling or end conditions; it sees sequences
 and a `BlockManager`. Requests that could never fit are refused by the engine before they get here,
