@@ -150,3 +150,31 @@ def test_adapters_survive_preemption_and_speculative_decoding(folders, want, ext
     assert got == [w for n in names for w in want[n]]
     stats = engine.stats()
     assert stats["preemptions"] > 0 if "num_kv_blocks" in extra else stats["spec_decode_num_drafts"] > 0
+
+
+@pytest.mark.slow
+def test_a_lora_run_exported_as_adapter_serves_like_lmforge_export(tmp_path):
+    """`lmforge train` (method lora, in process) -> `export_adapter` (peft folder) served over the base the run
+    started from == `lmforge export` (merged) served alone."""
+    from test_train_loop import TINY, make_packed
+
+    from lmforge.config import load_config
+    from lmforge.train.config import TrainConfig
+    from lmforge.train.export import export_run
+    from lmforge.train.lora_adapter import export_adapter
+    from lmforge.train.loop import train
+
+    base = save_hf_model("llama", tmp_path / "base", vocab_size=384, hidden_size=64, layers=2, intermediate_size=176,
+                         num_attention_heads=4, num_key_value_heads=2)
+    packed = make_packed(tmp_path / "data", n_docs=40)
+    cfg = load_config(TrainConfig, TINY, [f"data.path={packed}", f"model.init={base}", "train.max_steps=3",
+                                          "train.method=lora", "lora.rank=4", "train.lr=3e-2", "train.eval_every=3",
+                                          "train.ckpt_every=3"])
+    train(cfg, tmp_path / "run")
+    adapter = export_adapter(tmp_path / "run", tmp_path / "adapter")
+    merged = export_run(tmp_path / "run", tmp_path / "merged")
+    prompts = [[5, 9, 30, 7, 100, 3, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]]
+    want = greedy(LLM(str(merged), dtype="float32"), prompts)
+    lora = LLM(str(base), dtype="float32", enable_lora=True)
+    assert greedy(lora, prompts, LoRARequest("run", 1, str(adapter))) == want
+    assert greedy(lora, prompts) != want  # training did move the model
