@@ -92,7 +92,8 @@ def bench_run(base: Path, adapters: list[Path], merged: Path, rank: int, dtype: 
         run_system(e, prompts[:len(reqs)], lora or [None] * len(reqs), 4, len(reqs))
     systems = {"merged": run_system(merged_engine, prompts, [None] * num_requests, max_tokens, concurrency),
                "multi-lora": run_system(lora_engine, prompts, mixed, max_tokens, concurrency),
-               "lora-engine, base rows": run_system(lora_engine, prompts, [None] * num_requests, max_tokens, concurrency)}
+               "lora-engine, base rows": run_system(lora_engine, prompts, [None] * num_requests, max_tokens,
+                                                    concurrency)}
     ref, rows = systems["merged"], []
     want = ref["outputs"]
     on_adapter0 = [i for i in range(num_requests) if mixed[i] is reqs[0]]  # the adapter `merged` merges
