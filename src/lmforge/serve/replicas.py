@@ -295,6 +295,8 @@ class RayReplicaEngine:
         if self._stopped:
             return
         self._stopped = True
+        if self._poller is not threading.current_thread():  # no Ray call may outlive the set (ray.shutdown next)
+            self._poller.join(timeout=max(2.0, 4 * self.poll_s) + 1.0)
         self._kill()
 
     # ---- replica health ------------------------------------------------------------------------------------
