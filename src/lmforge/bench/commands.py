@@ -23,6 +23,7 @@ from lmforge.bench import grpo as bench_grpo
 from lmforge.bench import linear as bench_linear
 from lmforge.bench import parallel as pipeline_bench
 from lmforge.bench import quant as bench_quant
+from lmforge.bench import spec_decode as bench_spec_decode
 from lmforge.config import ConfigError
 from lmforge.parallel.plots import plot_timeline
 from lmforge.parallel.simulate import simulate
@@ -157,6 +158,8 @@ def bench_scale_cmd(
 
 app.command("engine")(bench_engine.bench_engine)
 app.command("linear")(bench_linear.main)
+app.command("spec-decode", help="Speculative decoding (ngram, draft model) vs plain decode at batch 1 and N "
+                                 "concurrent; outputs checked identical.")(bench_spec_decode.main)
 
 
 @app.command("mfu")

@@ -34,21 +34,11 @@ def _final_only(params: Sequence[SamplingParams]) -> list[SamplingParams]:
 
 
 class LLM:
-    def __init__(self, model: str, dtype: str = "auto", device: str = "auto", block_size: int = 16,
-                 num_kv_blocks: int | None = None, max_num_seqs: int = 128, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, enable_prefix_caching: bool = True, seed: int = 0,
-                 kv_cache_memory_bytes: int | None = None, attention: str = "fast", pack_weights: bool = True,
-                 cpu_kernels: bool = True, kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
-                 quant_activations: str = "none", enable_lora: bool = False, max_loras: int = 1,
-                 max_lora_rank: int = 16):
-        self.llm_engine = LLMEngine(EngineConfig(
-            model=str(model), dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, seed=seed, attention=attention,
-            pack_weights=pack_weights, cpu_kernels=cpu_kernels, kv_cache_dtype=kv_cache_dtype,
-            tensor_parallel_size=tensor_parallel_size, quant_activations=quant_activations, enable_lora=enable_lora,
-            max_loras=max_loras, max_lora_rank=max_lora_rank))
+    def __init__(self, model: str, **engine_options):
+        """`model`: a model folder or a .gguf file; `engine_options`: any `EngineConfig` field (dtype, device,
+        block_size, max_num_seqs, quant_activations, speculative_method, enable_lora, ...), as vLLM's
+        `LLM(model, **kwargs)` takes its engine arguments. An unknown option is a TypeError naming it."""
+        self.llm_engine = LLMEngine(EngineConfig(model=str(model), **engine_options))
         self._counter = 0
 
     def get_tokenizer(self):
