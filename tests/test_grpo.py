@@ -54,6 +54,12 @@ def test_clipped_loss_and_kl_by_hand():
     assert float(st["clipped"]) == 2 and float(st["tokens"]) == 3  # 1.5 with A>0, 0.5 with A<0
     seq, _ = grpo_loss(new, old, adv, mask, 0.2, 0.2, agg="sequence")
     assert float(seq) == pytest.approx(((-1.2 - 1.0) / 2 + 0.8) / 2)
+    dr, _ = grpo_loss(new, old, adv, mask, 0.2, 0.2, agg="dr_grpo", max_len=4)  # Dr. GRPO: / (2 samples x 4)
+    assert float(dr) == pytest.approx((-1.2 - 1.0 + 0.8) / 8)
+    short = torch.tensor([[True, False], [True, False]])  # shorter answers: the denominator does not shrink
+    assert float(grpo_loss(new, old, adv, short, 0.2, 0.2, agg="dr_grpo", max_len=4)[0]) == pytest.approx((-1.2 + 0.8) / 8)
+    with pytest.raises(ValueError, match="max_len"):
+        grpo_loss(new, old, adv, mask, 0.2, 0.2, agg="dr_grpo")
     ref = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]]))
     kl = kl_k3(new, ref)  # exp(d) - d - 1, d = ref - new
     d = math.log(0.5 / 0.75)

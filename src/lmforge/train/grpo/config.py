@@ -27,7 +27,8 @@ class GRPOSection:
     clip_eps_high: float | None = None  # None = clip_eps (DAPO's clip-higher when larger)
     beta: float = 0.0  # KL to the frozen reference (k3 estimator); 0 = no reference model at all
     scale_rewards: bool = True  # divide advantages by the group's reward std (Dr. GRPO: false)
-    loss_agg: Literal["token", "sequence"] = "token"  # token: mean over all tokens (DAPO); sequence: GRPO paper
+    loss_agg: Literal["token", "sequence", "dr_grpo"] = "token"  # token: mean over all tokens (DAPO); sequence:
+    # GRPO paper; dr_grpo: token sum / (samples x max_tokens) (Dr. GRPO)
     rewards: list[str] = field(default_factory=lambda: ["format", "correct"])  # built-ins or module:function
     reward_weights: list[float] = field(default_factory=lambda: [1.0, 1.0])
     think_open: str = "<think>"

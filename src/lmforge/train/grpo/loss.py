@@ -9,7 +9,9 @@ For task q with G samples o_1..o_G and rewards r_i (DeepSeekMath, Shao et al. 20
 
 aggregated over tokens: `token` = sum over every completion token of the batch / their number
 (DAPO; long answers weigh by their length), `sequence` = mean over samples of each sample's token
-mean (the GRPO paper). std is torch's (unbiased, as TRL computes it). pi_old is the policy that
+mean (the GRPO paper), `dr_grpo` = sum over every completion token / (samples x max_tokens), a constant
+that depends on neither the lengths nor the batch (Dr. GRPO, Liu et al. 2025; TRL's
+`loss_type="dr_grpo"`): no sample's tokens are weighed up for being short. std is torch's (unbiased, as TRL computes it). pi_old is the policy that
 sampled the rollouts: its log-probabilities come from the engine, so on the first pass rho = 1.
 
 Pure tensor functions; they know nothing about models, engines or configs.
@@ -39,12 +41,13 @@ def kl_k3(logp_NT: torch.Tensor, ref_logp_NT: torch.Tensor) -> torch.Tensor:
 
 def grpo_loss(logp_NT: torch.Tensor, old_logp_NT: torch.Tensor, adv_N: torch.Tensor, mask_NT: torch.Tensor,
               clip_low: float, clip_high: float, beta: float = 0.0, ref_logp_NT: torch.Tensor | None = None,
-              agg: str = "token", num_tokens: float | None = None, num_seqs: float | None = None
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              agg: str = "token", num_tokens: float | None = None, num_seqs: float | None = None,
+              max_len: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one minibatch and its per-token statistics (sums over masked tokens, detached).
 
     `num_tokens` / `num_seqs`: the denominators of the whole batch, so minibatches of one step add up
-    to the loss of the step (default: this minibatch's own)."""
+    to the loss of the step (default: this minibatch's own). `max_len`: dr_grpo's constant length (the
+    rollouts' max_tokens)."""
     mask = mask_NT.to(logp_NT.dtype)
     ratio_NT = torch.exp(logp_NT - old_logp_NT)
     adv_N1 = adv_N[:, None]
@@ -62,8 +65,12 @@ def grpo_loss(logp_NT: torch.Tensor, old_logp_NT: torch.Tensor, adv_N: torch.Ten
     elif agg == "sequence":
         per_seq = (per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
         loss = per_seq.sum() / (num_seqs if num_seqs is not None else per_seq.numel())
+    elif agg == "dr_grpo":
+        if not max_len:
+            raise ValueError("loss_agg 'dr_grpo' needs max_len (the rollouts' max_tokens)")
+        loss = (per_token * mask).sum() / ((num_seqs if num_seqs is not None else mask.shape[0]) * max_len)
     else:
-        raise ValueError(f"loss_agg must be 'token' or 'sequence', got {agg!r}")
+        raise ValueError(f"loss_agg must be 'token', 'sequence' or 'dr_grpo', got {agg!r}")
     with torch.no_grad():
         is_clipped = ((ratio_NT < 1 - clip_low) & (adv_N1 < 0)) | ((ratio_NT > 1 + clip_high) & (adv_N1 > 0))
         stats = {"tokens": mask.sum(), "clipped": (is_clipped * mask).sum(), "ratio": (ratio_NT * mask).sum(),

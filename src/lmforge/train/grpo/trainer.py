@@ -215,7 +215,7 @@ class GRPOTrainer:
                 if gap is None:  # before any update of this step: the engine's and our log-probs of one policy
                     gap = float(((logp.detach() - batch["old_logp"][mb]).abs() * mask).max())
                 loss, st = grpo_loss(logp, batch["old_logp"][mb], adv_N[mb], mask, g.clip_eps, clip_high, g.beta,
-                                     None if ref_logp is None else ref_logp[mb], g.loss_agg)
+                                     None if ref_logp is None else ref_logp[mb], g.loss_agg, max_len=g.max_tokens)
                 loss.backward()
                 params = [p for p in self.model.parameters() if p.requires_grad]
                 norms.append(float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else math.inf)))
