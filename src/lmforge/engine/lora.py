@@ -104,9 +104,10 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> dict:
         raise ValueError(f"{file}: r={r} is above --max-lora-rank {max_lora_rank}; restart with "
                          f"--max-lora-rank {r} or more")
     targets = cfg.get("target_modules")
+    # a string is peft's regex over module paths, or "all-linear": what it matched shows in the tensor names,
+    # which read_adapter checks one by one
     names = [targets] if isinstance(targets, str) else list(targets or [])
-    unknown = [t for t in names if t not in LORA_MODULES and not (isinstance(targets, str) and
-                                                                  any(re.fullmatch(t, m) for m in LORA_MODULES))]
+    unknown = [] if isinstance(targets, str) else [t for t in names if t not in LORA_MODULES]
     if not names or unknown:
         raise ValueError(f"{file}: target_modules {unknown or names!r} cannot be served; LoRA serving adapts "
                          f"{', '.join(LORA_MODULES)} (an lm_head or embedding adapter: merge it with lmforge export)")
