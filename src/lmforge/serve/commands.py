@@ -369,8 +369,9 @@ def run_server(config: EngineConfig, server: ServerConfig, listen: ListenConfig,
     logging.basicConfig(level=listen.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_cls = ProcessAsyncLLMEngine if engine_process else AsyncLLMEngine
     if replicas[0] > 1 or replicas[1] is not None:
-        from .replicas import RayReplicaEngine  # deferred: torch and (inside) Ray, only for --replicas
+        from .replicas import RayReplicaEngine, init_ray  # deferred: torch and (inside) Ray, only for --replicas
 
+        init_ray(replicas[1])  # here, on the main thread, before uvicorn takes the signals
         engine_cls = functools.partial(RayReplicaEngine, replicas=replicas[0], address=replicas[1],
                                        max_restarts=server.limits.max_engine_restarts)
     loader = _engine_loader(config, engine_cls)
