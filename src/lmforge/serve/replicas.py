@@ -137,6 +137,15 @@ def _ray():
     return ray
 
 
+def init_ray(address: str | None = None) -> None:
+    """Join (or, without an address, start) a Ray cluster unless this process already has one. A server
+    calls it on its main thread before uvicorn installs its signal handlers: Ray's own SIGTERM handling,
+    installed later from a loader thread, turned a clean shutdown into an abort (exit -6)."""
+    ray = _ray()
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, logging_level="WARNING")
+
+
 class _Counters:
     """A replica's cumulative counters, carried over its restarts (a new actor starts from 0)."""
 
@@ -195,8 +204,7 @@ class RayReplicaEngine:
         if replicas < 1:
             raise ValueError(f"replicas={replicas}: must be at least 1")
         ray = _ray()
-        if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, logging_level="WARNING")
+        init_ray(address)
         options, threads = _placement(ray, replicas, config.device)
         actor = ray.remote(max_restarts=max_restarts, max_task_retries=0, **options)(ReplicaActor)
         self.actors = [actor.remote(config, threads) for _ in range(replicas)]
