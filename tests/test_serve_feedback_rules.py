@@ -19,6 +19,7 @@ import pytest
 
 from lmforge.engine import AsyncLLMEngine, EngineConfig
 from lmforge.registry import FeedbackStore
+from lmforge.registry.feedback import MAX_FEEDBACK_PER_EXCHANGE
 from lmforge.serve.app import VERSION_HEADER, build_app
 from lmforge.serve.config import ServerConfig, VersionsConfig
 from lmforge.serve.testing import ServerThread
@@ -106,6 +107,47 @@ def test_a_score_off_the_scale_is_a_400_naming_score_and_the_connection_goes_on(
         assert conn.sock is sock
     finally:
         conn.close()
+
+
+@pytest.fixture
+def canary(chat_model_dir, tmp_path):
+    app = build_app(loader(chat_model_dir), ServerConfig(
+        "tiny", feedback=FeedbackStore(tmp_path / "fb.db"), log_requests=True,
+        versions=VersionsConfig(version="1", challenger=("2", loader(chat_model_dir)), canary_percent=50)))
+    with ServerThread(app) as srv:
+        _ready(srv)
+        yield srv, app.state.server
+
+
+def _answered_by(c: httpx.Client, version: str, n: int) -> list[str]:
+    """Ids of `n` completions answered by `version` (users are sticky: each user is one version's)."""
+    ids, i = [], 0
+    while len(ids) < n:
+        i += 1
+        assert i < 50 * n, f"no user routed to version {version}"
+        cid, v = _complete(c, user=f"user-{version}-{i}")
+        if v == version:
+            ids.append(cid)
+    return ids
+
+
+def test_one_client_scoring_one_completion_cannot_roll_the_canary_back(canary):
+    """Finding 3: 25 x -1 on one completion made the guard count 25 low samples and roll back. An
+    exchange takes 10 feedback rows; the 11th is a 409 naming `id`, and the canary stays."""
+    srv, st = canary
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        for cid in _answered_by(c, "1", 20):  # the champion: 20 exchanges, 5 stars each
+            assert c.post(FB, json={"id": cid, "score": 5}).status_code == 200
+        (target,) = _answered_by(c, "2", 1)
+        codes = [c.post(FB, json={"id": target, "score": -1}) for _ in range(25)]
+        assert [r.status_code for r in codes] == [200] * MAX_FEEDBACK_PER_EXCHANGE + [409] * (
+            25 - MAX_FEEDBACK_PER_EXCHANGE)
+        err = codes[-1].json()["error"]
+        assert err["param"] == "id" and err["code"] == "feedback_limit" and "latest score counts" in err["message"]
+        assert c.post(FB, json={"id": target, "score": 5}).status_code == 409  # bounded: the 10th score stands
+        assert st.router.canary_percent == 50 and c.get("/version").json()["rolled_back"] is None
+        stats = st.feedback.stats("2")
+        assert stats["with_feedback"] == 1 and stats["feedback_rows"] == MAX_FEEDBACK_PER_EXCHANGE
 
 
 def test_the_guard_counts_each_exchanges_latest_score_once():
