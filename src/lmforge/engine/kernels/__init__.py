@@ -258,7 +258,9 @@ def auto_dtype(checkpoint_dtype: str | None, quantized: bool) -> tuple[str, str]
     Float weights: the checkpoint's precision is never rounded (a float32 checkpoint stays float32);
     a 16-bit checkpoint computes in bfloat16 on a CPU with bf16 units, and on one without them keeps
     bf16 weights (half the bytes a decode step reads) with oneDNN's float32 arithmetic inside each
-    matmul: issue 25 measured bf16 faster than float32 there (9.0 vs 6.9 tok/s, 300M, 1 user)."""
+    matmul: faster for one user's decode there (issue 25: 9.0 vs 6.9 tok/s, 300M; docs/engine.md:
+    1.26x, 30M), though float32 wins prefill and 16-request batches on such a CPU (1.44x), which
+    docs/engine.md states as the `--dtype float32` throughput choice."""
     if quantized:
         return "float32", "int8/int4 weights: float32 activations on lmforge's integer kernels"
     ckpt = checkpoint_dtype or "float32"
