@@ -138,3 +138,20 @@ def test_int8_groups_of_32_on_both_kernels():
     for isa in LIB.a8_isas():
         torch.testing.assert_close(QmmLinear(q, torch.float32, a8=LIB.a8(isa)).forward_a8(x), portable,
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_refusals_name_the_file_and_field(files, tmp_path):
+    from lmforge.quant.gguf_load import hf_config
+
+    meta = {"general.architecture": "llama", "llama.attention.head_count": 4, "llama.embedding_length": 64}
+    with pytest.raises(ValueError, match="rope.scaling.type='yarn'"):
+        hf_config({**meta, "llama.rope.scaling.type": "yarn"}, tmp_path / "x.gguf")
+    with pytest.raises(ValueError, match="rope_freqs"):
+        hf_config(meta, tmp_path / "x.gguf", {"rope_freqs.weight"})
+    with pytest.raises(ValueError, match="lacks llama.feed_forward_length"):
+        hf_config({**meta, "llama.vocab_size": 320}, tmp_path / "x.gguf")
+    with pytest.raises(ValueError, match="general.architecture='gpt2'"):
+        hf_config({"general.architecture": "gpt2"}, tmp_path / "x.gguf")
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="bad.gguf: not a readable GGUF file"):
+        load_pretrained(tmp_path / "bad.gguf")

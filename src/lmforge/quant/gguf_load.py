@@ -91,8 +91,9 @@ def metadata(reader: gguf.GGUFReader) -> dict:
     return out
 
 
-def hf_config(meta: dict, path: Path) -> dict:
-    """A `config.json` dict from llama.cpp's architecture keys; a missing key is an error naming it."""
+def hf_config(meta: dict, path: Path, tensors: set[str] = frozenset()) -> dict:
+    """A `config.json` dict from llama.cpp's architecture keys (`tensors`: the file's tensor names); a
+    missing key, or RoPE scaling we do not read, is an error naming it."""
     arch = meta.get("general.architecture")
     if arch not in MODEL_TYPE:
         raise ValueError(f"{path}: general.architecture={arch!r}; lmforge loads GGUF {', '.join(MODEL_TYPE)} models")
@@ -102,6 +103,10 @@ def hf_config(meta: dict, path: Path) -> dict:
             raise ValueError(f"{path}: GGUF metadata lacks {arch}.{key}; the file is not a complete {arch} model")
         return meta[f"{arch}.{key}"]
 
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None) or "rope_freqs.weight" in tensors:
+        raise ValueError(f"{path}: RoPE scaling ({arch}.rope.scaling.type={scaling!r} or a rope_freqs tensor, as "
+                         "Llama 3.1+ files have) is not read from GGUF yet; load the Hugging Face folder instead")
     heads, hidden = need("attention.head_count"), need("embedding_length")
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ()) or None
     if vocab is None:
@@ -215,8 +220,8 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto",
     except (ValueError, OSError) as e:
         raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
     meta = metadata(reader)
-    hf = hf_config(meta, path)
     names = {t.name for t in reader.tensors}
+    hf = hf_config(meta, path, names)
     hf["tie_word_embeddings"] = "output.weight" not in names
     config = ModelConfig.from_hf(hf)
     torch_dtype = checkpoint.resolve_dtype(dtype, _file_dtype(meta)[0] or "float32")
