@@ -40,7 +40,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
 from lmforge import __version__
 from lmforge.engine import AsyncLLMEngine
@@ -59,6 +59,7 @@ from .serving_chat import encode_chat as _encode_chat  # noqa: F401 - tests impo
 from .serving_completions import OpenAIServingCompletion
 from .serving_engine import VERSION_HEADER  # noqa: F401 - part of this module's surface
 from .serving_feedback import ServingFeedback
+from .serving_lora import ROUTE_RESPONSES as LORA_ROUTE_RESPONSES
 from .serving_lora import LoadLoRAAdapterRequest, LoRAAdapters, ServingLoRA, UnloadLoRAAdapterRequest
 from .versions import Served
 
@@ -285,11 +286,13 @@ def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
     """vLLM's runtime adapter endpoints (its VLLM_ALLOW_RUNTIME_LORA_UPDATING): behind the admin key."""
     serving_lora = ServingLoRA(state)
 
-    @app.post("/v1/load_lora_adapter", summary="Serve a LoRA adapter (peft folder) under a new model name")
+    @app.post("/v1/load_lora_adapter", summary="Serve a LoRA adapter (peft folder) under a new model name",
+              response_class=PlainTextResponse, responses=LORA_ROUTE_RESPONSES)
     async def load_lora_adapter(req: LoadLoRAAdapterRequest):
         return await serving_lora.load(req)
 
-    @app.post("/v1/unload_lora_adapter", summary="Stop serving a LoRA adapter (running requests finish)")
+    @app.post("/v1/unload_lora_adapter", summary="Stop serving a LoRA adapter (running requests finish)",
+              response_class=PlainTextResponse, responses=LORA_ROUTE_RESPONSES)
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
         return await serving_lora.unload(req)
 

@@ -28,6 +28,14 @@ from lmforge.engine.lora import check_adapter, read_adapter_config
 from .errors import OpenAIError, bad_request
 
 
+_ERROR = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/OpenAIError"}}}}
+# what /openapi.json says the two endpoints answer: vLLM's plain-text success, and the admin guard's refusals
+ROUTE_RESPONSES = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+                   401: {"description": "missing or invalid admin key", **_ERROR},
+                   403: {"description": "admin endpoints are off (no --admin-api-key)", **_ERROR},
+                   429: {"description": "too many admin requests from this address", **_ERROR}}
+
+
 class LoadLoRAAdapterRequest(BaseModel):
     lora_name: str
     lora_path: str
