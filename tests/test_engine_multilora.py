@@ -107,6 +107,15 @@ def test_mixed_batch_with_lru_swapping_and_keyed_prefix_cache(folders, want):
     assert llm.stats()["prefix_cache_hits"] == before
 
 
+def test_one_slot_two_adapters_take_turns(folders, want):
+    """max_loras=1: the scheduler admits the second adapter's requests only once the first's are done."""
+    llm = LLM(str(folders["base"]), dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8)
+    got = greedy(llm, PROMPTS * 2, [req(folders, "a", 1)] * 2 + [req(folders, "b", 2)] * 2)
+    assert got == want["a"] + want["b"]
+    stats = llm.stats()
+    assert stats["lora_max_adapters_in_step"] == 1 and stats["lora_slot_loads"] == 2
+
+
 def test_bad_adapters_are_refused(folders, tmp_path):
     llm = LLM(str(folders["base"]), dtype="float32", enable_lora=True, max_lora_rank=4)
     with pytest.raises(ValueError, match="r=8 is above --max-lora-rank 4"):
