@@ -150,6 +150,26 @@ def test_one_client_scoring_one_completion_cannot_roll_the_canary_back(canary):
         assert stats["with_feedback"] == 1 and stats["feedback_rows"] == MAX_FEEDBACK_PER_EXCHANGE
 
 
+def test_the_canary_guard_counts_each_exchange_once_through_the_server(canary):
+    """Three challenger completions scored 10 x -1 each are 3 samples for the guard, not 30 (the
+    store's rule: each exchange's latest score); the 20th distinct low exchange rolls it back."""
+    srv, st = canary
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        for cid in _answered_by(c, "1", 20):
+            assert c.post(FB, json={"id": cid, "score": 5}).status_code == 200
+        chal = _answered_by(c, "2", 20)  # all answered before any score: the routing stays put
+        for cid in chal[:3]:
+            assert all(c.post(FB, json={"id": cid, "score": -1}).status_code == 200
+                       for _ in range(MAX_FEEDBACK_PER_EXCHANGE))
+        assert st.router.canary_percent == 50  # 3 exchanges, 30 rows
+        for cid in chal[3:19]:
+            assert c.post(FB, json={"id": cid, "score": -1}).status_code == 200
+        assert st.router.canary_percent == 50  # 19 exchanges: below min_samples (20)
+        assert c.post(FB, json={"id": chal[19], "score": -1}).status_code == 200
+        assert st.router.canary_percent == 0
+        assert c.get("/version").json()["rolled_back"].startswith("low_score_ratio 1.000")
+
+
 def test_the_guard_counts_each_exchanges_latest_score_once():
     class Engine:
         tokenizer, max_model_len, vocab_size, model_path, is_running = None, 64, 10, "x", True

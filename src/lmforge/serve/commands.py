@@ -330,7 +330,7 @@ def registry_versions(registry: Path, name: str) -> dict:
     against their hashes (a changed file is refused before anything loads)."""
     from lmforge.registry import Registry, RegistryError  # deferred: the registry pulls numpy
 
-    reg = Registry(registry)
+    reg = Registry(registry, create=False)  # a mistyped --registry is an error, not a new empty file
     out = {}
     for role in ("champion", "challenger"):
         try:
@@ -341,6 +341,8 @@ def registry_versions(registry: Path, name: str) -> dict:
             continue
         reg.verify(mv)
         out[role] = (str(mv.version), mv.path)
+    if "challenger" in out and out["challenger"][0] == out["champion"][0]:
+        del out["challenger"]  # a registry written before rollback cleared it: one version, one engine
     return out
 
 

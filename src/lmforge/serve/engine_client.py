@@ -71,7 +71,7 @@ class EngineClient(Protocol):
 
     def outcome(self, label: str, failed: bool) -> None: ...
 
-    def score(self, label: str, low: bool) -> None: ...
+    def score(self, label: str, low: bool, exchange_id: str | None = None) -> None: ...
 
     def info(self) -> VersionInfo: ...
 
@@ -139,9 +139,11 @@ class VersionRouterClient:
         if self.canary is not None:
             self.canary.outcome(label, failed)
 
-    def score(self, label: str, low: bool) -> None:
+    def score(self, label: str, low: bool, exchange_id: str | None = None) -> None:
+        """A feedback score for the version `label` answered with; with `exchange_id` the guard keeps
+        that exchange's latest score only."""
         if self.canary is not None:
-            self.canary.score(label, low)
+            self.canary.score(label, low, exchange_id)
 
     def info(self) -> VersionInfo:
         r = self.router

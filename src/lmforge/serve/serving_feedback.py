@@ -9,7 +9,8 @@ The score is read by the store's one scale rule (`lmforge.registry.feedback.norm
 the `/metrics` histogram and the canary guard of the version that answered classify it exactly as
 the store and the flywheel do (a thumbs-up is never low). An unknown id is a 404; an exchange that
 already has `MAX_FEEDBACK_PER_EXCHANGE` rows is a 409 (its latest score counts; re-scoring it in a
-loop changes nothing). Knows nothing about engines.
+loop changes nothing). The guard is given the exchange's id, so it counts each exchange's latest
+score once, as the store's `stats()` does. Knows nothing about engines.
 """
 
 from __future__ import annotations
@@ -52,5 +53,5 @@ class ServingFeedback:
         low = is_low(normalized)
         st.metrics.observe_feedback(label or "unknown", fb.score, low)
         if label:
-            st.client.score(label, low)
+            st.client.score(label, low, fb.id)  # the guard keeps each exchange's latest score once
         return {"id": fb.id, "status": "recorded"}
