@@ -78,6 +78,11 @@ def test_a_thumbs_up_is_never_a_low_score(one_version):
             cid, _ = _complete(c)
             assert c.post(FB, json={"id": cid, "score": stars}).status_code == 200
         assert _low_ratio(c.get("/metrics").text, "7") == pytest.approx(2 / 29)
+        for _ in range(3):  # re-scored: the metric, like the store and the guard, counts an exchange once ...
+            assert c.post(FB, json={"id": cid, "score": -1}).status_code == 200
+        assert _low_ratio(c.get("/metrics").text, "7") == pytest.approx(3 / 29)
+        assert c.post(FB, json={"id": cid, "score": 1}).status_code == 200  # ... with its latest score
+        assert _low_ratio(c.get("/metrics").text, "7") == pytest.approx(2 / 29)
 
 
 def test_a_score_off_the_scale_is_a_400_naming_score_and_the_connection_goes_on(one_version):

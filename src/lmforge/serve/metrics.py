@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -135,6 +136,9 @@ class ExchangeLogCollector:
 FEEDBACK_BUCKETS = (-1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0)
 
 
+FEEDBACK_EXCHANGES = 100_000  # exchanges per version whose latest score the low-score ratio remembers
+
+
 class ServerMetrics:
     """Request-level families carry `model_name` and `model_version` (the served version that answered)."""
 
@@ -176,7 +180,9 @@ class ServerMetrics:
         r.register(EngineCollector(stats_fn, model_name))
         r.register(ExchangeLogCollector(exchange_log_fn))
         self._children: dict[str, dict] = {}
-        self._feedback: dict[str, list[int]] = {}  # version -> [low, total]
+        # version -> {exchange id: its latest score is low}, the store's and the canary guard's rule:
+        # each exchange counts once, however often it is re-scored (bounded: the oldest are forgotten)
+        self._feedback: dict[str, OrderedDict[str, bool]] = {}
         self.totals = dict(prompt_tokens=0, generation_tokens=0, requests=0)  # plain ints for the load log
 
     def _c(self, version: str) -> dict:
@@ -215,12 +221,14 @@ class ServerMetrics:
         t["generation_tokens"] += n_gen
         t["requests"] += 1
 
-    def observe_feedback(self, version: str, score: float, low: bool) -> None:
+    def observe_feedback(self, version: str, score: float, low: bool, exchange_id: str) -> None:
         self.feedback_score.labels(self.model_name, version).observe(score)
-        counts = self._feedback.setdefault(version, [0, 0])
-        counts[0] += int(low)
-        counts[1] += 1
-        self.low_score_ratio.labels(self.model_name, version).set(counts[0] / counts[1])
+        latest = self._feedback.setdefault(version, OrderedDict())
+        latest.pop(exchange_id, None)
+        latest[exchange_id] = low
+        if len(latest) > FEEDBACK_EXCHANGES:
+            latest.popitem(last=False)
+        self.low_score_ratio.labels(self.model_name, version).set(sum(latest.values()) / len(latest))
 
     def observe_repetition(self, version: str, texts: list[str]) -> None:
         """Repeated output (the seed's "repeated output" symptom) as a distribution per version."""

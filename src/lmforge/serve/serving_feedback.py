@@ -51,7 +51,7 @@ class ServingFeedback:
             raise OpenAIError(404, f"no completion with id {fb.id!r} is known to this server", "id", "not_found")
         label = st.exchange_log.version_of(fb.id) if st.exchange_log else None
         low = is_low(normalized)
-        st.metrics.observe_feedback(label or "unknown", fb.score, low)
+        st.metrics.observe_feedback(label or "unknown", fb.score, low, fb.id)
         if label:
             st.client.score(label, low, fb.id)  # the guard keeps each exchange's latest score once
         return {"id": fb.id, "status": "recorded"}
