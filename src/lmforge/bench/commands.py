@@ -21,6 +21,7 @@ import typer
 from lmforge.bench import engine as bench_engine
 from lmforge.bench import grpo as bench_grpo
 from lmforge.bench import linear as bench_linear
+from lmforge.bench import lora as bench_lora
 from lmforge.bench import parallel as pipeline_bench
 from lmforge.bench import quant as bench_quant
 from lmforge.bench import spec_decode as bench_spec_decode
@@ -158,6 +159,8 @@ def bench_scale_cmd(
 
 app.command("engine")(bench_engine.bench_engine)
 app.command("linear")(bench_linear.main)
+app.command("lora", help="Multi-LoRA: N adapters mixed in one workload vs the merged model alone (tok/s ratio).")(
+    bench_lora.main)
 app.command("spec-decode", help="Speculative decoding (ngram, draft model) vs plain decode at batch 1 and N "
                                  "concurrent; outputs checked identical.")(bench_spec_decode.main)
 

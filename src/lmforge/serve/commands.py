@@ -156,6 +156,9 @@ def serve(
     """Serve MODEL_DIR over the OpenAI API (/v1/*), with /health, /metrics (vLLM's names) and /version."""
     model_dir = _model_dir(model_dir, registry, model, canary)
     loras = _lora_modules(lora_modules or [], model_dir, max_lora_rank)
+    if (replicas > 1 or ray_address) and (loras or allow_runtime_lora_updating):
+        _usage_error("--replicas does not carry LoRA adapters yet: serve adapters from one engine, or merge each "
+                     "adapter (`lmforge export`) and serve the merged folders")
     config = _engine_config(model=str(model_dir), dtype=dtype, device=device, block_size=block_size, seed=seed,
                             num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
                             kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -306,6 +309,9 @@ def preflight(model_dir: Path, dtype: str, device: str, max_num_seqs: int, max_m
     from lmforge.engine.llm_engine import CPU_KV_CACHE_BYTES  # deferred: torch, only when serving
     from lmforge.perf.preflight import PreflightError, preflight_inference
 
+    if model_dir.suffix == ".gguf":  # the estimate reads config.json; a GGUF file's shapes are in its header
+        logging.getLogger("lmforge.serve").info("pre-flight memory check skipped for a .gguf file")
+        return
     cuda = device.startswith("cuda") or (device == "auto" and _cuda_available())
     kv = kv_cache_memory_bytes if kv_cache_memory_bytes is not None else (0 if cuda else CPU_KV_CACHE_BYTES)
     try:

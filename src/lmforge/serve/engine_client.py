@@ -186,8 +186,11 @@ class VersionRouterClient:
             log.exception("engine failed to load")
             return
         self.attach(champ, chal, canary_percent)
-        log.info("engine ready: %s %s (max_model_len %d)%s", label, champ.model_dir, champ.max_model_len,
-                 f"; challenger {chal.label} at {canary_percent:g}%" if chal else "")
+        st = champ.stats() or {}
+        kernels = ", ".join(f"{k} {st[k]}" for k in ("dtype", "dtype_choice", "linear_backend", "attention_backend")
+                            if st.get(k))
+        log.info("engine ready: %s %s (max_model_len %d%s)%s", label, champ.model_dir, champ.max_model_len,
+                 f"; {kernels}" if kernels else "", f"; challenger {chal.label} at {canary_percent:g}%" if chal else "")
 
     async def watch(self, interval_s: float = 0.2) -> None:
         """Restart an engine that died (its in-flight requests already failed with the cause), at most
