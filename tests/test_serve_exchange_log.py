@@ -96,8 +96,25 @@ def test_a_full_queue_drops_and_counts_and_wait_written_waits_for_the_id(store):
     assert {r["id"] for r in store.exchanges()} == {"cmpl-0", "cmpl-1", "cmpl-2", "cmpl-10"}
 
 
-def test_a_dead_writer_drops_and_counts_and_never_hangs_a_waiter(store):
-    xlog = ExchangeLog(store)
+def test_a_writer_killed_is_replaced_and_later_rows_are_stored(store):
+    xlog = ExchangeLog(store, interval_s=0)
+    try:
+        assert xlog.add(row(0)) and xlog.wait_written("cmpl-0", timeout=30)
+        os.kill(xlog._proc.pid, signal.SIGKILL)
+        deadline = time.time() + 30
+        while xlog.restarts == 0 and time.time() < deadline:
+            time.sleep(0.01)
+        for i in range(1, 6):  # queued while the new writer starts, or sent to it
+            assert xlog.add(row(i))
+        assert xlog.flush(timeout=60) and xlog.restarts == 1 and xlog._dead is None
+    finally:
+        xlog.close()
+    stored = {r["id"] for r in store.exchanges()}
+    assert stored == {f"cmpl-{i}" for i in range(6)} and xlog.dropped == 0
+
+
+def test_a_dead_writer_past_its_restarts_drops_and_counts_and_never_hangs_a_waiter(store):
+    xlog = ExchangeLog(store, max_restarts=0)
     try:
         os.kill(xlog._proc.pid, signal.SIGSTOP)
         assert xlog.add(row(0))

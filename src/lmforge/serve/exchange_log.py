@@ -34,8 +34,10 @@ it was busy go in one transaction).
   waits for the log. A dropped exchange is not in the store, so feedback on its id is a 404.
 * **Feedback on a just-finished completion**: `wait_written(id)` has the pending rows sent at once
   (no interval wait) and blocks until the batch holding `id` is committed.
-* **Writer death**: the rows it had not acknowledged and everything added later are dropped and
-  counted, and the error is logged; serving goes on.
+* **Writer death** (killed, OOM): the batches it had read and not acknowledged are counted as
+  dropped (it may have committed some of them; the count errs on the side of "lost"), and a new
+  writer is started for the rows still queued and those to come, up to `max_restarts` times
+  (`MAX_RESTARTS`); after that every row is dropped and counted. Serving goes on either way.
 
 `version_of(id)` remembers which version answered a recent id, for per-version feedback metrics.
 Knows nothing about HTTP or the store's schema. The child: `python -m lmforge.serve.exchange_log
@@ -61,12 +63,15 @@ MAX_PENDING, MAX_BATCH, RECENT = 10_000, 512, 100_000
 INTERVAL_S = 0.05  # the longest a row waits in this process before it goes to the writer (see the docstring)
 PIPE_BYTES = 1 << 20  # Linux's default cap for an unprivileged process (/proc/sys/fs/pipe-max-size)
 START_TIMEOUT_S = 60.0
+MAX_RESTARTS = 5  # writers started again after one dies (a kill, an OOM), before the log gives up
 
 
 class ExchangeLog:
-    def __init__(self, store: FeedbackStore, max_pending: int = MAX_PENDING, interval_s: float = INTERVAL_S):
+    def __init__(self, store: FeedbackStore, max_pending: int = MAX_PENDING, interval_s: float = INTERVAL_S,
+                 max_restarts: int = MAX_RESTARTS):
         """`store`: the `FeedbackStore` to write (the writer process opens its own connection to the file).
-        `interval_s`: how long rows may collect before they are sent (0: at once)."""
+        `interval_s`: how long rows may collect before they are sent (0: at once). `max_restarts`: writers
+        started again after one dies, before the log gives up (then every row is dropped and counted)."""
         if not 0 <= interval_s <= 1:
             raise ValueError(f"exchange log interval_s={interval_s!r}: must be in [0, 1] seconds")
         self.path, self.max_pending, self.interval_s = Path(store.path), max_pending, interval_s
@@ -80,20 +85,32 @@ class ExchangeLog:
         self._recent: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (version, seq)
         self._closed = False
         self._urgent = False  # a waiter (feedback, flush) wants the rows now
-        self._dead: str | None = None
-        child_cmd, self._cmd = Pipe(duplex=False)
-        self._ack, child_ack = Pipe(duplex=False)
-        _grow_pipe(self._cmd)
+        self._dead: str | None = None  # why no writer will come back (restarts spent, or closed)
+        self.restarts, self.max_restarts = 0, max_restarts
+        self._generation = 0  # which writer the threads serve: a death report of an older one is stale
+        self._start_writer()
+
+    def _start_writer(self) -> None:
+        """A writer process, its pipes and the sender + acker threads serving it (generation + 1)."""
+        child_cmd, cmd = Pipe(duplex=False)
+        ack, child_ack = Pipe(duplex=False)
+        _grow_pipe(cmd)
         fds = (child_cmd.fileno(), child_ack.fileno())
-        self._proc = start_child(["-m", "lmforge.serve.exchange_log", str(fds[0]), str(fds[1]), str(self.path)], fds)
+        proc = start_child(["-m", "lmforge.serve.exchange_log", str(fds[0]), str(fds[1]), str(self.path)], fds)
         child_cmd.close()
         child_ack.close()
-        if not self._ack.poll(START_TIMEOUT_S) or self._recv().kind is not StatusKind.READY:
-            kill(self._proc)
+        if not ack.poll(START_TIMEOUT_S) or _recv(ack, proc).kind is not StatusKind.READY:
+            kill(proc)
             raise RuntimeError(f"the exchange-log writer for {self.path} did not start "
-                               f"(exit {self._proc.returncode}); the server log has its error")
-        self._sender = threading.Thread(target=self._send_loop, name="lmforge-exchange-log", daemon=True)
-        self._acker = threading.Thread(target=self._ack_loop, name="lmforge-exchange-log-acks", daemon=True)
+                               f"(exit {proc.returncode}); the server log has its error")
+        with self._lock:
+            self._cmd, self._ack, self._proc = cmd, ack, proc
+            self._generation += 1
+            gen = self._generation
+            self._lock.notify_all()
+        self._sender = threading.Thread(target=self._send_loop, args=(gen,), name="lmforge-exchange-log", daemon=True)
+        self._acker = threading.Thread(target=self._ack_loop, args=(gen,), name="lmforge-exchange-log-acks",
+                                       daemon=True)
         self._sender.start()
         self._acker.start()
 
@@ -157,15 +174,17 @@ class ExchangeLog:
 
     # ---- the sender and acker threads -------------------------------------------------------------------
 
-    def _send_loop(self) -> None:
+    def _send_loop(self, gen: int) -> None:
         while True:
             with self._lock:
-                self._lock.wait_for(lambda: self._rows or self._closed or self._dead)
+                self._lock.wait_for(lambda: self._rows or self._closed or self._dead or gen != self._generation)
+                if gen != self._generation:  # this writer died: the next one has its own sender
+                    return
                 # at most one batch per interval: after a quiet spell a row goes at once, in a burst rows
                 # collect (each waits less than the interval, since the last batch went before it came)
-                self._lock.wait_for(lambda: self._urgent or self._closed or self._dead or len(self._rows) >= MAX_BATCH,
-                                    self._last_sent + self.interval_s - time.monotonic())
-                if not self._rows or self._dead:
+                self._lock.wait_for(lambda: self._urgent or self._closed or self._dead or len(self._rows) >= MAX_BATCH
+                                    or gen != self._generation, self._last_sent + self.interval_s - time.monotonic())
+                if not self._rows or self._dead or gen != self._generation:
                     return
                 batch, self._rows = self._rows[:MAX_BATCH], self._rows[MAX_BATCH:]  # an overflow goes next
                 self._last_sent = time.monotonic()
@@ -176,19 +195,20 @@ class ExchangeLog:
                 self._cmd.send([row for _, row in batch])
             except (OSError, ValueError) as e:  # the writer is gone (or close() raced a failing writer)
                 with self._lock:
-                    self._writer_died(f"could not send to the writer: {type(e).__name__}: {e}")
+                    self._writer_died(gen, f"could not send to the writer: {type(e).__name__}: {e}")
                 return
 
-    def _ack_loop(self) -> None:
+    def _ack_loop(self, gen: int) -> None:
         """One ack per batch, in the order the batches were sent."""
+        ack, proc = self._ack, self._proc
         while True:
-            reply = self._recv()
+            reply = _recv(ack, proc)
             with self._lock:
-                if self._dead is not None:  # the sender found it gone first, and counted the rows in flight
+                if self._dead is not None or gen != self._generation:  # already counted by the sender
                     return
                 if reply.kind is StatusKind.EXITED:
                     if not (self._closed and not self._in_flight):  # not the EOF of a clean close
-                        self._writer_died(reply.detail)
+                        self._writer_died(gen, reply.detail)
                     self._lock.notify_all()
                     return
                 last, n = self._in_flight.popleft()
@@ -198,26 +218,49 @@ class ExchangeLog:
                 self._written = last
                 self._lock.notify_all()
 
-    def _recv(self) -> Status:
-        """The writer's answer, or `EXITED` with why it can answer no more."""
-        try:
-            return self._ack.recv()
-        except (OSError, EOFError):
-            code = self._proc.poll()
-            return Status(StatusKind.EXITED,
-                          f"the writer process exited ({code})" if code is not None else "the pipe closed")
-
-    def _writer_died(self, why: str) -> None:
-        """Under the lock: count what can never be written, and release every waiter (once)."""
-        if self._dead is not None:
+    def _writer_died(self, gen: int, why: str) -> None:
+        """Under the lock, once per writer: the batches it held are counted lost (it may have committed
+        some: the count errs on the side of "lost"), and a new writer is started for the rows still
+        queued and those to come; after `max_restarts` the log gives up and drops (and counts) them."""
+        if self._dead is not None or gen != self._generation:
             return
-        self._dead = why
-        self.dropped += len(self._rows) + sum(n for _, n in self._in_flight)
-        self._rows = []
-        self._in_flight.clear()
-        self._written = self._seq
+        self._generation += 1  # retire this writer's threads
+        if self._in_flight:
+            self.dropped += sum(n for _, n in self._in_flight)
+            self._written = self._in_flight[-1][0]
+            self._in_flight.clear()
+        old = self._proc
+        if self._closed or self.restarts >= self.max_restarts:
+            self._dead = why
+            self.dropped += len(self._rows)
+            self._rows = []
+            self._written = self._seq
+            log.error("the exchange-log writer stopped (%s); exchanges are no longer stored", why)
+        else:
+            self.restarts += 1
+            log.error("the exchange-log writer stopped (%s); starting another (restart %d of %d)", why,
+                      self.restarts, self.max_restarts)
+            threading.Thread(target=self._restart, args=(old,), name="lmforge-exchange-log-restart",
+                             daemon=True).start()
         self._lock.notify_all()
-        log.error("the exchange-log writer stopped (%s); exchanges are no longer stored", why)
+
+    def _restart(self, old) -> None:
+        kill(old)
+        try:
+            self._start_writer()
+        except Exception as e:  # noqa: BLE001 - a writer that cannot start: give up, count, keep serving
+            with self._lock:
+                self.restarts = self.max_restarts
+                self._writer_died(self._generation, f"a new writer did not start: {e}")
+
+
+def _recv(ack: Connection, proc) -> Status:
+    """The writer's answer, or `EXITED` with why it can answer no more."""
+    try:
+        return ack.recv()
+    except (OSError, EOFError):
+        code = proc.poll()
+        return Status(StatusKind.EXITED, f"the writer process exited ({code})" if code is not None else "the pipe closed")
 
 
 def _grow_pipe(conn: Connection) -> None:
