@@ -25,8 +25,11 @@ browser:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
+# Two workers, a test file each at a time (--dist loadfile: a file's module fixtures are built once).
+# Passive OpenMP waits: two workers' spinning thread pools would otherwise steal the two cores from
+# each other (and from the engine processes the tests start).
 test: $(STAMP) browser
-	$(PY) -m pytest -q
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist loadfile
 
 # TRL is a benchmark baseline (`lmforge bench grpo --trl-python .venv-trl/bin/python`), not a
 # dependency: its own environment reuses lmforge's locked packages and adds TRL and what it needs.

@@ -82,7 +82,7 @@ def prepare(
                                 overrides=overrides, workers=workers, overwrite=overwrite,
                                 show_progress=progress, executor=_executor(executor, ray_address))
     except (FileNotFoundError, FileExistsError, ConfigError, ReaderError, ValueError, ImportError) as e:
-        console.print(f"[red]error:[/red] {e}")
+        console.print(f"[red]error:[/red] {e}", soft_wrap=True)
         raise typer.Exit(code=2) from None
     _print_prepare(stats, out)
 
@@ -130,7 +130,7 @@ def pack(
                                 overwrite=overwrite, show_progress=progress,
                                 executor=_executor(executor, ray_address))
     except (FileNotFoundError, FileExistsError, ValueError, ImportError) as e:
-        console.print(f"[red]error:[/red] {e}")
+        console.print(f"[red]error:[/red] {e}", soft_wrap=True)
         raise typer.Exit(code=2) from None
     table = Table(title=f"data pack -> {out} (seq_len {seq_len}, {manifest['dtype']})")
     for col in ("split", "documents", "tokens", "rows", "shards"):
@@ -155,7 +155,7 @@ def synth(
     try:
         rec = write_synth(task, n, seed, out, overwrite=overwrite)
     except (FileExistsError, ValueError) as e:
-        Console(stderr=True).print(f"[red]error:[/red] {e}")
+        Console(stderr=True).print(f"[red]error:[/red] {e}", soft_wrap=True)
         raise typer.Exit(code=2) from None
     Console().print(f"{rec['rows']} rows ({', '.join(f'{k} {v}' for k, v in rec['categories'].items())}) -> {out}; "
                     f"{rec['dropped_eval_overlap']} eval prompts dropped, overlap with arith-cot "

@@ -52,7 +52,7 @@ def _group() -> None:
 def _fail(e: Exception) -> None:
     from rich.console import Console  # deferred: rich (~0.15 s) loads only when a verb prints
 
-    Console(stderr=True).print(f"[red]error:[/red] {e}", highlight=False)
+    Console(stderr=True).print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
     raise typer.Exit(code=2)
 
 
@@ -193,7 +193,7 @@ def suites() -> None:
     Console(width=200).print(table)
     problems = verify_builtin_suites()
     for p in problems:
-        Console(stderr=True).print(f"[red]error:[/red] {p}", highlight=False)
+        Console(stderr=True).print(f"[red]error:[/red] {p}", highlight=False, soft_wrap=True)
     if problems:
         raise typer.Exit(code=1)
 

@@ -41,7 +41,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a t
 
 
 def _fail(e: Exception) -> None:
-    Console(stderr=True, width=200).print(f"[red]error:[/red] {e}", highlight=False, markup=True)
+    Console(stderr=True).print(f"[red]error:[/red] {e}", highlight=False, markup=True, soft_wrap=True)
     raise typer.Exit(code=2)
 
 
@@ -227,7 +227,8 @@ def gc_cmd(keep: int = typer.Option(3, "--keep", help="Newest versions kept per 
 def flywheel_build_cmd(
     feedback: Path = typer.Option(..., "--feedback", help="The feedback store (the server's --log-requests db)."),
     model: str = typer.Option(..., "--model", help="Registry model name: its exchanges, and its champion to tune."),
-    out: Path = typer.Option(..., "--out", help="Run folder: sft.jsonl, preferences.jsonl, sft-lora.yaml, dpo-lora.yaml (with pairs), stats.json."),
+    out: Path = typer.Option(..., "--out", help="Run folder: sft.jsonl, preferences.jsonl, sft-lora.yaml, "
+                                                "dpo-lora.yaml (with pairs), stats.json."),
     min_count: int = typer.Option(50, "--min-count", help="SFT examples needed before the data is called ready."),
     train_data: Annotated[Optional[list[Path]], typer.Option(
         "--train-data", help="Training data to dedup against: a `data prepare` folder (its splits) or a JSONL "

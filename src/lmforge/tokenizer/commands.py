@@ -53,7 +53,7 @@ def train(
         record = train_tokenizer(inputs, out, vocab_size=vocab_size, min_frequency=min_frequency,
                                  show_progress=progress, text_field=text_field, overwrite=overwrite)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
-        console.print(f"[red]error:[/red] {e}")
+        console.print(f"[red]error:[/red] {e}", soft_wrap=True)
         raise typer.Exit(code=2) from None
 
     table = Table(title=f"tokenizer -> {out}", show_header=False)
