@@ -187,3 +187,27 @@ def test_distill_keeps_only_correct_traces(tmp_path, monkeypatch):
     assert res["kept"] + res["wrong"] + res["malformed"] == res["samples"]
     assert res["teacher_accuracy"] == pytest.approx(3 / 6) and res["teacher_pass@2"] == pytest.approx(2 / 3)
     assert res["kept_fraction"] == pytest.approx(2 / 6)
+
+
+def test_distill_on_ray_replicas_keeps_the_same_traces_as_one_engine(tmp_path):
+    """`lmforge distill --executor ray --replicas 2`: the teacher's traces come from `lmforge generate`'s Ray
+    path, with the same prompts, per-task seeds and budget, so the kept SFT rows are the same bytes."""
+    import ray  # the optional extra, which `make test` installs
+
+    from lmforge.train.distill import distill
+    from reasoning_fixtures import tiny_model, write_tasks
+
+    tasks = write_tasks(tmp_path / "tasks.jsonl", n=4)
+    model = tiny_model(tmp_path, tasks)
+    common = dict(temperature=0.8, max_tokens=24, seed=3, dtype="float32", device="cpu")
+    local = distill(model, tasks, 2, tmp_path / "local", **common)
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    try:
+        on_ray = distill(model, tasks, 2, tmp_path / "ray", executor="ray", replicas=2, **common)
+    finally:
+        ray.shutdown()
+    assert (tmp_path / "ray" / "sft.jsonl").read_bytes() == (tmp_path / "local" / "sft.jsonl").read_bytes()
+    assert {k: on_ray[k] for k in ("samples", "kept", "wrong", "malformed", "correct")} == \
+        {k: local[k] for k in ("samples", "kept", "wrong", "malformed", "correct")}

@@ -127,6 +127,10 @@ def distill(
     limit: int = typer.Option(None, "--limit", help="Only the first N tasks."),
     dtype: str = typer.Option("auto", "--dtype", help="auto, float32, bfloat16."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished run in --out."),
+    executor: str = typer.Option("local", "--executor", help="local (one engine here) or ray (`lmforge generate`'s "
+                                                              "Ray path: --replicas engines)."),
+    replicas: int = typer.Option(1, "--replicas", help="With --executor ray: teacher engines on Ray actors."),
+    ray_address: str = typer.Option(None, "--ray-address", help="Ray cluster (default: a local one)."),
 ) -> None:
     """Rejection-sample reasoning traces from TEACHER: K per task through the engine, keep the well-formed
     ones with the right answer as SFT chat rows (then `lmforge train ... train.stage=sft data.path=OUT/sft.jsonl`)."""
@@ -134,7 +138,8 @@ def distill(
 
     try:
         res = run_distill(teacher, tasks, n, out, temperature=temperature, max_tokens=max_tokens, seed=seed,
-                          limit=limit, dtype=dtype, overwrite=overwrite)
+                          limit=limit, dtype=dtype, overwrite=overwrite, executor=executor, replicas=replicas,
+                          ray_address=ray_address)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(code=2) from None

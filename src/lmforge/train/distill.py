@@ -23,11 +23,14 @@ import json
 import os
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from lmforge.data.synth import read_tasks
 from lmforge.engine import LLM, SamplingParams
+from lmforge.engine.batch import generate_file
 from lmforge.eval.backends import model_hash
+from lmforge.tokenizer import load_tokenizer
 from lmforge.tasks.reasoning import DEFAULT_FORMAT, answers_match
 from lmforge.track.io import atomic_write_text, sha256_file
 from lmforge.track.run import RunDir
@@ -40,16 +43,20 @@ COUNTS = ("tasks", "samples", "kept", "wrong", "malformed", "correct", "tasks_so
 def distill(teacher: str | os.PathLike, tasks_path: str | os.PathLike, n: int, out: str | os.PathLike, *,
             temperature: float = 0.8, top_p: float = 1.0, max_tokens: int = 320, seed: int = 0,
             limit: int | None = None, dtype: str = "auto", device: str = "auto",
-            overwrite: bool = False) -> dict[str, Any]:
+            overwrite: bool = False, executor: str = "local", replicas: int = 1,
+            ray_address: str | None = None) -> dict[str, Any]:
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
     tasks = read_tasks(tasks_path)[:limit] if limit else read_tasks(tasks_path)
     config = {"teacher": str(teacher), "tasks": str(tasks_path), "n": n, "temperature": temperature, "top_p": top_p,
-              "max_tokens": max_tokens, "seed": seed, "limit": limit, "dtype": dtype, "device": device}
+              "max_tokens": max_tokens, "seed": seed, "limit": limit, "dtype": dtype, "device": device,
+              **({"executor": executor, "replicas": replicas} if executor != "local" else {})}
     with RunDir(out, overwrite=overwrite) as run:
         run.write_config(config)
-        outputs = sample_traces(teacher, tasks, n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                seed=seed, dtype=dtype, device=device)
+        sample = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, dtype=dtype, device=device)
+        outputs = (sample_traces(teacher, tasks, n, **sample) if executor == "local" else
+                   sample_traces_batch(teacher, tasks, n, Path(out) / ".generate", executor=executor,
+                                       replicas=replicas, ray_address=ray_address, **sample))
         rows, per_cat = judge_traces(tasks, outputs)
         sft = Path(out) / "sft.jsonl"
         atomic_write_text(sft, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
@@ -74,6 +81,29 @@ def sample_traces(teacher: str | os.PathLike, tasks: list[dict[str, Any]], n: in
     params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=min(max_tokens, room),
                              seed=seed * 1_000_003 + i) for i in range(len(tasks))]
     return llm.generate(ids, params, use_tqdm=True)
+
+
+def sample_traces_batch(teacher: str | os.PathLike, tasks: list[dict[str, Any]], n: int, work: Path, *,
+                        executor: str, replicas: int, ray_address: str | None, temperature: float, top_p: float,
+                        max_tokens: int, seed: int, dtype: str, device: str) -> list[Any]:
+    """`sample_traces` through `lmforge generate`'s batch path (`engine.batch.generate_file`, Ray replicas with
+    executor="ray"): the same chat-templated ids, per-task seeds and budget, so the same traces."""
+    tok = load_tokenizer(Path(teacher))
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"{teacher}: the teacher needs a tokenizer with a chat template")
+    ids = [chat_prompt_ids(tok, t["prompt"]) for t in tasks]
+    context = json.loads((Path(teacher) / "config.json").read_text())["max_position_embeddings"]
+    budget = min(max_tokens, context - max(len(i) for i in ids))
+    work.mkdir(parents=True, exist_ok=True)
+    lines = [{"custom_id": str(i), "prompt": p, "n": n, "temperature": temperature, "top_p": top_p,
+              "max_tokens": budget, "seed": seed * 1_000_003 + i} for i, p in enumerate(ids)]
+    atomic_write_text(work / "prompts.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
+    generate_file(teacher, work / "prompts.jsonl", work / "traces.jsonl", executor=executor, replicas=replicas,
+                  ray_address=ray_address, overwrite=True, engine_kwargs={"dtype": dtype, "device": device})
+    records = [json.loads(x) for x in (work / "traces.jsonl").read_text().splitlines()]
+    return [SimpleNamespace(outputs=[SimpleNamespace(text=c["text"]) for c in sorted(r["choices"],
+                                                                                      key=lambda c: c["index"])])
+            for r in records]
 
 
 def judge_traces(tasks: list[dict[str, Any]], outputs: list[Any]) -> tuple[list[dict[str, Any]], dict[str, dict]]:
