@@ -45,7 +45,7 @@ from lmforge.tokenizer.load import load_tokenizer, tokenizer_hash
 
 from .config import TrainConfig
 from .fused_ce import CHUNK_TOKENS, can_fuse
-from .loop import Data, Trainer, token_byte_lengths
+from .loop import Data, Trainer, fit_recording_failure, token_byte_lengths
 from .lora import adapters_disabled, is_lora
 from .pref_data import PreferenceLoader
 
@@ -242,11 +242,4 @@ def train_dpo(cfg: TrainConfig, out: str | Path, resume: bool = False, overwrite
     """Run the DPO stage into `out`; returns the final record."""
     if cfg.train.stage != "dpo":
         raise ConfigError(f"train_dpo needs train.stage=dpo, got {cfg.train.stage}")
-    trainer = DPOTrainer(cfg, Path(out), resume=resume, overwrite=overwrite)
-    try:
-        return trainer.fit()
-    except BaseException as e:
-        if trainer.run is not None:
-            trainer.run.write_record({"status": "failed", "error": f"{type(e).__name__}: {e}",
-                                      "last_checkpoint": str(trainer.last_ckpt) if trainer.last_ckpt else None})
-        raise
+    return fit_recording_failure(DPOTrainer(cfg, Path(out), resume=resume, overwrite=overwrite))

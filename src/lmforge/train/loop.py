@@ -567,12 +567,9 @@ def _format_row(row: dict, max_steps: int) -> str:
     return " | ".join(parts)
 
 
-def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
-    """Pretrain or fine-tune `cfg` (any parallelism) into run directory `out`; returns the final record
-    (rank 0) or {} (other ranks). GRPO is its own stage (`grpo.trainer.train_grpo`; `commands.run` chooses)."""
-    if cfg.train.stage in ("grpo", "dpo"):
-        raise ConfigError(f"train.stage={cfg.train.stage} runs through lmforge.train.commands.run")
-    trainer = Trainer(cfg, Path(out), resume=resume, overwrite=overwrite)
+def fit_recording_failure(trainer: Trainer) -> dict[str, Any]:
+    """`trainer.fit()`; a run that raises leaves `status: failed`, the error and its last checkpoint in
+    record.json (every stage that trains through a `Trainer` ends this way)."""
     try:
         return trainer.fit()
     except BaseException as e:
@@ -580,6 +577,15 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
             trainer.run.write_record({"status": "failed", "error": f"{type(e).__name__}: {e}",
                                       "last_checkpoint": str(trainer.last_ckpt) if trainer.last_ckpt else None})
         raise
+
+
+def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Pretrain or fine-tune `cfg` (any parallelism) into run directory `out`; returns the final record
+    (rank 0) or {} (other ranks). GRPO is its own stage (`grpo.trainer.train_grpo`; `commands.run` chooses)."""
+    if cfg.train.stage in ("grpo", "dpo"):
+        raise ConfigError(f"train.stage={cfg.train.stage} runs through lmforge.train.commands.run")
+    try:
+        return fit_recording_failure(Trainer(cfg, Path(out), resume=resume, overwrite=overwrite))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
