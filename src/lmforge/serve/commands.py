@@ -174,10 +174,10 @@ def serve(
     if shutdown_timeout < 0:
         _usage_error("--shutdown-timeout must be >= 0")
     preflight(model_dir, dtype, device, max_num_seqs, max_model_len, kv_cache_memory_bytes)
-    server = _server_config(served_model_name or model or model_dir.name, (api_key, admin_api_key), limits,
-                            log_requests, feedback_db, registry is not None, tool_call_parser)
-    server = dataclasses.replace(server, lora_modules=loras, max_lora_rank=max_lora_rank,
-                                 allow_runtime_lora_updating=allow_runtime_lora_updating)
+    server = _server_config(served_model_name or model or model_dir.name, log_requests, feedback_db,
+                            registry is not None, api_key=api_key, admin_api_key=admin_api_key, limits=limits,
+                            tool_call_parser=tool_call_parser, lora_modules=loras, max_lora_rank=max_lora_rank,
+                            allow_runtime_lora_updating=allow_runtime_lora_updating)
     raise typer.Exit(run_server(config, server, ListenConfig(host, port, shutdown_timeout, log_level), engine_process,
                                 registry=(registry, model) if registry else None, canary=canary,
                                 replicas=(replicas, ray_address)))
@@ -281,24 +281,21 @@ def _server_limits(**values) -> ServerLimits:
         _usage_error(f"{_FLAGS.get(field_name, field_name)}: {str(e).split(': ', 1)[-1]}")
 
 
-def _server_config(served_model_name: str, keys: tuple[str | None, str | None], limits: ServerLimits,
-                   log_requests: bool, feedback_db: Path | None, from_registry: bool,
-                   tool_call_parser: str = ServerConfig.tool_call_parser) -> ServerConfig:
-    """The app's settings; a feedback store (--feedback-db, by default `feedback.db` beside the registry's
-    default store) when requests are logged, a store is named, or versions come from a registry."""
+def _server_config(served_model_name: str, log_requests: bool, feedback_db: Path | None, from_registry: bool,
+                   **fields) -> ServerConfig:
+    """The app's settings (`fields`: ServerConfig's, checked there; a value it refuses exits 2); a feedback
+    store (--feedback-db, by default `feedback.db` beside the registry's default store) when requests are
+    logged, a store is named, or versions come from a registry."""
     feedback = None
     if log_requests or feedback_db is not None or from_registry:
         from lmforge.registry import FeedbackStore  # deferred: the registry pulls numpy
         from lmforge.registry.store import default_path
 
         feedback = FeedbackStore(feedback_db or default_path().with_name("feedback.db"))
-    api_key, admin_api_key = keys
-    if admin_api_key is not None and admin_api_key == api_key:
-        _usage_error("--admin-api-key must differ from --api-key: an inference client must not administer")
-    if tool_call_parser not in TOOL_PARSERS:
-        _usage_error(f"--tool-call-parser {tool_call_parser}: one of {', '.join(TOOL_PARSERS)}")
-    return ServerConfig(served_model_name, api_key, limits, admin_api_key=admin_api_key, feedback=feedback,
-                        log_requests=log_requests, tool_call_parser=tool_call_parser)
+    try:
+        return ServerConfig(served_model_name, feedback=feedback, log_requests=log_requests, **fields)
+    except ValueError as e:
+        _usage_error(str(e))
 
 
 def preflight(model_dir: Path, dtype: str, device: str, max_num_seqs: int, max_model_len: int | None,

@@ -98,12 +98,14 @@ class ServerConfig:
         if self.log_interval_s <= 0:
             raise ValueError(f"log_interval_s={self.log_interval_s}: must be > 0")
         if self.tool_call_parser not in TOOL_PARSERS:
-            raise ValueError(f"tool_call_parser={self.tool_call_parser!r}: one of {', '.join(TOOL_PARSERS)}")
+            raise ValueError(f"tool_call_parser={self.tool_call_parser!r} (--tool-call-parser "
+                             f"{self.tool_call_parser}: one of {', '.join(TOOL_PARSERS)})")
         if self.served_model_name in self.lora_modules:
             raise ValueError(f"lora_modules: {self.served_model_name!r} is the base model's name; name the adapter "
                              "otherwise")
         if self.admin_api_key is not None and self.admin_api_key == self.api_key:
-            raise ValueError("admin_api_key must differ from api_key: an inference client must not administer")
+            raise ValueError("admin_api_key must differ from api_key (--admin-api-key, --api-key): an inference "
+                             "client must not administer")
 
 
 @dataclass

@@ -8,8 +8,7 @@ errors become 400s through FastAPI's validation (see `errors.py`); the rest is c
 (`response_format`, `tools`, `best_of`, an image part, ...) is either implemented or refused with a
 400 naming it (`unsupported()`, `REFUSED`: `tools`, `tool_choice` and tool messages are implemented,
 see `serving_chat.py`; the legacy `functions` / `function_call` are refused); other unknown fields are
-ignored, as OpenAI's clients send some that change nothing here (`IGNORED` lists the known ones;
-docs/serving.md too).
+ignored, as OpenAI's clients send some that change nothing here (docs/serving.md lists the known ones).
 
 Responses are built as plain dicts in `app.py` rather than pydantic models: a streamed reply
 serializes one chunk per token per request, and `json.dumps` of a small dict is several times
@@ -47,9 +46,6 @@ REFUSED = {
     "audio": "audio output is not supported",
     "web_search_options": "web search is not supported",
 }
-# Known fields that change nothing about the answer here: accepted and ignored.
-IGNORED = ("store", "metadata", "service_tier", "prediction", "reasoning_effort",
-           "verbosity", "prompt_cache_key", "safety_identifier", "stream_options.include_obfuscation")
 _NOTHING_ASKED = {"modalities": (["text"],)}
 MAX_TOOLS = 128  # OpenAI's limit on `tools`
 
