@@ -129,7 +129,10 @@ def test_fast_engine_picks_the_cpu_kernel_and_agrees(models, name, backend, cpu_
     llm = LLM(str(models[name]), dtype="float32", device="cpu", cpu_kernels=cpu_kernels)
     st = llm.stats()
     assert st["linear_backend"] == backend.name
-    assert llm.llm_engine.model_runner.quantized_linears == 7 * 2
+    # with the compiled kernels q/k/v and gate/up are one linear each (engine.fused.fuse_projections)
+    fused = backend is QmmLinear
+    assert llm.llm_engine.model_runner.quantized_linears == (4 if fused else 7) * 2
+    assert llm.llm_engine.model_runner.fused_projections == (2 * 2 if fused else 0)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     want = _greedy(models[f"{name}-dense"])
     same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) / sum(len(w) for w in want)
@@ -199,3 +202,27 @@ def test_int8_kv_doubles_the_pool_at_a_fixed_budget(tmp_path):
 def test_kv_cache_dtype_is_validated(models):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(str(models["src"]), device="cpu", kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme(8, None), QuantScheme(4, 32)], ids=["int8", "int4-g32"])
+def test_concatenated_projections_compute_the_same_numbers(scheme):
+    """`fuse_projections`' q/k/v (and gate/up) as one linear: each output row is its own dot product, so
+    the fused layer's outputs are bit for bit the separate layers' side by side, on the qmm kernel (A16
+    and A8) and for float linears; a mismatch in scheme or input size is refused (None)."""
+    from lmforge.engine.fused import concat_linears
+
+    parts = [_quantized_linear(scheme, N=n, K=128) for n in (64, 32, 32)]
+    fused = concat_linears(parts)
+    assert isinstance(fused, QuantizedLinear) and fused.out_features == 128 and fused.bias is not None
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(3))
+    lib = kernels.load()
+    makers = [lambda q: DequantLinear(q, torch.float32)]
+    if lib is not None:
+        makers += [lambda q: QmmLinear(q, torch.float32, qmm=lib.qmm_f32),
+                   lambda q: QmmLinear(q, torch.float32, a8=lib.a8())]
+    for make in makers:
+        assert torch.equal(make(fused)(x), torch.cat([make(q)(x) for q in parts], dim=-1))
+    dense = [nn.Linear(128, n) for n in (64, 32)]
+    assert torch.equal(concat_linears(dense)(x), torch.cat([m(x) for m in dense], dim=-1))
+    assert concat_linears([parts[0], _quantized_linear(QuantScheme(4, 64), N=32, K=128)]) is None
+    assert concat_linears([parts[0], dense[0]]) is None

@@ -107,7 +107,8 @@ class LLMEngine:
             num_blocks = config.num_kv_blocks or self._num_blocks_from_budget()
             self.model_runner = ModelRunner(self.model, num_blocks, config.block_size,
                                             config.attention == "reference", config.pack_weights,
-                                            config.cpu_kernels, config.kv_cache_dtype, config.quant_activations)
+                                            config.cpu_kernels, config.kv_cache_dtype, config.quant_activations,
+                                            fuse_projections=self.executor is None and not config.enable_lora)
             if self.executor is not None:
                 self.executor.start(num_blocks)
                 self.model_runner.workers = self.executor

@@ -24,12 +24,12 @@ import torch
 from torch import nn
 
 from lmforge.model import Transformer
+from lmforge.quant.linear import QuantizedLinear, swap_backend
 from lmforge.quant.linear import select_backend as select_linear_backend
-from lmforge.quant.linear import swap_backend
 
 from . import kernels
 from .attention import kv_bytes_per_token, select_backend
-from .fused import fuse_elementwise
+from .fused import fuse_elementwise, fuse_projections
 from .scheduler import ScheduledSeq
 
 
@@ -121,14 +121,14 @@ class ModelRunner:
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, reference: bool = False,
                  pack_weights: bool = True, cpu_kernels: bool = True, kv_cache_dtype: str = "auto",
-                 quant_activations: str = "none"):
+                 quant_activations: str = "none", fuse_projections: bool = False):
         self.model = model.eval()
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         lib = None
         if cpu_kernels and not reference and p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float32):
             lib = kernels.load()  # None without a compiler: the torch path, same contract
-        self._swap_modules(lib, reference, pack_weights, quant_activations)
+        self._swap_modules(lib, reference, pack_weights, quant_activations, fuse_projections)
         c = model.config
         n_heads, n_kv_heads = local_heads(model)
         self.attn = select_backend(c.num_hidden_layers, num_blocks, block_size, n_heads, n_kv_heads, c.head_dim,
@@ -137,14 +137,23 @@ class ModelRunner:
         self.timings = {"prepare": 0.0, "forward": 0.0}  # seconds, cumulative
 
     def _swap_modules(self, lib: kernels.CpuKernels | None, reference: bool, pack_weights: bool,
-                      quant_activations: str = "none") -> None:
-        """The engine-only stand-ins, in order: one linear backend for every quantized layer, chosen once
-        (`lmforge.quant.linear`; on float32 activations the compiled int8/int4 matmul when the library has
-        it), oneDNN-packed bf16 linears, the fused elementwise modules."""
+                      quant_activations: str = "none", fuse: bool = False) -> None:
+        """The engine-only stand-ins, in order: q/k/v and gate/up concatenated (`fuse`, on a quantized or
+        packed model, whose weights are already the engine's own copies: `LLM.load_weights` refuses both),
+        one linear backend for every quantized layer, chosen once (`lmforge.quant.linear`; on float32
+        activations the compiled int8/int4 matmul when the library has it), oneDNN-packed bf16 linears,
+        the fused elementwise modules."""
         model, device, dtype = self.model, self.device, self.dtype
+        will_pack = pack_weights and not reference and can_pack_linear(device, dtype)
+        quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
+        self.fused_projections = 0
+        if fuse and lib is not None and (quantized or will_pack):
+            with torch.no_grad():
+                self.fused_projections = fuse_projections(model)
         a8 = lib.a8() if lib is not None and quant_activations == "int8" else None  # int8-activation kernel
         backend = select_linear_backend(model, device, reference, qmm=getattr(lib, "qmm_f32", None),
-                                        quant_activations=quant_activations, a8=a8)
+                                        quant_activations=quant_activations, a8=a8,
+                                        prefill_bf16=a8 is not None and kernels.cpu_has_bf16())
         self.linear_backend = backend.name if backend is not None else "dense"
         self.quantized_linears = swap_backend(model, backend, dtype) if backend is not None else 0
         self.weight_bytes = weight_bytes(model)
@@ -152,7 +161,7 @@ class ModelRunner:
         # hold these same tensors (not copies), so `load_weights` can write through them in place
         self.named_weights = dict(model.state_dict()) if not self.quantized_linears else {}
         self.packed_linears = 0
-        if pack_weights and not reference and can_pack_linear(device, dtype):
+        if will_pack:
             with torch.no_grad():
                 self.packed_linears = pack_linear_weights(model)
         self.fused_modules = fuse_elementwise(model, lib) if lib is not None else 0

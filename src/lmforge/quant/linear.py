@@ -135,15 +135,19 @@ class QmmLinear(nn.Module):
 
     With `a8` (the engine's `quant_activations="int8"`: a callable over `lmf_qmm_a8`'s arguments
     with the ISA bound, its `.isa` naming the body), up to `A8_MAX_ROWS` rows of float32 or bfloat16
-    activations go through the int8-activation kernel instead, on the same packed codes."""
+    activations go through the int8-activation kernel instead, on the same packed codes; above that
+    (a prefill chunk), with `prefill_bf16` (a CPU with bf16 units), the weight is dequantized into
+    bfloat16 and oneDNN's bf16 GEMM runs on bf16-rounded activations: 2-3x dequantize + sgemm at 512
+    rows on the Zen 4 (`scripts/vs_llamacpp.py`), and no less exact than int8 activations."""
 
     name = "int8/int4 weight-only (lmforge lmf_qmm_f32, float32 activations)"
     MAX_ROWS = 32  # measured on the AVX2 EPYC (8192x2048, 1 thread): the kernel beats dequantize + sgemm up to 32 rows
     A8_MAX_ROWS = 64  # the decode batches issue 25 targets; prefill chunks above it take dequantize + sgemm
 
-    def __init__(self, q: QuantizedLinear, dtype: torch.dtype, qmm=None, a8=None):
+    def __init__(self, q: QuantizedLinear, dtype: torch.dtype, qmm=None, a8=None, prefill_bf16: bool = False):
         super().__init__()
         self.qmm, self.a8, self.bits = qmm, a8, q.scheme.num_bits
+        self.prefill_bf16 = prefill_bf16 and a8 is not None
         self.N, self.K = q.out_features, q.in_features
         self.gs = q.scheme.group_size or q.in_features
         codes = q.qweight.contiguous()
@@ -204,6 +208,13 @@ class QmmLinear(nn.Module):
             if self.bias is not None:
                 out_MN += self.bias
             return out_MN.to(x.dtype).reshape(*x.shape[:-1], self.N)
+        if self.prefill_bf16:
+            w_NK = scratch(self.N * self.K, torch.bfloat16, self.codes.device).view(self.N, self.K)
+            w_NK.copy_(self.dequantized())
+            out_MN = F.linear(x.reshape(-1, self.K).to(torch.bfloat16), w_NK).float()
+            if self.bias is not None:
+                out_MN += self.bias
+            return out_MN.to(x.dtype).reshape(*x.shape[:-1], self.N)
         x_MK = x.reshape(-1, self.K).float().contiguous()
         M = x_MK.shape[0]
         if M > self.MAX_ROWS or self.qmm is None:
@@ -231,7 +242,7 @@ QUANT_ACTIVATIONS = ("none", "int8")
 
 
 def _a8_backend(layers: list[QuantizedLinear], device: torch.device, dtype: torch.dtype, reference: bool,
-                qmm, a8) -> functools.partial:
+                qmm, a8, prefill_bf16: bool = False) -> functools.partial:
     """`QmmLinear` with int8 activations for every layer, or a ValueError saying why it cannot be."""
     if reference:
         raise ValueError("quant_activations='int8' is an approximation with no reference path: "
@@ -244,13 +255,16 @@ def _a8_backend(layers: list[QuantizedLinear], device: torch.device, dtype: torc
         if why is not None:
             raise ValueError(f"quant_activations='int8': layer {q.extra_repr()}: lmf_qmm_a8 {why}; "
                              "use quant_activations='none'")
-    backend = functools.partial(QmmLinear, qmm=qmm if dtype == torch.float32 else None, a8=a8)
-    backend.name = f"int8/int4 weights x int8 activations (lmforge lmf_qmm_a8, {a8.isa})"  # type: ignore[attr-defined]
+    backend = functools.partial(QmmLinear, qmm=qmm if dtype == torch.float32 else None, a8=a8,
+                                prefill_bf16=prefill_bf16)
+    backend.name = (f"int8/int4 weights x int8 activations (lmforge lmf_qmm_a8, {a8.isa}"  # type: ignore[attr-defined]
+                    + (f"; above {QmmLinear.A8_MAX_ROWS} rows bf16 GEMM on dequantized weights)" if prefill_bf16 else ")"))
     return backend
 
 
 def select_backend(model: nn.Module, device: torch.device, reference: bool = False, qmm=None,
-                   quant_activations: str = "none", a8=None) -> type[nn.Module] | functools.partial | None:
+                   quant_activations: str = "none", a8=None,
+                   prefill_bf16: bool = False) -> type[nn.Module] | functools.partial | None:
     """One backend for the whole model. `quant_activations="int8"`: `QmmLinear` on the compiled
     int8-activation kernel `a8` (a ValueError when it cannot run: no kernels, a layer it does not
     take, reference mode, no quantized layer). Otherwise: float32 activations on CPU with the
@@ -264,7 +278,7 @@ def select_backend(model: nn.Module, device: torch.device, reference: bool = Fal
         if not layers:
             raise ValueError("quant_activations='int8' applies to int8/int4-weight checkpoints; this model has "
                              "no quantized linear layer (quantize it with `lmforge quantize`)")
-        return _a8_backend(layers, device, dtype, reference, qmm, a8)
+        return _a8_backend(layers, device, dtype, reference, qmm, a8, prefill_bf16)
     if not layers:
         return None
     if not reference:
