@@ -113,3 +113,41 @@ def test_quantize_gptq_folder_loads_and_fits_calibration_better(pair, tmp_path):
         with torch.no_grad():
             errs.append((load_pretrained(d, dtype="float32", device="cpu")(ids) - ref(ids)).norm().item())
     assert errs[0] < errs[1], errs
+
+
+def test_diff_a8_against_a16_on_one_folder(pair, tmp_path):
+    """One int4 folder as A (exact A16 kernels) and B (`--quant-activations-b int8`): the NLLs differ (B's
+    forward ran on int8 activations) by a fraction of a percent; a generate suite is refused with the
+    commands to use instead."""
+    from lmforge.engine import kernels
+    from lmforge.eval.compare import diff_models
+    from lmforge.tasks.suite import load_suite
+
+    if kernels.load() is None:
+        pytest.skip(f"A8 needs the compiled kernels: {kernels.status()}")
+    _, w4, suite = pair
+    report = diff_models(w4, w4, suite, tmp_path / "a8", quant_activations=("none", "int8"))
+    s = report["categories"]["all"]
+    assert report["quant_activations"] == ["none", "int8"] and s["n"] == 6
+    assert s["perplexity_a"] != s["perplexity_b"] and abs(s["perplexity_change"]) < 0.02
+    assert "with int8 activations (B)" in (tmp_path / "a8" / "diff.md").read_text()
+    with pytest.raises(ValueError, match="generate suite.*eval run"):
+        diff_models(w4, w4, load_suite("arith"), tmp_path / "gen", quant_activations=("none", "int8"))
+
+
+def test_eval_backend_quant_activations(pair):
+    """`lmforge eval run --quant-activations int8`: the engine and the log-likelihood model both run A8 and
+    the run's record says so; the reference loop and Ray replicas are refused (they would run A16)."""
+    from lmforge.engine import kernels
+    from lmforge.eval.backends import TransformerBackend
+
+    if kernels.load() is None:
+        pytest.skip(f"A8 needs the compiled kernels: {kernels.status()}")
+    _, w4, _ = pair
+    b = TransformerBackend(w4, dtype="float32", device="cpu", engine="llm", quant_activations="int8")
+    assert b.info()["quant_activations"] == "int8"
+    assert any(getattr(m, "a8", None) is not None for m in b.model.modules())
+    assert len(b.generate(["def f"], max_tokens=4, stop=[])) == 1
+    assert "lmf_qmm_a8" in b._llm.stats()["linear_backend"]
+    with pytest.raises(ValueError, match="--engine llm"):
+        TransformerBackend(w4, dtype="float32", device="cpu", engine="simple", quant_activations="int8")

@@ -72,11 +72,29 @@ def _check_executor(executor: str, replicas: int, engine: str) -> None:
         raise ValueError("--executor ray generates with the engine: use --engine llm (or auto)")
 
 
+def a8_model(model_dir: str | Path, dtype: str = "float32") -> Any:
+    """The model on CPU with every quantized linear on the int8-activation kernel (the engine's
+    `quant_activations="int8"`), for log-likelihoods and NLLs; a ValueError when it cannot run here."""
+    import torch  # deferred: as in TransformerBackend
+
+    from lmforge.engine import kernels
+    from lmforge.quant import load_pretrained
+    from lmforge.quant.linear import select_backend, swap_backend
+
+    model = load_pretrained(model_dir, dtype=dtype, device="cpu")
+    lib = kernels.load()
+    backend = select_backend(model, torch.device("cpu"), qmm=getattr(lib, "qmm_f32", None), quant_activations="int8",
+                             a8=lib.a8() if lib is not None else None, prefill_bf16=kernels.cpu_has_bf16())
+    swap_backend(model, backend, next(p.dtype for p in model.parameters() if p.is_floating_point()))
+    return model
+
+
 class TransformerBackend:
     """A model folder in HF layout (weights + tokenizer) on CPU or GPU."""
 
     def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "auto", batch_size: int = 16,
-                 engine: str = "auto", executor: str = "local", replicas: int = 1, ray_address: str | None = None):
+                 engine: str = "auto", executor: str = "local", replicas: int = 1, ray_address: str | None = None,
+                 quant_activations: str = "none"):
         # deferred: torch and lmforge.model load only when a backend is built (importing lmforge.eval is cheap)
         import torch
 
@@ -89,6 +107,12 @@ class TransformerBackend:
         if engine == "auto":
             engine = "llm" if importlib.util.find_spec("lmforge.engine.llm") else "simple"
         _check_executor(executor, replicas, engine)
+        if quant_activations not in ("none", "int8"):
+            raise ValueError(f"quant_activations must be none or int8, got {quant_activations!r}")
+        if quant_activations == "int8" and (engine != "llm" or executor != "local"):
+            raise ValueError("quant_activations=int8 runs on lmforge's engine in this process: use --engine llm "
+                             "and --executor local")
+        self.quant_activations = quant_activations
         self.executor, self.replicas, self.ray_address = executor, replicas, ray_address
         self.model_dir, self.dtype, self.batch_size, self.engine = Path(model_dir), dtype, batch_size, engine
         self.device = resolve_device(device)
@@ -108,7 +132,10 @@ class TransformerBackend:
         if self._model is None:
             from lmforge.quant import load_pretrained  # deferred: loads torch (see __init__)
 
-            self._model = load_pretrained(self.model_dir, dtype=self.dtype, device=self.device).eval()
+            if self.quant_activations == "int8":
+                self._model = a8_model(self.model_dir, self.dtype).eval()
+            else:
+                self._model = load_pretrained(self.model_dir, dtype=self.dtype, device=self.device).eval()
         return self._model
 
     def info(self) -> dict[str, Any]:
@@ -117,6 +144,7 @@ class TransformerBackend:
         if self.executor == "ray":
             gen = f"lmforge.engine.batch on Ray ({self.replicas} replicas)"
         return {"backend": "transformer", "generation": gen, "dtype": self.resolved_dtype,
+                **({"quant_activations": "int8"} if self.quant_activations == "int8" else {}),
                 "device": str(self.device), "batch_size": self.batch_size, "max_len": self.max_len,
                 "bos": self.bos is not None}
 
@@ -212,7 +240,8 @@ class TransformerBackend:
         from lmforge.engine import LLM, SamplingParams  # deferred: the engine loads torch
 
         if self._llm is None and self.executor == "local":
-            self._llm = LLM(str(self.model_dir), dtype=self.dtype, device=str(self.device))
+            self._llm = LLM(str(self.model_dir), dtype=self.dtype, device=str(self.device),
+                            quant_activations=self.quant_activations)
         max_tokens = min(max_tokens, self.max_len - max(len(i) for i in ids))  # long outputs: cut to the context
         params = [dict(temperature=temperature, max_tokens=max_tokens, stop=list(stop), n=n,
                        seed=None if seed is None else seed + i) for i in range(len(ids))]

@@ -81,6 +81,9 @@ def run(
                                                               "generate`'s Ray path: --replicas engines)."),
     replicas: int = typer.Option(1, "--replicas", help="With --executor ray: engine replicas on Ray actors."),
     ray_address: str = typer.Option(None, "--ray-address", help="Ray cluster (default: a local one)."),
+    quant_activations: str = typer.Option("none", "--quant-activations",
+                                          help="A w8/w4 model's linears: none (exact, A16) | int8 (A8, the "
+                                               "engine's integer kernels; CPU)."),
 ) -> None:
     from rich.console import Console  # deferred: rich (~0.15 s) loads only when a verb prints
     from rich.table import Table
@@ -96,9 +99,11 @@ def run(
             raise FileNotFoundError(f"{model_dir}: no config.json; MODEL_DIR must be a model folder in HF layout "
                                     f"(e.g. the output of `lmforge export`)")
         backend = TransformerBackend(model_dir, dtype=dtype, device=device, batch_size=batch_size, engine=engine,
-                                     executor=executor, replicas=replicas, ray_address=ray_address)
+                                     executor=executor, replicas=replicas, ray_address=ray_address,
+                                     quant_activations=quant_activations)
         config = {"model_dir": str(model_dir), "suites": refs, "out": str(out), "limit": limit, "dtype": dtype,
                   "device": device, "batch_size": batch_size, "engine": backend.engine,
+                  **({"quant_activations": quant_activations} if quant_activations != "none" else {}),
                   **({"executor": executor, "replicas": replicas} if executor != "local" else {})}
         results = evaluate(backend, suites, out, model_dir=model_dir, limit=limit, overwrite=overwrite,
                            config=config, log=lambda name, t: console.print(
@@ -132,6 +137,11 @@ def diff(
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
     limit: int = typer.Option(None, "--limit", help="Only the first N items."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished run in --out."),
+    quant_activations_a: str = typer.Option("none", "--quant-activations-a",
+                                            help="A's quantized linears: none (exact, A16) | int8 (A8)."),
+    quant_activations_b: str = typer.Option("none", "--quant-activations-b",
+                                            help="B's: none | int8. One w8/w4 folder as A and B with "
+                                                 "--quant-activations-b int8 measures A8 against A16."),
 ) -> None:
     try:
         if suite == "quant-check":
@@ -140,7 +150,8 @@ def diff(
             s = check_suite.load()
         else:
             s = load_suite(suite)
-        report = diff_models(model_a, model_b, s, out, dtype=dtype, limit=limit, overwrite=overwrite)
+        report = diff_models(model_a, model_b, s, out, dtype=dtype, limit=limit, overwrite=overwrite,
+                             quant_activations=(quant_activations_a, quant_activations_b))
     except (SuiteError, FileNotFoundError, RunExistsError, ValueError) as e:
         _fail(e)
     typer.echo(diff_markdown(report))

@@ -112,23 +112,33 @@ def _prefix(item: dict[str, Any], ids: list[int], tok) -> list[int]:
 
 
 def diff_models(model_a: str | os.PathLike, model_b: str | os.PathLike, suite, out: str | os.PathLike,
-                dtype: str = "float32", limit: int | None = None, overwrite: bool = False) -> dict[str, Any]:
+                dtype: str = "float32", limit: int | None = None, overwrite: bool = False,
+                quant_activations: tuple[str, str] = ("none", "none")) -> dict[str, Any]:
     """Both models on every item of a perplexity suite: per item the summed NLL under each, the greedy
     continuation of each for GREEDY_TOKENS tokens from the item's prefix (same / changed, agreement =
     common-prefix length / GREEDY_TOKENS), and for items with an `answer`, whether each continuation
     starts with it (newly wrong / newly right); per category: perplexity of each and its change,
-    mean agreement, counts. Writes per_sample.jsonl, diff.json, diff.md and a record into `out`."""
+    mean agreement, counts. Writes per_sample.jsonl, diff.json, diff.md and a record into `out`.
+    `quant_activations` (A's, B's): "int8" runs that side's quantized linears on int8 activations in
+    the engine and in the NLL forward alike, so one w8/w4 folder against itself measures A8 vs A16."""
     # deferred: the engine and lmforge.quant load torch
     from lmforge.engine import LLM, SamplingParams
+    from lmforge.eval.backends import a8_model
     from lmforge.quant import load_pretrained
+
+    if getattr(suite, "kind", "perplexity") != "perplexity":
+        raise ValueError(f"eval diff compares models item by item on a perplexity suite (text items); "
+                         f"{suite.name} is a {suite.kind} suite: score each model with `lmforge eval run` "
+                         f"(--quant-activations int8 for A8) and compare the runs with `lmforge eval compare`")
 
     run = RunDir(out, overwrite=overwrite)
     with run:
         run.write_config({"model_a": str(model_a), "model_b": str(model_b), "suite": suite.name,
                           "suite_sha256": suite.sha256, "dtype": dtype, "limit": limit,
-                          "greedy_tokens": GREEDY_TOKENS})
+                          "greedy_tokens": GREEDY_TOKENS, "quant_activations": list(quant_activations)})
         items = suite.items[:limit] if limit else suite.items
-        llms = [LLM(str(m), dtype=dtype, device="cpu") for m in (model_a, model_b)]
+        llms = [LLM(str(m), dtype=dtype, device="cpu", quant_activations=qa)
+                for m, qa in zip((model_a, model_b), quant_activations)]
         tok = llms[0].get_tokenizer()
         if tok is None:
             raise ValueError(f"{model_a}: no tokenizer files; eval diff needs a tokenizer")
@@ -138,8 +148,8 @@ def diff_models(model_a: str | os.PathLike, model_b: str | os.PathLike, suite, o
         conts = [[o.outputs[0] for o in llm.generate(prefixes, params, use_tqdm=False)] for llm in llms]
         del llms
         nlls = []
-        for m in (model_a, model_b):
-            model = load_pretrained(m, dtype=dtype, device="cpu")
+        for m, qa in zip((model_a, model_b), quant_activations):
+            model = a8_model(m, dtype) if qa == "int8" else load_pretrained(m, dtype=dtype, device="cpu")
             nlls.append([_nll(model, i) for i in ids])
             del model
         rows = []
@@ -153,7 +163,8 @@ def diff_models(model_a: str | os.PathLike, model_b: str | os.PathLike, suite, o
                 row["correct_a"] = ca.text.strip().startswith(it["answer"])
                 row["correct_b"] = cb.text.strip().startswith(it["answer"])
             rows.append(row)
-        report = {"model_a": str(model_a), "model_b": str(model_b), "suite": suite.name,
+        report = {"model_a": str(model_a), "model_b": str(model_b), "quant_activations": list(quant_activations),
+                  "suite": suite.name,
                   "suite_sha256": suite.sha256, "categories": _summarize(rows)}
         atomic_write_text(Path(out) / "per_sample.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
         atomic_write_json(Path(out) / "diff.json", report)
@@ -186,7 +197,9 @@ def _summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def diff_markdown(report: dict[str, Any]) -> str:
-    lines = [f"# eval diff: `{report['model_a']}` (A) vs `{report['model_b']}` (B) on {report['suite']} "
+    qa = report.get("quant_activations", ["none", "none"])
+    sides = [f"`{report[k]}`" + (" with int8 activations" if q == "int8" else "") for k, q in zip(("model_a", "model_b"), qa)]
+    lines = [f"# eval diff: {sides[0]} (A) vs {sides[1]} (B) on {report['suite']} "
              f"({report['suite_sha256'][:12]})", "",
              f"| category | n | same / changed | greedy agreement ({GREEDY_TOKENS} tok) | perplexity A | "
              "perplexity B | change | correct A / B | newly wrong / right |",
