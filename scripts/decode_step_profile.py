@@ -1,0 +1,94 @@
+"""Where one decode step's milliseconds go, batch 1 (issue 25, item 2).
+
+The engine runs `--steps` greedy decode steps of one request on MODEL (an HF folder or a GGUF file);
+the linear layers' kernel calls (`QmmLinear` / `PackedLinear` / `nn.Linear`) and the attention
+backend's calls are timed with `perf_counter` around each call (the timers cost ~0.3 us a call), the
+engine's own phases come from `LLMEngine.step_profile()`. What remains of the model's forward after
+the linear and attention calls is the Python module tree and its small torch ops (embedding, RMSNorm,
+RoPE, residual adds, reshapes): the interpreter's share of a step.
+
+    python scripts/decode_step_profile.py runs/vs-llamacpp/random-llama-300m/model-q4_0.gguf --quant-activations int8
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Annotated, Optional
+
+import torch
+import typer
+from torch import nn
+
+from lmforge.engine import LLM, SamplingParams
+
+
+def _timed(obj, attr: str, acc: dict, key: str) -> None:
+    fn = getattr(obj, attr)
+
+    def wrapper(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            acc[key] += time.perf_counter() - t
+            acc[key + "_calls"] += 1
+    setattr(obj, attr, wrapper)
+
+
+def profile(model: str, quant_activations: str = "none", threads: int = 2, steps: int = 128) -> dict:
+    torch.set_num_threads(threads)
+    llm = LLM(model, dtype="auto", enable_prefix_caching=False, quant_activations=quant_activations)
+    eng = llm.llm_engine
+    runner = eng.model_runner
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    llm.generate([[5]], params, use_tqdm=False)  # warm-up
+    acc: dict = defaultdict(float)
+    linears = [m for m in runner.model.modules()
+               if type(m).__name__ in ("QmmLinear", "PackedLinear", "Int8Linear", "Int4Linear", "DequantLinear")
+               or type(m) is nn.Linear]
+    for m in linears:
+        _timed(m, "forward", acc, "linear")
+    _timed(runner.attn, "__call__", acc, "attention")
+    before = dict(eng.step_profile())
+    t0 = time.perf_counter()
+    out = llm.generate([[5]], params, use_tqdm=False)[0].outputs[0]
+    wall = time.perf_counter() - t0
+    after = eng.step_profile()
+    n = steps + 1
+    phases = {k: 1000 * (after[k] - before.get(k, 0.0)) / n for k in after}
+    tt = out.token_times
+    step_ms = 1000 * (tt[-1] - tt[0]) / (len(tt) - 1)
+    lin, att = 1000 * acc["linear"] / n, 1000 * acc["attention"] / n
+    rows = {"linear kernels": lin, "attention (KV write + decode kernel)": att,
+            "rest of the forward (Python modules, embedding, norms, RoPE, adds)": phases["forward"] - lin - att,
+            "prepare (inputs, attention metadata)": phases["prepare"], "sample": phases["sample"],
+            "schedule + postprocess + detokenize": phases["schedule"] + phases["postprocess"] + phases["detokenize"]}
+    rows["between steps (generate loop, outputs)"] = step_ms - sum(rows.values())
+    st = llm.stats()
+    return {"model": model, "quant_activations": quant_activations, "threads": threads, "steps": steps,
+            "step_ms": step_ms, "tok_s": 1000 / step_ms, "wall_s": wall, "ms": rows,
+            "linear_calls_per_step": acc["linear_calls"] / n, "weight_bytes": st.get("weight_bytes"),
+            "linear_gb_s": (st.get("weight_bytes") or 0) / (lin / 1000) / 1e9 if lin else None,
+            "linear_backend": st.get("linear_backend"), "dtype": st.get("dtype")}
+
+
+def main(models: list[str], quant_activations: str = "none", threads: int = 2, steps: int = 128,
+         out: Annotated[Optional[Path], typer.Option(help="Write decode_profile.json here.")] = None) -> None:
+    reps = [profile(m, quant_activations if m.endswith(("q8_0.gguf", "q4_0.gguf")) else "none", threads, steps)
+            for m in models]
+    for r in reps:
+        print(f"\n{r['model']} ({r['dtype']}, {r['linear_backend']}), {r['threads']} threads: "
+              f"{r['step_ms']:.2f} ms a step ({r['tok_s']:.1f} tok/s), {r['linear_calls_per_step']:.0f} linear "
+              f"calls a step, linear weights read at {r['linear_gb_s']:.1f} GB/s")
+        for k, v in r["ms"].items():
+            print(f"  {v:7.2f} ms  {100 * v / r['step_ms']:5.1f}%  {k}")
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "decode_profile.json").write_text(json.dumps(reps, indent=1))
+
+
+if __name__ == "__main__":
+    typer.run(main)
