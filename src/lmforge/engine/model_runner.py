@@ -27,7 +27,7 @@ from lmforge.model import Transformer
 from lmforge.quant.linear import QuantizedLinear, swap_backend
 from lmforge.quant.linear import select_backend as select_linear_backend
 
-from . import kernels
+from . import decode_layer, kernels
 from .attention import kv_bytes_per_token, select_backend
 from .fused import fuse_elementwise, fuse_projections
 from .scheduler import ScheduledSeq
@@ -134,6 +134,9 @@ class ModelRunner:
         self.attn = select_backend(c.num_hidden_layers, num_blocks, block_size, n_heads, n_kv_heads, c.head_dim,
                                    p.dtype, p.device, reference, lib, kv_cache_dtype)
         self.attention_backend = self.attn.name
+        # all-decode steps of an int8/int4 model on float32 activations: a layer a C call (engine.decode_layer)
+        self.decode_layers, self.decode_layers_why = decode_layer.install(model, self.attn, lib) if not reference \
+            else (0, "reference mode")
         self.timings = {"prepare": 0.0, "forward": 0.0}  # seconds, cumulative
 
     def _swap_modules(self, lib: kernels.CpuKernels | None, reference: bool, pack_weights: bool,

@@ -74,6 +74,8 @@ class CpuKernels:
     #                                         isa): on rows quantized already (the tests' entry point)
     quantize_s8: ctypes._CFuncPtr | None = None  # lmf_quantize_s8(x, act, M, K, nibble_order, q, q_scales)
     a8_isa_supported: ctypes._CFuncPtr | None = None  # lmf_a8_isa_supported(isa) -> 0 | 1
+    decode_layer_q: ctypes._CFuncPtr | None = None  # lmf_decode_layer_q(isa, params, x, M, cos, sin, slots, tables,
+    #                                                  tables_M, lens, rows, S, eps, scale): a whole decoder layer
 
     def a8_isas(self) -> list[str]:
         """The A8 bodies this CPU runs, widest first (`A8_ISAS` names)."""
@@ -188,7 +190,9 @@ def _bind(path: Path) -> CpuKernels:
     a8 = {"qmm_a8": ("lmf_qmm_a8", [I64, P, I64, P, P, P, I64, I64, I64, I64, I64, I64]),
           "qmm_s8": ("lmf_qmm_s8", [P, P, P, P, P, I64, I64, I64, I64, I64, I64, I64]),
           "quantize_s8": ("lmf_quantize_s8", [P, I64, I64, I64, I64, P, P]),
-          "a8_isa_supported": ("lmf_a8_isa_supported", [I64])}
+          "a8_isa_supported": ("lmf_a8_isa_supported", [I64]),
+          "decode_layer_q": ("lmf_decode_layer_q", [I64, P, P, I64, P, P, P, P, I64, P, P, I64, ctypes.c_float,
+                                                    ctypes.c_float])}
     for field, (name, argtypes) in a8.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int, argtypes

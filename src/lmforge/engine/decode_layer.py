@@ -1,0 +1,107 @@
+"""A decoder layer of a decode step as one C call (`lmf_decode_layer_q`), for int8/int4-weight models on
+float32 activations: the GGUF Q8_0 / Q4_0 and w8a16 / w4a16 checkpoints a CPU user serves.
+
+Why: at batch 1 a 24-layer model's step spent ~8 ms of ~28 in the Python module tree around the
+kernels (module calls, reshapes, the small torch ops between the C calls; `scripts/decode_step_profile.py`),
+a third of the step, and most of it at batch 1 is interpreter time, not arithmetic. The C function runs
+the very kernels the module path calls (RMSNorm, the fused q/k/v matmul, RoPE, the K/V write, paged
+decode attention, o_proj, RMSNorm, gate/up, SiLU x up, down, the residual adds), in the same order, so
+a step gives the same bits either way (`tests/test_engine_decode_layer.py`).
+
+`CDecodeLayer` stands in for a `DecoderLayer` (as the other engine-only stand-ins of `fused.py` do): on
+a step where every row decodes (no prefill chunk), at most `QmmLinear.A8_MAX_ROWS` (A8) or
+`MAX_ROWS` (A16) rows, it makes the one call; any other step takes the module path unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmforge.model.transformer import DecoderLayer
+from lmforge.quant.linear import QmmLinear
+
+from .fused import FusedAttention, FusedMLP, FusedRMSNorm
+from .kernels import A8_ISAS, CpuKernels
+
+
+def _why_not(layer: DecoderLayer, backend) -> str | None:
+    """None when `lmf_decode_layer_q` computes this layer exactly as its modules do, else why not."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(backend).__name__ != "KernelBackend" or getattr(backend.kv, "int8", False):
+        return "attention is not the C kernels on a model-dtype K/V pool"
+    if not (isinstance(attn, FusedAttention) and "qkv_proj" in attn._modules and attn.q_norm is None):
+        return "q/k/v are not one projection (or the model has q/k norms)"
+    if not (isinstance(mlp, FusedMLP) and "gate_up_proj" in mlp._modules):
+        return "gate/up are not one projection"
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if not all(isinstance(n, FusedRMSNorm) and n.weight.dtype == torch.float32 for n in norms):
+        return "the norms are not the float32 C kernel"
+    if norms[0].variance_epsilon != norms[1].variance_epsilon:
+        return "the two norms differ in eps"
+    lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if not all(isinstance(m, QmmLinear) and m.bias is None and (m.a8 is not None or m.qmm is not None) for m in lins):
+        return "the linears are not lmforge's int8/int4 kernels without bias"
+    first = lins[0]
+    same = all((m.bits, m.gs if m.gs != m.K else 0, m.threads, m.a8 is None) ==
+               (first.bits, first.gs if first.gs != first.K else 0, first.threads, first.a8 is None) for m in lins)
+    if not same:
+        return "the four linears differ in bits, groups, threads or activation kind"
+    if any(m.bits == 8 and m.gs == m.K and m.scale.shape[1] != 1 for m in lins):
+        return "per-channel int8 with more than one scale a row"
+    return None
+
+
+class CDecodeLayer(nn.Module):
+    """A `DecoderLayer` whose all-decode steps run as one `lmf_decode_layer_q` call."""
+
+    def __init__(self, layer: DecoderLayer, backend, lib: CpuKernels):
+        super().__init__()
+        self.layer, self.backend, self.lib = layer, backend, lib
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, o, gu, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+        self.isa = A8_ISAS[qkv.a8.isa] if qkv.a8 is not None else -1
+        self.max_rows = QmmLinear.A8_MAX_ROWS if qkv.a8 is not None else QmmLinear.MAX_ROWS
+        k_pool, v_pool = backend.kv.rows(attn.layer_idx)
+        self.layer_idx, self.eps, self.scale = attn.layer_idx, layer.input_layernorm.variance_epsilon, attn.head_dim ** -0.5
+        gs = qkv.gs if qkv.gs != qkv.K else 0  # per channel: the kernels' gs <= 0
+        p = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), o.N,
+             attn.n_heads, attn.n_kv_heads, attn.head_dim, down.K, backend.kv.block_size,
+             qkv.codes.data_ptr(), qkv.scale.data_ptr(), o.codes.data_ptr(), o.scale.data_ptr(),
+             gu.codes.data_ptr(), gu.scale.data_ptr(), down.codes.data_ptr(), down.scale.data_ptr(),
+             qkv.bits, gs, k_pool.data_ptr(), v_pool.data_ptr(), qkv.threads, torch.get_num_threads()]
+        self.params = torch.tensor(p, dtype=torch.int64)  # kept alive: the C call reads it every step
+
+    def forward(self, x_BTD: torch.Tensor, cos_BTH, sin_BTH, attn) -> torch.Tensor:
+        meta = getattr(self.backend, "meta", None)
+        M = x_BTD.shape[0] * x_BTD.shape[1]
+        if (attn is not self.backend or meta is None or meta.decode is None or meta.groups or M > self.max_rows
+                or x_BTD.dtype != torch.float32):
+            return self.layer(x_BTD, cos_BTH, sin_BTH, attn)
+        rows_S, lens_S, tables_SM = meta.decode
+        x = x_BTD.clone(memory_format=torch.contiguous_format)  # the residual stream, updated in place by C
+        cos, sin = cos_BTH.contiguous(), sin_BTH.contiguous()
+        rc = self.lib.decode_layer_q(self.isa, self.params.data_ptr(), x.data_ptr(), M, cos.data_ptr(),
+                                     sin.data_ptr(), meta.slot_mapping_T.data_ptr(), tables_SM.data_ptr(),
+                                     tables_SM.shape[1], lens_S.data_ptr(), rows_S.data_ptr(), len(rows_S),
+                                     self.eps, self.scale)
+        if rc != 0:
+            raise RuntimeError(f"lmf_decode_layer_q refused layer {self.layer_idx} (code {rc})")
+        return x
+
+
+def install(model: nn.Module, backend, lib: CpuKernels | None) -> tuple[int, str | None]:
+    """Swap every eligible `DecoderLayer` of `model` for a `CDecodeLayer` (all or none); returns (how many,
+    why none when none)."""
+    if lib is None or lib.decode_layer_q is None:
+        return 0, "no compiled kernels"
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        return 0, "not a decoder stack"
+    for layer in layers:
+        why = _why_not(layer, backend)
+        if why is not None:
+            return 0, why
+    for i, layer in enumerate(layers):
+        layers[i] = CDecodeLayer(layer, backend, lib)
+    return len(layers), None

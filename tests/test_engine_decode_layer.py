@@ -1,0 +1,76 @@
+"""A decoder layer of an all-decode step as one C call (`lmforge.engine.decode_layer`): on int8 and int4
+models (per channel and in groups of 32, GGUF's Q8_0 / Q4_0 layout), A16 and A8, one sequence and
+several, the engine's greedy tokens and their log-probabilities are the module path's bit for bit (the
+same kernels in the same order); prefill steps keep the module path; a model it cannot take keeps its
+modules and says why."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmforge.engine import LLM, SamplingParams, kernels
+from lmforge.engine.decode_layer import CDecodeLayer
+from lmforge.model.reference import save_hf_model
+from lmforge.quant.quantize import QuantizeConfig, quantize_model
+
+LIB = kernels.load()
+pytestmark = pytest.mark.skipif(LIB is None, reason=f"no compiled kernels: {kernels.status()}")
+PROMPTS = [[1, 5, 9, 13, 200, 31], [1, 77, 8], [1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 40]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("decode_layer")
+    src = save_hf_model("llama", root / "src", seed=5, hidden_size=128, vocab_size=256, layers=3,
+                        intermediate_size=192, max_position_embeddings=256)  # head_dim 32: the C attention
+    out = {"src": src}
+    for name, scheme, gs in (("w8", "w8a16", None), ("w4", "w4a16", 32)):
+        quantize_model(QuantizeConfig(model=str(src), out=str(root / name), scheme=scheme, group_size=gs or 128))
+        out[name] = root / name
+    return out
+
+
+def _run(llm: LLM, modules: bool) -> list[tuple[list[int], list[float]]]:
+    layers = llm.llm_engine.model_runner.model.model.layers
+    saved = list(layers)
+    if modules:  # the module path: each stand-in's own DecoderLayer back in place
+        for i, layer in enumerate(layers):
+            layers[i] = layer.layer if isinstance(layer, CDecodeLayer) else layer
+    try:
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+                for o in outs]
+    finally:
+        for i, layer in enumerate(saved):
+            layers[i] = layer
+
+
+@pytest.mark.parametrize("name", ["w8", "w4"])
+@pytest.mark.parametrize("qa", ["none", "int8"])
+def test_c_layer_step_is_the_module_path_bit_for_bit(models, name, qa):
+    llm = LLM(str(models[name]), dtype="float32", device="cpu", quant_activations=qa, enable_prefix_caching=False)
+    runner = llm.llm_engine.model_runner
+    assert runner.decode_layers == 3, runner.decode_layers_why
+    calls = []
+    lib_call = runner.model.model.layers[0].lib.decode_layer_q
+    for layer in runner.model.model.layers:  # count the C calls (a prefill step must not make any)
+        layer.lib = type("L", (), {"decode_layer_q": staticmethod(lambda *a: calls.append(a[3]) or lib_call(*a))})
+    fast = _run(llm, modules=False)
+    slow = _run(llm, modules=True)
+    assert fast == slow
+    # 11 decode steps after each prefill; the three sequences decode together: rows per call 1..3
+    assert calls and max(calls) == 3 and set(calls) <= {1, 2, 3}
+
+
+def test_models_it_cannot_take_keep_their_modules(models):
+    bf16 = LLM(str(models["src"]), dtype="bfloat16", device="cpu")  # packed bf16 linears: the module path
+    assert bf16.llm_engine.model_runner.decode_layers == 0
+    assert "float32" in bf16.llm_engine.model_runner.decode_layers_why  # bf16 activations
+    int8kv = LLM(str(models["w8"]), dtype="float32", device="cpu", kv_cache_dtype="int8")
+    assert int8kv.llm_engine.model_runner.decode_layers == 0
+    assert "K/V pool" in int8kv.llm_engine.model_runner.decode_layers_why
+    ref = LLM(str(models["w8"]), dtype="float32", device="cpu", attention="reference")
+    assert ref.llm_engine.model_runner.decode_layers == 0
+    lora = LLM(str(models["w8"]), dtype="float32", device="cpu", enable_lora=True)  # LoRA wraps q/k/v: not fused
+    assert lora.llm_engine.model_runner.decode_layers == 0
