@@ -51,6 +51,9 @@ def profile(model: str, quant_activations: str = "none", threads: int = 2, steps
                or type(m) is nn.Linear]
     for m in linears:
         _timed(m, "forward", acc, "linear")
+    libs = {id(m.lib): m.lib for m in runner.model.modules() if type(m).__name__ == "CDecodeLayer"}
+    for lib in libs.values():  # a whole layer a C call (engine.decode_layer): linears and attention inside
+        _timed(lib, "decode_layer_q", acc, "c_layer")
     _timed(runner.attn, "__call__", acc, "attention")
     before = dict(eng.step_profile())
     t0 = time.perf_counter()
@@ -61,17 +64,20 @@ def profile(model: str, quant_activations: str = "none", threads: int = 2, steps
     phases = {k: 1000 * (after[k] - before.get(k, 0.0)) / n for k in after}
     tt = out.token_times
     step_ms = 1000 * (tt[-1] - tt[0]) / (len(tt) - 1)
-    lin, att = 1000 * acc["linear"] / n, 1000 * acc["attention"] / n
-    rows = {"linear kernels": lin, "attention (KV write + decode kernel)": att,
-            "rest of the forward (Python modules, embedding, norms, RoPE, adds)": phases["forward"] - lin - att,
+    lin, att, c_layer = (1000 * acc[k] / n for k in ("linear", "attention", "c_layer"))
+    rows = {"decoder layers as one C call each (norms, matmuls, RoPE, K/V, attention, adds)": c_layer,
+            "linear kernels (Python-called)": lin, "attention (Python-called: KV write + decode kernel)": att,
+            "rest of the forward (Python modules, embedding, norms, RoPE, adds)": phases["forward"] - lin - att - c_layer,
             "prepare (inputs, attention metadata)": phases["prepare"], "sample": phases["sample"],
             "schedule + postprocess + detokenize": phases["schedule"] + phases["postprocess"] + phases["detokenize"]}
+    rows = {k: v for k, v in rows.items() if v > 0.005 or "rest" in k}
     rows["between steps (generate loop, outputs)"] = step_ms - sum(rows.values())
     st = llm.stats()
     return {"model": model, "quant_activations": quant_activations, "threads": threads, "steps": steps,
+            "c_layers": runner.decode_layers, "c_layers_why_not": runner.decode_layers_why,
             "step_ms": step_ms, "tok_s": 1000 / step_ms, "wall_s": wall, "ms": rows,
             "linear_calls_per_step": acc["linear_calls"] / n, "weight_bytes": st.get("weight_bytes"),
-            "linear_gb_s": (st.get("weight_bytes") or 0) / (lin / 1000) / 1e9 if lin else None,
+            "linear_gb_s": (st.get("weight_bytes") or 0) / ((lin + c_layer) / 1000) / 1e9 if lin + c_layer else None,
             "linear_backend": st.get("linear_backend"), "dtype": st.get("dtype")}
 
 
@@ -82,7 +88,8 @@ def main(models: list[str], quant_activations: str = "none", threads: int = 2, s
     for r in reps:
         print(f"\n{r['model']} ({r['dtype']}, {r['linear_backend']}), {r['threads']} threads: "
               f"{r['step_ms']:.2f} ms a step ({r['tok_s']:.1f} tok/s), {r['linear_calls_per_step']:.0f} linear "
-              f"calls a step, linear weights read at {r['linear_gb_s']:.1f} GB/s")
+              f"calls a step (+ {r['c_layers']} C layers), weights read at {r['linear_gb_s']:.1f} GB/s "
+              f"(all weight bytes / time in linear kernels and C layers)")
         for k, v in r["ms"].items():
             print(f"  {v:7.2f} ms  {100 * v / r['step_ms']:5.1f}%  {k}")
     if out:

@@ -24,7 +24,7 @@ for T in $TYPES; do
   QA=none; [ "$T" != bf16 ] && QA=${LMFORGE_QA:-int8}
   OMP_NUM_THREADS=$THREADS $LMF serve "$F" --port 8000 --dtype auto --quant-activations "$QA" \
     --served-model-name m > "$OUT/lmforge-$T.log" 2>&1 & LP=$!
-  "$LLAMA_SERVER" -m "$F" -t "$THREADS" --port 8080 -c 16384 -np 16 --alias m > "$OUT/llama-server-$T.log" 2>&1 & CP=$!
+  "$LLAMA_SERVER" -m "$F" -t "$THREADS" --port 8080 -c 32768 -np 16 --alias m > "$OUT/llama-server-$T.log" 2>&1 & CP=$!
   trap 'kill $LP $CP 2>/dev/null || true' EXIT
   wait_up http://127.0.0.1:8000 $LP "$OUT/lmforge-$T.log"
   wait_up http://127.0.0.1:8080 $CP "$OUT/llama-server-$T.log"
