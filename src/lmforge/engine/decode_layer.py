@@ -42,14 +42,14 @@ def _why_not(layer: DecoderLayer, backend) -> str | None:
     lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if not all(isinstance(m, QmmLinear) and m.bias is None and (m.a8 is not None or m.qmm is not None) for m in lins):
         return "the linears are not lmforge's int8/int4 kernels without bias"
-    first = lins[0]
-    same = all((m.bits, m.gs if m.gs != m.K else 0, m.threads, m.a8 is None) ==
-               (first.bits, first.gs if first.gs != first.K else 0, first.threads, first.a8 is None) for m in lins)
-    if not same:
+    if len({(m.bits, _kernel_gs(m), m.threads, m.a8 is None) for m in lins}) > 1:
         return "the four linears differ in bits, groups, threads or activation kind"
-    if any(m.bits == 8 and m.gs == m.K and m.scale.shape[1] != 1 for m in lins):
-        return "per-channel int8 with more than one scale a row"
     return None
+
+
+def _kernel_gs(m: QmmLinear) -> int:
+    """The group size as the C kernels take it: 0 (<= 0) for one scale a row (per channel)."""
+    return m.gs if m.gs != m.K else 0
 
 
 class CDecodeLayer(nn.Module):
@@ -64,12 +64,11 @@ class CDecodeLayer(nn.Module):
         self.max_rows = QmmLinear.A8_MAX_ROWS if qkv.a8 is not None else QmmLinear.MAX_ROWS
         k_pool, v_pool = backend.kv.rows(attn.layer_idx)
         self.layer_idx, self.eps, self.scale = attn.layer_idx, layer.input_layernorm.variance_epsilon, attn.head_dim ** -0.5
-        gs = qkv.gs if qkv.gs != qkv.K else 0  # per channel: the kernels' gs <= 0
         p = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), o.N,
              attn.n_heads, attn.n_kv_heads, attn.head_dim, down.K, backend.kv.block_size,
              qkv.codes.data_ptr(), qkv.scale.data_ptr(), o.codes.data_ptr(), o.scale.data_ptr(),
              gu.codes.data_ptr(), gu.scale.data_ptr(), down.codes.data_ptr(), down.scale.data_ptr(),
-             qkv.bits, gs, k_pool.data_ptr(), v_pool.data_ptr(), qkv.threads, torch.get_num_threads()]
+             qkv.bits, _kernel_gs(qkv), k_pool.data_ptr(), v_pool.data_ptr(), qkv.threads, torch.get_num_threads()]
         self.params = torch.tensor(p, dtype=torch.int64)  # kept alive: the C call reads it every step
 
     def forward(self, x_BTD: torch.Tensor, cos_BTH, sin_BTH, attn) -> torch.Tensor:

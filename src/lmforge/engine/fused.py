@@ -99,24 +99,19 @@ def fuse_projections(model: nn.Module) -> int:
 
 
 class FusedAttention(Attention):
-    """`Attention` with RoPE applied in place by one C call for q and one for k; everything else
-    (projections, q/k norms, the attention callable) is the model's own `forward`, except that a block
-    with a `qkv_proj` (`fuse_projections`) computes q, k and v in one matmul."""
+    """`Attention` with RoPE applied in place by one C call for q and one for k, and, in a block with a
+    `qkv_proj` (`fuse_projections`), q, k and v from one matmul; everything else (q/k norms, the attention
+    callable, o_proj) is the model's own `forward`."""
 
     lib: CpuKernels
 
-    def forward(self, x_BTD: torch.Tensor, cos_BTH, sin_BTH, attn) -> torch.Tensor:
+    def project(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if "qkv_proj" not in self._modules:
-            return super().forward(x_BTD, cos_BTH, sin_BTH, attn)
+            return super().project(x_BTD)
         B, T, _ = x_BTD.shape
         N, K, H = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x_BTD).split([N * H, K * H, K * H], dim=-1)
-        q_BTNH, k_BTKH, v_BTKH = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H).contiguous()
-        if self.q_norm is not None:
-            q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
-        q_BTNH, k_BTKH = self.rope(q_BTNH, k_BTKH, cos_BTH, sin_BTH)
-        out_BTNH = attn(self.layer_idx, q_BTNH, k_BTKH, v_BTKH)
-        return self.o_proj(out_BTNH.reshape(B, T, -1))
+        return q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H).contiguous()
 
     @classmethod
     def wrap(cls, attn: Attention, lib: CpuKernels) -> FusedAttention:

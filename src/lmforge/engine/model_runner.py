@@ -113,6 +113,17 @@ def pack_linear_weights(model: nn.Module) -> int:
     return len(todo)
 
 
+def linear_backend(model: nn.Module, device: torch.device, reference: bool, lib: kernels.CpuKernels | None,
+                   quant_activations: str = "none"):
+    """The backend every quantized linear of `model` runs on (`lmforge.quant.linear.select_backend`) with
+    this library's kernels: the exact float32-activation matmul, or with `quant_activations="int8"` the
+    int8-activation one, whose prefill rows take a bf16 GEMM on a CPU with bf16 units."""
+    a8 = lib.a8() if lib is not None and quant_activations == "int8" else None
+    return select_linear_backend(model, device, reference, qmm=getattr(lib, "qmm_f32", None),
+                                 quant_activations=quant_activations, a8=a8,
+                                 prefill_bf16=a8 is not None and kernels.cpu_has_bf16())
+
+
 class ModelRunner:
     """The mechanism of a step (nano-vllm's `ModelRunner`): the model, its engine-only module swaps and
     the attention backend with its KV pool; `attention_backend` names the backend for stats and logs."""
@@ -153,10 +164,7 @@ class ModelRunner:
         if fuse and lib is not None and (quantized or will_pack):
             with torch.no_grad():
                 self.fused_projections = fuse_projections(model)
-        a8 = lib.a8() if lib is not None and quant_activations == "int8" else None  # int8-activation kernel
-        backend = select_linear_backend(model, device, reference, qmm=getattr(lib, "qmm_f32", None),
-                                        quant_activations=quant_activations, a8=a8,
-                                        prefill_bf16=a8 is not None and kernels.cpu_has_bf16())
+        backend = linear_backend(model, device, reference, lib, quant_activations)
         self.linear_backend = backend.name if backend is not None else "dense"
         self.quantized_linears = swap_backend(model, backend, dtype) if backend is not None else 0
         self.weight_bytes = weight_bytes(model)

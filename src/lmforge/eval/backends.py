@@ -78,13 +78,12 @@ def a8_model(model_dir: str | Path, dtype: str = "float32") -> Any:
     import torch  # deferred: as in TransformerBackend
 
     from lmforge.engine import kernels
+    from lmforge.engine.model_runner import linear_backend
     from lmforge.quant import load_pretrained
-    from lmforge.quant.linear import select_backend, swap_backend
+    from lmforge.quant.linear import swap_backend
 
     model = load_pretrained(model_dir, dtype=dtype, device="cpu")
-    lib = kernels.load()
-    backend = select_backend(model, torch.device("cpu"), qmm=getattr(lib, "qmm_f32", None), quant_activations="int8",
-                             a8=lib.a8() if lib is not None else None, prefill_bf16=kernels.cpu_has_bf16())
+    backend = linear_backend(model, torch.device("cpu"), False, kernels.load(), quant_activations="int8")
     swap_backend(model, backend, next(p.dtype for p in model.parameters() if p.is_floating_point()))
     return model
 

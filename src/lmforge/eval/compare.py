@@ -126,7 +126,7 @@ def diff_models(model_a: str | os.PathLike, model_b: str | os.PathLike, suite, o
     from lmforge.eval.backends import a8_model
     from lmforge.quant import load_pretrained
 
-    if getattr(suite, "kind", "perplexity") != "perplexity":
+    if suite.kind != "perplexity":
         raise ValueError(f"eval diff compares models item by item on a perplexity suite (text items); "
                          f"{suite.name} is a {suite.kind} suite: score each model with `lmforge eval run` "
                          f"(--quant-activations int8 for A8) and compare the runs with `lmforge eval compare`")

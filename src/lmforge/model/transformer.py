@@ -130,14 +130,20 @@ class Attention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, cos_BTH, sin_BTH, attn: AttentionFn) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        q_BTNH = self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim)
-        k_BTKH = self.k_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
-        v_BTKH = self.v_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
+        q_BTNH, k_BTKH, v_BTKH = self.project(x_BTD)
         if self.q_norm is not None:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
         q_BTNH, k_BTKH = self.rope(q_BTNH, k_BTKH, cos_BTH, sin_BTH)
         out_BTNH = attn(self.layer_idx, q_BTNH, k_BTKH, v_BTKH)
         return self.o_proj(out_BTNH.reshape(B, T, -1))
+
+    def project(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, T, N, H), k and v (B, T, K, H) (the inference engine overrides this one step: one fused
+        q/k/v matmul)."""
+        B, T, _ = x_BTD.shape
+        return (self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim),
+                self.k_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim),
+                self.v_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim))
 
     def rope(self, q_BTNH, k_BTKH, cos_BTH, sin_BTH) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE on q and k (the inference engine's CPU kernels override this one step)."""
