@@ -262,7 +262,7 @@ def test_the_loop_serve_feedback_flywheel_lora_registry_canary_promote_rollback(
     for version, folder in ((1, v1), (2, v2)):
         eval_run(folder, suite=["tiny-text"], out=tmp_path / f"eval-{version}", limit=8, dtype="float32",
                  device="cpu", batch_size=8, engine="simple", overwrite=False, executor="local", replicas=1,
-                 ray_address=None)
+                 ray_address=None, quant_activations="none")
         reg.attach_eval("tiny", version, tmp_path / f"eval-{version}")
     decision = reg.promote("tiny", 2, max_regression=0.5)  # bits/byte: LoRA for 2 steps barely moves it
     assert decision["allowed"] and not decision["forced"] and decision["gate"]["tasks"]  # the gate itself passed
