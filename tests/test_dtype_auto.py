@@ -10,7 +10,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from lmforge.engine import LLM, kernels
+from lmforge.engine import LLM, SamplingParams, kernels
 from lmforge.model.reference import save_hf_model
 from lmforge.quant.quantize import QuantizeConfig, quantize_model
 from lmforge.serve.metrics import EngineCollector
@@ -42,8 +42,14 @@ def test_policy(monkeypatch, has_bf16):
     assert kernels.auto_dtype("float32", False)[0] == "float32"  # never rounds a float32 checkpoint
     assert kernels.auto_dtype(None, False)[0] == "float32"
     assert kernels.auto_dtype("bfloat16", True)[0] == "float32"  # int weights: float32 on the integer kernels
-    dtype, why = kernels.auto_dtype("bfloat16", False)
-    assert dtype == "bfloat16" and ("has bf16 units" in why) == (has_bf16 == "1")
+    assert kernels.auto_dtype("bfloat16", True)[2] is False
+    dtype, why, bf16_weights = kernels.auto_dtype("bfloat16", False)
+    if has_bf16 == "1":
+        assert (dtype, bf16_weights) == ("bfloat16", False) and "has bf16 units" in why
+    elif kernels.load() is not None:  # no bf16 units: bf16 weights kept, float32 activations on lmforge's kernels
+        assert (dtype, bf16_weights) == ("float32", True) and "without bf16 units" in why
+    else:
+        assert (dtype, bf16_weights) == ("bfloat16", False)
     assert kernels.auto_dtype("float16", False)[0] == "bfloat16"
 
 
@@ -51,7 +57,8 @@ def test_engine_reports_the_choice(folders, monkeypatch, caplog):
     monkeypatch.setenv("LMFORGE_CPU_BF16", "0")
     with caplog.at_level(logging.INFO, logger="lmforge.engine"):
         s = LLM(str(folders["bfloat16"]), device="cpu").llm_engine.stats()
-    assert s["dtype"] == "bfloat16" and "without bf16 units" in s["dtype_choice"]
+    want = ("float32", "bits 16") if kernels.load() is not None else ("bfloat16", "")
+    assert s["dtype"] == want[0] and "without bf16 units" in s["dtype_choice"] and want[1] in s["linear_backend"]
     assert "without bf16 units" in caplog.text and "engine ready" in caplog.text
     s = LLM(str(folders["float32"]), device="cpu").llm_engine.stats()
     assert s["dtype"] == "float32" and "kept" in s["dtype_choice"]
@@ -72,3 +79,53 @@ def test_quantized_checkpoint_runs_integer_kernels_and_metrics_say_so(folders):
     text = generate_latest(registry).decode()
     line = next(x for x in text.splitlines() if x.startswith("lmforge:kernel_info{"))
     assert 'dtype="float32"' in line and "lmf_qmm_f32" in line and line.endswith(" 1.0")
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="no C compiler: lmforge's CPU kernels are absent")
+def test_bf16_weights_on_float32_activations_are_the_float32_model(folders, monkeypatch):
+    """A bf16 checkpoint on a CPU without bf16 units keeps 2-byte weights (`QmmLinear.from_bf16`: decode rows
+    on `lmf_qmm_f32` with bits 16, a 40-token prompt above 32 rows on the widened weight) and computes in
+    float32: the greedy tokens are the float32 engine's on the same weights and transformers' float32
+    `generate`; the weights take half the bytes; the trainer's in-place weight sync is refused."""
+    import transformers
+
+    from lmforge.quant.linear import QmmLinear
+
+    monkeypatch.setenv("LMFORGE_CPU_BF16", "0")
+    prompts = [[1, 5, 9, 12], [3, 4], list(range(10, 50))]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(folders["bfloat16"]), device="cpu")
+    runner = llm.llm_engine.model_runner
+    assert runner.bf16_linears > 0 and all(m.bits == 16 for m in runner.model.modules() if isinstance(m, QmmLinear))
+    fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    f32 = LLM(str(folders["bfloat16"]), device="cpu", dtype="float32")
+    assert fast == [o.outputs[0].token_ids for o in f32.generate(prompts, params, use_tqdm=False)]
+    assert runner.weight_bytes < 0.6 * f32.llm_engine.model_runner.weight_bytes
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folders["bfloat16"], dtype=torch.float32)
+    for p, toks in zip(prompts, fast):
+        out = hf.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        assert out[0, len(p):].tolist() == toks
+    with pytest.raises(ValueError):
+        llm.load_weights(f32.llm_engine.model.state_dict())
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="no C compiler: lmforge's CPU kernels are absent")
+@pytest.mark.parametrize("portable", [False, True])
+def test_qmm_f32_bits_16_is_the_float32_matmul_of_the_bf16_weight(portable):
+    """`lmf_qmm_f32` with bits 16 (the AVX2 body and the portable one): the float32 product of the widened
+    bf16 weight, for 1 to 5 rows (the 4-row blocks and a remainder), K with a tail past the 32-wide loop."""
+    from torch import nn
+
+    from lmforge.quant.linear import QmmLinear
+
+    lib = kernels.load(("-DLMF_PORTABLE",)) if portable else kernels.load()
+    torch.manual_seed(0)
+    for K in (256, 200):
+        lin = nn.Linear(K, 48, bias=True).to(torch.bfloat16)
+        layer = QmmLinear.from_bf16(lin, lib.qmm_f32)
+        for M in (1, 2, 3, 4, 5, 40):  # 40 rows: above MAX_ROWS, the widened weight and sgemm
+            x = torch.randn(M, K)
+            want = x @ lin.weight.float().T + lin.bias.float()
+            torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="bfloat16"):
+        QmmLinear.from_bf16(nn.Linear(32, 8), lib.qmm_f32)

@@ -1,5 +1,6 @@
 """A decoder layer of an all-decode step as one C call (`lmforge.engine.decode_layer`): on int8 and int4
-models (per channel and in groups of 32, GGUF's Q8_0 / Q4_0 layout), A16 and A8, one sequence and
+models (per channel and in groups of 32, GGUF's Q8_0 / Q4_0 layout), A16 and A8, and on a bf16 checkpoint
+in the float32-activation form a CPU without bf16 units gets (bf16 weights, bits 16), one sequence and
 several, the engine's greedy tokens and their log-probabilities are the module path's bit for bit (the
 same kernels in the same order); prefill steps keep the module path; a model it cannot take keeps its
 modules and says why."""
@@ -7,6 +8,7 @@ modules and says why."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lmforge.engine import LLM, SamplingParams, kernels
 from lmforge.engine.decode_layer import CDecodeLayer
@@ -23,7 +25,8 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("decode_layer")
     src = save_hf_model("llama", root / "src", seed=5, hidden_size=128, vocab_size=256, layers=3,
                         intermediate_size=192, max_position_embeddings=256)  # head_dim 32: the C attention
-    out = {"src": src}
+    out = {"src": src, "bf16": save_hf_model("llama", root / "bf16", seed=5, hidden_size=128, vocab_size=256, layers=3,
+                                              intermediate_size=192, max_position_embeddings=256, dtype=torch.bfloat16)}
     for name, scheme, gs in (("w8", "w8a16", None), ("w4", "w4a16", 32)):
         quantize_model(QuantizeConfig(model=str(src), out=str(root / name), scheme=scheme, group_size=gs or 128))
         out[name] = root / name
@@ -46,11 +49,13 @@ def _run(llm: LLM, modules: bool) -> list[tuple[list[int], list[float]]]:
             layers[i] = layer
 
 
-@pytest.mark.parametrize("name", ["w8", "w4"])
-@pytest.mark.parametrize("qa", ["none", "int8"])
-def test_c_layer_step_is_the_module_path_bit_for_bit(models, name, qa):
-    llm = LLM(str(models[name]), dtype="float32", device="cpu", quant_activations=qa, enable_prefix_caching=False)
+@pytest.mark.parametrize("name,qa", [("w8", "none"), ("w8", "int8"), ("w4", "none"), ("w4", "int8"), ("bf16", "none")])
+def test_c_layer_step_is_the_module_path_bit_for_bit(models, name, qa, monkeypatch):
+    monkeypatch.setenv("LMFORGE_CPU_BF16", "0")  # bf16: `--dtype auto` as on a CPU without bf16 units
+    llm = LLM(str(models[name]), dtype="auto" if name == "bf16" else "float32", device="cpu", quant_activations=qa,
+              enable_prefix_caching=False)
     runner = llm.llm_engine.model_runner
+    assert (runner.bf16_linears > 0) == (name == "bf16") and runner.dtype == torch.float32
     assert runner.decode_layers == 3, runner.decode_layers_why
     calls = []
     lib_call = runner.model.model.layers[0].lib.decode_layer_q
@@ -66,7 +71,8 @@ def test_c_layer_step_is_the_module_path_bit_for_bit(models, name, qa):
 def test_models_it_cannot_take_keep_their_modules(models):
     bf16 = LLM(str(models["src"]), dtype="bfloat16", device="cpu")  # packed bf16 linears: the module path
     assert bf16.llm_engine.model_runner.decode_layers == 0
-    assert "float32" in bf16.llm_engine.model_runner.decode_layers_why  # bf16 activations
+    # bf16 activations; on a CPU without bf16 units nothing is packed, so nothing is fused either
+    assert any(w in bf16.llm_engine.model_runner.decode_layers_why for w in ("float32", "one projection"))
     int8kv = LLM(str(models["w8"]), dtype="float32", device="cpu", kv_cache_dtype="int8")
     assert int8kv.llm_engine.model_runner.decode_layers == 0
     assert "K/V pool" in int8kv.llm_engine.model_runner.decode_layers_why

@@ -36,7 +36,7 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .executor import MultiprocExecutor
 from .lora import LoRAManager, LoRARequest
-from .model_runner import ModelRunner, kv_bytes_per_block
+from .model_runner import ModelRunner, float32_except_linears, kv_bytes_per_block
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampler import Sampler, SampleResult, make_generator
 from .sampling_params import SamplingParams
@@ -89,14 +89,21 @@ class LLMEngine:
             raise FileNotFoundError(f"{model_dir}: no config.json; pass a Hugging Face layout model directory "
                                     "or a .gguf file")
         # --dtype auto on CPU: what is fast here (kernels.auto_dtype); resolved before any worker starts
-        self.dtype_choice = "set by --dtype"
+        self.dtype_choice, bf16_weights = "set by --dtype", False
         if config.dtype == "auto" and resolve_device(config.device).type == "cpu":
-            config.dtype, self.dtype_choice = kernels.auto_dtype(*checkpoint_info(model_dir))
+            config.dtype, self.dtype_choice, bf16_weights = kernels.auto_dtype(*checkpoint_info(model_dir))
+            if bf16_weights and (config.tensor_parallel_size > 1 or config.enable_lora
+                                 or config.attention == "reference"):  # those take one dtype throughout
+                config.dtype, bf16_weights = "bfloat16", False
+                self.dtype_choice = "bfloat16 checkpoint, CPU without bf16 units: bf16 (tensor parallel, LoRA or reference)"
         torch.manual_seed(config.seed)
         # tensor parallelism: the workers start loading now, beside rank 0 (this process)
         self.executor = MultiprocExecutor(config) if config.tensor_parallel_size > 1 else None
         try:
-            self.model = load_pretrained(model_dir, dtype=config.dtype, device=config.device)
+            self.model = load_pretrained(model_dir, dtype="bfloat16" if bf16_weights else config.dtype,
+                                         device=config.device)
+            if bf16_weights:  # float32 activations: all but the linear weights widened now (no float32 copy of those)
+                float32_except_linears(self.model)
             if self.executor is not None:
                 self.executor.shard(self.model)
             self.tokenizer = load_tokenizer(model_dir, optional=True)
@@ -108,7 +115,8 @@ class LLMEngine:
             self.model_runner = ModelRunner(self.model, num_blocks, config.block_size,
                                             config.attention == "reference", config.pack_weights,
                                             config.cpu_kernels, config.kv_cache_dtype, config.quant_activations,
-                                            fuse_projections=self.executor is None and not config.enable_lora)
+                                            fuse_projections=self.executor is None and not config.enable_lora,
+                                            bf16_weights=bf16_weights)
             if self.executor is not None:
                 self.executor.start(num_blocks)
                 self.model_runner.workers = self.executor

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lmforge.model import Transformer
-from lmforge.quant.linear import QuantizedLinear, swap_backend
+from lmforge.quant.linear import QmmLinear, QuantizedLinear, swap_backend
 from lmforge.quant.linear import select_backend as select_linear_backend
 
 from . import decode_layer, kernels
@@ -113,6 +113,32 @@ def pack_linear_weights(model: nn.Module) -> int:
     return len(todo)
 
 
+def float32_except_linears(model: nn.Module) -> None:
+    """In place: every floating-point parameter and buffer to float32 except the weights of `nn.Linear`
+    layers (embedding, norms, rotary tables; a tied lm_head shares the embedding's and is widened with
+    it). The first half of a bf16 checkpoint's float32-activation form on a CPU without bf16 units; the
+    runner then swaps the bf16 linears for `QmmLinear.from_bf16` (`bf16_weights`)."""
+    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for m in model.modules():
+        for name, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False)):
+            if t is None or not t.is_floating_point() or t.dtype == torch.float32:
+                continue
+            if id(t) in linear_weights and id(t) not in embedded:
+                continue
+            t.data = t.data.float()
+
+
+def swap_bf16_linears(model: nn.Module, qmm) -> int:
+    """Every `nn.Linear` with a bfloat16 weight becomes `QmmLinear.from_bf16` (bf16 weights, float32
+    activations, `lmf_qmm_f32` with bits 16); returns how many."""
+    todo = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16]
+    for parent, name, child in todo:
+        setattr(parent, name, QmmLinear.from_bf16(child, qmm))
+    return len(todo)
+
+
 def linear_backend(model: nn.Module, device: torch.device, reference: bool, lib: kernels.CpuKernels | None,
                    quant_activations: str = "none"):
     """The backend every quantized linear of `model` runs on (`lmforge.quant.linear.select_backend`) with
@@ -132,14 +158,16 @@ class ModelRunner:
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, reference: bool = False,
                  pack_weights: bool = True, cpu_kernels: bool = True, kv_cache_dtype: str = "auto",
-                 quant_activations: str = "none", fuse_projections: bool = False):
+                 quant_activations: str = "none", fuse_projections: bool = False, bf16_weights: bool = False):
         self.model = model.eval()
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         lib = None
         if cpu_kernels and not reference and p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float32):
             lib = kernels.load()  # None without a compiler: the torch path, same contract
-        self._swap_modules(lib, reference, pack_weights, quant_activations, fuse_projections)
+        if bf16_weights and (lib is None or lib.qmm_f32 is None or reference):
+            raise ValueError("bf16_weights needs lmforge's compiled CPU kernels and the fast attention")
+        self._swap_modules(lib, reference, pack_weights, quant_activations, fuse_projections, bf16_weights)
         c = model.config
         n_heads, n_kv_heads = local_heads(model)
         self.attn = select_backend(c.num_hidden_layers, num_blocks, block_size, n_heads, n_kv_heads, c.head_dim,
@@ -151,26 +179,30 @@ class ModelRunner:
         self.timings = {"prepare": 0.0, "forward": 0.0}  # seconds, cumulative
 
     def _swap_modules(self, lib: kernels.CpuKernels | None, reference: bool, pack_weights: bool,
-                      quant_activations: str = "none", fuse: bool = False) -> None:
+                      quant_activations: str = "none", fuse: bool = False, bf16_weights: bool = False) -> None:
         """The engine-only stand-ins, in order: q/k/v and gate/up concatenated (`fuse`, on a quantized or
         packed model, whose weights are already the engine's own copies: `LLM.load_weights` refuses both),
         one linear backend for every quantized layer, chosen once (`lmforge.quant.linear`; on float32
-        activations the compiled int8/int4 matmul when the library has it), oneDNN-packed bf16 linears,
+        activations the compiled int8/int4 matmul when the library has it), bf16 linears on float32
+        activations (`bf16_weights`: `float32_except_linears` ran at load), oneDNN-packed bf16 linears,
         the fused elementwise modules."""
         model, device, dtype = self.model, self.device, self.dtype
         will_pack = pack_weights and not reference and can_pack_linear(device, dtype)
         quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
         self.fused_projections = 0
-        if fuse and lib is not None and (quantized or will_pack):
+        if fuse and lib is not None and (quantized or will_pack or bf16_weights):
             with torch.no_grad():
                 self.fused_projections = fuse_projections(model)
         backend = linear_backend(model, device, reference, lib, quant_activations)
         self.linear_backend = backend.name if backend is not None else "dense"
         self.quantized_linears = swap_backend(model, backend, dtype) if backend is not None else 0
+        self.bf16_linears = swap_bf16_linears(model, lib.qmm_f32) if bf16_weights else 0
+        if self.bf16_linears:
+            self.linear_backend = "bf16 weights x float32 activations (lmforge lmf_qmm_f32, bits 16)"
         self.weight_bytes = weight_bytes(model)
         # every weight under its checkpoint name, captured before any swap below: the fused stand-ins
         # hold these same tensors (not copies), so `load_weights` can write through them in place
-        self.named_weights = dict(model.state_dict()) if not self.quantized_linears else {}
+        self.named_weights = dict(model.state_dict()) if not (self.quantized_linears or self.bf16_linears) else {}
         self.packed_linears = 0
         if will_pack:
             with torch.no_grad():

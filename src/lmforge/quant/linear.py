@@ -145,8 +145,10 @@ class QmmLinear(nn.Module):
     MAX_ROWS = 32  # measured on the AVX2 EPYC (8192x2048, 1 thread): the kernel beats dequantize + sgemm up to 32 rows
     A8_MAX_ROWS = 64  # the decode batches issue 25 targets; prefill chunks above it take dequantize + sgemm
 
-    def __init__(self, q: QuantizedLinear, dtype: torch.dtype, qmm=None, a8=None, prefill_bf16: bool = False):
+    def __init__(self, q: QuantizedLinear | None, dtype: torch.dtype, qmm=None, a8=None, prefill_bf16: bool = False):
         super().__init__()
+        if q is None:  # `from_bf16` fills the fields
+            return
         self.qmm, self.a8, self.bits = qmm, a8, q.scheme.num_bits
         self.prefill_bf16 = prefill_bf16 and a8 is not None
         self.N, self.K = q.out_features, q.in_features
@@ -159,6 +161,25 @@ class QmmLinear(nn.Module):
         self.register_buffer("scale", q.weight_scale.float().contiguous(), persistent=False)  # (N, G)
         self.bias = None if q.bias is None else q.bias.detach().float()
         self.threads = int(os.environ.get("LMFORGE_QMM_THREADS", 0)) or torch.get_num_threads()
+
+    @classmethod
+    def from_bf16(cls, linear: nn.Linear, qmm) -> "QmmLinear":
+        """A bfloat16 `nn.Linear` on float32 activations (a bf16 checkpoint on a CPU without bf16 units):
+        the weight stays bf16 (2 bytes read a weight, `lmf_qmm_f32` with bits 16, widened exactly inside
+        the kernel), scale 1; above `MAX_ROWS` rows it is widened into the shared float32 buffer for
+        sgemm. The same numbers as the float32 model of the same weights, up to summation order."""
+        w = linear.weight.detach()
+        if w.dtype != torch.bfloat16 or w.device.type != "cpu":
+            raise ValueError(f"QmmLinear.from_bf16 takes a bfloat16 CPU weight, not {w.dtype} on {w.device}")
+        self = cls(None, torch.float32)
+        self.qmm, self.a8, self.bits, self.prefill_bf16 = qmm, None, 16, False
+        self.N, self.K = linear.out_features, linear.in_features
+        self.gs = self.K
+        self.register_buffer("codes", w.contiguous().view(torch.int16), persistent=False)  # the bf16 bits
+        self.register_buffer("scale", torch.ones(self.N, 1), persistent=False)
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+        self.threads = int(os.environ.get("LMFORGE_QMM_THREADS", 0)) or torch.get_num_threads()
+        return self
 
     @staticmethod
     def supports(q: QuantizedLinear, device: torch.device, dtype: torch.dtype) -> bool:
@@ -183,6 +204,8 @@ class QmmLinear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The float32 weight (N, K), written into the shared `scratch` buffer."""
         w_NK = scratch(self.N * self.K, torch.float32, self.codes.device).view(self.N, self.K)
+        if self.bits == 16:  # bf16 weights, scale 1: widening is exact
+            return w_NK.copy_(self.codes.view(torch.bfloat16))
         if self.bits == 8:
             w_NK.copy_(self.codes)  # int8 -> float32 in place
         else:

@@ -256,20 +256,25 @@ def cpu_has_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
-def auto_dtype(checkpoint_dtype: str | None, quantized: bool) -> tuple[str, str]:
-    """`--dtype auto` on CPU: (dtype, why). int8/int4 weights: float32 activations, so the weights stay
-    codes and lmforge's integer kernels run (`lmf_qmm_f32`, or `lmf_qmm_a8` with int8 activations).
-    Float weights: the checkpoint's precision is never rounded (a float32 checkpoint stays float32);
-    a 16-bit checkpoint computes in bfloat16 on a CPU with bf16 units, and on one without them keeps
-    bf16 weights (half the bytes a decode step reads) with oneDNN's float32 arithmetic inside each
-    matmul: faster for one user's decode there (issue 25: 9.0 vs 6.9 tok/s, 300M; docs/engine.md:
-    1.26x, 30M), though float32 wins prefill and 16-request batches on such a CPU (1.44x), which
-    docs/engine.md states as the `--dtype float32` throughput choice."""
+def auto_dtype(checkpoint_dtype: str | None, quantized: bool) -> tuple[str, str, bool]:
+    """`--dtype auto` on CPU: (dtype of the activations, why, whether linear weights stay bfloat16).
+    int8/int4 weights: float32 activations, so the weights stay codes and lmforge's integer kernels run
+    (`lmf_qmm_f32`, or `lmf_qmm_a8` with int8 activations). Float weights: the checkpoint's precision is
+    never rounded (a float32 checkpoint stays float32); a 16-bit checkpoint computes in bfloat16 on a
+    CPU with bf16 units. On one without them, a bf16 checkpoint keeps its linear weights in bf16 (2
+    bytes a weight read at decode) and computes in float32 on lmforge's kernels (`lmf_qmm_f32` with
+    bits 16: a decode step's few rows, and the whole decoder layer as one C call; above 32 rows the
+    weight widened for sgemm): torch's own bf16 matmul on such a CPU has no fast path (prefill of 512
+    tokens on the random 300M, AVX2 EPYC, 2 threads: 32 tok/s against llama.cpp's 154,
+    `python scripts/vs_llamacpp.py`). Without the compiled kernels, bf16 as before."""
     if quantized:
-        return "float32", "int8/int4 weights: float32 activations on lmforge's integer kernels"
+        return "float32", "int8/int4 weights: float32 activations on lmforge's integer kernels", False
     ckpt = checkpoint_dtype or "float32"
     if ckpt not in ("bfloat16", "float16"):
-        return ckpt, f"{ckpt} checkpoint kept"
+        return ckpt, f"{ckpt} checkpoint kept", False
     if cpu_has_bf16():
-        return "bfloat16", f"{ckpt} checkpoint, CPU has bf16 units: bf16 compute"
-    return "bfloat16", f"{ckpt} checkpoint, CPU without bf16 units: bf16 weights, float32 arithmetic in oneDNN"
+        return "bfloat16", f"{ckpt} checkpoint, CPU has bf16 units: bf16 compute", False
+    if ckpt == "bfloat16" and (lib := load()) is not None and lib.qmm_f32 is not None:
+        return ("float32", "bfloat16 checkpoint, CPU without bf16 units: bf16 weights, float32 activations on "
+                "lmforge's kernels", True)
+    return "bfloat16", f"{ckpt} checkpoint, CPU without bf16 units: bf16 weights, float32 arithmetic in oneDNN", False

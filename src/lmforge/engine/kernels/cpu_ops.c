@@ -594,12 +594,15 @@ void lmf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
-/* ---- weight-only int8 / int4 matmul on float32 activations (CPUs without bf16) ------------------------
+/* ---- weight-only int8 / int4 / bf16 matmul on float32 activations (CPUs without bf16) -------------------
  *
  * out[m, n] = sum_k x[m, k] * w[n, k] with w = code * scale:
  *   int8: codes (N, K) int8, one float32 scale per output row (w8a16 per channel) or per group of `gs`;
  *   int4: codes packed two per byte (N, K/2) uint8, low nibble = even k, stored unsigned (code + 8),
- *         one float32 scale per output row and group of `gs` inputs (gs a multiple of 32).
+ *         one float32 scale per output row and group of `gs` inputs (gs a multiple of 32);
+ *   bf16 (bits 16): the weights themselves (N, K) as bfloat16 bit patterns, widened exactly to float32
+ *         (a 16-bit shift), one scale per row (1.0 for a bf16 checkpoint: exact). A bf16 checkpoint on a
+ *         CPU without bf16 units reads 2 bytes a weight and computes in float32.
  * For the few rows of a decode step (M small): every weight row is read from memory once and, for a
  * block of up to 4 activation rows, converted to float32 once; the accumulation is float32 FMA (AVX2)
  * or plain C (the portable body, also what LMF_PORTABLE builds). Output rows n are split over threads.
@@ -622,6 +625,12 @@ static inline float hsum8(__m256 v) {
  * first, stored code + 8) split into nibbles, interleaved back into k order, re-centred. */
 static inline __attribute__((always_inline)) void widen32(const void *wrow, int bits, int64_t k, __m256 w[4]) {
     __m128i c0, c1;  /* codes k .. k+15 and k+16 .. k+31, signed bytes */
+    if (bits == 16) {  /* bfloat16 -> float32: the 16 bits become the high half of the float */
+        const __m128i *p = (const __m128i *)((const uint16_t *)wrow + k);
+        for (int i = 0; i < 4; i++)
+            w[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p + i)), 16));
+        return;
+    }
     if (bits == 8) {
         const __m256i b = _mm256_loadu_si256((const __m256i *)((const int8_t *)wrow + k));
         c0 = _mm256_castsi256_si128(b);
@@ -684,7 +693,8 @@ static inline __attribute__((always_inline)) void qmm_row(const float *x, int64_
         float acc[4] = {0, 0, 0, 0};
         for (int64_t k = g * gs + done; k < (g + 1) * gs; k++) {
             float c;
-            if (bits == 8) c = (float)((const int8_t *)wrow)[k];
+            if (bits == 16) c = bf16_to_f32(((const uint16_t *)wrow)[k]);
+            else if (bits == 8) c = (float)((const int8_t *)wrow)[k];
             else {
                 const uint8_t byte = ((const uint8_t *)wrow)[k / 2];
                 c = (float)((int)((k & 1) ? byte >> 4 : byte & 0x0F) - 8);
@@ -703,7 +713,7 @@ typedef struct {
 static void *qmm_range(void *arg) {
     const qmm_job *j = (const qmm_job *)arg;
     const int64_t K = j->K, gs = j->gs, G = K / gs;
-    const int64_t row_bytes = j->bits == 8 ? K : K / 2;
+    const int64_t row_bytes = j->bits == 16 ? 2 * K : j->bits == 8 ? K : K / 2;
     for (int64_t m0 = 0; m0 < j->M; m0 += 4) {
         const int R = j->M - m0 < 4 ? (int)(j->M - m0) : 4;
         const float *x = j->x + m0 * K;
@@ -718,7 +728,7 @@ static void *qmm_range(void *arg) {
                 case 3: qmm_row(x, K, 3, w, BITS, sc, gs, total); break;  \
                 default: qmm_row(x, K, 4, w, BITS, sc, gs, total); break; \
             }
-            if (j->bits == 8) QMM_ROWS(8) else QMM_ROWS(4)
+            if (j->bits == 16) QMM_ROWS(16) else if (j->bits == 8) QMM_ROWS(8) else QMM_ROWS(4)
 #undef QMM_ROWS
             for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r];
         }
@@ -726,12 +736,13 @@ static void *qmm_range(void *arg) {
     return NULL;
 }
 
-/* bits 8 or 4; int8 with gs <= 0 or gs = K is per channel (any K), else gs is a group as for int4 (GGUF's
- * Q8_0: groups of 32). Returns -1 for shapes it does not take (a group not a multiple of 32 dividing K). */
+/* bits 16, 8 or 4; bf16 and int8 with gs <= 0 or gs = K are per channel (any K), else gs is a group as for
+ * int4 (GGUF's Q8_0: groups of 32). Returns -1 for shapes it does not take (a group not a multiple of 32
+ * dividing K). */
 int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
                 int64_t bits, int64_t gs, int64_t threads) {
-    if (bits != 8 && bits != 4) return -1;
-    if (bits == 8 && (gs <= 0 || gs == K)) gs = K;
+    if (bits != 16 && bits != 8 && bits != 4) return -1;
+    if (bits >= 8 && (gs <= 0 || gs == K)) gs = K;
     else if (gs <= 0 || gs % 32 || K % gs) return -1;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
@@ -1158,13 +1169,14 @@ int lmf_qmm_a8(int64_t isa, const void *x, int64_t act, const void *w, const flo
     return rc;
 }
 
-/* ---- one decoder layer of a decode step, float32 activations, int8 / int4 weights -----------------------
+/* ---- one decoder layer of a decode step, float32 activations, int8 / int4 / bf16 weights ----------------
  *
  * What the engine's Python module tree does for a Llama layer when every sequence of the step is decoding
  * (M rows, one a sequence), as one call: the same kernels in the same order, so the same bits:
  *   h = rmsnorm(x); qkv = h W_qkv; q, k = rope(q), rope(k); write k, v at `slots`; a = attention(q);
  *   x += a W_o; h = rmsnorm(x); g, u = h W_gate_up; x += silu(g) * u W_down
- * The matmuls are `lmf_qmm_a8` (isa >= 0: int8 activations) or `lmf_qmm_f32` (isa < 0: exact A16). The
+ * The matmuls are `lmf_qmm_a8` (isa >= 0: int8 activations, int weights) or `lmf_qmm_f32` (isa < 0: exact
+ * A16, or bf16 weights with bits 16). The
  * residual adds are float32 adds, as torch's. At a 24-layer model's batch-1 step this replaces ~40 Python
  * calls and small torch ops a layer (~0.35 ms) with one.
  *
