@@ -868,6 +868,35 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME##_rows(  
     const int64_t K = j->K, gs = j->gs, G = j->G;                                                           \
     __m256 tf[A8_MAX_R];                                                                                    \
     for (int r = 0; r < R; r++) tf[r] = _mm256_setzero_ps();                                                \
+    if (gs == 32) {  /* GGUF's Q8_0 / Q4_0: a scale a block; two blocks a step on two float chains a row */ \
+        __m256 tf2[A8_MAX_R];                                                                               \
+        for (int r = 0; r < R; r++) tf2[r] = _mm256_setzero_ps();                                           \
+        int64_t g = 0;                                                                                      \
+        for (; g + 2 <= G; g += 2) {                                                                        \
+            const int64_t k = g * 32;                                                                       \
+            const __m256i c = NAME##_codes(w, bits, k), a = _mm256_abs_epi8(c);                             \
+            const __m256i c2 = NAME##_codes(w, bits, k + 32), a2 = _mm256_abs_epi8(c2);                     \
+            const __m256 s = _mm256_set1_ps(ws[g]), s2 = _mm256_set1_ps(ws[g + 1]);                         \
+            for (int r = 0; r < R; r++) {                                                                   \
+                const __m256i d = NAME##_dot(_mm256_setzero_si256(), a,                                     \
+                    _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q + r * K + k)), c));             \
+                const __m256i d2 = NAME##_dot(_mm256_setzero_si256(), a2,                                   \
+                    _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q + r * K + k + 32)), c2));       \
+                tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, tf[r]);                                   \
+                tf2[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d2), s2, tf2[r]);                               \
+            }                                                                                               \
+        }                                                                                                   \
+        if (g < G) {                                                                                        \
+            const int64_t k = g * 32;                                                                       \
+            const __m256i c = NAME##_codes(w, bits, k), a = _mm256_abs_epi8(c);                             \
+            const __m256 s = _mm256_set1_ps(ws[g]);                                                         \
+            for (int r = 0; r < R; r++)                                                                     \
+                tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(NAME##_dot(_mm256_setzero_si256(), a,            \
+                    _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q + r * K + k)), c))), s, tf[r]); \
+        }                                                                                                   \
+        for (int r = 0; r < R; r++) total[r] = NAME##_hsum(_mm256_add_ps(tf[r], tf2[r]));                   \
+        return;                                                                                             \
+    }                                                                                                       \
     for (int64_t g = 0; g < G; g++) {                                                                       \
         __m256i acc[A8_MAX_R], acc2[A8_MAX_R];  /* two dot chains a row: even and odd blocks */            \
         for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_si256();                              \
