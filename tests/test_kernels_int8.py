@@ -153,20 +153,22 @@ def _layer(scheme: QuantScheme, N: int, K: int) -> QuantizedLinear:
                          ids=["w8", "w4-g32", "w4-g128"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a8_linear_within_tolerance_of_a16(scheme, dtype):
-    """`QmmLinear` with int8 activations against the exact dequantized matmul (A16), batch 1-64; above
-    64 rows it is the A16 path again (prefill: dequantize + sgemm)."""
+    """`QmmLinear` with int8 activations against the exact dequantized matmul (A16), batch 1-256 (without
+    `prefill_bf16`, prefill chunks up to `A8_PREFILL_ROWS` stay on the int8 kernel); above that it is the
+    A16 path again (dequantize + sgemm)."""
     q = _layer(scheme, N=72, K=256)
     layer = QmmLinear(q, dtype, qmm=LIB.qmm_f32, a8=LIB.a8())
     assert QmmLinear.supports_a8(q, CPU, dtype) is None
     w = q.dequantized_weight().double()
-    for M in (1, 3, 16, 64, 65):
+    assert QmmLinear.A8_PREFILL_ROWS == 256
+    for M in (1, 3, 16, 64, 65, 256, 257):
         x = torch.randn(M, 256, generator=torch.Generator().manual_seed(M)).to(dtype)
         ref = x.double() @ w.t() + q.bias.double()
         got = layer(x)
         assert got.dtype == dtype and got.shape == (M, 72)
         err = ((got.double() - ref).norm() / ref.norm()).item()
-        assert err < (A8_REL_TOL if M <= 64 else 1e-2 if dtype == torch.bfloat16 else 1e-6), (M, err)
-        assert err > (1e-4 if M <= 64 else 0)  # the int8 path did run: its rounding shows
+        assert err < (A8_REL_TOL if M <= 256 else 1e-2 if dtype == torch.bfloat16 else 1e-6), (M, err)
+        assert err > (1e-4 if M <= 256 else 0)  # the int8 path did run: its rounding shows
 
 
 @pytest.mark.parametrize("scheme", [QuantScheme(8, None), QuantScheme(4, 32)], ids=["w8", "w4-g32"])

@@ -135,7 +135,8 @@ class QmmLinear(nn.Module):
 
     With `a8` (the engine's `quant_activations="int8"`: a callable over `lmf_qmm_a8`'s arguments
     with the ISA bound, its `.isa` naming the body), up to `A8_MAX_ROWS` rows of float32 or bfloat16
-    activations go through the int8-activation kernel instead, on the same packed codes; above that
+    activations (`A8_PREFILL_ROWS` without `prefill_bf16`) go through the int8-activation kernel
+    instead, on the same packed codes; above that
     (a prefill chunk), with `prefill_bf16` (a CPU with bf16 units), the weight is dequantized into
     bfloat16 and oneDNN's bf16 GEMM runs on bf16-rounded activations, no less exact than int8 ones
     (prefill of 512 tokens on the random 300M Q8_0, 2 threads, Zen 4: 368 tok/s, against 200 for
@@ -143,7 +144,11 @@ class QmmLinear(nn.Module):
 
     name = "int8/int4 weight-only (lmforge lmf_qmm_f32, float32 activations)"
     MAX_ROWS = 32  # measured on the AVX2 EPYC (8192x2048, 1 thread): the kernel beats dequantize + sgemm up to 32 rows
-    A8_MAX_ROWS = 64  # the decode batches issue 25 targets; prefill chunks above it take dequantize + sgemm
+    A8_MAX_ROWS = 64  # the decode batches issue 25 targets (and the C decoder layer's limit)
+    # without bf16 units, prefill chunks up to this many rows stay on the A8 kernel too: on the AVX2 EPYC
+    # (2 threads, int8 / int4 g32, 1024x2816 and back) it runs 93-131 GFLOP/s at 128 rows where dequantize
+    # + sgemm runs 67-82, and sgemm wins only from ~512 rows (116-129 against 84-100; docs/engine.md)
+    A8_PREFILL_ROWS = 256
 
     def __init__(self, q: QuantizedLinear | None, dtype: torch.dtype, qmm=None, a8=None, prefill_bf16: bool = False):
         super().__init__()
@@ -227,7 +232,8 @@ class QmmLinear(nn.Module):
         return out_MN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.a8 is not None and x.numel() <= self.A8_MAX_ROWS * self.K:
+        rows = x.numel() // self.K
+        if self.a8 is not None and (rows <= self.A8_MAX_ROWS or not self.prefill_bf16 and rows <= self.A8_PREFILL_ROWS):
             out_MN = self.forward_a8(x.reshape(-1, self.K).contiguous())
             if self.bias is not None:
                 out_MN += self.bias
@@ -282,7 +288,8 @@ def _a8_backend(layers: list[QuantizedLinear], device: torch.device, dtype: torc
     backend = functools.partial(QmmLinear, qmm=qmm if dtype == torch.float32 else None, a8=a8,
                                 prefill_bf16=prefill_bf16)
     backend.name = (f"int8/int4 weights x int8 activations (lmforge lmf_qmm_a8, {a8.isa}"  # type: ignore[attr-defined]
-                    + (f"; above {QmmLinear.A8_MAX_ROWS} rows bf16 GEMM on dequantized weights)" if prefill_bf16 else ")"))
+                    + (f"; above {QmmLinear.A8_MAX_ROWS} rows bf16 GEMM on dequantized weights)" if prefill_bf16
+                       else f"; above {QmmLinear.A8_PREFILL_ROWS} rows sgemm on dequantized weights)"))
     return backend
 
 
