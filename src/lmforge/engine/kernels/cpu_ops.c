@@ -460,18 +460,22 @@ static void decode_one_any(const void *q, const void *k_pool, const void *v_pool
         int64_t row[TILE];
         tile_rows(table, t0, nt, B, K, g, row);
         for (int64_t i = 0; i < nt; i++) {  /* scores: each K row widened once, dotted with every query head */
-            load_head(k_pool, k_scales, kv, row[i], H, row_f);
+            const float *kr = kv == 1 ? (const float *)k_pool + row[i] * H : row_f;  /* float32 pool: read in place */
+            if (kv != 1) load_head(k_pool, k_scales, kv, row[i], H, row_f);
             for (int64_t n = 0; n < G; n++) {
                 float d = 0.0f;
-                for (int64_t h = 0; h < H; h++) d += qf[n][h] * row_f[h];
+                /* a vector reduction (lanes summed at the end): without it -O3 keeps the float sum scalar */
+#pragma omp simd reduction(+ : d)
+                for (int64_t h = 0; h < H; h++) d += qf[n][h] * kr[h];
                 p[n][i] = d * scale;
             }
         }
         for (int64_t n = 0; n < G; n++) softmax_tile(p[n], nt, &mx[n], &sum[n], acc[n], H);
         for (int64_t i = 0; i < nt; i++) {
-            load_head(v_pool, v_scales, kv, row[i], H, row_f);
+            const float *vr = kv == 1 ? (const float *)v_pool + row[i] * H : row_f;
+            if (kv != 1) load_head(v_pool, v_scales, kv, row[i], H, row_f);
             for (int64_t n = 0; n < G; n++)
-                for (int64_t h = 0; h < H; h++) acc[n][h] += p[n][i] * row_f[h];
+                for (int64_t h = 0; h < H; h++) acc[n][h] += p[n][i] * vr[h];
         }
     }
     for (int64_t n = 0; n < G; n++)
