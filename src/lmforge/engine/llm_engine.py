@@ -88,14 +88,7 @@ class LLMEngine:
         if not (model_dir / "config.json").exists() and not is_gguf(model_dir):
             raise FileNotFoundError(f"{model_dir}: no config.json; pass a Hugging Face layout model directory "
                                     "or a .gguf file")
-        # --dtype auto on CPU: what is fast here (kernels.auto_dtype); resolved before any worker starts
-        self.dtype_choice, bf16_weights = "set by --dtype", False
-        if config.dtype == "auto" and resolve_device(config.device).type == "cpu":
-            config.dtype, self.dtype_choice, bf16_weights = kernels.auto_dtype(*checkpoint_info(model_dir))
-            if bf16_weights and (config.tensor_parallel_size > 1 or config.enable_lora
-                                 or config.attention == "reference"):  # those take one dtype throughout
-                config.dtype, bf16_weights = "bfloat16", False
-                self.dtype_choice = "bfloat16 checkpoint, CPU without bf16 units: bf16 (tensor parallel, LoRA or reference)"
+        bf16_weights = self._resolve_dtype(config, model_dir)  # before any worker starts
         torch.manual_seed(config.seed)
         # tensor parallelism: the workers start loading now, beside rank 0 (this process)
         self.executor = MultiprocExecutor(config) if config.tensor_parallel_size > 1 else None
@@ -145,6 +138,18 @@ class LLMEngine:
                  num_blocks * r.attn.bytes_per_block / 2**20, r.attn.bytes_per_block // config.block_size,
                  config.kv_cache_dtype, num_blocks * config.block_size, r.attention_backend, r.packed_linears,
                  r.fused_modules)
+
+    def _resolve_dtype(self, config: EngineConfig, model_dir: Path) -> bool:
+        """`--dtype auto` on CPU: what is fast here (`kernels.auto_dtype`), written into `config.dtype` and
+        `self.dtype_choice`; True when a bf16 checkpoint keeps bf16 linear weights on float32 activations."""
+        self.dtype_choice, bf16_weights = "set by --dtype", False
+        if config.dtype == "auto" and resolve_device(config.device).type == "cpu":
+            config.dtype, self.dtype_choice, bf16_weights = kernels.auto_dtype(*checkpoint_info(model_dir))
+            if bf16_weights and (config.tensor_parallel_size > 1 or config.enable_lora
+                                 or config.attention == "reference"):  # those take one dtype throughout
+                config.dtype, bf16_weights = "bfloat16", False
+                self.dtype_choice = "bfloat16 checkpoint, CPU without bf16 units: bf16 (tensor parallel, LoRA or reference)"
+        return bf16_weights
 
     def _num_blocks_from_budget(self) -> int:
         per_block = kv_bytes_per_block(self.model, self.config.block_size, self.config.kv_cache_dtype)
