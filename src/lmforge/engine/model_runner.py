@@ -118,14 +118,10 @@ def float32_except_linears(model: nn.Module) -> None:
     layers (embedding, norms, rotary tables; a tied lm_head shares the embedding's and is widened with
     it). The first half of a bf16 checkpoint's float32-activation form on a CPU without bf16 units; the
     runner then swaps the bf16 linears for `QmmLinear.from_bf16` (`bf16_weights`)."""
-    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
-    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    for m in model.modules():
-        for name, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False)):
-            if t is None or not t.is_floating_point() or t.dtype == torch.float32:
-                continue
-            if id(t) in linear_weights and id(t) not in embedded:
-                continue
+    keep = ({id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+            - {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)})
+    for t in list(model.parameters()) + list(model.buffers()):  # each shared tensor once
+        if t.is_floating_point() and t.dtype != torch.float32 and id(t) not in keep:
             t.data = t.data.float()
 
 

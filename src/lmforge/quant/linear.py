@@ -127,6 +127,10 @@ class Int4Linear(_Bf16Kernel):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x_MK, self.packed, self.group_size, self.scale_zeros)
 
 
+def _kernel_threads() -> int:
+    return int(os.environ.get("LMFORGE_QMM_THREADS", 0)) or torch.get_num_threads()
+
+
 class QmmLinear(nn.Module):
     """CPU, float32 activations (CPUs without bf16): the compiled `lmf_qmm_f32` for a decode step's few
     rows, reading 1 (int8) or 0.5 (int4, packed here two codes a byte) bytes a weight; above
@@ -147,13 +151,12 @@ class QmmLinear(nn.Module):
     A8_MAX_ROWS = 64  # the decode batches issue 25 targets (and the C decoder layer's limit)
     # without bf16 units, prefill chunks up to this many rows stay on the A8 kernel too: on the AVX2 EPYC
     # (2 threads, int8 / int4 g32, 1024x2816 and back) it runs 93-131 GFLOP/s at 128 rows where dequantize
-    # + sgemm runs 67-82, and sgemm wins only from ~512 rows (116-129 against 84-100; docs/engine.md)
+    # + sgemm runs 67-82, and sgemm wins only from ~512 rows (116-129 against 84-100;
+    # `python scripts/cpu_rows_bench.py --linear`)
     A8_PREFILL_ROWS = 256
 
-    def __init__(self, q: QuantizedLinear | None, dtype: torch.dtype, qmm=None, a8=None, prefill_bf16: bool = False):
+    def __init__(self, q: QuantizedLinear, dtype: torch.dtype, qmm=None, a8=None, prefill_bf16: bool = False):
         super().__init__()
-        if q is None:  # `from_bf16` fills the fields
-            return
         self.qmm, self.a8, self.bits = qmm, a8, q.scheme.num_bits
         self.prefill_bf16 = prefill_bf16 and a8 is not None
         self.N, self.K = q.out_features, q.in_features
@@ -165,7 +168,7 @@ class QmmLinear(nn.Module):
         self.register_buffer("codes", codes, persistent=False)
         self.register_buffer("scale", q.weight_scale.float().contiguous(), persistent=False)  # (N, G)
         self.bias = None if q.bias is None else q.bias.detach().float()
-        self.threads = int(os.environ.get("LMFORGE_QMM_THREADS", 0)) or torch.get_num_threads()
+        self.threads = _kernel_threads()
 
     @classmethod
     def from_bf16(cls, linear: nn.Linear, qmm) -> "QmmLinear":
@@ -176,14 +179,15 @@ class QmmLinear(nn.Module):
         w = linear.weight.detach()
         if w.dtype != torch.bfloat16 or w.device.type != "cpu":
             raise ValueError(f"QmmLinear.from_bf16 takes a bfloat16 CPU weight, not {w.dtype} on {w.device}")
-        self = cls(None, torch.float32)
+        self = cls.__new__(cls)  # no QuantizedLinear to read: the fields are set here
+        nn.Module.__init__(self)
         self.qmm, self.a8, self.bits, self.prefill_bf16 = qmm, None, 16, False
         self.N, self.K = linear.out_features, linear.in_features
         self.gs = self.K
         self.register_buffer("codes", w.contiguous().view(torch.int16), persistent=False)  # the bf16 bits
         self.register_buffer("scale", torch.ones(self.N, 1), persistent=False)
         self.bias = None if linear.bias is None else linear.bias.detach().float()
-        self.threads = int(os.environ.get("LMFORGE_QMM_THREADS", 0)) or torch.get_num_threads()
+        self.threads = _kernel_threads()
         return self
 
     @staticmethod
