@@ -776,16 +776,22 @@ int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, i
  *   2 avx_vnni     _mm256_dpbusd_avx_epi32, VEX (Alder Lake and later without AVX-512)
  *   1 avx2         _mm256_maddubs_epi16 + _mm256_madd_epi16 (Haswell, Zen 1-3)
  *   0 portable     plain C (every CPU; the reference the others must equal bit for bit)
- * dpbusd and maddubs multiply unsigned by signed bytes: the weight's magnitude |c| is the unsigned
- * operand and the activation takes the weight's sign (llama.cpp's trick; |q| <= 127 so negating it
- * cannot overflow, and maddubs's int16 pair sums stay within 2 * 128 * 127 = 32512: no saturation).
+ * dpbusd and maddubs multiply unsigned by signed bytes. int8 weights: the weight's magnitude |c| is the
+ * unsigned operand and the activation takes the weight's sign (llama.cpp's trick; |q| <= 127 so negating
+ * it cannot overflow, and maddubs's int16 pair sums stay within 2 * 128 * 127 = 32512: no saturation).
+ * int4 weights on the 256-bit bodies: the stored nibble c + 8 (0..15) is the unsigned operand as it is
+ * and q the signed one (pairs within 2 * 15 * 127), so dot(q, c) = dot(q, c + 8) - 8 * sum(q): 8 * sum(q)
+ * of each group is computed once a call (`qs`) and taken back, scaled, at a row's end. No abs, sign
+ * or subtract a block.
  * Rows: each weight row is read from memory once and used for all M activation rows, 4 at a time.
  */
 #define A8_MAX_R 4
 
 typedef struct {
     const int8_t *q; const float *xs; const void *w; const float *ws; float *out;
+    const float *qs;  /* int4 on the 256-bit bodies: 8 * sum(q) of each group, (M, G); else NULL */
     int64_t M, N, K, gs, bits, n0, n1, isa, G;  /* G = K / gs groups a row */
+    int64_t *next, chunk;  /* shared by the threads: the next chunk of `chunk` weight rows (a8_range) */
 } a8_job;
 
 /* int4 codes of a row as int8, in the order the quantized activations use: for each block of 32,
@@ -855,9 +861,19 @@ static void a8_range_portable(const a8_job *j) {
 __attribute__((target(TARGET), always_inline)) static inline __m256i NAME##_codes(const void *w, const int bits, \
                                                                                  int64_t k) {               \
     if (bits == 8) return _mm256_loadu_si256((const __m256i *)((const int8_t *)w + k));                     \
-    const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)w + k / 2)), f = _mm_set1_epi8(0x0F); \
-    const __m256i z = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), f), _mm_and_si128(b, f));         \
-    return _mm256_sub_epi8(z, _mm256_set1_epi8(8));                                                         \
+    /* the block's 16 bytes in both halves (one load), the upper half shifted to its high nibbles */      \
+    const __m256i y = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((const uint8_t *)w + (k >> 1)))); \
+    return _mm256_and_si256(_mm256_srlv_epi64(y, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0F));    \
+}                                                                                                           \
+/* the dot step's unsigned operand: |c| (int8), or the stored nibble c + 8 itself (int4) */                 \
+__attribute__((target(TARGET), always_inline)) static inline __m256i NAME##_lhs(__m256i c, const int bits) { \
+    return bits == 8 ? _mm256_abs_epi8(c) : c;                                                              \
+}                                                                                                           \
+/* its signed operand: the activations with the weight's sign (int8), or as they are (int4) */              \
+__attribute__((target(TARGET), always_inline)) static inline __m256i NAME##_rhs(const int8_t *q, __m256i c,  \
+                                                                               const int bits) {            \
+    const __m256i x = _mm256_loadu_si256((const __m256i *)q);                                               \
+    return bits == 8 ? _mm256_sign_epi8(x, c) : x;                                                          \
 }                                                                                                           \
 __attribute__((target(TARGET), always_inline)) static inline __m256i NAME##_dot(__m256i acc, __m256i a, __m256i x) { \
     DOT;                                                                                                    \
@@ -868,7 +884,8 @@ __attribute__((target(TARGET))) static inline float NAME##_hsum(__m256 v) {     
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));                                           \
 }                                                                                                           \
 __attribute__((target(TARGET), always_inline)) static inline void NAME##_rows(                              \
-        const a8_job *j, const void *w, const float *ws, const int8_t *q, float *total, const int R, const int bits) { \
+        const a8_job *j, const void *w, const float *ws, const int8_t *q, const float *qs, float *total,       \
+        const int R, const int bits) {                                                                      \
     const int64_t K = j->K, gs = j->gs, G = j->G;                                                           \
     __m256 tf[A8_MAX_R];                                                                                    \
     for (int r = 0; r < R; r++) tf[r] = _mm256_setzero_ps();                                                \
@@ -878,53 +895,60 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME##_rows(  
         int64_t g = 0;                                                                                      \
         for (; g + 2 <= G; g += 2) {                                                                        \
             const int64_t k = g * 32;                                                                       \
-            const __m256i c = NAME##_codes(w, bits, k), a = _mm256_abs_epi8(c);                             \
-            const __m256i c2 = NAME##_codes(w, bits, k + 32), a2 = _mm256_abs_epi8(c2);                     \
+            const __m256i c = NAME##_codes(w, bits, k), a = NAME##_lhs(c, bits);                            \
+            const __m256i c2 = NAME##_codes(w, bits, k + 32), a2 = NAME##_lhs(c2, bits);                    \
             const __m256 s = _mm256_set1_ps(ws[g]), s2 = _mm256_set1_ps(ws[g + 1]);                         \
             for (int r = 0; r < R; r++) {                                                                   \
-                const __m256i d = NAME##_dot(_mm256_setzero_si256(), a,                                     \
-                    _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q + r * K + k)), c));             \
+                const __m256i d = NAME##_dot(_mm256_setzero_si256(), a, NAME##_rhs(q + r * K + k, c, bits));  \
                 const __m256i d2 = NAME##_dot(_mm256_setzero_si256(), a2,                                   \
-                    _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q + r * K + k + 32)), c2));       \
+                                              NAME##_rhs(q + r * K + k + 32, c2, bits));                    \
                 tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, tf[r]);                                   \
                 tf2[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d2), s2, tf2[r]);                               \
             }                                                                                               \
         }                                                                                                   \
         if (g < G) {                                                                                        \
             const int64_t k = g * 32;                                                                       \
-            const __m256i c = NAME##_codes(w, bits, k), a = _mm256_abs_epi8(c);                             \
+            const __m256i c = NAME##_codes(w, bits, k), a = NAME##_lhs(c, bits);                            \
             const __m256 s = _mm256_set1_ps(ws[g]);                                                         \
             for (int r = 0; r < R; r++)                                                                     \
                 tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(NAME##_dot(_mm256_setzero_si256(), a,            \
-                    _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q + r * K + k)), c))), s, tf[r]); \
+                                                                      NAME##_rhs(q + r * K + k, c, bits))), \
+                                        s, tf[r]);                                                          \
         }                                                                                                   \
-        for (int r = 0; r < R; r++) total[r] = NAME##_hsum(_mm256_add_ps(tf[r], tf2[r]));                   \
-        return;                                                                                             \
-    }                                                                                                       \
+        for (int r = 0; r < R; r++) tf[r] = _mm256_add_ps(tf[r], tf2[r]);                                   \
+    } else                                                                                                  \
     for (int64_t g = 0; g < G; g++) {                                                                       \
         __m256i acc[A8_MAX_R], acc2[A8_MAX_R];  /* two dot chains a row: even and odd blocks */            \
         for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_si256();                              \
         int64_t k = g * gs;                                                                                 \
         const int64_t end = k + gs;                                                                         \
         for (; k + 64 <= end; k += 64) {                                                                    \
-            const __m256i c = NAME##_codes(w, bits, k), a = _mm256_abs_epi8(c);                             \
-            const __m256i c2 = NAME##_codes(w, bits, k + 32), a2 = _mm256_abs_epi8(c2);                     \
+            const __m256i c = NAME##_codes(w, bits, k), a = NAME##_lhs(c, bits);                            \
+            const __m256i c2 = NAME##_codes(w, bits, k + 32), a2 = NAME##_lhs(c2, bits);                    \
             for (int r = 0; r < R; r++) {                                                                   \
-                acc[r] = NAME##_dot(acc[r], a, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q + r * K + k)), c)); \
-                acc2[r] = NAME##_dot(acc2[r], a2,                                                           \
-                                     _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q + r * K + k + 32)), c2)); \
+                acc[r] = NAME##_dot(acc[r], a, NAME##_rhs(q + r * K + k, c, bits));                         \
+                acc2[r] = NAME##_dot(acc2[r], a2, NAME##_rhs(q + r * K + k + 32, c2, bits));                \
             }                                                                                               \
         }                                                                                                   \
         if (k < end) {  /* an odd block left */                                                             \
-            const __m256i c = NAME##_codes(w, bits, k), a = _mm256_abs_epi8(c);                             \
-            for (int r = 0; r < R; r++)                                                                     \
-                acc[r] = NAME##_dot(acc[r], a, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(q + r * K + k)), c)); \
+            const __m256i c = NAME##_codes(w, bits, k), a = NAME##_lhs(c, bits);                            \
+            for (int r = 0; r < R; r++) acc[r] = NAME##_dot(acc[r], a, NAME##_rhs(q + r * K + k, c, bits));  \
         }                                                                                                   \
         const __m256 sg = _mm256_set1_ps(ws[g]);                                                            \
         for (int r = 0; r < R; r++)                                                                         \
             tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[r], acc2[r])), sg, tf[r]);      \
     }                                                                                                       \
-    for (int r = 0; r < R; r++) total[r] = NAME##_hsum(tf[r]);                                              \
+    float tail[A8_MAX_R] = {0};                                                                             \
+    if (bits == 4) {  /* the nibbles were c + 8: take 8 * sum(q) of each group back, scaled (qs = 8 sum q) */ \
+        int64_t g = 0;                                                                                      \
+        for (; g + 8 <= G; g += 8) {                                                                        \
+            const __m256 sv = _mm256_loadu_ps(ws + g);                                                      \
+            for (int r = 0; r < R; r++) tf[r] = _mm256_fnmadd_ps(sv, _mm256_loadu_ps(qs + r * G + g), tf[r]); \
+        }                                                                                                   \
+        for (; g < G; g++)                                                                                  \
+            for (int r = 0; r < R; r++) tail[r] += ws[g] * qs[r * G + g];                                   \
+    }                                                                                                       \
+    for (int r = 0; r < R; r++) total[r] = NAME##_hsum(tf[r]) - tail[r];                                    \
 }                                                                                                           \
 __attribute__((target(TARGET))) static void a8_range_##NAME(const a8_job *j) {                              \
     const int64_t K = j->K, G = j->G, row_bytes = j->bits == 8 ? K : K / 2;                                 \
@@ -933,7 +957,7 @@ __attribute__((target(TARGET))) static void a8_range_##NAME(const a8_job *j) {  
         for (int64_t m0 = 0; m0 < j->M; m0 += A8_MAX_R) {                                                   \
             const int R = j->M - m0 < A8_MAX_R ? (int)(j->M - m0) : A8_MAX_R;                               \
             float total[A8_MAX_R];                                                                          \
-            A8_ROWS_SWITCH(NAME##_rows, R, j, w, j->ws + n * G, j->q + m0 * K, total);                      \
+            A8_ROWS_SWITCH(NAME##_rows, R, j, w, j->ws + n * G, j->q + m0 * K, j->qs ? j->qs + m0 * G : NULL, total); \
             for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r] * j->xs[m0 + r];             \
         }                                                                                                   \
     }                                                                                                       \
@@ -1082,8 +1106,7 @@ int64_t lmf_a8_best_isa(void) {
     return A8_PORTABLE;
 }
 
-static void *a8_range(void *arg) {
-    const a8_job *j = (const a8_job *)arg;
+static void a8_rows_of(const a8_job *j) {  /* weight rows [j->n0, j->n1) on body j->isa */
 #ifdef LMF_A8_X86
     if (j->isa == A8_AVX512_VNNI) a8_range_avx512vnni(j);
 #ifdef LMF_A8_AVXVNNI
@@ -1093,6 +1116,18 @@ static void *a8_range(void *arg) {
     else
 #endif
         a8_range_portable(j);
+}
+
+/* A thread's share: chunks of weight rows taken from a shared counter until none is left, so that a
+ * thread that starts late or runs slower (a busy sibling core) takes fewer and none waits long for it. */
+static void *a8_range(void *arg) {
+    a8_job j = *(const a8_job *)arg;
+    for (;;) {
+        j.n0 = __atomic_fetch_add(j.next, 1, __ATOMIC_RELAXED) * j.chunk;
+        if (j.n0 >= j.N) break;
+        j.n1 = j.n0 + j.chunk < j.N ? j.n0 + j.chunk : j.N;
+        a8_rows_of(&j);
+    }
     return NULL;
 }
 
@@ -1179,11 +1214,27 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
         if ((u = (int8_t *)malloc((size_t)(M * K))) == NULL) return -1;
         for (int64_t i = 0; i < M * K; i++) u[i] = (int8_t)((uint8_t)q[i] ^ 0x80u);
     }
+    float *qs = NULL;  /* the 256-bit int4 bodies multiply the stored nibbles (c + 8): 8 * sum(q) a group */
+    if (bits == 4 && (isa == A8_AVX2 || isa == A8_AVX_VNNI)) {
+        if ((qs = (float *)malloc((size_t)(M * (K / gs)) * sizeof(float))) == NULL) {
+            free(u);
+            return -1;
+        }
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t g = 0; g < K / gs; g++) {
+                int32_t sum = 0;
+                for (int64_t k = g * gs; k < (g + 1) * gs; k++) sum += q[m * K + k];
+                qs[m * (K / gs) + g] = 8.0f * (float)sum;
+            }
+    }
+    /* chunks: ~16 a thread, a multiple of 8 rows (at least 8) */
+    int64_t next = 0, chunk = (N / (16 * threads) + 7) / 8 * 8;
+    if (chunk < 8) chunk = 8;
     a8_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, M, N, K, gs, bits, N * t / threads, N * (t + 1) / threads, isa,
-                           K / gs};
+        jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, qs, M, N, K, gs, bits, 0, 0, isa, K / gs, &next, chunk};
     run_jobs(a8_range, jobs, sizeof jobs[0], threads);
+    free(qs);
     free(u);
     return 0;
 }
