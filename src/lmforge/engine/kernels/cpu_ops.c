@@ -712,10 +712,10 @@ static inline __attribute__((always_inline)) void qmm_row(const float *x, int64_
 typedef struct {
     const float *x; const void *w; const float *scale; float *out;
     int64_t M, N, K, gs, bits, n0, n1;
+    int64_t *next, chunk;  /* shared by the threads: the next chunk of `chunk` weight rows (qmm_range) */
 } qmm_job;
 
-static void *qmm_range(void *arg) {
-    const qmm_job *j = (const qmm_job *)arg;
+static void qmm_rows_of(const qmm_job *j) {  /* weight rows [j->n0, j->n1) */
     const int64_t K = j->K, gs = j->gs, G = K / gs;
     const int64_t row_bytes = j->bits == 16 ? 2 * K : j->bits == 8 ? K : K / 2;
     for (int64_t m0 = 0; m0 < j->M; m0 += 4) {
@@ -737,6 +737,17 @@ static void *qmm_range(void *arg) {
             for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r];
         }
     }
+}
+
+/* A thread's share: chunks of weight rows from a shared counter (as `a8_range`). */
+static void *qmm_range(void *arg) {
+    qmm_job j = *(const qmm_job *)arg;
+    for (;;) {
+        j.n0 = __atomic_fetch_add(j.next, 1, __ATOMIC_RELAXED) * j.chunk;
+        if (j.n0 >= j.N) break;
+        j.n1 = j.n0 + j.chunk < j.N ? j.n0 + j.chunk : j.N;
+        qmm_rows_of(&j);
+    }
     return NULL;
 }
 
@@ -751,9 +762,10 @@ int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, i
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > N) threads = N;
+    int64_t next = 0, chunk = (N / (16 * threads) + 7) / 8 * 8;  /* ~16 chunks a thread, 8 rows or more */
+    if (chunk < 8) chunk = 8;
     qmm_job jobs[MAX_THREADS];
-    for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (qmm_job){x, w, scale, out, M, N, K, gs, bits, N * t / threads, N * (t + 1) / threads};
+    for (int64_t t = 0; t < threads; t++) jobs[t] = (qmm_job){x, w, scale, out, M, N, K, gs, bits, 0, 0, &next, chunk};
     run_jobs(qmm_range, jobs, sizeof jobs[0], threads);
     return 0;
 }
@@ -1227,8 +1239,7 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
                 qs[m * (K / gs) + g] = 8.0f * (float)sum;
             }
     }
-    /* chunks: ~16 a thread, a multiple of 8 rows (at least 8) */
-    int64_t next = 0, chunk = (N / (16 * threads) + 7) / 8 * 8;
+    int64_t next = 0, chunk = (N / (16 * threads) + 7) / 8 * 8;  /* ~16 chunks a thread, 8 rows or more */
     if (chunk < 8) chunk = 8;
     a8_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
