@@ -277,14 +277,16 @@ def _run_decode_any(lib, q, k_pool, v_pool, tables, rows, lens, B, k_scale=None,
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("portable", [False, True], ids=["auto", "portable"])
 @pytest.mark.parametrize("kv", ["float32", "int8"])
 @pytest.mark.parametrize("N,K,H,B", [(8, 2, 64, 4), (6, 3, 32, 5)])
-def test_paged_decode_any_float32_and_int8(kv, N, K, H, B):
+def test_paged_decode_any_float32_and_int8(kv, N, K, H, B, portable):
     """float32 q and K/V: the float32 reference to float32 rounding; int8 K/V (codes * scale): the same
-    reference over the dequantized cache, and within int8 error of the float32 one."""
+    reference over the dequantized cache, and within int8 error of the float32 one. Both the build
+    this CPU runs (float32 with H % 8 == 0 on AVX2: the 8-wide body) and the portable one."""
     from lmforge.engine.attention import quantize_kv
 
-    lib = kernels.load()
+    lib = kernels.load(("-DLMF_PORTABLE",) if portable else ())
     rng = random.Random(1)
     lens = [1, 7, 33, 64, 5]
     q, k_pool, v_pool, tables, rows, ref = _case(rng, N, K, H, B, lens)
@@ -304,6 +306,29 @@ def test_paged_decode_any_float32_and_int8(kv, N, K, H, B):
     rc, out_deq = _run_decode_any(lib, q, kq.float() * ks.float()[..., None], vq.float() * vs.float()[..., None],
                                   tables, rows, lens, B)
     torch.testing.assert_close(out[rows], out_deq[rows], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+def test_paged_decode_any_one_sequence_splits_kv_heads(kv):
+    """Batch 1 with threads: the kv heads are cut into ranges (each head computed as on one thread, so
+    the output is bit-identical), from 512 cached (token, kv head) pairs; short contexts stay on one."""
+    from lmforge.engine.attention import quantize_kv
+
+    lib = kernels.load()
+    N, K, H, B = 8, 4, 64, 16
+    for n in (3, 130, 300):
+        q, k_pool, v_pool, tables, rows, ref = _case(random.Random(n), N, K, H, B, [n])
+        q, k_pool, v_pool = q.float(), k_pool.float(), v_pool.float()
+        scales = (None, None)
+        if kv == "int8":
+            (k_pool, ks), (v_pool, vs) = quantize_kv(k_pool), quantize_kv(v_pool)
+            scales = (ks, vs)
+        rc1, one = _run_decode_any(lib, q, k_pool, v_pool, tables, rows, [n], B, *scales, threads=1)
+        rc3, three = _run_decode_any(lib, q, k_pool, v_pool, tables, rows, [n], B, *scales, threads=3)
+        assert rc1 == rc3 == 0 and torch.equal(one, three), n
+        tol = 1e-5 if kv == "float32" else 0.03
+        torch.testing.assert_close(three[rows], ref[rows], rtol=tol, atol=tol)
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")

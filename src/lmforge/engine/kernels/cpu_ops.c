@@ -482,12 +482,92 @@ static void decode_one_any(const void *q, const void *k_pool, const void *v_pool
         for (int64_t h = 0; h < H; h++) store_act(out, act, n * H + h, acc[n][h] / sum[n]);
 }
 
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(LMF_PORTABLE)
+#include <immintrin.h>
+#define LMF_ATTN_AVX2 1
+/* exp(x) for x <= 0 (softmax arguments), as exp_ps above in 256 bits: 2^n * p(f); x below -87 gives
+ * ~1.6e-38, NaN stays NaN. */
+__attribute__((target("avx2,fma"))) static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  /* NaN: max returns its second operand, x */
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693147180559945309f), x);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    /* 2^n as float bits: n in [-126, 0] here, so (n + 127) << 23 is a normal number */
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* decode_one_any for float32 q and a float32 K/V pool (AVX2 CPUs without bf16 run the engine so), H a
+ * multiple of 8: the same online softmax with 8-wide dot products, exp and accumulations. */
+__attribute__((target("avx2,fma"))) static void decode_one_f32_avx2(const float *q, const float *k_pool,
+        const float *v_pool, const int32_t *table, int64_t len, int64_t g, int64_t G, int64_t K, int64_t H,
+        int64_t B, float scale, float *out) {
+    float acc[MAX_G][MAX_H] __attribute__((aligned(32))), p[MAX_G][TILE] __attribute__((aligned(32)));
+    float mx[MAX_G], sum[MAX_G];
+    for (int64_t n = 0; n < G; n++) {
+        for (int64_t h = 0; h < H; h += 8) _mm256_store_ps(acc[n] + h, _mm256_setzero_ps());
+        mx[n] = -INFINITY;
+        sum[n] = 0.0f;
+    }
+    for (int64_t t0 = 0; t0 < len; t0 += TILE) {
+        const int64_t nt = len - t0 < TILE ? len - t0 : TILE;
+        int64_t row[TILE];
+        tile_rows(table, t0, nt, B, K, g, row);
+        for (int64_t i = 0; i < nt; i++) {  /* scores: each K row read once for every query head */
+            const float *kr = k_pool + row[i] * H;
+            for (int64_t n = 0; n < G; n++) {
+                const float *qn = q + n * H;
+                __m256 d = _mm256_mul_ps(_mm256_loadu_ps(qn), _mm256_loadu_ps(kr));
+                for (int64_t h = 8; h < H; h += 8) d = _mm256_fmadd_ps(_mm256_loadu_ps(qn + h), _mm256_loadu_ps(kr + h), d);
+                __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+                s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+                p[n][i] = _mm_cvtss_f32(_mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 1))) * scale;
+            }
+        }
+        for (int64_t n = 0; n < G; n++) {  /* the tile's online softmax */
+            float m = mx[n];
+            for (int64_t i = 0; i < nt; i++) m = p[n][i] > m ? p[n][i] : m;
+            const float alpha = expf(mx[n] - m);
+            for (int64_t i = nt; i < TILE; i++) p[n][i] = m;  /* padding: exp(0) = 1, not summed or used */
+            const __m256 mv = _mm256_set1_ps(m);
+            for (int64_t i = 0; i < TILE; i += 8)
+                _mm256_store_ps(p[n] + i, exp256(_mm256_sub_ps(_mm256_load_ps(p[n] + i), mv)));
+            float tile_sum = 0.0f;
+            for (int64_t i = 0; i < nt; i++) tile_sum += p[n][i];
+            sum[n] = sum[n] * alpha + tile_sum;
+            mx[n] = m;
+            const __m256 av = _mm256_set1_ps(alpha);
+            for (int64_t h = 0; h < H; h += 8) _mm256_store_ps(acc[n] + h, _mm256_mul_ps(_mm256_load_ps(acc[n] + h), av));
+        }
+        for (int64_t i = 0; i < nt; i++) {
+            const float *vr = v_pool + row[i] * H;
+            for (int64_t n = 0; n < G; n++) {
+                const __m256 pv = _mm256_set1_ps(p[n][i]);
+                for (int64_t h = 0; h < H; h += 8)
+                    _mm256_store_ps(acc[n] + h, _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + h), _mm256_load_ps(acc[n] + h)));
+            }
+        }
+    }
+    for (int64_t n = 0; n < G; n++) {
+        const __m256 inv = _mm256_set1_ps(1.0f / sum[n]);
+        for (int64_t h = 0; h < H; h += 8) _mm256_storeu_ps(out + n * H + h, _mm256_mul_ps(_mm256_load_ps(acc[n] + h), inv));
+    }
+}
+#endif
+
 typedef struct {
     const void *q, *k_pool, *v_pool;
     const uint16_t *k_scales, *v_scales;
     const int32_t *block_tables, *lens;
     const int64_t *rows;
-    int64_t M, first, last, N, K, H, B;
+    int64_t M, first, last, N, K, H, B, g0, g1;  /* sequences [first, last), kv heads [g0, g1) */
     float scale;
     void *out;
     int act, kv;
@@ -496,9 +576,22 @@ typedef struct {
 static void *decode_any_range(void *arg) {
     const decode_any_job *j = (const decode_any_job *)arg;
     const int64_t N = j->N, H = j->H, G = N / j->K, es = j->act ? 4 : 2;
+#ifdef LMF_ATTN_AVX2
+    __builtin_cpu_init();
+    const int avx2 = j->act == 1 && j->kv == 1 && H % 8 == 0 && __builtin_cpu_supports("avx2") &&
+                     __builtin_cpu_supports("fma");
+#endif
     for (int64_t s = j->first; s < j->last; s++)
-        for (int64_t g = 0; g < j->K; g++) {
+        for (int64_t g = j->g0; g < j->g1; g++) {
             const int64_t off = (j->rows[s] * N + g * G) * H * es;
+#ifdef LMF_ATTN_AVX2
+            if (avx2) {
+                decode_one_f32_avx2((const float *)((const char *)j->q + off), (const float *)j->k_pool,
+                                    (const float *)j->v_pool, j->block_tables + s * j->M, j->lens[s], g, G, j->K, H,
+                                    j->B, j->scale, (float *)((char *)j->out + off));
+                continue;
+            }
+#endif
             decode_one_any((const char *)j->q + off, j->k_pool, j->v_pool, j->k_scales, j->v_scales,
                            j->block_tables + s * j->M, j->lens[s], g, G, j->K, H, j->B, j->scale,
                            (char *)j->out + off, j->act, j->kv);
@@ -506,7 +599,10 @@ static void *decode_any_range(void *arg) {
     return NULL;
 }
 
-/* As lmf_paged_decode_bf16, for any act/kv pair; scales are (P * B * K) bfloat16 (NULL unless kv = 2). */
+/* As lmf_paged_decode_bf16, for any act/kv pair; scales are (P * B * K) bfloat16 (NULL unless kv = 2).
+ * Fewer sequences than threads (batch 1) with >= 512 cached (token, kv head) pairs: the kv heads are
+ * split across the threads instead (each head's numbers are the same either way). float32 q and K/V
+ * with H % 8 == 0 on an AVX2 CPU run `decode_one_f32_avx2`; everything else `decode_one_any`. */
 int lmf_paged_decode_any(const void *q, const void *k_pool, const void *v_pool, const uint16_t *k_scales,
                          const uint16_t *v_scales, const int32_t *block_tables, int64_t M, const int32_t *lens,
                          const int64_t *rows, int64_t S, int64_t N, int64_t K, int64_t H, int64_t B, float scale,
@@ -514,13 +610,26 @@ int lmf_paged_decode_any(const void *q, const void *k_pool, const void *v_pool, 
     if (K < 1 || N % K != 0 || N / K > MAX_G || H > MAX_H || B < 1 || act < 0 || act > 1 || kv < 0 || kv > 2)
         return -1;
     if (kv == 2 && (k_scales == NULL || v_scales == NULL)) return -1;
-    int64_t bounds[MAX_THREADS + 1];
+    int64_t bounds[MAX_THREADS + 1], total = 0;
+    for (int64_t s = 0; s < S; s++) total += lens[s];
+    const int64_t want = threads < K ? threads : K;
+    decode_any_job jobs[MAX_THREADS];
+    if (S < want && want > 1 && total * K >= 512) {
+        /* fewer sequences than threads (batch 1) and enough K/V to read (at long context this is
+         * bandwidth, one core's worth): the kv heads are cut into ranges instead, all sequences each */
+        for (int64_t t = 0; t < want; t++)
+            jobs[t] = (decode_any_job){q, k_pool, v_pool, k_scales, v_scales, block_tables, lens, rows, M, 0, S, N, K, H,
+                                       B, K * t / want, K * (t + 1) / want, scale, out, (int)act, (int)kv};
+        for (int64_t s = 0; s < S; s++)
+            if (lens[s] < 1) return -1;
+        run_jobs(decode_any_range, jobs, sizeof jobs[0], want);
+        return 0;
+    }
     threads = split_by_context(lens, S, threads, bounds);
     if (threads < 0) return -1;
-    decode_any_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
         jobs[t] = (decode_any_job){q, k_pool, v_pool, k_scales, v_scales, block_tables, lens, rows, M, bounds[t],
-                                   bounds[t + 1], N, K, H, B, scale, out, (int)act, (int)kv};
+                                   bounds[t + 1], N, K, H, B, 0, K, scale, out, (int)act, (int)kv};
     run_jobs(decode_any_range, jobs, sizeof jobs[0], threads);
     return 0;
 }
