@@ -77,7 +77,7 @@ def test_paged_decode_threads_give_the_same_bits(threads, flags):
         assert lib is None
         return
     rng = random.Random(threads)
-    lens = [rng.randint(1, 400) for _ in range(41)]  # > 4,096 tokens in all: the threads do start
+    lens = [rng.randint(1, 400) for _ in range(41)]  # > 4,096 tokens in all (threads start from 256)
     q, k_pool, v_pool, tables, rows, _ = _case(rng, 8, 2, 64, 16, lens, reference=False)
     rc1, one = _run_decode(lib, q, k_pool, v_pool, tables, rows, lens, 16, threads=1)
     rcn, many = _run_decode(lib, q, k_pool, v_pool, tables, rows, lens, 16, threads=threads)

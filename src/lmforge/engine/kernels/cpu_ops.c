@@ -273,7 +273,7 @@ static int64_t split_by_context(const int32_t *lens, int64_t S, int64_t threads,
     }
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > S) threads = S;
-    if (threads < 1 || total < 4096) threads = 1;  /* below ~4k tokens a thread start costs more than it saves */
+    if (threads < 1 || total < 256) threads = 1;  /* the threads are warm OpenMP workers: worth it from ~256 tokens */
     int64_t s = 0, acc = 0;
     bounds[0] = 0;
     for (int64_t t = 0; t < threads; t++) {
