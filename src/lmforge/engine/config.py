@@ -23,7 +23,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0  # seeds torch for requests that set no seed of their own
     attention: str = "fast"  # fast (batched gather + SDPA) | reference (per-sequence loop, plain math)
-    pack_weights: bool = True  # CPU bfloat16: linear weights reordered once into oneDNN's layout (fast path)
+    pack_weights: bool = True  # CPU float32 / bf16: linear weights reordered once into oneDNN's layout (fast path)
     cpu_kernels: bool = True  # CPU bfloat16: compiled C paged-decode attention (torch path if no compiler)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (codes + a bf16 scale per token per head)
     quant_activations: str = "none"  # w8/w4 checkpoints on CPU: none (exact) | int8 (per-token int8, integer dots)

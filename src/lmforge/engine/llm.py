@@ -52,7 +52,7 @@ class LLM:
         place, and forget the prefix cache (its K/V came from the old weights). For RL rollouts that must
         follow the policy every step (vLLM's `load_weights` / TRL's weight sync, in-process). Works with
         the compiled CPU kernels (the fused modules hold the model's own tensors); needs weights that were
-        not repacked or quantized: float32, or bf16 with `pack_weights=False`. Call it between `generate`
+        not repacked or quantized: `pack_weights=False` (or a float16 / CUDA engine). Call it between `generate`
         calls."""
         engine = self.llm_engine
         runner = engine.model_runner
@@ -63,7 +63,7 @@ class LLM:
                              f"{engine.config.tensor_parallel_size}; use tensor_parallel_size=1")
         if runner.packed_linears or runner.quantized_linears or not runner.named_weights:
             raise ValueError("load_weights needs the checkpoint's own weights: create the LLM with "
-                             "pack_weights=False (or dtype float32) and an unquantized model")
+                             "pack_weights=False and an unquantized model")
         dst = runner.named_weights
         missing, unexpected = sorted(set(dst) - set(state_dict)), sorted(set(state_dict) - set(dst))
         if missing or unexpected:

@@ -80,11 +80,12 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 class PackedLinear(nn.Module):
-    """A bfloat16 `nn.Linear` whose weight oneDNN reordered once into its blocked layout. A plain
-    bf16 `F.linear` on CPU reorders the weight on every call: at the few rows of a decode step that
+    """A bfloat16 or float32 `nn.Linear` whose weight oneDNN reordered once into its blocked layout. A
+    plain bf16 `F.linear` on CPU reorders the weight on every call: at the few rows of a decode step that
     copy is a large part of the cost (a 512x1376 projection at 1 row: 156 us plain, 107 us packed;
-    at 128 rows 378 vs 299 us; same bits; `python -m lmforge.bench.linear`). Inference only:
-    the original weight is not kept."""
+    at 128 rows 378 vs 299 us; same bits; `python -m lmforge.bench.linear`). float32 `F.linear` (MKL)
+    is slow at a few rows for another reason (an 8192x512 lm_head at 4 rows: 2,260 us plain, 400 packed;
+    512x1024 at 4 rows 183 vs 76; AVX2 EPYC, 2 threads). Inference only: the original weight is not kept."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -98,9 +99,11 @@ class PackedLinear(nn.Module):
 
 
 def can_pack_linear(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN packed bf16 linear: CPU with native bf16 (AVX512-BF16 / AMX)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """oneDNN packed linear on CPU: float32 wherever oneDNN runs, bf16 where the CPU computes it natively
+    (AVX512-BF16 / AMX)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_linear_weights(model: nn.Module) -> int:
