@@ -263,6 +263,22 @@ static void run_jobs(void *(*fn)(void *), void *jobs, size_t size, int64_t threa
 #endif
 }
 
+/* Matmul rows handed out in chunks from a shared counter (`next`), ~16 chunks a thread and at least 8
+ * rows each, so that a thread that starts late or runs slower (a busy sibling core) takes fewer and
+ * none waits long for it. */
+static int64_t chunk_rows(int64_t N, int64_t threads) {
+    const int64_t chunk = (N / (16 * threads) + 7) / 8 * 8;
+    return chunk < 8 ? 8 : chunk;
+}
+
+/* The next chunk [*n0, *n1) of rows [0, N), or 0 when none is left. */
+static int take_chunk(int64_t *next, int64_t chunk, int64_t N, int64_t *n0, int64_t *n1) {
+    *n0 = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED) * chunk;
+    if (*n0 >= N) return 0;
+    *n1 = *n0 + chunk < N ? *n0 + chunk : N;
+    return 1;
+}
+
 /* Cut sequences [0, S) into consecutive ranges [bounds[t], bounds[t + 1]) of about equal total context
  * (the work is K/V bytes read), one per thread. Returns how many ranges, or -1 if a sequence is empty. */
 static int64_t split_by_context(const int32_t *lens, int64_t S, int64_t threads, int64_t *bounds) {
@@ -611,7 +627,10 @@ int lmf_paged_decode_any(const void *q, const void *k_pool, const void *v_pool, 
         return -1;
     if (kv == 2 && (k_scales == NULL || v_scales == NULL)) return -1;
     int64_t bounds[MAX_THREADS + 1], total = 0;
-    for (int64_t s = 0; s < S; s++) total += lens[s];
+    for (int64_t s = 0; s < S; s++) {
+        if (lens[s] < 1) return -1;
+        total += lens[s];
+    }
     const int64_t want = threads < K ? threads : K;
     decode_any_job jobs[MAX_THREADS];
     if (S < want && want > 1 && total * K >= 512) {
@@ -620,8 +639,6 @@ int lmf_paged_decode_any(const void *q, const void *k_pool, const void *v_pool, 
         for (int64_t t = 0; t < want; t++)
             jobs[t] = (decode_any_job){q, k_pool, v_pool, k_scales, v_scales, block_tables, lens, rows, M, 0, S, N, K, H,
                                        B, K * t / want, K * (t + 1) / want, scale, out, (int)act, (int)kv};
-        for (int64_t s = 0; s < S; s++)
-            if (lens[s] < 1) return -1;
         run_jobs(decode_any_range, jobs, sizeof jobs[0], want);
         return 0;
     }
@@ -848,15 +865,9 @@ static void qmm_rows_of(const qmm_job *j) {  /* weight rows [j->n0, j->n1) */
     }
 }
 
-/* A thread's share: chunks of weight rows from a shared counter (as `a8_range`). */
-static void *qmm_range(void *arg) {
+static void *qmm_range(void *arg) {  /* a thread's share: chunks of weight rows (`take_chunk`) */
     qmm_job j = *(const qmm_job *)arg;
-    for (;;) {
-        j.n0 = __atomic_fetch_add(j.next, 1, __ATOMIC_RELAXED) * j.chunk;
-        if (j.n0 >= j.N) break;
-        j.n1 = j.n0 + j.chunk < j.N ? j.n0 + j.chunk : j.N;
-        qmm_rows_of(&j);
-    }
+    while (take_chunk(j.next, j.chunk, j.N, &j.n0, &j.n1)) qmm_rows_of(&j);
     return NULL;
 }
 
@@ -871,10 +882,10 @@ int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, i
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > N) threads = N;
-    int64_t next = 0, chunk = (N / (16 * threads) + 7) / 8 * 8;  /* ~16 chunks a thread, 8 rows or more */
-    if (chunk < 8) chunk = 8;
+    int64_t next = 0;
     qmm_job jobs[MAX_THREADS];
-    for (int64_t t = 0; t < threads; t++) jobs[t] = (qmm_job){x, w, scale, out, M, N, K, gs, bits, 0, 0, &next, chunk};
+    for (int64_t t = 0; t < threads; t++)
+        jobs[t] = (qmm_job){x, w, scale, out, M, N, K, gs, bits, 0, 0, &next, chunk_rows(N, threads)};
     run_jobs(qmm_range, jobs, sizeof jobs[0], threads);
     return 0;
 }
@@ -1239,16 +1250,9 @@ static void a8_rows_of(const a8_job *j) {  /* weight rows [j->n0, j->n1) on body
         a8_range_portable(j);
 }
 
-/* A thread's share: chunks of weight rows taken from a shared counter until none is left, so that a
- * thread that starts late or runs slower (a busy sibling core) takes fewer and none waits long for it. */
-static void *a8_range(void *arg) {
+static void *a8_range(void *arg) {  /* a thread's share: chunks of weight rows (`take_chunk`) */
     a8_job j = *(const a8_job *)arg;
-    for (;;) {
-        j.n0 = __atomic_fetch_add(j.next, 1, __ATOMIC_RELAXED) * j.chunk;
-        if (j.n0 >= j.N) break;
-        j.n1 = j.n0 + j.chunk < j.N ? j.n0 + j.chunk : j.N;
-        a8_rows_of(&j);
-    }
+    while (take_chunk(j.next, j.chunk, j.N, &j.n0, &j.n1)) a8_rows_of(&j);
     return NULL;
 }
 
@@ -1348,11 +1352,11 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
                 qs[m * (K / gs) + g] = 8.0f * (float)sum;
             }
     }
-    int64_t next = 0, chunk = (N / (16 * threads) + 7) / 8 * 8;  /* ~16 chunks a thread, 8 rows or more */
-    if (chunk < 8) chunk = 8;
+    int64_t next = 0;
     a8_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, qs, M, N, K, gs, bits, 0, 0, isa, K / gs, &next, chunk};
+        jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, qs, M, N, K, gs, bits, 0, 0, isa, K / gs, &next,
+                           chunk_rows(N, threads)};
     run_jobs(a8_range, jobs, sizeof jobs[0], threads);
     free(qs);
     free(u);
