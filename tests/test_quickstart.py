@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.quickstart import build_report
+from lmforge.quickstart import build_report, drop_traces
 
 LMFORGE = str(Path(sys.executable).with_name("lmforge"))
 
@@ -70,7 +70,8 @@ def test_report_has_every_section_with_figures(quickstart):
     assert re.search(r"Reasoning: accuracy on arith-cot from \d+\.\d% \(SFT\) to \d+\.\d% \(GRPO\), n=16", summary)
     assert "argmax agreement 100%" in report
     assert re.search(r"GRPO's own rollouts \(temperature 1, first / last 1 steps\): accuracy \d+\.\d% → \d+\.\d%, "
-                     r"well-formed \d+\.\d% → \d+\.\d%\.", report)
+                     r"well-formed \d+\.\d% → \d+\.\d%, mean length \d+ → \d+ tokens\.", report)
+    assert re.search(r"that work the steps out \(a non-empty think block\): SFT \d+/\d+, GRPO \d+/\d+\.", report)
 
 
 def test_the_chain_is_consistent(quickstart):
@@ -85,6 +86,8 @@ def test_the_chain_is_consistent(quickstart):
     grpo = json.loads((out / "reasoning/grpo/run/record.json").read_text())
     assert grpo["status"] == "finished" and grpo["results"]["steps"] == 2
     assert Path(grpo["config"]["model"]["init"]).resolve() == (out / "reasoning/sft/model").resolve()
+    sft_rows = [json.loads(ln) for ln in (out / "reasoning/data/sft.jsonl").read_text().splitlines()]
+    assert 0 < sum(not r["reasoning"] for r in sft_rows) < len(sft_rows)  # some rows without their steps
     served = json.loads((out / "serve/serve.json").read_text())
     assert served["exit_code"] == 0
     assert all(x["usage"]["completion_tokens"] > 0 for x in served["exchanges"])
@@ -145,8 +148,13 @@ def _write_fake_stage_files(out: Path, low_sft_accuracy: bool = False) -> None:
                                             "ttft_s": 0.05, "e2e_s": 0.5},
                                            {"kind": "completion", "prompt": "x", "output": "y", "ttft_s": None,
                                             "e2e_s": 0.25}]})
-    sft_acc = 0.05 if low_sft_accuracy else 0.5
-    for stage, acc in (("sft", sft_acc), ("grpo", 0.625)):
+    sft_acc, grpo_acc = (0.05, 0.04) if low_sft_accuracy else (0.5, 0.625)
+    for stage, acc, outputs in (("sft", sft_acc, ["<think>\n\n</think>\nAnswer: 5", "<think>\n2+3=5\n</think>\nAnswer: 5"]),
+                                ("grpo", grpo_acc, ["<think>\n2+3=5\n</think>\nAnswer: 5"] * 2)):
+        (out / f"reasoning/{stage}/eval").mkdir(parents=True, exist_ok=True)
+        (out / f"reasoning/{stage}/eval/samples.jsonl").write_text("".join(
+            json.dumps({"task": "arith-cot", "category": c, "output": o}) + "\n"
+            for c, o in [("add-2d", outputs[0]), ("sub-2d", outputs[1]), ("add-3d", "<think>\n1\n</think>\nAnswer: 1")]))
         put(f"reasoning/{stage}/eval/record.json", finished)
         put(f"reasoning/{stage}/eval/results.json", {"tasks": {"arith-cot": {"n": 16, "metrics": {
             "acc": {"value": acc, "stderr": 0.125}, "acc/add-2d": {"value": acc}, "acc/mul-2x1": {"value": 0.0}}}}})
@@ -176,5 +184,19 @@ def test_report_sections_from_stage_files(tmp_path, low_sft_accuracy):
     assert "| data | 1.2 |" in report and "| train | skipped (complete) |" in report
     assert "| a\\|b ca\\|b c" in report  # output cells escape pipes and join lines
     assert ("A GRPO group learns only from samples that beat its mean" in report) is low_sft_accuracy
+    # the worked-steps share counts GRPO's categories only (add-3d is not one) and empty think blocks as none
+    assert "(a non-empty think block): SFT 1/2, GRPO 2/2." in report
     assert build_report(tmp_path) == build_report(tmp_path, None)
     assert "## Time per stage" not in build_report(tmp_path)
+
+
+def test_drop_traces_strips_a_seeded_share_and_keeps_the_rest():
+    rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1), "reasoning": f"{i}+1={i + 1}"} for i in range(400)]
+    out = drop_traces(rows, 0.5)
+    stripped = [r for r in out if r["reasoning"] == ""]
+    assert 150 < len(stripped) < 250 and out == drop_traces(rows, 0.5)  # seeded: the same rows each time
+    assert all(o["answer"] == r["answer"] and o["prompt"] == r["prompt"] for o, r in zip(out, rows))
+    assert all(r["reasoning"] for r in rows)  # the input rows are not changed
+    assert drop_traces(rows, 0.0) == rows and all(r["reasoning"] == "" for r in drop_traces(rows, 1.0))
+    with pytest.raises(ValueError, match="reasoning_direct_fraction"):
+        drop_traces(rows, 1.5)

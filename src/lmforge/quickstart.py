@@ -22,6 +22,7 @@ imported inside the stage that needs it; the rest at the top.
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import signal
 import subprocess
@@ -43,6 +44,7 @@ from lmforge.eval.evaluate import evaluate
 from lmforge.eval.suites import make_perplexity_suite
 from lmforge.perf.hardware import default_profile_path, load_profile
 from lmforge.serve.testing import free_port
+from lmforge.tasks.reasoning import DEFAULT_FORMAT
 from lmforge.tasks.suite import load_suite
 from lmforge.tokenizer import load_tokenizer, train_tokenizer
 from lmforge.track.io import atomic_write_json, atomic_write_text
@@ -72,6 +74,9 @@ class Settings:
     reasoning_eval_limit: int | None  # arith-cot items scored (None = all 320)
     # the categories SFT trains on (a curriculum: the short ones first; None = all eight of the mix)
     reasoning_sft_categories: tuple[str, ...] | None = None
+    # the share of SFT rows whose worked steps are dropped (an empty think block and the answer, as a user's
+    # file without traces has them): SFT then imitates both habits, and GRPO shows which one pays
+    reasoning_direct_fraction: float = 0.0
 
 
 # the curriculum's first stage: the three shortest categories, where a few minutes of SFT on them alone
@@ -84,14 +89,24 @@ FULL = Settings(docs=None, vocab_size=8192, seq_len=256, config="quickstart.yaml
                 # 3.1M parameters: on the AVX2 EPYC it trains about as fast per token as the 0.8M default
                 # and learns faster per step (docs/reasoning.md); ~3 minutes here
                 reasoning_tasks=30000,
-                reasoning_sft=("model.hidden_size=256", "model.intermediate_size=704", "train.lr=2e-3",
-                               "train.max_steps=360", "train.eval_every=120", "train.ckpt_every=120"),
+                # 720 steps of 4 rows x 256 tokens at 1e-3 (the same tokens as 360 of 8 at 2e-3, ~8% more time):
+                # the worked-steps habit 13.9% right at temperature 1 against 10.4% (docs/reasoning.md, fourth round)
+                reasoning_sft=("model.hidden_size=256", "model.intermediate_size=704", "train.lr=1e-3",
+                               "train.batch_size=4", "train.max_steps=720", "train.warmup_steps=40",
+                               "train.eval_every=240", "train.ckpt_every=240"),
+                # rewarded on the answer alone: a format reward is ~constant and, in a group, favours the short
+                # direct answers (fewer ways to be malformed) over the worked steps that are right more often
                 reasoning_grpo=("train.max_steps=20", "train.lr=3e-5", "grpo.prompts_per_step=8",
-                                "grpo.group_size=16", "grpo.max_tokens=128", "train.ckpt_every=0"),
+                                "grpo.group_size=16", "grpo.max_tokens=128", "train.ckpt_every=0",
+                                "grpo.rewards=[correct]", "grpo.reward_weights=[1.0]"),
                 reasoning_eval_limit=None,
-                # SFT on the three short categories only: the same 360 steps see each ~3.5x as often as in
+                # SFT on the three short categories only: the same steps see each ~3.5x as often as in
                 # the mix; arith-cot 1.9% -> 14.7% (docs/reasoning.md)
-                reasoning_sft_categories=GRPO_CATEGORIES)
+                reasoning_sft_categories=GRPO_CATEGORIES,
+                # half the rows answer without steps: SFT's greedy answers mostly skip them (worked steps in
+                # ~31% of the three categories' answers), GRPO's rollouts find the steps right ~3x as often and
+                # the greedy answers follow (92%): docs/reasoning.md, fourth round
+                reasoning_direct_fraction=0.5)
 TINY = Settings(docs=120, vocab_size=1024, seq_len=128, config="tiny.yaml",
                 overrides=("train.max_steps=30", "train.eval_every=15", "train.ckpt_every=15",
                            "train.batch_size=8"),
@@ -102,8 +117,17 @@ TINY = Settings(docs=120, vocab_size=1024, seq_len=128, config="tiny.yaml",
                                "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2"),
                 reasoning_grpo=("train.max_steps=2", "grpo.prompts_per_step=2", "grpo.group_size=4",
                                 "grpo.max_tokens=24", "train.ckpt_every=0"),
-                reasoning_eval_limit=16, reasoning_sft_categories=GRPO_CATEGORIES)
+                reasoning_eval_limit=16, reasoning_sft_categories=GRPO_CATEGORIES, reasoning_direct_fraction=0.5)
 
+
+
+def drop_traces(rows: list[dict], fraction: float, seed: int = 1234) -> list[dict]:
+    """The rows with `fraction` of them (a seeded draw per row) stripped of their worked steps: such a row is
+    trained as an empty think block and the answer (`lmforge.train.sft_data.task_messages`)."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"reasoning_direct_fraction must be in [0, 1], got {fraction}")
+    rng = random.Random(seed)
+    return [dict(r, reasoning="") if rng.random() < fraction else r for r in rows]
 
 
 def _target(hit: dict | None) -> str:
@@ -257,10 +281,10 @@ class Quickstart:
         write_synth("mix", max(self.s.reasoning_tasks // 75, 64), 2, d / "val.jsonl", overwrite=True)
         rows = [r for r in read_tasks(d / "train.jsonl") if r.get("category") in GRPO_CATEGORIES]
         atomic_write_text(d / "grpo.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-        cats = self.s.reasoning_sft_categories  # SFT's rows: the synth rows themselves (reasoning, text), filtered
-        lines = [ln for ln in (d / "train.jsonl").read_text().splitlines(keepends=True)
-                 if cats is None or json.loads(ln).get("category") in cats]
-        atomic_write_text(d / "sft.jsonl", "".join(lines))
+        cats = self.s.reasoning_sft_categories  # SFT's rows: the tasks of these categories, a share without steps
+        rows = [r for r in read_tasks(d / "train.jsonl") if cats is None or r.get("category") in cats]
+        atomic_write_text(d / "sft.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                                  for r in drop_traces(rows, self.s.reasoning_direct_fraction)))
         train_tokenizer([str(d / "train.jsonl")], d / "tok", vocab_size=384, show_progress=False, overwrite=True)
 
     def reasoning_sft_done(self) -> bool:
@@ -461,13 +485,15 @@ def _reasoning_section(d: dict[str, Path], summary: list[str]) -> list[str]:
     tasks = _read(d["reasoning_data"] / "train.jsonl.record.json")
     grpo_cfg = grpo_rec.get("config", {}).get("grpo", {})
     sft_file = d["reasoning_data"] / "sft.jsonl"  # the rows SFT trained on (a category curriculum)
-    sft_cats = Counter(json.loads(ln).get("category") for ln in sft_file.read_text().splitlines()) \
-        if sft_file.is_file() else Counter()
+    sft_rows = [json.loads(ln) for ln in sft_file.read_text().splitlines()] if sft_file.is_file() else []
+    sft_cats = Counter(r.get("category") for r in sft_rows)
+    direct = sum(1 for r in sft_rows if not r.get("reasoning"))
     parts = ["## Reasoning", "",
              f"Tasks: {_f(tasks.get('n'))} synthetic arithmetic rows with written-out steps (`lmforge data synth mix`, "
              f"seed {tasks.get('seed')}); eval prompts dropped {_f(tasks.get('dropped_eval_overlap'))}, overlap with "
              f"arith-cot after: {tasks.get('eval_overlap_after')}. SFT from scratch"
              + (f" on the {_f(sum(sft_cats.values()))} rows of {', '.join(sorted(sft_cats))}" if sft_cats else "")
+             + (f" ({_f(direct)} of them without their steps: an empty think block and the answer)" if direct else "")
              + ": "
              f"{_f(sft_rec.get('num_parameters'))} parameters, {_f(sft_res.get('steps'))} steps, "
              f"{_f(sft_res.get('train_time_s'), 0)} s. GRPO: {_f(grpo_res.get('steps'))} steps of "
@@ -476,13 +502,20 @@ def _reasoning_section(d: dict[str, Path], summary: list[str]) -> list[str]:
              f"Greedy accuracy on arith-cot (n={n}; the one `Answer:` line after `</think>` must equal "
              f"the answer):", "",
              _md_table(["category", "SFT", "± stderr", "GRPO", "± stderr"], rows), ""]
+    shares = [_worked_steps(e / "samples.jsonl") for e in (sft_eval, grpo_eval)]
+    if None not in shares:
+        (sa, sn), (ga, gn) = shares
+        parts += [f"Greedy answers on {', '.join(GRPO_CATEGORIES)} that work the steps out (a non-empty think "
+                  f"block): SFT {sa}/{sn}, GRPO {ga}/{gn}.", ""]
     if grpo_res.get("accuracy_first") is not None:  # the trainer's averages over its first and last steps
         k = grpo_res["averaged_over_steps"]
         parts += [f"GRPO's own rollouts (temperature 1, first / last {k} steps): accuracy "
                   f"{grpo_res['accuracy_first']:.1%} → {grpo_res['accuracy_last']:.1%}"
                   + (f", well-formed {grpo_res['format_rate_first']:.1%} → {grpo_res['format_rate_last']:.1%}"
-                     if grpo_res.get("format_rate_first") is not None else "") + ".", ""]
-        if a["acc"]["value"] < 0.10:
+                     if grpo_res.get("format_rate_first") is not None else "")
+                  + (f", mean length {grpo_res['response_len_first']:.0f} → {grpo_res['response_len_last']:.0f} "
+                     f"tokens" if grpo_res.get("response_len_first") is not None else "") + ".", ""]
+        if b["acc"]["value"] <= a["acc"]["value"] and a["acc"]["value"] < 0.10:
             parts += ["A GRPO group learns only from samples that beat its mean, so a model that rarely samples a "
                       "correct answer gives it almost nothing to push toward: this budget teaches the format, not yet "
                       "the digits. The longer recipe in docs/reasoning.md (1,600 SFT steps, ~26 minutes here) reaches "
@@ -491,6 +524,15 @@ def _reasoning_section(d: dict[str, Path], summary: list[str]) -> list[str]:
     summary.append(f"Reasoning: accuracy on arith-cot from {a['acc']['value']:.1%} (SFT) to "
                    f"{b['acc']['value']:.1%} (GRPO), n={n}.")
     return parts
+
+
+def _worked_steps(samples: Path) -> tuple[int, int] | None:
+    """(answers with a non-empty think block, answers) among an eval's outputs on GRPO's categories."""
+    if not samples.is_file():
+        return None
+    rows = [json.loads(ln) for ln in samples.read_text().splitlines() if ln.strip()]
+    outs = [r.get("output") or "" for r in rows if r.get("category") in GRPO_CATEGORIES]
+    return sum(1 for o in outs if DEFAULT_FORMAT.split(o)[0]), len(outs)
 
 
 def _machine_section(d: dict[str, Path], summary: list[str]) -> list[str]:

@@ -272,6 +272,8 @@ class GRPOTrainer:
                    "accuracy_last": float(np.mean([m["accuracy"] for m in last])) if rows else None,
                    "format_rate_first": float(np.mean([m["format_rate"] for m in first])) if rows else None,
                    "format_rate_last": float(np.mean([m["format_rate"] for m in last])) if rows else None,
+                   "response_len_first": float(np.mean([m["response_len_mean"] for m in first])) if rows else None,
+                   "response_len_last": float(np.mean([m["response_len_mean"] for m in last])) if rows else None,
                    "reward_first": float(np.mean([m["reward_mean"] for m in first])) if rows else None,
                    "reward_last": float(np.mean([m["reward_mean"] for m in last])) if rows else None,
                    "averaged_over_steps": k,
