@@ -279,12 +279,12 @@ class Quickstart:
         d = self.d["reasoning_data"]
         write_synth("mix", self.s.reasoning_tasks, 1, d / "train.jsonl", overwrite=True)
         write_synth("mix", max(self.s.reasoning_tasks // 75, 64), 2, d / "val.jsonl", overwrite=True)
-        rows = [r for r in read_tasks(d / "train.jsonl") if r.get("category") in GRPO_CATEGORIES]
-        atomic_write_text(d / "grpo.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        tasks = read_tasks(d / "train.jsonl")
         cats = self.s.reasoning_sft_categories  # SFT's rows: the tasks of these categories, a share without steps
-        rows = [r for r in read_tasks(d / "train.jsonl") if cats is None or r.get("category") in cats]
-        atomic_write_text(d / "sft.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n"
-                                                  for r in drop_traces(rows, self.s.reasoning_direct_fraction)))
+        for name, rows in (("grpo.jsonl", [r for r in tasks if r.get("category") in GRPO_CATEGORIES]),
+                           ("sft.jsonl", drop_traces([r for r in tasks if cats is None or r.get("category") in cats],
+                                                     self.s.reasoning_direct_fraction))):
+            atomic_write_text(d / name, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         train_tokenizer([str(d / "train.jsonl")], d / "tok", vocab_size=384, show_progress=False, overwrite=True)
 
     def reasoning_sft_done(self) -> bool:
