@@ -25,11 +25,6 @@ from lmforge.tasks.suite import load_suite
 from lmforge.train.grpo.rollout import chat_prompt_ids
 
 
-def habit(text: str) -> str:
-    reasoning, _ = DEFAULT_FORMAT.split(text)
-    return "none" if reasoning is None else ("direct" if reasoning == "" else "steps")
-
-
 def measure(model: str, categories: list[str], samples: int, max_tokens: int, seed: int) -> dict:
     items = [it for it in load_suite("arith-cot").items if it["category"] in categories]
     llm = LLM(model, dtype="float32", seed=seed, enable_prefix_caching=False)
@@ -41,8 +36,8 @@ def measure(model: str, categories: list[str], samples: int, max_tokens: int, se
         counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # answers, right
         for it, out in zip(items, llm.generate(ids, params, use_tqdm=False)):
             for c in out.outputs:
-                right = answers_match(extract_answer(c.text), it["answer"])
-                for key in ("all", f"all/{habit(c.text)}", it["category"], f"{it['category']}/{habit(c.text)}"):
+                right, habit = answers_match(extract_answer(c.text), it["answer"]), DEFAULT_FORMAT.habit(c.text)
+                for key in ("all", f"all/{habit}", it["category"], f"{it['category']}/{habit}"):
                     counts[key][0] += 1
                     counts[key][1] += right
         total = counts["all"][0]

@@ -311,7 +311,26 @@ def test_bench_linear_reports_every_kernel(tmp_path, monkeypatch):
         assert abs(r["of_triad"] - r["weight_gbs"] / 20.0) < 1e-3
     md = (tmp_path / "bench_linear.md").read_text()
     assert "STREAM triad 20.0 GB/s" in md and "A8 " + LIB.a8_isas()[0] in md
-    assert "bf16 `F.linear`" not in md  # --no-packed
+    assert "`PackedLinear`" not in md  # --no-packed
+
+
+def test_bench_linear_packed_section_covers_float32(tmp_path, monkeypatch):
+    """The packed section times float32 everywhere oneDNN runs (the engine packs float32 linears) and bf16 where
+    the CPU has bf16 units, with the outputs compared; small shapes."""
+    from lmforge.bench import linear as bench  # noqa: PLC0415 - the bench sits above the engine: this test only
+    from lmforge.engine.model_runner import can_pack_linear  # noqa: PLC0415
+
+    monkeypatch.setattr(bench, "SHAPES", ((64, 96),))
+    monkeypatch.setattr(bench, "ROWS", (1, 3))
+    report = bench.run(tmp_path, quant=False)
+    rows, skipped = report["packed"]["rows"], report["packed"]["skipped"]
+    bf16 = can_pack_linear(torch.device("cpu"), torch.bfloat16)
+    assert {(r["dtype"], r["rows"]) for r in rows} == {(d, m) for d in ("float32",) + (("bf16",) if bf16 else ())
+                                                       for m in (1, 3)}
+    assert all(r["same"] and r["plain_us"] > 0 and r["packed_us"] > 0 for r in rows)
+    assert ("bf16" in skipped) is not bf16
+    md = (tmp_path / "bench_linear.md").read_text()
+    assert "| float32 | 64 → 96 | 3 |" in md
 
 
 def test_avx_vnni_body_by_its_evex_twin(tmp_path):

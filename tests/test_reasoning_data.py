@@ -89,6 +89,13 @@ def test_reasoning_format_is_configurable():
     assert DEFAULT_FORMAT.extract(text) is None
 
 
+def test_habit_tells_worked_steps_from_a_bare_answer():
+    assert DEFAULT_FORMAT.habit(DEFAULT_FORMAT.render("4+1+0=5 -> 5", "5")) == "steps"
+    assert DEFAULT_FORMAT.habit(DEFAULT_FORMAT.render("", "5")) == "direct"  # an empty think block
+    assert DEFAULT_FORMAT.habit("<think>\n4+1") == "none" and DEFAULT_FORMAT.habit("Answer: 5") == "none"
+    assert ReasoningFormat("<reason>", "</reason>", "Final:").habit("<reason>\n\n</reason>\nFinal: 2") == "direct"
+
+
 def test_chat_template_renders_reasoning_and_digits_split(tmp_path):
     from lmforge.tokenizer import load_tokenizer, train_tokenizer
     from lmforge.tokenizer.chat import render_chat

@@ -532,7 +532,7 @@ def _worked_steps(samples: Path) -> tuple[int, int] | None:
         return None
     rows = [json.loads(ln) for ln in samples.read_text().splitlines() if ln.strip()]
     outs = [r.get("output") or "" for r in rows if r.get("category") in GRPO_CATEGORIES]
-    return sum(1 for o in outs if DEFAULT_FORMAT.split(o)[0]), len(outs)
+    return sum(1 for o in outs if DEFAULT_FORMAT.habit(o) == "steps"), len(outs)
 
 
 def _machine_section(d: dict[str, Path], summary: list[str]) -> list[str]:

@@ -7,13 +7,15 @@
     GFLOP/s (2·M·N·K), against the STREAM triad of `lmforge doctor` (its saved profile, else measured
     now) as the roofline. Each call reads the next of enough weight copies to overflow the caches
     (`--working-set-mb`), as a decode step reads every layer's weights once from memory.
-  * bf16 packed: `F.linear` (oneDNN reorders the weight on every call) against `PackedLinear`
-    (reordered once), outputs compared; one thread.
+  * packed: `F.linear` against `PackedLinear` (oneDNN's layout, reordered once), outputs compared, for
+    each dtype the engine packs on this CPU: float32 (MKL's `F.linear` is slow at a few rows) and bf16
+    where the CPU has bf16 units (a plain bf16 `F.linear` reorders the weight on every call); on the
+    kernel threads (`--threads`, default torch's).
 
     lmforge bench linear [--out DIR] [--threads N] [--group-size 128] [--batches 1,4,16,64]
     python -m lmforge.bench.linear [--out DIR]
 
-Quantized shapes are the 300M bench Llama's projections (hidden 1024, MLP 2816); bf16 shapes the
+Quantized shapes are the 300M bench Llama's projections (hidden 1024, MLP 2816); packed shapes the
 ~30M model's (hidden 512, MLP 1376, vocabulary 8192). The report records the load average: figures
 taken on a busy machine are lower bounds and are labelled so.
 """
@@ -39,7 +41,7 @@ from lmforge.perf.hardware import default_profile_path, load_profile
 from lmforge.quant import QuantScheme, quantize_rtn
 from lmforge.quant.linear import Int4Linear, Int8Linear, QmmLinear, QuantizedLinear
 
-SHAPES = ((512, 512), (512, 1376), (1376, 512), (512, 8192))  # (in, out), bf16 section
+SHAPES = ((512, 512), (512, 1376), (1376, 512), (512, 8192))  # (in, out), packed section
 ROWS = (1, 8, 32, 128)
 QUANT_SHAPES = ((1024, 1024), (1024, 2816), (2816, 1024))  # (in, out): the 300M model's o, gate/up, down
 BATCHES = (1, 4, 16, 64)
@@ -153,28 +155,36 @@ def _bench_weight(scheme: QuantScheme, K: int, N: int, lib, batches, working_set
     return rows
 
 
-def bench_linear() -> dict:
-    if not can_pack_linear(torch.device("cpu"), torch.bfloat16):
-        return {"skipped": "this CPU has no native bf16 in oneDNN: the engine does not pack", "rows": []}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    rows = []
+def bench_linear(threads: int | None = None) -> dict:
+    """`F.linear` against `PackedLinear` for each dtype the engine packs here (`can_pack_linear`), on `threads`
+    (default: torch's, as the engine runs)."""
+    before = torch.get_num_threads()
+    threads = threads or before
+    torch.set_num_threads(threads)
+    rows, skipped = [], {}
     try:
         with torch.inference_mode():
-            for k, n in SHAPES:
-                linear = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
-                packed = PackedLinear(linear)
-                for m in ROWS:
-                    x = torch.randn(m, k, dtype=torch.bfloat16)
-                    plain_us = best_seconds(lambda: F.linear(x, linear.weight)) * 1e6
-                    packed_us = best_seconds(lambda: packed(x)) * 1e6
-                    same = torch.equal(F.linear(x, linear.weight), packed(x))
-                    rows.append({"in": k, "out": n, "rows": m, "plain_us": round(plain_us, 1),
-                                 "packed_us": round(packed_us, 1), "speedup": round(plain_us / packed_us, 2),
-                                 "same_bits": same})
+            for name, dtype in (("float32", torch.float32), ("bf16", torch.bfloat16)):
+                if not can_pack_linear(torch.device("cpu"), dtype):
+                    skipped[name] = "oneDNN has no native path for it on this CPU: the engine does not pack"
+                    continue
+                for k, n in SHAPES:
+                    linear = torch.nn.Linear(k, n, bias=False, dtype=dtype)
+                    packed = PackedLinear(linear)
+                    for m in ROWS:
+                        x = torch.randn(m, k, dtype=dtype)
+                        plain_us = best_seconds(lambda: F.linear(x, linear.weight)) * 1e6
+                        packed_us = best_seconds(lambda: packed(x)) * 1e6
+                        # float32: oneDNN and MKL sum in other orders, so the check is closeness, not bits
+                        want, got = F.linear(x, linear.weight), packed(x)
+                        same = torch.equal(want, got) if dtype == torch.bfloat16 else torch.allclose(
+                            want, got, rtol=1e-4, atol=1e-5)
+                        rows.append({"dtype": name, "in": k, "out": n, "rows": m, "plain_us": round(plain_us, 1),
+                                     "packed_us": round(packed_us, 1), "speedup": round(plain_us / packed_us, 2),
+                                     "same": same})
     finally:
-        torch.set_num_threads(threads)
-    return {"threads": 1, "dtype": "bfloat16", "rows": rows}
+        torch.set_num_threads(before)
+    return {"threads": threads, "rows": rows, "skipped": skipped}
 
 
 def quant_markdown(q: dict, prov: dict) -> list[str]:
@@ -196,15 +206,16 @@ def quant_markdown(q: dict, prov: dict) -> list[str]:
 
 def to_markdown(report: dict) -> str:
     lines = quant_markdown(report["quant"], report["provenance"]) if report.get("quant") else []
-    packed = report.get("packed", report)
+    packed = report.get("packed")
     if packed is None:
         return "\n".join(lines) + "\n"
-    if packed.get("skipped"):
-        return "\n".join(lines + ["# bench linear: bf16 packed", "", f"skipped: {packed['skipped']}"]) + "\n"
-    lines += ["# bench linear: bf16 `F.linear` vs `PackedLinear`, 1 thread", "",
-             "| in → out | rows | plain (µs) | packed (µs) | speed-up | same bits |", "| --- | ---: | ---: | ---: | ---: | --- |"]
-    lines += [f"| {r['in']} → {r['out']} | {r['rows']} | {r['plain_us']} | {r['packed_us']} | {r['speedup']}× | "
-              f"{r['same_bits']} |" for r in packed["rows"]]
+    names = ", ".join(sorted({r["dtype"] for r in packed["rows"]})) or "none"
+    lines += [f"# bench linear: {names} `F.linear` vs `PackedLinear`, {packed['threads']} thread(s)", "",
+              "| dtype | in → out | rows | plain (µs) | packed (µs) | speed-up | same (bf16: bits; float32: 1e-4) |",
+              "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    lines += [f"| {r['dtype']} | {r['in']} → {r['out']} | {r['rows']} | {r['plain_us']} | {r['packed_us']} | "
+              f"{r['speedup']}× | {r['same']} |" for r in packed["rows"]]
+    lines += [f"\n{name} skipped: {why}" for name, why in packed["skipped"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -213,7 +224,7 @@ def run(out: Path | None = None, quant: bool = True, packed: bool = True, batche
     """Both sections (or either), printed and written as bench_linear.json + .md under `out`."""
     report = {"provenance": provenance("int8/int4 weights; float32 and bfloat16 activations"),
               "quant": bench_quant_linear(batches, group_size, threads, working_set_mb) if quant else None,
-              "packed": bench_linear() if packed else None}
+              "packed": bench_linear(threads) if packed else None}
     emit(report, to_markdown, out, "bench_linear")
     return report
 
@@ -225,11 +236,12 @@ def main(
     batches: Annotated[str, typer.Option(help="Rows per call, comma-separated.")] = "1,4,16,64",
     working_set_mb: Annotated[int, typer.Option(help="Weight copies cycled through, MB (past the caches).")] = 256,
     quant: Annotated[bool, typer.Option(help="The int8 / int4 weight section.")] = True,
-    packed: Annotated[bool, typer.Option(help="The bf16 F.linear vs PackedLinear section.")] = True,
+    packed: Annotated[bool, typer.Option(help="The F.linear vs PackedLinear section (float32, bf16).")] = True,
 ) -> None:
     """Linear kernels on CPU: int8 / int4 weights per kernel (int8-activation VNNI / AVX2 / portable
     bodies, the exact A16 kernel, torch's) in weight GB/s and GFLOP/s against the STREAM triad, and
-    bf16 F.linear against PackedLinear; writes bench_linear.json and bench_linear.md."""
+    F.linear against PackedLinear (float32; bf16 where the CPU has bf16 units); writes bench_linear.json
+    and bench_linear.md."""
     try:
         rows = tuple(int(b) for b in batches.split(","))
     except ValueError:

@@ -83,9 +83,11 @@ class PackedLinear(nn.Module):
     """A bfloat16 or float32 `nn.Linear` whose weight oneDNN reordered once into its blocked layout. A
     plain bf16 `F.linear` on CPU reorders the weight on every call: at the few rows of a decode step that
     copy is a large part of the cost (a 512x1376 projection at 1 row: 156 us plain, 107 us packed;
-    at 128 rows 378 vs 299 us; same bits; `python -m lmforge.bench.linear`). float32 `F.linear` (MKL)
-    is slow at a few rows for another reason (an 8192x512 lm_head at 4 rows: 2,260 us plain, 400 packed;
-    512x1024 at 4 rows 183 vs 76; AVX2 EPYC, 2 threads). Inference only: the original weight is not kept."""
+    at 128 rows 378 vs 299 us; same bits). float32 `F.linear` (MKL) is slow at a decode step's few rows
+    for another reason: the 8192x512 lm_head at 8 rows 2,581 us plain, 909 packed, 512x1376 187 vs 127
+    (AVX2 EPYC, 2 threads; at 1 row MKL's GEMV wins on a cached layer-sized matrix, 0.6-1.0x, but a whole
+    batch-1 engine step measured the same either way). `lmforge bench linear --no-quant --threads 2`
+    reproduces both. Inference only: the original weight is not kept."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()

@@ -62,6 +62,12 @@ class ReasoningFormat:
             return None, text
         return text[start + len(self.think_open):end].strip(), text[end + len(self.think_close):]
 
+    def habit(self, text: str) -> str:
+        """`steps` (a think block with reasoning), `direct` (an empty one: the answer alone) or `none` (no
+        closed think block)."""
+        reasoning, _ = self.split(text)
+        return "none" if reasoning is None else ("direct" if reasoning == "" else "steps")
+
     def answer_lines(self, text: str) -> list[str]:
         """What follows the prefix on each line after the think block (the whole text without one)."""
         _, rest = self.split(text)

@@ -883,9 +883,9 @@ int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, i
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > N) threads = N;
     int64_t next = 0;
+    const int64_t chunk = chunk_rows(N, threads);
     qmm_job jobs[MAX_THREADS];
-    for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (qmm_job){x, w, scale, out, M, N, K, gs, bits, 0, 0, &next, chunk_rows(N, threads)};
+    for (int64_t t = 0; t < threads; t++) jobs[t] = (qmm_job){x, w, scale, out, M, N, K, gs, bits, 0, 0, &next, chunk};
     run_jobs(qmm_range, jobs, sizeof jobs[0], threads);
     return 0;
 }
@@ -1353,10 +1353,10 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
             }
     }
     int64_t next = 0;
+    const int64_t chunk = chunk_rows(N, threads);
     a8_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, qs, M, N, K, gs, bits, 0, 0, isa, K / gs, &next,
-                           chunk_rows(N, threads)};
+        jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, qs, M, N, K, gs, bits, 0, 0, isa, K / gs, &next, chunk};
     run_jobs(a8_range, jobs, sizeof jobs[0], threads);
     free(qs);
     free(u);

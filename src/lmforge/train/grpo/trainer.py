@@ -268,14 +268,10 @@ class GRPOTrainer:
         first, last = rows[:k], rows[-k:]
         results = {"steps": self.progress.step, "rollout_tokens": self.progress.rollout_tokens,
                    "train_time_s": round(self.progress.train_time, 3),
-                   "accuracy_first": float(np.mean([m["accuracy"] for m in first])) if rows else None,
-                   "accuracy_last": float(np.mean([m["accuracy"] for m in last])) if rows else None,
-                   "format_rate_first": float(np.mean([m["format_rate"] for m in first])) if rows else None,
-                   "format_rate_last": float(np.mean([m["format_rate"] for m in last])) if rows else None,
-                   "response_len_first": float(np.mean([m["response_len_mean"] for m in first])) if rows else None,
-                   "response_len_last": float(np.mean([m["response_len_mean"] for m in last])) if rows else None,
-                   "reward_first": float(np.mean([m["reward_mean"] for m in first])) if rows else None,
-                   "reward_last": float(np.mean([m["reward_mean"] for m in last])) if rows else None,
+                   **{f"{name}_{end}": float(np.mean([m[key] for m in part])) if rows else None
+                      for name, key in (("accuracy", "accuracy"), ("format_rate", "format_rate"),
+                                        ("response_len", "response_len_mean"), ("reward", "reward_mean"))
+                      for end, part in (("first", first), ("last", last))},
                    "averaged_over_steps": k,
                    "rollout_s": round(sum(m["rollout_s"] for m in rows), 3),
                    "update_s": round(sum(m["update_s"] for m in rows), 3),
