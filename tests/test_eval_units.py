@@ -118,7 +118,7 @@ def test_regex_metric_normalises_its_match_the_same_way():
 def test_frozen_suites_match_the_lock():
     assert verify_builtin_suites() == []
     lock = json.loads((BUILTIN_DIR / LOCK_FILE).read_text())
-    assert set(lock) == {"arith", "arith-stability", "choice-basics", "tiny-text", "arith-cot"}
+    assert set(lock) == {"arith", "arith-stability", "choice-basics", "tiny-text", "arith-cot", "arith-cot-2d"}
 
 
 def test_generators_reproduce_the_frozen_files(tmp_path):
@@ -210,7 +210,7 @@ def test_mock_models_score_one_and_zero(tmp_path, suites, correct):
     samples = (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
     bad = (tmp_path / "run" / "bad_cases.jsonl").read_text().splitlines()
     assert len(samples) == sum(s.n for s in suites)
-    assert len(bad) == (0 if correct else 200 + 120 + 40 + 320)  # arith, choice-basics, arith-stability, arith-cot
+    assert len(bad) == (0 if correct else 200 + 120 + 40 + 320 + 600)  # arith, choice, stability, arith-cot(-2d)
     record = json.loads((tmp_path / "run" / "record.json").read_text())
     assert record["status"] == "finished"
     assert record["inputs"]["suites"]["arith"]["sha256"] == t["arith"]["suite_sha256"] == load_suite("arith").sha256

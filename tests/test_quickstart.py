@@ -67,7 +67,10 @@ def test_report_has_every_section_with_figures(quickstart):
     summary = report.split("## From X to Y", 1)[1].split("\n## ", 1)[0]
     for stage in ("Data:", "Tokenizer:", "Training:", "Evaluation:", "Engine:", "Serving:", "Reasoning:"):
         assert stage in summary, stage
-    assert re.search(r"Reasoning: accuracy on arith-cot from \d+\.\d% \(SFT\) to \d+\.\d% \(GRPO\), n=16", summary)
+    assert re.search(r"Reasoning: accuracy on arith-cot-2d from \d+\.\d% \(SFT\) to \d+\.\d% \(GRPO\), n=16; "
+                     r"on all of arith-cot from \d+\.\d% to \d+\.\d%, n=16\.", summary)
+    assert re.search(r"Gain [+-]\d+\.\d points; the ±2 stderr intervals \[-?\d+\.\d, \d+\.\d\] \(SFT\) and "
+                     r"\[-?\d+\.\d, \d+\.\d\] \(GRPO\) (do not overlap|overlap)\.", report)
     assert "argmax agreement 100%" in report
     assert re.search(r"GRPO's own rollouts \(temperature 1, first / last 1 steps\): accuracy \d+\.\d% → \d+\.\d%, "
                      r"well-formed \d+\.\d% → \d+\.\d%, mean length \d+ → \d+ tokens\.", report)
@@ -82,7 +85,8 @@ def test_the_chain_is_consistent(quickstart):
     parity = json.loads((out / "model/parity.json").read_text())
     assert parity["max_abs_err"] < 1e-4 and parity["argmax_agree"] == 1.0
     tasks = json.loads((out / "reasoning/data/train.jsonl.record.json").read_text())
-    assert tasks["eval_overlap_after"] == 0 and tasks["eval_prompts_checked"] == 320
+    assert tasks["eval_overlap_after"] == 0 and tasks["eval_prompts_checked"] == 920
+    assert set(tasks["eval_suites"]) == {"arith-cot", "arith-cot-2d"}
     grpo = json.loads((out / "reasoning/grpo/run/record.json").read_text())
     assert grpo["status"] == "finished" and grpo["results"]["steps"] == 2
     assert Path(grpo["config"]["model"]["init"]).resolve() == (out / "reasoning/sft/model").resolve()
@@ -153,11 +157,13 @@ def _write_fake_stage_files(out: Path, low_sft_accuracy: bool = False) -> None:
                                 ("grpo", grpo_acc, ["<think>\n2+3=5\n</think>\nAnswer: 5"] * 2)):
         (out / f"reasoning/{stage}/eval").mkdir(parents=True, exist_ok=True)
         (out / f"reasoning/{stage}/eval/samples.jsonl").write_text("".join(
-            json.dumps({"task": "arith-cot", "category": c, "output": o}) + "\n"
-            for c, o in [("add-2d", outputs[0]), ("sub-2d", outputs[1]), ("add-3d", "<think>\n1\n</think>\nAnswer: 1")]))
+            json.dumps({"task": t, "category": c, "output": o}) + "\n"
+            for t, c, o in [("arith-cot-2d", "add-2d", outputs[0]), ("arith-cot-2d", "sub-2d", outputs[1]),
+                            ("arith-cot", "add-2d", "<think>\n1\n</think>\nAnswer: 1")]))
         put(f"reasoning/{stage}/eval/record.json", finished)
-        put(f"reasoning/{stage}/eval/results.json", {"tasks": {"arith-cot": {"n": 16, "metrics": {
-            "acc": {"value": acc, "stderr": 0.125}, "acc/add-2d": {"value": acc}, "acc/mul-2x1": {"value": 0.0}}}}})
+        metrics = {"acc": {"value": acc, "stderr": 0.125}, "acc/add-2d": {"value": acc}, "acc/mul-2x1": {"value": 0.0}}
+        put(f"reasoning/{stage}/eval/results.json", {"tasks": {"arith-cot-2d": {"n": 16, "metrics": metrics},
+                                                               "arith-cot": {"n": 8, "metrics": metrics}}})
     put("reasoning/sft/run/record.json", {"num_parameters": 5000, "results": {"steps": 6, "train_time_s": 3.0}})
     put("reasoning/grpo/run/record.json", {"config": {"grpo": {"prompts_per_step": 2, "group_size": 4}},
                                            "results": {"steps": 2, "train_time_s": 4.0, "accuracy_first": 0.25,
@@ -184,8 +190,10 @@ def test_report_sections_from_stage_files(tmp_path, low_sft_accuracy):
     assert "| data | 1.2 |" in report and "| train | skipped (complete) |" in report
     assert "| a\\|b ca\\|b c" in report  # output cells escape pipes and join lines
     assert ("A GRPO group learns only from samples that beat its mean" in report) is low_sft_accuracy
-    # the worked-steps share counts GRPO's categories only (add-3d is not one) and empty think blocks as none
+    # the worked-steps share counts arith-cot-2d's answers only and empty think blocks as none
     assert "(a non-empty think block): SFT 1/2, GRPO 2/2." in report
+    assert "| **arith-cot-2d** (n=16) |" in report and "| **arith-cot** (n=8) |" in report
+    assert ("Gain -1.0 points" if low_sft_accuracy else "Gain +12.5 points") in report
     assert build_report(tmp_path) == build_report(tmp_path, None)
     assert "## Time per stage" not in build_report(tmp_path)
 
@@ -200,3 +208,14 @@ def test_drop_traces_strips_a_seeded_share_and_keeps_the_rest():
     assert drop_traces(rows, 0.0) == rows and all(r["reasoning"] == "" for r in drop_traces(rows, 1.0))
     with pytest.raises(ValueError, match="reasoning_direct_fraction"):
         drop_traces(rows, 1.5)
+
+
+def test_gain_interval_says_whether_two_stderr_intervals_part():
+    from lmforge.quickstart import gain_interval
+
+    apart = gain_interval({"value": 0.10, "stderr": 0.01}, {"value": 0.20, "stderr": 0.02})
+    assert apart == ("Gain +10.0 points; the ±2 stderr intervals [8.0, 12.0] (SFT) and [16.0, 24.0] (GRPO) "
+                     "do not overlap.")
+    close = gain_interval({"value": 0.10, "stderr": 0.02}, {"value": 0.15, "stderr": 0.02})
+    assert close.endswith("[6.0, 14.0] (SFT) and [11.0, 19.0] (GRPO) overlap.")
+    assert gain_interval({"value": 0.1, "stderr": None}, {"value": 0.2, "stderr": 0.01}) is None

@@ -14,7 +14,7 @@ import pytest
 from lmforge.data.synth import TaskFileError, eval_prompts, read_tasks, write_synth
 from lmforge.eval.scoring import run_generate
 from lmforge.eval.suites import write_suite
-from lmforge.tasks.arith_cot import EVAL_SEED, TASKS, synth_rows
+from lmforge.tasks.arith_cot import CATEGORIES_2D, EVAL_SEEDS, TASKS, synth_rows
 from lmforge.tasks.reasoning import DEFAULT_FORMAT, ReasoningFormat
 from lmforge.tasks.suite import load_suite
 
@@ -53,15 +53,18 @@ def test_synth_steps_are_right(task):
 
 
 def test_train_and_eval_are_disjoint(tmp_path):
-    prompts, sha = eval_prompts()
-    assert len(prompts) == 320 and sha == load_suite("arith-cot").sha256
+    prompts, shas = eval_prompts()
+    assert len(prompts) == 920  # arith-cot and arith-cot-2d, which share no prompt
+    assert shas == {name: load_suite(name).sha256 for name in ("arith-cot", "arith-cot-2d")}
     rec = write_synth("mix", 3000, 5, tmp_path / "train.jsonl")
     train = {json.loads(x)["prompt"] for x in (tmp_path / "train.jsonl").read_text().splitlines()}
-    assert not train & prompts and rec["eval_overlap_after"] == 0 and rec["eval_prompts_checked"] == 320
+    assert not train & prompts and rec["eval_overlap_after"] == 0 and rec["eval_prompts_checked"] == 920
+    assert rec["eval_suites"] == shas
     assert rec["dropped_eval_overlap"] > 0  # small categories (2-digit sums) do collide: the filter works
     assert json.loads((tmp_path / "train.jsonl.record.json").read_text())["sha256"] == rec["sha256"]
-    with pytest.raises(ValueError, match="eval seed"):
-        write_synth("mix", 10, EVAL_SEED, tmp_path / "x.jsonl")
+    for seed in EVAL_SEEDS:
+        with pytest.raises(ValueError, match="eval suite's seed"):
+            write_synth("mix", 10, seed, tmp_path / "x.jsonl")
     with pytest.raises(FileExistsError):
         write_synth("mix", 10, 5, tmp_path / "train.jsonl")
 
@@ -160,6 +163,17 @@ def test_arith_cot_is_frozen_with_categories():
     for it in s.items:
         cats[it["category"]] = cats.get(it["category"], 0) + 1
     assert cats == {c: 40 for c in TASKS["mix"]}
+
+
+def test_arith_cot_2d_is_frozen_disjoint_and_larger_per_category():
+    s, whole = load_suite("arith-cot-2d"), load_suite("arith-cot")
+    assert s.metric == "answer" and s.settings["chat"] and s.settings["max_tokens"] == whole.settings["max_tokens"]
+    cats = {}
+    for it in s.items:
+        cats[it["category"]] = cats.get(it["category"], 0) + 1
+    assert cats == {c: 200 for c in CATEGORIES_2D}
+    assert not {it["prompt"] for it in s.items} & {it["prompt"] for it in whole.items}
+    assert len({it["prompt"] for it in s.items}) == 600
 
 
 def test_distill_keeps_only_correct_traces(tmp_path, monkeypatch):

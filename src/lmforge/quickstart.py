@@ -44,6 +44,7 @@ from lmforge.eval.evaluate import evaluate
 from lmforge.eval.suites import make_perplexity_suite
 from lmforge.perf.hardware import default_profile_path, load_profile
 from lmforge.serve.testing import free_port
+from lmforge.tasks.arith_cot import CATEGORIES_2D
 from lmforge.tasks.reasoning import DEFAULT_FORMAT
 from lmforge.tasks.suite import load_suite
 from lmforge.tokenizer import load_tokenizer, train_tokenizer
@@ -71,18 +72,25 @@ class Settings:
     reasoning_tasks: int  # synthetic training rows (`lmforge data synth mix`)
     reasoning_sft: tuple[str, ...]  # overrides of configs/reasoning-sft.yaml
     reasoning_grpo: tuple[str, ...]  # overrides of configs/grpo.yaml
-    reasoning_eval_limit: int | None  # arith-cot items scored (None = all 320)
+    reasoning_eval_limit: int | None  # items scored per suite, arith-cot-2d and arith-cot (None = all)
     # the categories SFT trains on (a curriculum: the short ones first; None = all eight of the mix)
     reasoning_sft_categories: tuple[str, ...] | None = None
     # the share of SFT rows whose worked steps are dropped (an empty think block and the answer, as a user's
     # file without traces has them): SFT then imitates both habits, and GRPO shows which one pays
     reasoning_direct_fraction: float = 0.0
+    # pretraining steps on a CPU without bf16 units, where a float32 step costs ~3x a bf16 one (None = the
+    # config's): the chain stays within 15 minutes there, and the val loss has flattened by then anyway
+    float32_max_steps: int | None = None
 
 
 # the curriculum's first stage: the three shortest categories, where a few minutes of SFT on them alone
 # solve a good share, so a group of samples holds a correct one and GRPO has a signal; on the mix of
 # all eight, the same minutes leave every category near 0% and most groups all wrong (docs/reasoning.md)
-GRPO_CATEGORIES = ("add-2d", "sub-2d", "mul-2x1")
+GRPO_CATEGORIES = CATEGORIES_2D  # ("add-2d", "sub-2d", "mul-2x1"), the categories of arith-cot-2d
+# the suite of the report's reasoning line: 200 held-out items on each of GRPO's categories. On arith-cot's
+# 40 each, a gain made in these three is measured with a stderr about as large as itself; arith-cot (all
+# eight categories) is scored too, for what the track does not teach
+REASONING_SUITE = "arith-cot-2d"
 
 FULL = Settings(docs=None, vocab_size=8192, seq_len=256, config="quickstart.yaml", overrides=(),
                 eval_limit=None, bench_requests=64, bench_hf_requests=8, serve_max_tokens=48,
@@ -106,7 +114,11 @@ FULL = Settings(docs=None, vocab_size=8192, seq_len=256, config="quickstart.yaml
                 # half the rows answer without steps: SFT's greedy answers mostly skip them (worked steps in
                 # ~31% of the three categories' answers), GRPO's rollouts find the steps right ~3x as often and
                 # the greedy answers follow (92%): docs/reasoning.md, fourth round
-                reasoning_direct_fraction=0.5)
+                reasoning_direct_fraction=0.5,
+                # 180 of the config's 240 steps (737k tokens, 2.2 epochs; the val loss is within ~0.05 nats of
+                # step 240's from 160 on, docs/training.md): ~110 s less on the AVX2 EPYC, which pays for
+                # arith-cot-2d and brings the chain under 15 minutes there
+                float32_max_steps=180)
 TINY = Settings(docs=120, vocab_size=1024, seq_len=128, config="tiny.yaml",
                 overrides=("train.max_steps=30", "train.eval_every=15", "train.ckpt_every=15",
                            "train.batch_size=8"),
@@ -220,6 +232,8 @@ class Quickstart:
         overrides = [f"data.path={self.d['packed']}", *self.s.overrides]
         if _fast_dtype() == "float32":  # no bf16 units: emulated bf16 matmuls are ~80x slower than fp32
             overrides.append("train.dtype=float32")
+            if self.s.float32_max_steps:
+                overrides.append(f"train.max_steps={self.s.float32_max_steps}")
         cfg = load_config(TrainConfig, REPO_CONFIGS / self.s.config, overrides)
         resume = (self.d["train"] / "checkpoints").is_dir()
         train(cfg, self.d["train"], resume=resume, overwrite=not resume)
@@ -325,7 +339,7 @@ class Quickstart:
 
     def _arith_cot(self, model: Path, out: Path) -> None:
         backend = TransformerBackend(model, dtype="float32", engine="llm")
-        evaluate(backend, [load_suite("arith-cot")], out, model_dir=model, limit=self.s.reasoning_eval_limit,
+        evaluate(backend, [load_suite(REASONING_SUITE), load_suite("arith-cot")], out, model_dir=model, limit=self.s.reasoning_eval_limit,
                  overwrite=True,
                  log=lambda name, t: self.console.print(f"  {name}: {t['metric']} {_f(t['value'], 4)} "
                                                         f"(n={t['n']}, {t['seconds']:.1f}s)", highlight=False))
@@ -465,20 +479,18 @@ def stage_dirs(out: Path) -> dict[str, Path]:
 
 
 def _reasoning_section(d: dict[str, Path], summary: list[str]) -> list[str]:
-    """The reasoning track's table (arith-cot by category, SFT vs GRPO) and its summary line."""
+    """The reasoning track's table (arith-cot-2d and arith-cot by category, SFT vs GRPO) and its summary line."""
     sft_eval, grpo_eval = d["reasoning_sft"] / "eval", d["reasoning_grpo"] / "eval"
     if not (_finished(sft_eval) and _finished(grpo_eval)):
         return []
-
-    def acc(run: Path) -> dict[str, dict]:
-        return _read(run / "results.json")["tasks"]["arith-cot"]["metrics"]
-
-    a, b = acc(sft_eval), acc(grpo_eval)
-    n = _read(grpo_eval / "results.json")["tasks"]["arith-cot"]["n"]
-    cats = sorted(k.split("/", 1)[1] for k in a if k.startswith("acc/"))
-    rows = [["all", _f(a["acc"]["value"], 3), _f(a["acc"].get("stderr"), 3), _f(b["acc"]["value"], 3),
-             _f(b["acc"].get("stderr"), 3)]]
-    rows += [[c, _f(a[f"acc/{c}"]["value"], 3), "", _f(b.get(f"acc/{c}", {}).get("value"), 3), ""] for c in cats]
+    sft_tasks, grpo_tasks = (_read(e / "results.json")["tasks"] for e in (sft_eval, grpo_eval))
+    rows = []
+    for suite in (REASONING_SUITE, "arith-cot"):
+        a, b = sft_tasks[suite]["metrics"], grpo_tasks[suite]["metrics"]
+        rows.append([f"**{suite}** (n={grpo_tasks[suite]['n']})", _f(a["acc"]["value"], 3),
+                     _f(a["acc"].get("stderr"), 3), _f(b["acc"]["value"], 3), _f(b["acc"].get("stderr"), 3)])
+        cats = sorted(k.split("/", 1)[1] for k in a if k.startswith("acc/"))
+        rows += [[c, _f(a[f"acc/{c}"]["value"], 3), "", _f(b.get(f"acc/{c}", {}).get("value"), 3), ""] for c in cats]
     sft_rec = _read(d["reasoning_sft"] / "run" / "record.json")
     grpo_rec = _read(d["reasoning_grpo"] / "run" / "record.json")
     sft_res, grpo_res = sft_rec.get("results", {}), grpo_rec.get("results", {})
@@ -488,10 +500,11 @@ def _reasoning_section(d: dict[str, Path], summary: list[str]) -> list[str]:
     sft_rows = [json.loads(ln) for ln in sft_file.read_text().splitlines()] if sft_file.is_file() else []
     sft_cats = Counter(r.get("category") for r in sft_rows)
     direct = sum(1 for r in sft_rows if not r.get("reasoning"))
+    suites = ", ".join(tasks.get("eval_suites") or {})
     parts = ["## Reasoning", "",
              f"Tasks: {_f(tasks.get('n'))} synthetic arithmetic rows with written-out steps (`lmforge data synth mix`, "
              f"seed {tasks.get('seed')}); eval prompts dropped {_f(tasks.get('dropped_eval_overlap'))}, overlap with "
-             f"arith-cot after: {tasks.get('eval_overlap_after')}. SFT from scratch"
+             f"{suites or 'the eval suites'} after: {tasks.get('eval_overlap_after')}. SFT from scratch"
              + (f" on the {_f(sum(sft_cats.values()))} rows of {', '.join(sorted(sft_cats))}" if sft_cats else "")
              + (f" ({_f(direct)} of them without their steps: an empty think block and the answer)" if direct else "")
              + ": "
@@ -499,13 +512,17 @@ def _reasoning_section(d: dict[str, Path], summary: list[str]) -> list[str]:
              f"{_f(sft_res.get('train_time_s'), 0)} s. GRPO: {_f(grpo_res.get('steps'))} steps of "
              f"{grpo_cfg.get('prompts_per_step')} prompts x {grpo_cfg.get('group_size')} samples on "
              f"{', '.join(GRPO_CATEGORIES)}, {_f(grpo_res.get('train_time_s'), 0)} s.", "",
-             f"Greedy accuracy on arith-cot (n={n}; the one `Answer:` line after `</think>` must equal "
-             f"the answer):", "",
-             _md_table(["category", "SFT", "± stderr", "GRPO", "± stderr"], rows), ""]
+             f"Greedy accuracy (the one `Answer:` line after `</think>` must equal the answer) on {REASONING_SUITE}, "
+             f"held-out items of the three categories the track trains, and on arith-cot, all eight categories:", "",
+             _md_table(["suite / category", "SFT", "± stderr", "GRPO", "± stderr"], rows), ""]
+    a, b = sft_tasks[REASONING_SUITE]["metrics"]["acc"], grpo_tasks[REASONING_SUITE]["metrics"]["acc"]
+    gain = gain_interval(a, b)
+    if gain:
+        parts += [gain, ""]
     shares = [_worked_steps(e / "samples.jsonl") for e in (sft_eval, grpo_eval)]
     if None not in shares:
         (sa, sn), (ga, gn) = shares
-        parts += [f"Greedy answers on {', '.join(GRPO_CATEGORIES)} that work the steps out (a non-empty think "
+        parts += [f"Greedy answers on {REASONING_SUITE} that work the steps out (a non-empty think "
                   f"block): SFT {sa}/{sn}, GRPO {ga}/{gn}.", ""]
     if grpo_res.get("accuracy_first") is not None:  # the trainer's averages over its first and last steps
         k = grpo_res["averaged_over_steps"]
@@ -515,23 +532,37 @@ def _reasoning_section(d: dict[str, Path], summary: list[str]) -> list[str]:
                      if grpo_res.get("format_rate_first") is not None else "")
                   + (f", mean length {grpo_res['response_len_first']:.0f} → {grpo_res['response_len_last']:.0f} "
                      f"tokens" if grpo_res.get("response_len_first") is not None else "") + ".", ""]
-        if b["acc"]["value"] <= a["acc"]["value"] and a["acc"]["value"] < 0.10:
+        if b["value"] <= a["value"] and a["value"] < 0.10:
             parts += ["A GRPO group learns only from samples that beat its mean, so a model that rarely samples a "
                       "correct answer gives it almost nothing to push toward: this budget teaches the format, not yet "
                       "the digits. The longer recipe in docs/reasoning.md (1,600 SFT steps, ~26 minutes here) reaches "
                       "32% on arith-cot, and GRPO then adds about 8 points in 5 minutes.", ""]
     parts += ["![GRPO reward and accuracy per step](reasoning/grpo/run/reward.png)", ""]
-    summary.append(f"Reasoning: accuracy on arith-cot from {a['acc']['value']:.1%} (SFT) to "
-                   f"{b['acc']['value']:.1%} (GRPO), n={n}.")
+    whole = sft_tasks["arith-cot"]["metrics"]["acc"]["value"], grpo_tasks["arith-cot"]["metrics"]["acc"]["value"]
+    summary.append(f"Reasoning: accuracy on {REASONING_SUITE} from {a['value']:.1%} (SFT) to {b['value']:.1%} "
+                   f"(GRPO), n={grpo_tasks[REASONING_SUITE]['n']}; on all of arith-cot from {whole[0]:.1%} to "
+                   f"{whole[1]:.1%}, n={grpo_tasks['arith-cot']['n']}.")
     return parts
 
 
+def gain_interval(a: dict, b: dict) -> str | None:
+    """'+x points; the ±2 stderr intervals [..] and [..] do (not) overlap' for two {value, stderr} metrics."""
+    if a.get("stderr") is None or b.get("stderr") is None:
+        return None
+    lo_a, hi_a = a["value"] - 2 * a["stderr"], a["value"] + 2 * a["stderr"]
+    lo_b, hi_b = b["value"] - 2 * b["stderr"], b["value"] + 2 * b["stderr"]
+    apart = hi_a < lo_b or hi_b < lo_a
+    return (f"Gain {100 * (b['value'] - a['value']):+.1f} points; the ±2 stderr intervals "
+            f"[{100 * lo_a:.1f}, {100 * hi_a:.1f}] (SFT) and [{100 * lo_b:.1f}, {100 * hi_b:.1f}] (GRPO) "
+            + ("do not overlap." if apart else "overlap."))
+
+
 def _worked_steps(samples: Path) -> tuple[int, int] | None:
-    """(answers with a non-empty think block, answers) among an eval's outputs on GRPO's categories."""
+    """(answers with a non-empty think block, answers) among an eval's outputs on REASONING_SUITE."""
     if not samples.is_file():
         return None
     rows = [json.loads(ln) for ln in samples.read_text().splitlines() if ln.strip()]
-    outs = [r.get("output") or "" for r in rows if r.get("category") in GRPO_CATEGORIES]
+    outs = [r.get("output") or "" for r in rows if r.get("task") == REASONING_SUITE]
     return sum(1 for o in outs if DEFAULT_FORMAT.habit(o) == "steps"), len(outs)
 
 

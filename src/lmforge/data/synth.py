@@ -1,10 +1,11 @@
 """Synthetic training data with verifiable answers, and reading users' task files.
 
 `write_synth(task, n, seed, out)` writes rows of `lmforge.tasks.arith_cot.synth_rows` (arithmetic with
-written-out steps: add, sub, mul, word, mix) as JSONL. The frozen eval suite `arith-cot` is drawn
-from the same categories with `EVAL_SEED`; training seeds must differ, and every arith-cot prompt is
-passed as `exclude`, so no eval prompt can reach a training file; `write_synth` records the proof
-(eval suite hash, rows dropped, overlap after = 0) next to the file.
+written-out steps: add, sub, mul, word, mix) as JSONL. The frozen eval suites `arith-cot` and
+`arith-cot-2d` are drawn from the same categories with their own seeds (`EVAL_SEEDS`); training seeds
+must differ, and every prompt of both is passed as `exclude`, so no eval prompt can reach a training
+file; `write_synth` records the proof (the suites' hashes, rows dropped, overlap after = 0) next to
+the file.
 
 `read_tasks(path)` reads a user's JSONL: `prompt`/`answer` (+ optional `reasoning`, `category`), or
 GSM8K's `question`/`answer` where the answer ends in `#### N` (the text before is the reasoning).
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.config import ConfigError
-from lmforge.tasks.arith_cot import EVAL_SEED, synth_rows
+from lmforge.tasks.arith_cot import EVAL_SEEDS, synth_rows
 from lmforge.tasks.suite import SuiteError, load_suite
 from lmforge.track.io import atomic_write_json, atomic_write_text, sha256_file
 from lmforge.track.provenance import git_info
@@ -34,32 +35,41 @@ class TaskFileError(ConfigError):
     """A task file line a person must fix; the message names the file, line and field."""
 
 
-def eval_prompts() -> tuple[set[str], str | None]:
-    """Every prompt of the frozen arith-cot suite and its sha256 (empty, None before it exists)."""
-    try:
-        suite = load_suite("arith-cot")
-    except SuiteError:
-        return set(), None
-    return {it["prompt"] for it in suite.items}, suite.sha256
+EVAL_SUITES = ("arith-cot", "arith-cot-2d")  # the frozen suites drawn from the generator's categories
+
+
+def eval_prompts() -> tuple[set[str], dict[str, str]]:
+    """Every prompt of the frozen suites in `EVAL_SUITES` and their sha256 by name (a suite not yet
+    written is left out: `lmforge eval make-suite builtins` writes them)."""
+    prompts, hashes = set(), {}
+    for name in EVAL_SUITES:
+        try:
+            suite = load_suite(name)
+        except SuiteError:
+            continue
+        prompts |= {it["prompt"] for it in suite.items}
+        hashes[name] = suite.sha256
+    return prompts, hashes
 
 
 def write_synth(task: str, n: int, seed: int, out: str | os.PathLike, overwrite: bool = False) -> dict[str, Any]:
     """Write `out` (JSONL) and `out` + `.record.json` (seed, counts, categories, the disjointness proof)."""
-    if seed == EVAL_SEED:
-        raise ValueError(f"--seed {seed} is arith-cot's eval seed; pick any other seed for training data")
+    if seed in EVAL_SEEDS:
+        raise ValueError(f"--seed {seed} is an eval suite's seed ({', '.join(map(str, EVAL_SEEDS))}); pick any "
+                         f"other seed for training data")
     out = Path(out)
     record_path = out.with_name(out.name + ".record.json")
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; pass --overwrite or choose another --out")
-    exclude, suite_hash = eval_prompts()
+    exclude, suite_hashes = eval_prompts()
     rows, counts = synth_rows(task, n, seed, exclude)
     overlap = sum(r["prompt"] in exclude for r in rows)
     assert overlap == 0  # synth_rows dropped them; this is the proof recorded below
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    record = {"stage": "synth", "task": task, "n": n, "seed": seed, "eval_seed": EVAL_SEED, **counts,
+    record = {"stage": "synth", "task": task, "n": n, "seed": seed, "eval_seeds": list(EVAL_SEEDS), **counts,
               "categories": dict(Counter(r["category"] for r in rows)),
-              "eval_suite": "arith-cot", "eval_suite_sha256": suite_hash, "eval_prompts_checked": len(exclude),
+              "eval_suites": suite_hashes, "eval_prompts_checked": len(exclude),
               "eval_overlap_after": overlap, "sha256": sha256_file(out), "git": git_info()}
     atomic_write_json(record_path, record)
     return record

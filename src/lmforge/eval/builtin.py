@@ -8,6 +8,8 @@ generator in `lmforge.tasks`, frozen as files in `lmforge/tasks/suites/`.
     arith-cot        generate    320 reasoning problems (40 per category: add/sub 2-3 digits, mul 2x1,
                                  3x1, 2x2, word problems) from `lmforge.tasks.arith_cot` with its eval
                                  seed; chat template, up to 320 new tokens, scored on the `Answer:` line
+    arith-cot-2d     generate    600 more of its three 2-digit categories (200 each: add-2d, sub-2d,
+                                 mul-2x1), disjoint from arith-cot, with a seed of its own; same scoring
 
 Randomness comes from our own SplitMix64 generator (`lmforge.tasks.rng`), not `random`, and the
 perplexity text from a fixed grammar, not `pydoc_data` (whose text changes with the interpreter):
@@ -32,7 +34,7 @@ from lmforge.tasks.suite import BUILTIN_DIR, Suite, load_suite
 from lmforge.tasks.tiny_text import tiny_text_items
 
 # Bump a suite's version whenever its generator changes; the lock test enforces it.
-VERSIONS = {"arith": 1, "arith-stability": 1, "choice-basics": 1, "tiny-text": 1, "arith-cot": 1}
+VERSIONS = {"arith": 1, "arith-stability": 1, "choice-basics": 1, "tiny-text": 1, "arith-cot": 1, "arith-cot-2d": 1}
 
 
 def builtin_suites() -> dict[str, tuple[dict[str, Any], list[dict[str, Any]]]]:
@@ -61,6 +63,11 @@ def builtin_suites() -> dict[str, tuple[dict[str, Any], list[dict[str, Any]]]]:
                        "description": "arithmetic with written-out steps (8 categories x 40); greedy, chat "
                        "template, the one 'Answer:' line after </think> must equal the answer",
                        "max_tokens": 320, "stop": [], "chat": True}, arith_cot.suite_items()),
+        "arith-cot-2d": ({"suite": "arith-cot-2d", "version": VERSIONS["arith-cot-2d"], "kind": "generate",
+                          "metric": "answer", "description": "arithmetic with written-out steps on the three "
+                          "2-digit categories (add-2d, sub-2d, mul-2x1; 200 each, none an arith-cot prompt); greedy, "
+                          "chat template, the one 'Answer:' line after </think> must equal the answer",
+                          "max_tokens": 320, "stop": [], "chat": True}, arith_cot.suite_2d_items()),
     }
 
 

@@ -15,9 +15,10 @@ many are left") chain those blocks, one per operation. Every block ends with its
 for tokenizer training.
 
 Tasks: add, sub, mul, word, and mix (all categories uniformly). The eval suite `arith-cot`
-(`suite_items`) is drawn from the same categories with `EVAL_SEED`; training seeds must differ,
-and `synth_rows` drops any row whose prompt is in `exclude` (`lmforge.data.synth` passes every
-arith-cot prompt), so no eval prompt can reach a training file.
+(`suite_items`) is drawn from the same categories with `EVAL_SEED`, and `arith-cot-2d`
+(`suite_2d_items`, 200 items on each 2-digit category) with `EVAL_SEED_2D`; training seeds must
+differ, and `synth_rows` drops any row whose prompt is in `exclude` (`lmforge.data.synth` passes
+every prompt of both suites), so no eval prompt can reach a training file.
 
 Randomness is SplitMix64 (`rng.py`): the same seed gives the same bytes everywhere. This module
 knows nothing about files, tokenizers or models.
@@ -34,6 +35,8 @@ from lmforge.tasks.reasoning import DEFAULT_FORMAT
 from lmforge.tasks.rng import SplitMix64
 
 EVAL_SEED = 1_000_003  # arith-cot's seed; training seeds must differ
+EVAL_SEED_2D = 1_000_033  # arith-cot-2d's seed; training seeds must differ from it too
+EVAL_SEEDS = (EVAL_SEED, EVAL_SEED_2D)
 CONTAINERS = (("box", "boxes"), ("bag", "bags"), ("jar", "jars"), ("crate", "crates"))  # not arith's: no baskets
 
 
@@ -213,4 +216,21 @@ def suite_items() -> list[dict[str, Any]]:
     cats = TASKS["mix"]
     rows, _ = synth_rows("mix", SUITE_PER_CATEGORY * len(cats), EVAL_SEED)
     return [{"id": f"arith-cot-{i:04d}", "prompt": r["prompt"], "answer": r["answer"], "category": r["category"],
+             "difficulty": r["difficulty"]} for i, r in enumerate(rows)]
+
+
+# arith-cot-2d: the three categories with 2-digit operands, 200 items each. arith-cot's 40 per category
+# give a gain made in a few categories a standard error as large as the gain; 200 each measure such
+# a gain (a GRPO run on these categories) at about twice the precision. Drawn with its own seed and
+# disjoint from arith-cot; training files exclude both.
+CATEGORIES_2D = ("add-2d", "sub-2d", "mul-2x1")
+SUITE_2D_PER_CATEGORY = 200
+
+
+def suite_2d_items() -> list[dict[str, Any]]:
+    """The arith-cot-2d items: 200 per category of `CATEGORIES_2D`, none of them an arith-cot prompt."""
+    taken = {it["prompt"] for it in suite_items()}
+    rows, _ = synth_rows("mix", SUITE_2D_PER_CATEGORY * len(CATEGORIES_2D), EVAL_SEED_2D, exclude=taken,
+                         categories=CATEGORIES_2D)
+    return [{"id": f"arith-cot-2d-{i:04d}", "prompt": r["prompt"], "answer": r["answer"], "category": r["category"],
              "difficulty": r["difficulty"]} for i, r in enumerate(rows)]
