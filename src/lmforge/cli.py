@@ -94,11 +94,11 @@ def quickstart_cmd(
         "runs/quickstart"),
     tiny: Annotated[bool, typer.Option("--tiny", help="A small slice of everything: about a minute.")] = False,
     reasoning: Annotated[bool, typer.Option("--reasoning/--no-reasoning", help=(
-        "Also run the reasoning track: synthetic arithmetic tasks, chain-of-thought SFT, GRPO, arith-cot."))] = True,
+        "Also run the reasoning track: synthetic arithmetic tasks, chain-of-thought SFT, GRPO, arith-cot(-2d)."))] = True,
 ) -> None:
     """The whole chain on python-docs: data prepare, tokenizer, pack, pretrain, export, eval, engine
     benchmark, serve + OpenAI-client requests; then the reasoning track (SFT on synthetic traces ->
-    GRPO -> arith-cot). Writes OUT/report.md (the report card) and prints it. Rerunning skips stages
+    GRPO -> arith-cot-2d and arith-cot). Writes OUT/report.md (the report card) and prints it. Rerunning skips stages
     whose outputs are complete."""
     raise typer.Exit(quickstart(out, tiny=tiny, reasoning=reasoning))
 

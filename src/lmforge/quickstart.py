@@ -4,7 +4,8 @@ python-docs → data prepare → tokenizer → pack → pretrain → export → 
 `lmforge serve` on a free loopback port, asked a few chat and completion questions through the
 `openai` client; then the reasoning track: synthetic arithmetic tasks with written-out steps →
 a digit-splitting tokenizer → chain-of-thought SFT from scratch → GRPO on the engine's own rollouts,
-each model scored on the frozen `arith-cot` suite → `report.md`. Each stage writes its own run
+each model scored on the frozen `arith-cot-2d` (the three trained categories, 600 items) and
+`arith-cot` suites → `report.md`. Each stage writes its own run
 directory under OUT and is skipped
 on a rerun when its outputs are complete (its `record.json` says finished, or its product exists),
 so an interrupted quickstart continues where it stopped. The report is rebuilt from the files on
