@@ -171,6 +171,41 @@ def test_engine_process_death_fails_requests_in_flight(model_dir):
         engine.shutdown()
 
 
+def test_shutdown_closes_the_command_pipe_only_after_the_sender_let_go(model_dir):
+    """A restarted engine's new pipe may reuse the old pipe's fd number: the old sender thread must be
+    done with it before shutdown closes it, or the old SHUTDOWN lands in the new engine's pipe ahead of
+    its CoreStart (seen once in make test: the restarted child failed on 'EngineCoreRequest.threads')."""
+    import os
+    import signal
+    import time
+
+    engine = ProcessAsyncLLMEngine(EngineConfig(model=str(model_dir), device="cpu"))
+    client, events = engine.client, []
+    real = client._cmd_send
+
+    class SlowPipe:  # the sender thread descheduled between taking the fd and writing to it
+        def send(self, obj):
+            events.append("send")
+            time.sleep(0.3)
+            try:
+                real.send(obj)
+            finally:
+                events.append("sent")
+
+        def close(self):
+            events.append("close")
+            real.close()
+
+    client._cmd_send = SlowPipe()
+    os.kill(engine.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while engine.is_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    engine.shutdown()
+    assert events == ["send", "sent", "close"]
+    assert not client._sender.is_alive()
+
+
 def test_engine_process_load_error_is_raised(model_dir, tmp_path):
     (tmp_path / "config.json").write_bytes((model_dir / "config.json").read_bytes())  # no weights
     with pytest.raises(FileNotFoundError) as raised:

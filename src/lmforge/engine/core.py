@@ -88,6 +88,10 @@ def child_main(cmd_fd: int, out_fd: int) -> None:
         start: CoreStart = cmd_conn.recv()
     except EOFError:
         return
+    if not isinstance(start, CoreStart):  # a parent bug; say so rather than fail on an attribute
+        out_conn.send(Status(StatusKind.ERROR, RuntimeError(
+            f"the engine process's first message was a {type(start).__name__}, not a CoreStart")))
+        return
     if start.threads:  # the child computes with the threads its parent was given
         torch.set_num_threads(start.threads)
     try:

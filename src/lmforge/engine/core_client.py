@@ -196,7 +196,13 @@ class MPClient(EngineCoreClient):
         self._outbox.put(None)
         stop(self._proc, grace_s=30)
         self._receiver.join(timeout=10)
-        self._cmd_send.close()
+        # the sender may hold the pipe's fd number mid-`send`: closing it under the sender would let the
+        # number be reused by the next engine's pipe (a restart) and the old SHUTDOWN land there before
+        # its CoreStart. With the child gone, its send fails at once and it exits on the None.
+        if self._sender.ident is not None:
+            self._sender.join(timeout=10)
+        if not self._sender.is_alive():
+            self._cmd_send.close()
 
     def _send_loop(self) -> None:
         """Sends never block the event loop: a full pipe (the child mid-step) waits here instead."""
