@@ -1,6 +1,7 @@
 """A decoder layer of an all-decode step as one C call (`lmforge.engine.decode_layer`): on int8 and int4
-models (per channel and in groups of 32, GGUF's Q8_0 / Q4_0 layout), A16 and A8, and on a bf16 checkpoint
-in the float32-activation form a CPU without bf16 units gets (bf16 weights, bits 16), one sequence and
+models (per channel and in groups of 32, GGUF's Q8_0 / Q4_0 layout), A16 and A8, on a bf16 checkpoint
+in the float32-activation form a CPU without bf16 units gets (bf16 weights, bits 16) and on a float32
+model (its weights as they are, bits 32), one sequence and
 several, the engine's greedy tokens and their log-probabilities are the module path's bit for bit (the
 same kernels in the same order); prefill steps keep the module path; a model it cannot take keeps its
 modules and says why."""
@@ -49,13 +50,18 @@ def _run(llm: LLM, modules: bool) -> list[tuple[list[int], list[float]]]:
             layers[i] = layer
 
 
-@pytest.mark.parametrize("name,qa", [("w8", "none"), ("w8", "int8"), ("w4", "none"), ("w4", "int8"), ("bf16", "none")])
+@pytest.mark.parametrize("name,qa", [("w8", "none"), ("w8", "int8"), ("w4", "none"), ("w4", "int8"), ("bf16", "none"),
+                                     ("src", "none")])
 def test_c_layer_step_is_the_module_path_bit_for_bit(models, name, qa, monkeypatch):
     monkeypatch.setenv("LMFORGE_CPU_BF16", "0")  # bf16: `--dtype auto` as on a CPU without bf16 units
     llm = LLM(str(models[name]), dtype="auto" if name == "bf16" else "float32", device="cpu", quant_activations=qa,
               enable_prefix_caching=False)
     runner = llm.llm_engine.model_runner
     assert (runner.bf16_linears > 0) == (name == "bf16") and runner.dtype == torch.float32
+    # the float32 model: its layers' linears are the weights themselves on lmf_qmm_f32 (bits 32), the head packed
+    assert runner.f32_layer_linears == (3 * 4 if name == "src" else 0)
+    if name == "src":
+        assert runner.packed_linears == 1  # the LM head
     assert runner.decode_layers == 3, runner.decode_layers_why
     calls = []
     lib_call = runner.model.model.layers[0].lib.decode_layer_q
@@ -78,5 +84,7 @@ def test_models_it_cannot_take_keep_their_modules(models):
     assert "K/V pool" in int8kv.llm_engine.model_runner.decode_layers_why
     ref = LLM(str(models["w8"]), dtype="float32", device="cpu", attention="reference")
     assert ref.llm_engine.model_runner.decode_layers == 0
+    off = LLM(str(models["src"]), dtype="float32", device="cpu", cpu_kernels=False)  # float32 without the kernels
+    assert off.llm_engine.model_runner.decode_layers == 0 and off.llm_engine.model_runner.f32_layer_linears == 0
     lora = LLM(str(models["w8"]), dtype="float32", device="cpu", enable_lora=True)  # LoRA wraps q/k/v: not fused
     assert lora.llm_engine.model_runner.decode_layers == 0

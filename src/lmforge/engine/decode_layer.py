@@ -1,6 +1,7 @@
 """A decoder layer of a decode step as one C call (`lmf_decode_layer_q`), for int8/int4-weight models on
 float32 activations (the GGUF Q8_0 / Q4_0 and w8a16 / w4a16 checkpoints a CPU user serves) and bf16
-checkpoints in their float32-activation form on CPUs without bf16 units (`QmmLinear.from_bf16`, bits 16).
+checkpoints in their float32-activation form on CPUs without bf16 units (`QmmLinear.from_bf16`, bits 16),
+and float32 models (`QmmLinear.from_f32`, bits 32: the weights as they are, up to 16 rows a step).
 
 Why: at batch 1 a 24-layer model's step spent ~8 ms of ~28 in the Python module tree around the
 kernels (module calls, reshapes, the small torch ops between the C calls; `scripts/decode_step_profile.py`),
@@ -42,7 +43,7 @@ def _why_not(layer: DecoderLayer, backend) -> str | None:
         return "the two norms differ in eps"
     lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if not all(isinstance(m, QmmLinear) and m.bias is None and (m.a8 is not None or m.qmm is not None) for m in lins):
-        return "the linears are not lmforge's int8/int4/bf16-weight kernels without bias"
+        return "the linears are not lmforge's int8/int4/bf16/float32-weight kernels without bias"
     if len({(m.bits, _kernel_gs(m), m.threads, m.a8 is None) for m in lins}) > 1:
         return "the four linears differ in bits, groups, threads or activation kind"
     return None
@@ -62,7 +63,7 @@ class CDecodeLayer(nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
         qkv, o, gu, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
         self.isa = A8_ISAS[qkv.a8.isa] if qkv.a8 is not None else -1
-        self.max_rows = QmmLinear.A8_MAX_ROWS if qkv.a8 is not None else QmmLinear.MAX_ROWS
+        self.max_rows = QmmLinear.A8_MAX_ROWS if qkv.a8 is not None else qkv.MAX_ROWS  # bits 32: its own
         k_pool, v_pool = backend.kv.rows(attn.layer_idx)
         self.layer_idx, self.eps, self.scale = attn.layer_idx, layer.input_layernorm.variance_epsilon, attn.head_dim ** -0.5
         p = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), o.N,

@@ -15,6 +15,7 @@ Shape legend: T flat tokens this step, S sequences that sample, D hidden, V voca
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -140,6 +141,22 @@ def swap_bf16_linears(model: nn.Module, qmm) -> int:
     return len(todo)
 
 
+F32_QMM_ROWS = 16  # float32 weights: lmf_qmm_f32 (bits 32) against oneDNN's packed linear (AVX2 EPYC)
+
+
+def swap_f32_layer_linears(model: nn.Module, qmm) -> int:
+    """Every float32 `nn.Linear` inside the decoder layers becomes `QmmLinear.from_f32` (the weight itself,
+    `lmf_qmm_f32` with bits 32 up to `F32_QMM_ROWS` rows, sgemm above), so that a decode step of a few
+    rows runs each layer as one C call (`engine.decode_layer`); the LM head stays for `PackedLinear`.
+    Returns how many."""
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    todo = [(parent, name, child) for layer in layers for parent in layer.modules()
+            for name, child in parent.named_children() if type(child) is nn.Linear and child.weight.dtype == torch.float32]
+    for parent, name, child in todo:
+        setattr(parent, name, QmmLinear.from_f32(child, qmm, F32_QMM_ROWS))
+    return len(todo)
+
+
 def linear_backend(model: nn.Module, device: torch.device, reference: bool, lib: kernels.CpuKernels | None,
                    quant_activations: str = "none"):
     """The backend every quantized linear of `model` runs on (`lmforge.quant.linear.select_backend`) with
@@ -174,7 +191,8 @@ class ModelRunner:
         self.attn = select_backend(c.num_hidden_layers, num_blocks, block_size, n_heads, n_kv_heads, c.head_dim,
                                    p.dtype, p.device, reference, lib, kv_cache_dtype)
         self.attention_backend = self.attn.name
-        # all-decode steps of an int8/int4 model on float32 activations: a layer a C call (engine.decode_layer)
+        # all-decode steps on float32 activations (int8/int4, bf16 or float32 weights): a layer a C call
+        # (engine.decode_layer)
         self.decode_layers, self.decode_layers_why = decode_layer.install(model, self.attn, lib) if not reference \
             else (0, "reference mode")
         self.timings = {"prepare": 0.0, "forward": 0.0}  # seconds, cumulative
@@ -186,7 +204,8 @@ class ModelRunner:
         one linear backend for every quantized layer, chosen once (`lmforge.quant.linear`; on float32
         activations the compiled int8/int4 matmul when the library has it), bf16 linears on float32
         activations (`bf16_weights`: `float32_except_linears` ran at load), oneDNN-packed bf16 linears,
-        the fused elementwise modules."""
+        the fused elementwise modules; on a float32 model with the kernels, the decoder layers' (fused)
+        linears on `lmf_qmm_f32` with bits 32 (`swap_f32_layer_linears`) and the rest packed."""
         model, device, dtype = self.model, self.device, self.dtype
         will_pack = pack_weights and not reference and can_pack_linear(device, dtype)
         quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
@@ -204,6 +223,12 @@ class ModelRunner:
         # every weight under its checkpoint name, captured before any swap below: the fused stand-ins
         # hold these same tensors (not copies), so `load_weights` can write through them in place
         self.named_weights = dict(model.state_dict()) if not (self.quantized_linears or self.bf16_linears) else {}
+        self.f32_layer_linears = 0
+        if (will_pack and dtype == torch.float32 and lib is not None and self.fused_projections and not quantized
+                and os.environ.get("LMFORGE_F32_DECODE_LAYERS", "1") != "0"):
+            self.f32_layer_linears = swap_f32_layer_linears(model, lib.qmm_f32)
+            self.linear_backend = (f"float32 layers on lmforge lmf_qmm_f32 (bits 32) up to {F32_QMM_ROWS} rows, "
+                                   f"sgemm above; the LM head oneDNN-packed")
         self.packed_linears = 0
         if will_pack:
             with torch.no_grad():

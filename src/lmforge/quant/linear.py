@@ -190,6 +190,26 @@ class QmmLinear(nn.Module):
         self.threads = _kernel_threads()
         return self
 
+    @classmethod
+    def from_f32(cls, linear: nn.Linear, qmm, max_rows: int) -> "QmmLinear":
+        """A float32 `nn.Linear` on `lmf_qmm_f32` with bits 32 (the weights read as they are, scale 1) up to
+        `max_rows` rows, sgemm on the same tensor above: what lets a float32 model's decode step run a
+        decoder layer as one C call (`engine.decode_layer`). No copy: `codes` is the weight itself."""
+        w = linear.weight.detach()
+        if w.dtype != torch.float32 or w.device.type != "cpu":
+            raise ValueError(f"QmmLinear.from_f32 takes a float32 CPU weight, not {w.dtype} on {w.device}")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.qmm, self.a8, self.bits, self.prefill_bf16 = qmm, None, 32, False
+        self.N, self.K = linear.out_features, linear.in_features
+        self.gs = self.K
+        self.MAX_ROWS = max_rows  # this layer's: the kernel reads the weights once per 4 rows
+        self.register_buffer("codes", w.contiguous(), persistent=False)
+        self.register_buffer("scale", torch.ones(self.N, 1), persistent=False)
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+        self.threads = _kernel_threads()
+        return self
+
     @staticmethod
     def supports(q: QuantizedLinear, device: torch.device, dtype: torch.dtype) -> bool:
         gs = q.scheme.group_size
@@ -212,6 +232,8 @@ class QmmLinear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight (N, K), written into the shared `scratch` buffer."""
+        if self.bits == 32:  # the float32 weight itself
+            return self.codes
         w_NK = scratch(self.N * self.K, torch.float32, self.codes.device).view(self.N, self.K)
         if self.bits == 16:  # bf16 weights, scale 1: widening is exact
             return w_NK.copy_(self.codes.view(torch.bfloat16))

@@ -732,7 +732,9 @@ void lmf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n) {
  *         one float32 scale per output row and group of `gs` inputs (gs a multiple of 32);
  *   bf16 (bits 16): the weights themselves (N, K) as bfloat16 bit patterns, widened exactly to float32
  *         (a 16-bit shift), one scale per row (1.0 for a bf16 checkpoint: exact). A bf16 checkpoint on a
- *         CPU without bf16 units reads 2 bytes a weight and computes in float32.
+ *         CPU without bf16 units reads 2 bytes a weight and computes in float32;
+ *   float32 (bits 32): the weights as they are, scale 1 (the float32 model's decoder layers, so that a
+ *         decode step's layer is one C call: `engine.decode_layer`).
  * For the few rows of a decode step (M small): every weight row is read from memory once and, for a
  * block of up to 4 activation rows, converted to float32 once; the accumulation is float32 FMA (AVX2)
  * or plain C (the portable body, also what LMF_PORTABLE builds). Output rows n are split over threads.
@@ -755,6 +757,11 @@ static inline float hsum8(__m256 v) {
  * first, stored code + 8) split into nibbles, interleaved back into k order, re-centred. */
 static inline __attribute__((always_inline)) void widen32(const void *wrow, int bits, int64_t k, __m256 w[4]) {
     __m128i c0, c1;  /* codes k .. k+15 and k+16 .. k+31, signed bytes */
+    if (bits == 32) {  /* float32 weights: read as they are */
+        const float *p = (const float *)wrow + k;
+        for (int i = 0; i < 4; i++) w[i] = _mm256_loadu_ps(p + 8 * i);
+        return;
+    }
     if (bits == 16) {  /* bfloat16 -> float32: the 16 bits become the high half of the float */
         const __m128i *p = (const __m128i *)((const uint16_t *)wrow + k);
         for (int i = 0; i < 4; i++)
@@ -823,7 +830,8 @@ static inline __attribute__((always_inline)) void qmm_row(const float *x, int64_
         float acc[4] = {0, 0, 0, 0};
         for (int64_t k = g * gs + done; k < (g + 1) * gs; k++) {
             float c;
-            if (bits == 16) c = bf16_to_f32(((const uint16_t *)wrow)[k]);
+            if (bits == 32) c = ((const float *)wrow)[k];
+            else if (bits == 16) c = bf16_to_f32(((const uint16_t *)wrow)[k]);
             else if (bits == 8) c = (float)((const int8_t *)wrow)[k];
             else {
                 const uint8_t byte = ((const uint8_t *)wrow)[k / 2];
@@ -835,6 +843,31 @@ static inline __attribute__((always_inline)) void qmm_row(const float *x, int64_
     }
 }
 
+/* float32 weights (bits 32, scale 1), R = 5..8 activation rows: one accumulator vector a row (no groups to
+ * scale), so 8 rows and 2 weight vectors fit AVX2's 16 registers and a weight row is read once for up to
+ * 8 rows, not once per 4 (`qmm_row` keeps the 1-4 row case, with 2 accumulators a row). */
+static inline __attribute__((always_inline)) void f32_row8(const float *x, int64_t K, const int R, const float *wrow,
+                                                           float *total) {
+    int64_t k = 0;
+#ifdef LMF_QMM_AVX2
+    __m256 a[8];
+    for (int r = 0; r < R; r++) a[r] = _mm256_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+        const __m256 w0 = _mm256_loadu_ps(wrow + k), w1 = _mm256_loadu_ps(wrow + k + 8);
+        for (int r = 0; r < R; r++) {
+            const float *xr = x + r * K + k;
+            a[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a[r]);
+            a[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) total[r] = hsum8(a[r]);
+#else
+    for (int r = 0; r < R; r++) total[r] = 0.0f;
+#endif
+    for (; k < K; k++)
+        for (int r = 0; r < R; r++) total[r] += x[r * K + k] * wrow[k];
+}
+
 typedef struct {
     const float *x; const void *w; const float *scale; float *out;
     int64_t M, N, K, gs, bits, n0, n1;
@@ -843,12 +876,13 @@ typedef struct {
 
 static void qmm_rows_of(const qmm_job *j) {  /* weight rows [j->n0, j->n1) */
     const int64_t K = j->K, gs = j->gs, G = K / gs;
-    const int64_t row_bytes = j->bits == 16 ? 2 * K : j->bits == 8 ? K : K / 2;
-    for (int64_t m0 = 0; m0 < j->M; m0 += 4) {
-        const int R = j->M - m0 < 4 ? (int)(j->M - m0) : 4;
+    const int64_t row_bytes = j->bits == 32 ? 4 * K : j->bits == 16 ? 2 * K : j->bits == 8 ? K : K / 2;
+    const int64_t block = j->bits == 32 ? 8 : 4;  /* float32 weights: 8 rows a pass (f32_row8) */
+    for (int64_t m0 = 0; m0 < j->M; m0 += block) {
+        const int R = j->M - m0 < block ? (int)(j->M - m0) : (int)block;
         const float *x = j->x + m0 * K;
         for (int64_t n = j->n0; n < j->n1; n++) {
-            float total[4];
+            float total[8];
             const void *w = (const uint8_t *)j->w + n * row_bytes;
             const float *sc = j->scale + n * G;
             /* R and bits constant per call: the accumulators stay in registers, no branch in the loop */
@@ -858,7 +892,16 @@ static void qmm_rows_of(const qmm_job *j) {  /* weight rows [j->n0, j->n1) */
                 case 3: qmm_row(x, K, 3, w, BITS, sc, gs, total); break;  \
                 default: qmm_row(x, K, 4, w, BITS, sc, gs, total); break; \
             }
-            if (j->bits == 16) QMM_ROWS(16) else if (j->bits == 8) QMM_ROWS(8) else QMM_ROWS(4)
+#define F32_ROWS switch (R) {                                                  \
+                case 5: f32_row8(x, K, 5, (const float *)w, total); break;      \
+                case 6: f32_row8(x, K, 6, (const float *)w, total); break;      \
+                case 7: f32_row8(x, K, 7, (const float *)w, total); break;      \
+                default: f32_row8(x, K, 8, (const float *)w, total); break;     \
+            }
+            if (j->bits == 32 && R > 4) F32_ROWS
+#undef F32_ROWS
+            else if (j->bits == 32) QMM_ROWS(32) else if (j->bits == 16) QMM_ROWS(16)
+            else if (j->bits == 8) QMM_ROWS(8) else QMM_ROWS(4)
 #undef QMM_ROWS
             for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r];
         }
@@ -871,12 +914,12 @@ static void *qmm_range(void *arg) {  /* a thread's share: chunks of weight rows 
     return NULL;
 }
 
-/* bits 16, 8 or 4; bf16 and int8 with gs <= 0 or gs = K are per channel (any K), else gs is a group as for
+/* bits 32, 16, 8 or 4; float32, bf16 and int8 with gs <= 0 or gs = K are per channel (any K), else gs is a group as for
  * int4 (GGUF's Q8_0: groups of 32). Returns -1 for shapes it does not take (a group not a multiple of 32
  * dividing K). */
 int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
                 int64_t bits, int64_t gs, int64_t threads) {
-    if (bits != 16 && bits != 8 && bits != 4) return -1;
+    if (bits != 32 && bits != 16 && bits != 8 && bits != 4) return -1;
     if (bits >= 8 && (gs <= 0 || gs == K)) gs = K;
     else if (gs <= 0 || gs % 32 || K % gs) return -1;
     if (threads < 1) threads = 1;
