@@ -62,6 +62,7 @@ def test_engine_reports_the_choice(folders, monkeypatch, caplog):
     assert "without bf16 units" in caplog.text and "engine ready" in caplog.text
     s = LLM(str(folders["float32"]), device="cpu").llm_engine.stats()
     assert s["dtype"] == "float32" and "kept" in s["dtype_choice"]
+    assert ("bits 32" in s["linear_backend"]) == (kernels.load() is not None)  # its layers on lmf_qmm_f32
     s = LLM(str(folders["float32"]), device="cpu", dtype="bfloat16").llm_engine.stats()
     assert s["dtype"] == "bfloat16" and s["dtype_choice"] == "set by --dtype"
 

@@ -225,8 +225,9 @@ class ModelRunner:
         self.named_weights = dict(model.state_dict()) if not (self.quantized_linears or self.bf16_linears) else {}
         self.f32_layer_linears = 0
         if (will_pack and dtype == torch.float32 and lib is not None and self.fused_projections and not quantized
-                and os.environ.get("LMFORGE_F32_DECODE_LAYERS", "1") != "0"):
+                and not bf16_weights and os.environ.get("LMFORGE_F32_DECODE_LAYERS", "1") != "0"):
             self.f32_layer_linears = swap_f32_layer_linears(model, lib.qmm_f32)
+        if self.f32_layer_linears:
             self.linear_backend = (f"float32 layers on lmforge lmf_qmm_f32 (bits 32) up to {F32_QMM_ROWS} rows, "
                                    f"sgemm above; the LM head oneDNN-packed")
         self.packed_linears = 0
