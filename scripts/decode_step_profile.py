@@ -8,6 +8,7 @@ the linear and attention calls is the Python module tree and its small torch ops
 RoPE, residual adds, reshapes): the interpreter's share of a step.
 
     python scripts/decode_step_profile.py runs/vs-llamacpp/random-llama-300m/model-q4_0.gguf --quant-activations int8
+    python scripts/decode_step_profile.py runs/vs-llamacpp/random-llama-300m --dtype float32   # the float32 C layers
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ def _timed(obj, attr: str, acc: dict, key: str) -> None:
     setattr(obj, attr, wrapper)
 
 
-def profile(model: str, quant_activations: str = "none", threads: int = 2, steps: int = 128) -> dict:
+def profile(model: str, quant_activations: str = "none", threads: int = 2, steps: int = 128,
+            dtype: str = "auto") -> dict:
     torch.set_num_threads(threads)
-    llm = LLM(model, dtype="auto", enable_prefix_caching=False, quant_activations=quant_activations)
+    llm = LLM(model, dtype=dtype, enable_prefix_caching=False, quant_activations=quant_activations)
     eng = llm.llm_engine
     runner = eng.model_runner
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
@@ -82,8 +84,9 @@ def profile(model: str, quant_activations: str = "none", threads: int = 2, steps
 
 
 def main(models: list[str], quant_activations: str = "none", threads: int = 2, steps: int = 128,
+         dtype: Annotated[str, typer.Option(help="auto, float32 or bfloat16 (LLM's dtype).")] = "auto",
          out: Annotated[Optional[Path], typer.Option(help="Write decode_profile.json here.")] = None) -> None:
-    reps = [profile(m, quant_activations if m.endswith(("q8_0.gguf", "q4_0.gguf")) else "none", threads, steps)
+    reps = [profile(m, quant_activations if m.endswith(("q8_0.gguf", "q4_0.gguf")) else "none", threads, steps, dtype)
             for m in models]
     for r in reps:
         print(f"\n{r['model']} ({r['dtype']}, {r['linear_backend']}), {r['threads']} threads: "

@@ -146,8 +146,9 @@ F32_QMM_ROWS = 16  # float32 weights up to here on lmf_qmm_f32 (bits 32): at or 
 
 def swap_f32_layer_linears(model: nn.Module, qmm) -> int:
     """Every float32 `nn.Linear` inside the decoder layers becomes `QmmLinear.from_f32` (the weight itself,
-    `lmf_qmm_f32` with bits 32 up to `F32_QMM_ROWS` rows, sgemm above), so that a decode step of a few
-    rows runs each layer as one C call (`engine.decode_layer`); the LM head stays for `PackedLinear`.
+    `lmf_qmm_f32` with bits 32 up to `F32_QMM_ROWS` rows, oneDNN's GEMM on the same tensor above), so that a
+    decode step of a few rows runs each layer as one C call (`engine.decode_layer`); the LM head stays for
+    `PackedLinear`.
     Returns how many."""
     layers = getattr(getattr(model, "model", None), "layers", None) or []
     todo = [(parent, name, child) for layer in layers for parent in layer.modules()
@@ -229,7 +230,7 @@ class ModelRunner:
             self.f32_layer_linears = swap_f32_layer_linears(model, lib.qmm_f32)
         if self.f32_layer_linears:
             self.linear_backend = (f"float32 layers on lmforge lmf_qmm_f32 (bits 32) up to {F32_QMM_ROWS} rows, "
-                                   f"sgemm above; the LM head oneDNN-packed")
+                                   f"oneDNN GEMM above; the LM head oneDNN-packed")
         self.packed_linears = 0
         if will_pack:
             with torch.no_grad():

@@ -193,7 +193,7 @@ class QmmLinear(nn.Module):
     @classmethod
     def from_f32(cls, linear: nn.Linear, qmm, max_rows: int) -> "QmmLinear":
         """A float32 `nn.Linear` on `lmf_qmm_f32` with bits 32 (the weights read as they are, scale 1) up to
-        `max_rows` rows, sgemm on the same tensor above: what lets a float32 model's decode step run a
+        `max_rows` rows, oneDNN's GEMM on the same tensor above: what lets a float32 model's decode step run a
         decoder layer as one C call (`engine.decode_layer`). No copy: `codes` is the weight itself."""
         w = linear.weight.detach()
         if w.dtype != torch.float32 or w.device.type != "cpu":
