@@ -340,8 +340,8 @@ class Quickstart:
 
     def _arith_cot(self, model: Path, out: Path) -> None:
         backend = TransformerBackend(model, dtype="float32", engine="llm")
-        evaluate(backend, [load_suite(REASONING_SUITE), load_suite("arith-cot")], out, model_dir=model, limit=self.s.reasoning_eval_limit,
-                 overwrite=True,
+        evaluate(backend, [load_suite(REASONING_SUITE), load_suite("arith-cot")], out, model_dir=model,
+                 limit=self.s.reasoning_eval_limit, overwrite=True,
                  log=lambda name, t: self.console.print(f"  {name}: {t['metric']} {_f(t['value'], 4)} "
                                                         f"(n={t['n']}, {t['seconds']:.1f}s)", highlight=False))
 

@@ -152,7 +152,8 @@ def swap_f32_layer_linears(model: nn.Module, qmm) -> int:
     Returns how many."""
     layers = getattr(getattr(model, "model", None), "layers", None) or []
     todo = [(parent, name, child) for layer in layers for parent in layer.modules()
-            for name, child in parent.named_children() if type(child) is nn.Linear and child.weight.dtype == torch.float32]
+            for name, child in parent.named_children()
+            if type(child) is nn.Linear and child.weight.dtype == torch.float32]
     for parent, name, child in todo:
         setattr(parent, name, QmmLinear.from_f32(child, qmm, F32_QMM_ROWS))
     return len(todo)

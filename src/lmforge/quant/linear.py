@@ -171,6 +171,150 @@ class QmmLinear(nn.Module):
         self.threads = _kernel_threads()
 
     @classmethod
+    def _dense(cls, linear: nn.Linear, qmm, dtype: torch.dtype, bits: int) -> "QmmLinear":
+        """A dense `nn.Linear`'s weight as the kernel's codes, scale 1 per row (`from_bf16`, `from_f32`)."""
+        w = linear.weight.detach()
+        if w.dtype != dtype or w.device.type != "cpu":
+            name = "bf16" if bits == 16 else "f32"
+            want = str(dtype).removeprefix("torch.")
+            raise ValueError(f"QmmLinear.from_{name} takes a {want} CPU weight, not {w.dtype} on {w.device}")
+        self = cls.__new__(cls)  # no QuantizedLinear to read: the fields are set here
+        nn.Module.__init__(self)
+        self.qmm, self.a8, self.bits, self.prefill_bf16 = qmm, None, bits, False
+        self.N, self.K = linear.out_features, linear.in_features
+        self.gs = self.K
+        codes = w.contiguous()  # bf16: its bits as int16; float32: the weight itself, no copy
+        self.register_buffer("codes", codes.view(torch.int16) if bits == 16 else codes, persistent=False)
+        self.register_buffer("scale", torch.ones(self.N, 1), persistent=False)
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+        self.threads = _kernel_threads()
+        return self
+
+    @classmethod
+    def from_bf16(cls, linear: nn.Linear, qmm) -> "QmmLinear":
+        """A bfloat16 `nn.Linear` on float32 activations (a bf16 checkpoint on a CPU without bf16 units):
+        the weight stays bf16 (2 bytes read a weight, `lmf_qmm_f32` with bits 16, widened exactly inside
+        the kernel), scale 1; above `MAX_ROWS` rows it is widened into the shared float32 buffer for
+        sgemm. The same numbers as the float32 model of the same weights, up to summation order."""
+        return cls._dense(linear, qmm, torch.bfloat16, 16)
+
+    @classmethod
+    def from_f32(cls, linear: nn.Linear, qmm, max_rows: int) -> "QmmLinear":
+        """A float32 `nn.Linear` on `lmf_qmm_f32` with bits 32 (the weights read as they are, scale 1) up to
+        `max_rows` rows, oneDNN's GEMM on the same tensor above: what lets a float32 model's decode step run a
+        decoder layer as one C call (`engine.decode_layer`). No copy: `codes` is the weight itself."""
+        self = cls._dense(linear, qmm, torch.float32, 32)
+        self.MAX_ROWS = max_rows  # this layer's own: the kernel reads a weight row once per 8 rows
+        return self
+
+    @staticmethod
+    def supports(q: QuantizedLinear, device: torch.device) -> bool:
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class _Bf16Kernel(nn.Module):
+    """Casts activations to bf16 around a CPU weight-only kernel and adds the bias after it."""
+
+    def __init__(self, q: QuantizedLinear):
+        super().__init__()
+        self.bias = None if q.bias is None else q.bias.detach().to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_MK = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        out_MN = self.matmul(x_MK)
+        if self.bias is not None:
+            out_MN = out_MN + self.bias
+        return out_MN.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+class Int8Linear(_Bf16Kernel):
+    name = "int8 weight-only (torch _weight_int8pack_mm)"
+
+    def __init__(self, q: QuantizedLinear, dtype: torch.dtype):
+        super().__init__(q)
+        self.register_buffer("qweight", q.qweight.contiguous(), persistent=False)  # (N, K) int8
+        self.register_buffer("scale", q.weight_scale[:, 0].to(torch.bfloat16).contiguous(), persistent=False)
+
+    @staticmethod
+    def supports(q: QuantizedLinear, device: torch.device) -> bool:
+        return device.type == "cpu" and q.scheme.num_bits == 8 and q.scheme.group_size is None
+
+    def matmul(self, x_MK: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x_MK, self.qweight, self.scale)
+
+
+class Int4Linear(_Bf16Kernel):
+    """torch's CPU int4 layout: unsigned codes (q + 8) reordered by `_convert_weight_to_int4pack_for_cpu`,
+    and (G, N, 2) scales-and-zeros with w = (u - 8) * scale + zero; symmetric, so zero = 0."""
+
+    name = "int4 weight-only (torch _weight_int4pack_mm_for_cpu)"
+
+    def __init__(self, q: QuantizedLinear, dtype: torch.dtype):
+        super().__init__(q)
+        u_NK = q.qweight.to(torch.int32) + 8
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(u_NK, 1), persistent=False)
+        s_GN = q.weight_scale.t().to(torch.bfloat16)
+        self.register_buffer("scale_zeros", torch.stack([s_GN, torch.zeros_like(s_GN)], -1).contiguous(),
+                             persistent=False)
+        self.group_size = q.scheme.group_size
+
+    @staticmethod
+    def supports(q: QuantizedLinear, device: torch.device) -> bool:
+        gs = q.scheme.group_size
+        return (device.type == "cpu" and q.scheme.num_bits == 4 and gs in (32, 64, 128, 256)
+                and q.in_features % gs == 0 and q.in_features % 2 == 0)
+
+    def matmul(self, x_MK: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x_MK, self.packed, self.group_size, self.scale_zeros)
+
+
+def _kernel_threads() -> int:
+    return int(os.environ.get("LMFORGE_QMM_THREADS", 0)) or torch.get_num_threads()
+
+
+class QmmLinear(nn.Module):
+    """CPU, float32 activations (CPUs without bf16): the compiled `lmf_qmm_f32` for a decode step's few
+    rows, reading 1 (int8) or 0.5 (int4, packed here two codes a byte) bytes a weight; above
+    `MAX_ROWS` rows (prefill chunks, big batches) the work is compute, so the weight is dequantized
+    into a float32 buffer shared by every layer and MKL's sgemm runs (no float32 copy is kept).
+
+    With `a8` (the engine's `quant_activations="int8"`: a callable over `lmf_qmm_a8`'s arguments
+    with the ISA bound, its `.isa` naming the body), up to `A8_MAX_ROWS` rows of float32 or bfloat16
+    activations (`A8_PREFILL_ROWS` without `prefill_bf16`) go through the int8-activation kernel
+    instead, on the same packed codes; above that
+    (a prefill chunk), with `prefill_bf16` (a CPU with bf16 units), the weight is dequantized into
+    bfloat16 and oneDNN's bf16 GEMM runs on bf16-rounded activations, no less exact than int8 ones
+    (prefill of 512 tokens on the random 300M Q8_0, 2 threads, Zen 4: 368 tok/s, against 200 for
+    dequantize + sgemm, the exact path; `python scripts/vs_llamacpp.py`)."""
+
+    name = "int8/int4 weight-only (lmforge lmf_qmm_f32, float32 activations)"
+    MAX_ROWS = 32  # measured on the AVX2 EPYC (8192x2048, 1 thread): the kernel beats dequantize + sgemm up to 32 rows
+    A8_MAX_ROWS = 64  # the decode batches issue 25 targets (and the C decoder layer's limit)
+    # without bf16 units, prefill chunks up to this many rows stay on the A8 kernel too: on the AVX2 EPYC
+    # (2 threads, int8 / int4 g32, 1024x2816 and back) it runs 93-131 GFLOP/s at 128 rows where dequantize
+    # + sgemm runs 67-82, and sgemm wins only from ~512 rows (116-129 against 84-100;
+    # `python scripts/cpu_rows_bench.py --linear`)
+    A8_PREFILL_ROWS = 256
+
+    def __init__(self, q: QuantizedLinear, dtype: torch.dtype, qmm=None, a8=None, prefill_bf16: bool = False):
+        super().__init__()
+        self.qmm, self.a8, self.bits = qmm, a8, q.scheme.num_bits
+        self.prefill_bf16 = prefill_bf16 and a8 is not None
+        self.N, self.K = q.out_features, q.in_features
+        self.gs = q.scheme.group_size or q.in_features
+        codes = q.qweight.contiguous()
+        if self.bits == 4:  # two codes a byte, low nibble = even k, unsigned (code + 8)
+            u = (codes.to(torch.int16) + 8).to(torch.uint8)
+            codes = (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
+        self.register_buffer("codes", codes, persistent=False)
+        self.register_buffer("scale", q.weight_scale.float().contiguous(), persistent=False)  # (N, G)
+        self.bias = None if q.bias is None else q.bias.detach().float()
+        self.threads = _kernel_threads()
+
+    @classmethod
     def from_bf16(cls, linear: nn.Linear, qmm) -> "QmmLinear":
         """A bfloat16 `nn.Linear` on float32 activations (a bf16 checkpoint on a CPU without bf16 units):
         the weight stays bf16 (2 bytes read a weight, `lmf_qmm_f32` with bits 16, widened exactly inside
