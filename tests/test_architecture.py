@@ -88,3 +88,36 @@ def test_the_picture_in_docs_is_the_graph_of_today(mods):
     doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
     block = doc.split("```mermaid\n", 1)[1].split("```", 1)[0]
     assert block == arch.to_mermaid(mods), "rerun: python -m lmforge.tools.imports --mermaid"
+
+
+def redefined(source: str) -> list[str]:
+    """Names a module or class body defines twice with def/class (a property's setter is not one): a
+    botched edit that pasted a second copy of a class leaves the first dead and every test green."""
+    import ast
+
+    found = []
+
+    def walk(body, where):
+        seen = set()
+        for n in body:
+            if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            decos = {ast.unparse(d) for d in getattr(n, "decorator_list", [])}
+            if n.name in seen and not any(d.endswith((".setter", ".deleter", "overload")) for d in decos):
+                found.append(f"{where}{n.name}")
+            seen.add(n.name)
+            if isinstance(n, ast.ClassDef):
+                walk(n.body, f"{where}{n.name}.")
+
+    walk(ast.parse(source).body, "")
+    return found
+
+
+def test_no_module_defines_a_function_or_class_twice():
+    root = Path(__file__).resolve().parents[1]
+    bad = {str(p.relative_to(root)): r for d in ("src", "scripts", "tests") for p in sorted((root / d).rglob("*.py"))
+           if (r := redefined(p.read_text()))}
+    assert bad == {}
+    assert redefined("class A:\n    def f(self): ...\nclass B: ...\nclass A: ...\n") == ["A"]
+    assert redefined("class A:\n    @property\n    def x(self): ...\n    @x.setter\n    def x(self, v): ...\n"
+                     "    def g(self): ...\n    def g(self): ...\n") == ["A.g"]
