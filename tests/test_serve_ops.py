@@ -282,3 +282,23 @@ def test_repetition_histogram_counts_a_looping_output_in_its_top_bucket():
     text = m.exposition().decode()
     assert 'lmforge:output_repeated_ngram_rate_count{model_name="tiny",model_version="1"} 2.0' in text  # "one two": no 3-gram
     assert 'lmforge:output_repeated_ngram_rate_bucket{le="0.7",model_name="tiny",model_version="1"} 1.0' in text
+
+
+def test_load_log_rates_are_over_the_interval_not_since_the_counters_began(monkeypatch):
+    """The logger is made on the first tick after start, when the counters already hold warm-up and early
+    traffic: that tick is the baseline (it once printed 'prompt 13874541.1 tok/s' over a microsecond)."""
+    from lmforge.serve import metrics as mm
+
+    clock = iter([100.0, 105.0, 110.0])
+    monkeypatch.setattr(mm.time, "monotonic", lambda: next(clock))
+    m = mm.ServerMetrics("tiny", 256, lambda: {})
+    m.totals.update(prompt_tokens=5000, generation_tokens=900)
+    stats = dict(prefix_cache_queries=10, prefix_cache_hits=5, num_requests_running=1, num_requests_waiting=0,
+                 kv_blocks_in_use=3, kv_blocks_total=12)
+    log = mm.LoadLogger(m, 5.0)
+    assert log.tick(stats) is None
+    m.totals.update(prompt_tokens=5500, generation_tokens=1000)
+    line = log.tick(dict(stats, prefix_cache_queries=14, prefix_cache_hits=8))
+    assert line.startswith("throughput: prompt 100.0 tok/s, generation 20.0 tok/s | running 1, waiting 0")
+    assert "KV usage 25.0%" in line and "prefix hit rate 75.0%" in line
+    assert log.tick(dict(stats, num_requests_running=0, prefix_cache_queries=14, prefix_cache_hits=8)) is None  # idle

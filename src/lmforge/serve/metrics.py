@@ -246,20 +246,23 @@ class ServerMetrics:
 
 
 class LoadLogger:
-    """One line every `interval` seconds while there is work; silent when idle."""
+    """One line every `interval` seconds while there is work; silent when idle. The first tick only
+    takes the baseline: rates are over the time between two ticks, never since the counters began."""
 
     def __init__(self, metrics: ServerMetrics, interval: float = 5.0):
         self.metrics, self.interval = metrics, interval
-        self._last = (time.monotonic(), 0, 0, 0, 0)
+        self._last: tuple | None = None
 
     def tick(self, stats: dict | None) -> str | None:
         now = time.monotonic()
-        t0, gen0, prompt0, q0, h0 = self._last
         t = self.metrics.totals
         if stats is None:
             return None
         q, h = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
-        self._last = (now, t["generation_tokens"], t["prompt_tokens"], q, h)
+        last, self._last = self._last, (now, t["generation_tokens"], t["prompt_tokens"], q, h)
+        if last is None:
+            return None
+        t0, gen0, prompt0, q0, h0 = last
         dt = max(now - t0, 1e-9)
         running, waiting = stats["num_requests_running"], stats["num_requests_waiting"]
         busy = running or waiting or t["generation_tokens"] > gen0
