@@ -85,7 +85,8 @@ def test_quantized_checkpoint_runs_integer_kernels_and_metrics_say_so(folders):
 @pytest.mark.skipif(kernels.load() is None, reason="no C compiler: lmforge's CPU kernels are absent")
 def test_bf16_weights_on_float32_activations_are_the_float32_model(folders, monkeypatch):
     """A bf16 checkpoint on a CPU without bf16 units keeps 2-byte weights (`QmmLinear.from_bf16`: decode rows
-    on `lmf_qmm_f32` with bits 16, a 40-token prompt above 32 rows on the widened weight) and computes in
+    on `lmf_qmm_f32` with bits 16, a 40-token prompt on the panel GEMM `lmf_gemm_f32`, or without its AVX2
+    body above 32 rows on the widened weight) and computes in
     float32: the greedy tokens are the float32 engine's on the same weights and transformers' float32
     `generate`; the weights take half the bytes; the trainer's in-place weight sync is refused."""
     import transformers
@@ -98,6 +99,7 @@ def test_bf16_weights_on_float32_activations_are_the_float32_model(folders, monk
     llm = LLM(str(folders["bfloat16"]), device="cpu")
     runner = llm.llm_engine.model_runner
     assert runner.bf16_linears > 0 and all(m.bits == 16 for m in runner.model.modules() if isinstance(m, QmmLinear))
+    assert ("prefill on lmf_gemm_f32" in runner.linear_backend) is kernels.load().gemm_ok  # the 40-token prompt
     fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     f32 = LLM(str(folders["bfloat16"]), device="cpu", dtype="float32")
     assert fast == [o.outputs[0].token_ids for o in f32.generate(prompts, params, use_tqdm=False)]
@@ -120,13 +122,41 @@ def test_qmm_f32_bits_16_is_the_float32_matmul_of_the_bf16_weight(portable):
     from lmforge.quant.linear import QmmLinear
 
     lib = kernels.load(("-DLMF_PORTABLE",)) if portable else kernels.load()
+    assert lib.gemm_ok is (not portable and kernels.load().gemm_ok)  # the portable build has no panel GEMM
     torch.manual_seed(0)
-    for K in (256, 200):
-        lin = nn.Linear(K, 48, bias=True).to(torch.bfloat16)
-        layer = QmmLinear.from_bf16(lin, lib.qmm_f32)
-        for M in (1, 2, 3, 4, 5, 40):  # 40 rows: above MAX_ROWS, the widened weight and sgemm
+    for K, c_gemm in ((256, False), (200, False), (256, True), (203, True)):
+        lin = nn.Linear(K, 45, bias=True).to(torch.bfloat16)
+        layer = QmmLinear.from_bf16(lin, lib.qmm_f32, c_gemm=c_gemm and lib.gemm_ok)
+        # 12+ rows: lmf_gemm_f32 inside lmf_qmm_f32 when the build has it; 40: above MAX_ROWS (the GEMM with
+        # c_gemm, else the widened weight and sgemm)
+        for M in (1, 2, 3, 4, 5, 11, 12, 13, 40):
             x = torch.randn(M, K)
             want = x @ lin.weight.float().T + lin.bias.float()
             torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="bfloat16"):
         QmmLinear.from_bf16(nn.Linear(32, 8), lib.qmm_f32)
+
+
+@pytest.mark.skipif(kernels.load() is None or not kernels.load().gemm_ok,
+                    reason="no AVX2 + FMA body of lmf_gemm_f32 in this build")
+@pytest.mark.parametrize("bits", [16, 32])
+def test_panel_gemm_is_the_float64_product_at_every_tail(bits):
+    """`lmf_gemm_f32` (prefill chunks of bf16 weights): 6 x 16 register tiles over (K, 16) panels, so every
+    remainder is a case: rows 1-5 past the last 6 (and fewer rows than a tile), columns past the last 16
+    (and fewer than one panel), K not a multiple of the 8 x 8 transpose; 1 and 2 threads. Against the float64
+    product of the same (widened) weights: only the float32 summation order differs."""
+    lib = kernels.load()
+    g = torch.Generator().manual_seed(bits)
+    for M, N, K in ((1, 1, 1), (5, 15, 7), (6, 16, 8), (7, 17, 203), (13, 45, 64), (40, 33, 256), (101, 130, 96)):
+        x = torch.randn(M, K, generator=g)
+        w = torch.randn(N, K, generator=g)
+        w = w.to(torch.bfloat16) if bits == 16 else w
+        want = x.double() @ w.double().T
+        for threads in (1, 2):
+            out = torch.full((M, N), float("nan"))
+            assert lib.gemm_f32(x.data_ptr(), w.data_ptr(), out.data_ptr(), M, N, K, bits, threads) == 0
+            err = (out.double() - want).abs().max().item()
+            assert err <= 1e-5 * max(want.abs().max().item(), 1.0), (M, N, K, threads, err)
+    x, out = torch.randn(2, 8), torch.empty(2, 4)
+    assert lib.gemm_f32(x.data_ptr(), torch.zeros(4, 8, dtype=torch.int8).data_ptr(), out.data_ptr(), 2, 4, 8, 8,
+                        1) == -1  # int8 codes are not its weights

@@ -131,13 +131,13 @@ def float32_except_linears(model: nn.Module) -> None:
             t.data = t.data.float()
 
 
-def swap_bf16_linears(model: nn.Module, qmm) -> int:
+def swap_bf16_linears(model: nn.Module, qmm, c_gemm: bool = False) -> int:
     """Every `nn.Linear` with a bfloat16 weight becomes `QmmLinear.from_bf16` (bf16 weights, float32
-    activations, `lmf_qmm_f32` with bits 16); returns how many."""
+    activations, `lmf_qmm_f32` with bits 16; prefill chunks on `lmf_gemm_f32` with `c_gemm`); returns how many."""
     todo = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
             if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16]
     for parent, name, child in todo:
-        setattr(parent, name, QmmLinear.from_bf16(child, qmm))
+        setattr(parent, name, QmmLinear.from_bf16(child, qmm, c_gemm))
     return len(todo)
 
 
@@ -218,9 +218,11 @@ class ModelRunner:
         backend = linear_backend(model, device, reference, lib, quant_activations)
         self.linear_backend = backend.name if backend is not None else "dense"
         self.quantized_linears = swap_backend(model, backend, dtype) if backend is not None else 0
-        self.bf16_linears = swap_bf16_linears(model, lib.qmm_f32) if bf16_weights else 0
+        c_gemm = bool(bf16_weights and lib.gemm_ok and os.environ.get("LMFORGE_BF16_GEMM", "1") != "0")
+        self.bf16_linears = swap_bf16_linears(model, lib.qmm_f32, c_gemm) if bf16_weights else 0
         if self.bf16_linears:
-            self.linear_backend = "bf16 weights x float32 activations (lmforge lmf_qmm_f32, bits 16)"
+            self.linear_backend = ("bf16 weights x float32 activations (lmforge lmf_qmm_f32, bits 16; "
+                                   + ("prefill on lmf_gemm_f32 from 12 rows)" if c_gemm else "widen + sgemm above 32 rows)"))
         self.weight_bytes = weight_bytes(model)
         # every weight under its checkpoint name, captured before any swap below: the fused stand-ins
         # hold these same tensors (not copies), so `load_weights` can write through them in place

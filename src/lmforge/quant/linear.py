@@ -169,6 +169,7 @@ class QmmLinear(nn.Module):
         self.register_buffer("scale", q.weight_scale.float().contiguous(), persistent=False)  # (N, G)
         self.bias = None if q.bias is None else q.bias.detach().float()
         self.threads = _kernel_threads()
+        self.c_gemm = False
 
     @classmethod
     def _dense(cls, linear: nn.Linear, qmm, dtype: torch.dtype, bits: int) -> "QmmLinear":
@@ -181,6 +182,7 @@ class QmmLinear(nn.Module):
         self = cls.__new__(cls)  # no QuantizedLinear to read: the fields are set here
         nn.Module.__init__(self)
         self.qmm, self.a8, self.bits, self.prefill_bf16 = qmm, None, bits, False
+        self.c_gemm = False
         self.N, self.K = linear.out_features, linear.in_features
         self.gs = self.K
         codes = w.contiguous()  # bf16: its bits as int16; float32: the weight itself, no copy
@@ -191,12 +193,17 @@ class QmmLinear(nn.Module):
         return self
 
     @classmethod
-    def from_bf16(cls, linear: nn.Linear, qmm) -> "QmmLinear":
+    def from_bf16(cls, linear: nn.Linear, qmm, c_gemm: bool = False) -> "QmmLinear":
         """A bfloat16 `nn.Linear` on float32 activations (a bf16 checkpoint on a CPU without bf16 units):
         the weight stays bf16 (2 bytes read a weight, `lmf_qmm_f32` with bits 16, widened exactly inside
-        the kernel), scale 1; above `MAX_ROWS` rows it is widened into the shared float32 buffer for
-        sgemm. The same numbers as the float32 model of the same weights, up to summation order."""
-        return cls._dense(linear, qmm, torch.bfloat16, 16)
+        the kernel), scale 1. Prefill chunks: with `c_gemm` (the build has `lmf_gemm_f32`'s AVX2 body) every
+        row count goes to `lmf_qmm_f32`, which from 12 rows runs the panel GEMM (the weight widened 16 rows at
+        a time in L2: 1.2-2.5x widen + sgemm on the 300M's shapes); without, above `MAX_ROWS` rows the weight
+        is widened into the shared float32 buffer for sgemm. The same numbers as the float32 model of the
+        same weights, up to summation order."""
+        self = cls._dense(linear, qmm, torch.bfloat16, 16)
+        self.c_gemm = c_gemm and qmm is not None
+        return self
 
     @classmethod
     def from_f32(cls, linear: nn.Linear, qmm, max_rows: int) -> "QmmLinear":
@@ -274,7 +281,7 @@ class QmmLinear(nn.Module):
             # float32 weights above the kernel's rows (prefill chunks): oneDNN's GEMM on the plain weight, the
             # packed linear's bits and about its speed (sgemm is up to 1.4x slower at 32-512 rows here)
             out_MN = torch.ops.mkldnn._linear_pointwise(x_MK, self.codes, self.bias, "none", [], "")
-        elif M > self.MAX_ROWS or self.qmm is None:
+        elif (M > self.MAX_ROWS and not self.c_gemm) or self.qmm is None:
             out_MN = F.linear(x_MK, self.dequantized(), self.bias)
         else:
             out_MN = torch.empty(M, self.N)

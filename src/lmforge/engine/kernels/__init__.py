@@ -8,7 +8,9 @@ KV cache, for CPUs without native bf16 and for `kv_cache_dtype=int8`):
   * `lmf_rmsnorm_bf16`, `lmf_rope_bf16`, `lmf_silu_mul_bf16`: a Llama layer's elementwise ops, one
     call each instead of 5-14 torch ops (`lmforge.engine.fused` puts them in the model);
   * `lmf_qmm_f32`: weight-only int8 (per channel) / int4 (packed, per group) matmul on float32
-    activations for a decode step's few rows (`lmforge.quant.linear.QmmLinear`);
+    activations for a decode step's few rows (`lmforge.quant.linear.QmmLinear`); for bf16 weights from
+    12 rows it hands over to `lmf_gemm_f32`, a register-tiled GEMM that widens the weight a (K, 16) panel
+    at a time in L2 (prefill of a bf16 checkpoint on a CPU without bf16 units; AVX2 + FMA);
   * `lmf_qmm_a8`: the same weights on int8 activations (dynamic, per token) with int32 integer dot
     products, one body per ISA chosen at run time from the CPU's flags (`A8_ISAS`: AVX-512 VNNI,
     AVX-VNNI, AVX2, portable C); `LMFORGE_A8_ISA=<name>` forces one, `a8_isa()` says which runs.
@@ -74,6 +76,8 @@ class CpuKernels:
     #                                         isa): on rows quantized already (the tests' entry point)
     quantize_s8: ctypes._CFuncPtr | None = None  # lmf_quantize_s8(x, act, M, K, nibble_order, q, q_scales)
     a8_isa_supported: ctypes._CFuncPtr | None = None  # lmf_a8_isa_supported(isa) -> 0 | 1
+    gemm_f32: ctypes._CFuncPtr | None = None  # lmf_gemm_f32(x, w, out, M, N, K, bits, threads) -> 0 | -1 (no body)
+    gemm_ok: bool = False  # whether this build has the panel GEMM's body (AVX2 + FMA): prefill chunks of bf16 weights
     decode_layer_q: ctypes._CFuncPtr | None = None  # lmf_decode_layer_q(isa, params, x, M, cos, sin, slots, tables,
     #                                                  tables_M, lens, rows, S, eps, scale): a whole decoder layer
 
@@ -191,14 +195,17 @@ def _bind(path: Path) -> CpuKernels:
           "qmm_s8": ("lmf_qmm_s8", [P, P, P, P, P, I64, I64, I64, I64, I64, I64, I64]),
           "quantize_s8": ("lmf_quantize_s8", [P, I64, I64, I64, I64, P, P]),
           "a8_isa_supported": ("lmf_a8_isa_supported", [I64]),
+          "gemm_f32": ("lmf_gemm_f32", [P, P, P, I64, I64, I64, I64, I64]),
           "decode_layer_q": ("lmf_decode_layer_q", [I64, P, P, I64, P, P, P, P, I64, P, P, I64, ctypes.c_float,
                                                     ctypes.c_float])}
     for field, (name, argtypes) in a8.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int, argtypes
         fns[field] = fn
+    one = (ctypes.c_float * 1)(1.0)
+    gemm_ok = fns["gemm_f32"](one, one, one, 1, 1, 1, 32, 1) == 0  # -1: no AVX2 + FMA body in this build
     return CpuKernels(path, decode, decode_any=decode_any, write_kv_bytes=write_bytes, write_kv_int8=write_int8,
-                      qmm_f32=qmm, **fns)
+                      qmm_f32=qmm, gemm_ok=gemm_ok, **fns)
 
 
 def load(extra_flags: tuple[str, ...] = ()) -> CpuKernels | None:

@@ -917,11 +917,22 @@ static void *qmm_range(void *arg) {  /* a thread's share: chunks of weight rows 
 /* bits 32, 16, 8 or 4; float32, bf16 and int8 with gs <= 0 or gs = K are per channel (any K), else gs is a group as for
  * int4 (GGUF's Q8_0: groups of 32). Returns -1 for shapes it does not take (a group not a multiple of 32
  * dividing K). */
+int lmf_gemm_f32(const float *x, const void *w, float *out, int64_t M, int64_t N, int64_t K, int64_t bits,
+                 int64_t threads);
+#define GEMM_MIN_ROWS 12  /* bf16 weights from this many rows on the panel GEMM below (AVX2 EPYC, 300M's shapes,
+                             2 threads: 12 rows 93 ms both ways for all 96 layers, 16 rows 109 vs 118, 32 rows 155
+                             vs 197) */
+
 int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
                 int64_t bits, int64_t gs, int64_t threads) {
     if (bits != 32 && bits != 16 && bits != 8 && bits != 4) return -1;
     if (bits >= 8 && (gs <= 0 || gs == K)) gs = K;
     else if (gs <= 0 || gs % 32 || K % gs) return -1;
+    if (bits == 16 && gs == K && M >= GEMM_MIN_ROWS && lmf_gemm_f32(x, w, out, M, N, K, 16, threads) == 0) {
+        for (int64_t m = 0; m < M; m++)  /* the row scales (1.0 for a bf16 checkpoint: exact) */
+            for (int64_t n = 0; n < N; n++) out[m * N + n] *= scale[n];
+        return 0;
+    }
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > N) threads = N;
@@ -931,6 +942,157 @@ int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, i
     for (int64_t t = 0; t < threads; t++) jobs[t] = (qmm_job){x, w, scale, out, M, N, K, gs, bits, 0, 0, &next, chunk};
     run_jobs(qmm_range, jobs, sizeof jobs[0], threads);
     return 0;
+}
+
+/* ---- prefill GEMM on bfloat16 (or float32) weights, float32 activations -----------------------------
+ *
+ * out (M, N) = x (M, K) . w (N, K)^T for a prefill chunk (M above the decode kernel's rows) of a bf16
+ * checkpoint on a CPU without bf16 units. The old way widened the whole weight into a float32 buffer
+ * (2 bytes read, 4 written, 4 read again by sgemm a weight, ~47 MB a layer of the 300M) before MKL's
+ * sgemm; here each block of 16 output columns is widened into a (K, 16) float32 panel that stays in L2
+ * (64 KB at K = 1024), and a 6 x 16 register tile (12 accumulators, two weight vectors and a broadcast
+ * activation per k: 12 FMAs to 8 loads, so the FMA units are the limit) runs down all of K for every 6
+ * rows of x. Panels are handed out to threads in chunks (`take_chunk`): each output column is one
+ * thread's, no reduction. Summation is float32 FMA in k order, so it differs from sgemm only in rounding
+ * order. AVX2 + FMA only: returns -1 elsewhere (the caller keeps widen + sgemm).
+ */
+#ifdef LMF_QMM_AVX2
+#define GEMM_MR 6
+#define GEMM_NR 16
+
+/* 8 x 8 transpose of float32 rows r[0..7] (each 8 columns) in place: r[i][j] -> r[j][i] */
+static inline __attribute__((always_inline)) void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* Weight rows n0 .. n0+nc-1 (nc <= 16) as a (K, 16) float32 panel: panel[k * 16 + j] = w[n0 + j, k],
+ * zero where n0 + j >= N. 8 rows x 8 k at a time: widened, transposed in registers, stored as 8 rows. */
+static void gemm_pack(const void *w, int bits, int64_t K, int64_t n0, int64_t nc, float *panel) {
+    for (int64_t j0 = 0; j0 < GEMM_NR; j0 += 8) {
+        int64_t k = 0;
+        if (j0 + 8 <= nc) {
+            for (; k + 8 <= K; k += 8) {
+                __m256 r[8];
+                for (int i = 0; i < 8; i++) {
+                    const int64_t row = (n0 + j0 + i) * K + k;
+                    r[i] = bits == 16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                                            _mm_loadu_si128((const __m128i *)((const uint16_t *)w + row))), 16))
+                                      : _mm256_loadu_ps((const float *)w + row);
+                }
+                transpose8(r);
+                for (int i = 0; i < 8; i++) _mm256_storeu_ps(panel + (k + i) * GEMM_NR + j0, r[i]);
+            }
+        }
+        for (; k < K; k++)  /* the K tail, and the columns past N of the last panel */
+            for (int64_t j = j0; j < j0 + 8; j++) {
+                float v = 0.0f;
+                if (j < nc) {
+                    const int64_t i = (n0 + j) * K + k;
+                    v = bits == 16 ? bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+                }
+                panel[k * GEMM_NR + j] = v;
+            }
+    }
+}
+
+/* out rows m0 .. m0+R-1, columns n0 .. n0+nc-1 (R a compile-time constant after inlining). */
+static inline __attribute__((always_inline)) void gemm_tile(const float *x, int64_t K, const int R,
+                                                            const float *panel, float *out, int64_t N, int64_t nc) {
+    __m256 c[GEMM_MR][2];
+    for (int r = 0; r < R; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 b0 = _mm256_loadu_ps(panel + k * GEMM_NR), b1 = _mm256_loadu_ps(panel + k * GEMM_NR + 8);
+        for (int r = 0; r < R; r++) {
+            const __m256 a = _mm256_broadcast_ss(x + r * K + k);
+            c[r][0] = _mm256_fmadd_ps(a, b0, c[r][0]);
+            c[r][1] = _mm256_fmadd_ps(a, b1, c[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        if (nc == GEMM_NR) {
+            _mm256_storeu_ps(out + r * N, c[r][0]);
+            _mm256_storeu_ps(out + r * N + 8, c[r][1]);
+        } else {
+            float tmp[GEMM_NR];
+            _mm256_storeu_ps(tmp, c[r][0]);
+            _mm256_storeu_ps(tmp + 8, c[r][1]);
+            memcpy(out + r * N, tmp, (size_t)nc * sizeof(float));
+        }
+    }
+}
+
+typedef struct {
+    const float *x; const void *w; float *out;
+    int64_t M, N, K, bits;
+    int64_t *next, chunk;  /* panels handed out `chunk` at a time */
+    float *panel;          /* this thread's (K, 16) buffer */
+} gemm_job;
+
+static void *gemm_range(void *arg) {
+    const gemm_job *j = (const gemm_job *)arg;
+    const int64_t P = (j->N + GEMM_NR - 1) / GEMM_NR, K = j->K;
+    int64_t p0, p1;
+    while (take_chunk(j->next, j->chunk, P, &p0, &p1))
+        for (int64_t p = p0; p < p1; p++) {
+            const int64_t n0 = p * GEMM_NR, nc = j->N - n0 < GEMM_NR ? j->N - n0 : GEMM_NR;
+            gemm_pack(j->w, (int)j->bits, K, n0, nc, j->panel);
+            int64_t m = 0;
+            for (; m + GEMM_MR <= j->M; m += GEMM_MR)
+                gemm_tile(j->x + m * K, K, GEMM_MR, j->panel, j->out + m * j->N + n0, j->N, nc);
+            const float *x = j->x + m * K;
+            float *o = j->out + m * j->N + n0;
+            switch (j->M - m) {
+                case 1: gemm_tile(x, K, 1, j->panel, o, j->N, nc); break;
+                case 2: gemm_tile(x, K, 2, j->panel, o, j->N, nc); break;
+                case 3: gemm_tile(x, K, 3, j->panel, o, j->N, nc); break;
+                case 4: gemm_tile(x, K, 4, j->panel, o, j->N, nc); break;
+                case 5: gemm_tile(x, K, 5, j->panel, o, j->N, nc); break;
+                default: break;
+            }
+        }
+    return NULL;
+}
+#endif
+
+/* bits 16 (bf16 bit patterns) or 32 (float32). Returns 0, or -1 when this build has no AVX2 + FMA body,
+ * the bits are others, or memory for the panels is not to be had. */
+int lmf_gemm_f32(const float *x, const void *w, float *out, int64_t M, int64_t N, int64_t K, int64_t bits,
+                 int64_t threads) {
+#ifdef LMF_QMM_AVX2
+    if ((bits != 16 && bits != 32) || M < 1 || N < 1 || K < 1) return -1;
+    const int64_t P = (N + GEMM_NR - 1) / GEMM_NR;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > P) threads = P;
+    float *panels = (float *)aligned_alloc(64, (size_t)threads * K * GEMM_NR * sizeof(float));
+    if (panels == NULL) return -1;
+    int64_t next = 0;
+    int64_t chunk = P / (8 * threads);  /* ~8 chunks a thread: a slower sibling core takes fewer */
+    if (chunk < 1) chunk = 1;
+    gemm_job jobs[MAX_THREADS];
+    for (int64_t t = 0; t < threads; t++)
+        jobs[t] = (gemm_job){x, w, out, M, N, K, bits, &next, chunk, panels + t * K * GEMM_NR};
+    run_jobs(gemm_range, jobs, sizeof jobs[0], threads);
+    free(panels);
+    return 0;
+#else
+    (void)x; (void)w; (void)out; (void)M; (void)N; (void)K; (void)bits; (void)threads;
+    return -1;
+#endif
 }
 
 /* ---- int8 activations x int8 / int4 weights: integer dot products (A8) --------------------------------
