@@ -89,7 +89,8 @@ def test_qmm_kernel_matches_dequantized_float32_matmul(scheme, K, build, tmp_pat
 def test_qmm_kernel_float32_weights(K, build, tmp_path):
     """lmf_qmm_f32 with bits 32 (`QmmLinear.from_f32`: a float32 model's decoder-layer linears): rows 1-4
     take the 4-row body, 5-8 the 8-row one (`f32_row8`), 9-16 both in turn; K = 200 leaves a tail under
-    16 and 32; above `MAX_ROWS` sgemm on the same tensor. No copy of the weight is made."""
+    16 and 32; from 12 rows the panel GEMM (`c_gemm`, native build) or above `MAX_ROWS` oneDNN on the same
+    tensor. No copy of the weight is made."""
     if build == "native":
         lib = kernels.load()
         if lib is None:
@@ -98,15 +99,16 @@ def test_qmm_kernel_float32_weights(K, build, tmp_path):
         lib = kernels._bind(kernels.build(("-DLMF_PORTABLE",), out_dir=tmp_path))
     lin = nn.Linear(K, 40, bias=True)
     torch.nn.init.normal_(lin.weight, generator=torch.Generator().manual_seed(K))
-    layer = QmmLinear.from_f32(lin, lib.qmm_f32, max_rows=16)
-    assert layer.bits == 32 and layer.codes.data_ptr() == lin.weight.data_ptr()
-    for M in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 40):
-        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
-        ref = x.double() @ lin.weight.detach().double().t() + lin.bias.detach().double()
-        with torch.inference_mode():
-            got = layer(x)
-        assert got.dtype == torch.float32 and got.shape == (M, 40)
-        assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max(), (M, (got.double() - ref).abs().max())
+    for c_gemm in (False, True):  # above 16 rows oneDNN, or lmf_qmm_f32 all the way (its panel GEMM from 12 rows)
+        layer = QmmLinear.from_f32(lin, lib.qmm_f32, max_rows=16, c_gemm=c_gemm and lib.gemm_ok)
+        assert layer.bits == 32 and layer.codes.data_ptr() == lin.weight.data_ptr()
+        for M in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 40):
+            x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+            ref = x.double() @ lin.weight.detach().double().t() + lin.bias.detach().double()
+            with torch.inference_mode():
+                got = layer(x)
+            assert got.dtype == torch.float32 and got.shape == (M, 40)
+            assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max(), (M, (got.double() - ref).abs().max())
     with pytest.raises(ValueError, match="float32 CPU weight"):
         QmmLinear.from_f32(nn.Linear(K, 8).to(torch.bfloat16), lib.qmm_f32, max_rows=16)
 

@@ -144,9 +144,10 @@ def swap_bf16_linears(model: nn.Module, qmm, c_gemm: bool = False) -> int:
 F32_QMM_ROWS = 16  # float32 weights up to here on lmf_qmm_f32 (bits 32): at or near oneDNN's packed speed (AVX2 EPYC)
 
 
-def swap_f32_layer_linears(model: nn.Module, qmm) -> int:
+def swap_f32_layer_linears(model: nn.Module, qmm, c_gemm: bool = False) -> int:
     """Every float32 `nn.Linear` inside the decoder layers becomes `QmmLinear.from_f32` (the weight itself,
-    `lmf_qmm_f32` with bits 32 up to `F32_QMM_ROWS` rows, oneDNN's GEMM on the same tensor above), so that a
+    `lmf_qmm_f32` with bits 32 up to `F32_QMM_ROWS` rows; above, with `c_gemm` the same call (the panel GEMM
+    `lmf_gemm_f32` from 12 rows), else oneDNN's GEMM on the same tensor), so that a
     decode step of a few rows runs each layer as one C call (`engine.decode_layer`); the LM head stays for
     `PackedLinear`.
     Returns how many."""
@@ -155,7 +156,7 @@ def swap_f32_layer_linears(model: nn.Module, qmm) -> int:
             for name, child in parent.named_children()
             if type(child) is nn.Linear and child.weight.dtype == torch.float32]
     for parent, name, child in todo:
-        setattr(parent, name, QmmLinear.from_f32(child, qmm, F32_QMM_ROWS))
+        setattr(parent, name, QmmLinear.from_f32(child, qmm, F32_QMM_ROWS, c_gemm))
     return len(todo)
 
 
@@ -218,7 +219,7 @@ class ModelRunner:
         backend = linear_backend(model, device, reference, lib, quant_activations)
         self.linear_backend = backend.name if backend is not None else "dense"
         self.quantized_linears = swap_backend(model, backend, dtype) if backend is not None else 0
-        c_gemm = bool(bf16_weights and lib.gemm_ok and os.environ.get("LMFORGE_BF16_GEMM", "1") != "0")
+        c_gemm = bool(lib is not None and lib.gemm_ok and os.environ.get("LMFORGE_GEMM", "1") != "0")
         self.bf16_linears = swap_bf16_linears(model, lib.qmm_f32, c_gemm) if bf16_weights else 0
         if self.bf16_linears:
             self.linear_backend = ("bf16 weights x float32 activations (lmforge lmf_qmm_f32, bits 16; "
@@ -230,10 +231,10 @@ class ModelRunner:
         self.f32_layer_linears = 0
         if (will_pack and dtype == torch.float32 and lib is not None and self.fused_projections and not quantized
                 and not bf16_weights and os.environ.get("LMFORGE_F32_DECODE_LAYERS", "1") != "0"):
-            self.f32_layer_linears = swap_f32_layer_linears(model, lib.qmm_f32)
+            self.f32_layer_linears = swap_f32_layer_linears(model, lib.qmm_f32, c_gemm)
         if self.f32_layer_linears:
-            self.linear_backend = (f"float32 layers on lmforge lmf_qmm_f32 (bits 32) up to {F32_QMM_ROWS} rows, "
-                                   f"oneDNN GEMM above; the LM head oneDNN-packed")
+            above = "lmforge lmf_gemm_f32 from 12 rows" if c_gemm else f"oneDNN GEMM above {F32_QMM_ROWS} rows"
+            self.linear_backend = f"float32 layers on lmforge lmf_qmm_f32 (bits 32), {above}; the LM head oneDNN-packed"
         self.packed_linears = 0
         if will_pack:
             with torch.no_grad():

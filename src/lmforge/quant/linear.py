@@ -206,12 +206,15 @@ class QmmLinear(nn.Module):
         return self
 
     @classmethod
-    def from_f32(cls, linear: nn.Linear, qmm, max_rows: int) -> "QmmLinear":
+    def from_f32(cls, linear: nn.Linear, qmm, max_rows: int, c_gemm: bool = False) -> "QmmLinear":
         """A float32 `nn.Linear` on `lmf_qmm_f32` with bits 32 (the weights read as they are, scale 1) up to
-        `max_rows` rows, oneDNN's GEMM on the same tensor above: what lets a float32 model's decode step run a
-        decoder layer as one C call (`engine.decode_layer`). No copy: `codes` is the weight itself."""
+        `max_rows` rows: what lets a float32 model's decode step run a decoder layer as one C call
+        (`engine.decode_layer`). Above, with `c_gemm` every row count stays on `lmf_qmm_f32`, which from 12
+        rows runs the panel GEMM `lmf_gemm_f32` (1.1-1.3x oneDNN's on the 300M's shapes, AVX2 EPYC); without,
+        oneDNN's GEMM on the same tensor. No copy: `codes` is the weight itself."""
         self = cls._dense(linear, qmm, torch.float32, 32)
         self.MAX_ROWS = max_rows  # this layer's own: the kernel reads a weight row once per 8 rows
+        self.c_gemm = c_gemm and qmm is not None
         return self
 
     @staticmethod
@@ -277,7 +280,7 @@ class QmmLinear(nn.Module):
             return out_MN.to(x.dtype).reshape(*x.shape[:-1], self.N)
         x_MK = x.reshape(-1, self.K).float().contiguous()
         M = x_MK.shape[0]
-        if M > self.MAX_ROWS and self.bits == 32 and torch.backends.mkldnn.is_available():
+        if M > self.MAX_ROWS and self.bits == 32 and not self.c_gemm and torch.backends.mkldnn.is_available():
             # float32 weights above the kernel's rows (prefill chunks): oneDNN's GEMM on the plain weight, the
             # packed linear's bits and about its speed (sgemm is up to 1.4x slower at 32-512 rows here)
             out_MN = torch.ops.mkldnn._linear_pointwise(x_MK, self.codes, self.bias, "none", [], "")

@@ -919,17 +919,17 @@ static void *qmm_range(void *arg) {  /* a thread's share: chunks of weight rows 
  * dividing K). */
 int lmf_gemm_f32(const float *x, const void *w, float *out, int64_t M, int64_t N, int64_t K, int64_t bits,
                  int64_t threads);
-#define GEMM_MIN_ROWS 12  /* bf16 weights from this many rows on the panel GEMM below (AVX2 EPYC, 300M's shapes,
-                             2 threads: 12 rows 93 ms both ways for all 96 layers, 16 rows 109 vs 118, 32 rows 155
-                             vs 197) */
+#define GEMM_MIN_ROWS 12  /* bf16 and float32 weights from this many rows on the panel GEMM below (AVX2 EPYC, the
+                             300M's shapes, 2 threads, all 96 layer linears: bf16 12 rows 93 ms both ways, 16 rows
+                             109 vs 118, 32 rows 155 vs 197; float32 12 rows 106 vs 130, 16 rows 126 vs 140) */
 
 int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
                 int64_t bits, int64_t gs, int64_t threads) {
     if (bits != 32 && bits != 16 && bits != 8 && bits != 4) return -1;
     if (bits >= 8 && (gs <= 0 || gs == K)) gs = K;
     else if (gs <= 0 || gs % 32 || K % gs) return -1;
-    if (bits == 16 && gs == K && M >= GEMM_MIN_ROWS && lmf_gemm_f32(x, w, out, M, N, K, 16, threads) == 0) {
-        for (int64_t m = 0; m < M; m++)  /* the row scales (1.0 for a bf16 checkpoint: exact) */
+    if (bits >= 16 && gs == K && M >= GEMM_MIN_ROWS && lmf_gemm_f32(x, w, out, M, N, K, bits, threads) == 0) {
+        for (int64_t m = 0; m < M; m++)  /* the row scales (1.0 for a bf16 checkpoint and float32: exact) */
             for (int64_t n = 0; n < N; n++) out[m * N + n] *= scale[n];
         return 0;
     }
