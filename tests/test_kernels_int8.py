@@ -250,8 +250,10 @@ def test_model_runner_takes_the_choice(w8_model):
     model = load_pretrained(w8_model, dtype="float32", device="cpu")
     runner = ModelRunner(model, num_blocks=8, block_size=16, quant_activations="int8")
     assert "lmf_qmm_a8" in runner.linear_backend and runner.quantized_linears == 14
+    gemm = kernels.load().gemm_ok  # prefill rows above A8_MAX_ROWS on the panel GEMM, not dequantize + sgemm
+    assert ("lmf_gemm_f32" in runner.linear_backend) is gemm
     plain = ModelRunner(load_pretrained(w8_model, dtype="float32", device="cpu"), num_blocks=8, block_size=16)
-    assert plain.linear_backend == QmmLinear.name
+    assert plain.linear_backend == QmmLinear.name + ("; prefill on lmforge lmf_gemm_f32" if gemm else "")
 
 
 def test_engine_runs_int8_activations_when_asked(w8_model):

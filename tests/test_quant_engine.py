@@ -62,7 +62,8 @@ def test_kernel_matches_dequantized_float32_matmul(cls, scheme, dtype):
                          ids=["int8", "int8-tail", "int4-g32", "int4-g128", "int4-g64"])
 def test_qmm_kernel_matches_dequantized_float32_matmul(scheme, K, build, tmp_path):
     """lmf_qmm_f32 (float32 activations, int8 / packed int4 codes): the same products as the dequantized
-    float32 matmul, in another summation order; rows 1-8 run the kernel, more rows dequantize + sgemm.
+    float32 matmul, in another summation order; rows 1-11 run the row kernel, 12-32 its panel GEMM
+    (`lmf_gemm_f32`, AVX2 builds; the row kernel in the portable one), more rows dequantize + sgemm.
     The portable body (-DLMF_PORTABLE: plain C) is checked too: it is what a CPU without AVX2 runs."""
     if build == "native":
         lib = kernels.load()
@@ -74,7 +75,7 @@ def test_qmm_kernel_matches_dequantized_float32_matmul(scheme, K, build, tmp_pat
     assert QmmLinear.supports(q, torch.device("cpu"), torch.float32)
     assert not QmmLinear.supports(q, torch.device("cpu"), torch.bfloat16)
     layer = QmmLinear(q, torch.float32, qmm=lib.qmm_f32)
-    for M in (1, 2, 3, 4, 5, 8, 9, 33):
+    for M in (1, 2, 3, 4, 5, 8, 9, 12, 13, 23, 33):  # 12-32: the panel GEMM in the native build
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
         ref = x.double() @ q.dequantized_weight().double().t() + q.bias.double()
         got = layer(x)
@@ -82,6 +83,12 @@ def test_qmm_kernel_matches_dequantized_float32_matmul(scheme, K, build, tmp_pat
         assert (got.double() - ref).abs().max() < 1e-4 * ref.abs().max(), (M, (got.double() - ref).abs().max())
     if scheme.num_bits == 4:
         assert layer.codes.dtype == torch.uint8 and layer.codes.shape == (40, K // 2)  # half a byte a weight
+    if build == "native" and lib.gemm_ok and K % 32 == 0:
+        # int8 activations up to A8_MAX_ROWS; a prefill chunk above takes the panel GEMM on float32 ones: exact
+        a8 = QmmLinear(q, torch.float32, qmm=lib.qmm_f32, a8=lib.a8(), c_gemm=True)
+        x = torch.randn(QmmLinear.A8_MAX_ROWS + 36, K, generator=torch.Generator().manual_seed(7))
+        ref = x.double() @ q.dequantized_weight().double().t() + q.bias.double()
+        assert (a8(x).double() - ref).abs().max() < 1e-4 * ref.abs().max()
 
 
 @pytest.mark.parametrize("build", ["native", "portable"])
@@ -157,7 +164,8 @@ def test_fast_engine_picks_the_cpu_kernel_and_agrees(models, name, backend, cpu_
         backend = Int8Linear if name == "w8" else Int4Linear  # no compiler here: torch's kernels
     llm = LLM(str(models[name]), dtype="float32", device="cpu", cpu_kernels=cpu_kernels)
     st = llm.stats()
-    assert st["linear_backend"] == backend.name
+    assert st["linear_backend"].removesuffix("; prefill on lmforge lmf_gemm_f32") == backend.name
+    assert st["linear_backend"].endswith("lmf_gemm_f32") is bool(backend is QmmLinear and kernels.load().gemm_ok)
     # with the compiled kernels q/k/v and gate/up are one linear each (engine.fused.fuse_projections)
     fused = backend is QmmLinear
     assert llm.llm_engine.model_runner.quantized_linears == (4 if fused else 7) * 2

@@ -168,7 +168,13 @@ def linear_backend(model: nn.Module, device: torch.device, reference: bool, lib:
     a8 = lib.a8() if lib is not None and quant_activations == "int8" else None
     return select_linear_backend(model, device, reference, qmm=getattr(lib, "qmm_f32", None),
                                  quant_activations=quant_activations, a8=a8,
-                                 prefill_bf16=a8 is not None and kernels.cpu_has_bf16())
+                                 prefill_bf16=a8 is not None and kernels.cpu_has_bf16(), c_gemm=gemm_on(lib))
+
+
+def gemm_on(lib: kernels.CpuKernels | None) -> bool:
+    """Whether prefill rows on float32 activations take `lmf_gemm_f32` (this build has its AVX2 + FMA body;
+    `LMFORGE_GEMM=0` keeps the old paths, for A/B runs)."""
+    return bool(lib is not None and lib.gemm_ok and os.environ.get("LMFORGE_GEMM", "1") != "0")
 
 
 class ModelRunner:
@@ -219,7 +225,7 @@ class ModelRunner:
         backend = linear_backend(model, device, reference, lib, quant_activations)
         self.linear_backend = backend.name if backend is not None else "dense"
         self.quantized_linears = swap_backend(model, backend, dtype) if backend is not None else 0
-        c_gemm = bool(lib is not None and lib.gemm_ok and os.environ.get("LMFORGE_GEMM", "1") != "0")
+        c_gemm = gemm_on(lib)
         self.bf16_linears = swap_bf16_linears(model, lib.qmm_f32, c_gemm) if bf16_weights else 0
         if self.bf16_linears:
             self.linear_backend = ("bf16 weights x float32 activations (lmforge lmf_qmm_f32, bits 16; "

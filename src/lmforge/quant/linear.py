@@ -133,14 +133,19 @@ def _kernel_threads() -> int:
 
 class QmmLinear(nn.Module):
     """CPU, float32 activations (CPUs without bf16): the compiled `lmf_qmm_f32` for a decode step's few
-    rows, reading 1 (int8) or 0.5 (int4, packed here two codes a byte) bytes a weight; above
-    `MAX_ROWS` rows (prefill chunks, big batches) the work is compute, so the weight is dequantized
-    into a float32 buffer shared by every layer and MKL's sgemm runs (no float32 copy is kept).
+    rows, reading 1 (int8) or 0.5 (int4, packed here two codes a byte) bytes a weight. From 12 rows the
+    work is compute: with `c_gemm` (the build has `lmf_gemm_f32`'s AVX2 + FMA body) `lmf_qmm_f32` hands
+    every such call to that panel GEMM, which dequantizes the weight 16 rows at a time into L2 (the same
+    float32 weights as `dequantized`, so the same products up to summation order); without, above
+    `MAX_ROWS` rows the weight is dequantized into a float32 buffer shared by every layer and MKL's sgemm
+    runs (no float32 copy is kept; 1.1-1.5x slower than the panel GEMM from 64 rows on the 300M's shapes).
 
     With `a8` (the engine's `quant_activations="int8"`: a callable over `lmf_qmm_a8`'s arguments
     with the ISA bound, its `.isa` naming the body), up to `A8_MAX_ROWS` rows of float32 or bfloat16
-    activations (`A8_PREFILL_ROWS` without `prefill_bf16`) go through the int8-activation kernel
-    instead, on the same packed codes; above that
+    activations (`A8_PREFILL_ROWS` with neither `prefill_bf16` nor `c_gemm`) go through the int8-activation
+    kernel instead, on the same packed codes; above that, with `c_gemm`, the panel GEMM on float32
+    activations (AVX2 EPYC, int8 / int4 g32, the 300M's shapes, 2 threads: 120-126 GFLOP/s at 128 rows
+    against 102-117 for A8, 132-153 against 110-121 at 256); and
     (a prefill chunk), with `prefill_bf16` (a CPU with bf16 units), the weight is dequantized into
     bfloat16 and oneDNN's bf16 GEMM runs on bf16-rounded activations, no less exact than int8 ones
     (prefill of 512 tokens on the random 300M Q8_0, 2 threads, Zen 4: 368 tok/s, against 200 for
@@ -155,7 +160,8 @@ class QmmLinear(nn.Module):
     # `python scripts/cpu_rows_bench.py --linear`)
     A8_PREFILL_ROWS = 256
 
-    def __init__(self, q: QuantizedLinear, dtype: torch.dtype, qmm=None, a8=None, prefill_bf16: bool = False):
+    def __init__(self, q: QuantizedLinear, dtype: torch.dtype, qmm=None, a8=None, prefill_bf16: bool = False,
+                 c_gemm: bool = False):
         super().__init__()
         self.qmm, self.a8, self.bits = qmm, a8, q.scheme.num_bits
         self.prefill_bf16 = prefill_bf16 and a8 is not None
@@ -169,7 +175,7 @@ class QmmLinear(nn.Module):
         self.register_buffer("scale", q.weight_scale.float().contiguous(), persistent=False)  # (N, G)
         self.bias = None if q.bias is None else q.bias.detach().float()
         self.threads = _kernel_threads()
-        self.c_gemm = False
+        self.c_gemm = c_gemm and qmm is not None
 
     @classmethod
     def _dense(cls, linear: nn.Linear, qmm, dtype: torch.dtype, bits: int) -> "QmmLinear":
@@ -266,7 +272,8 @@ class QmmLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.K
-        if self.a8 is not None and (rows <= self.A8_MAX_ROWS or not self.prefill_bf16 and rows <= self.A8_PREFILL_ROWS):
+        a8_rows = self.A8_MAX_ROWS if self.prefill_bf16 or self.c_gemm else self.A8_PREFILL_ROWS
+        if self.a8 is not None and rows <= a8_rows:
             out_MN = self.forward_a8(x.reshape(-1, self.K).contiguous())
             if self.bias is not None:
                 out_MN += self.bias
@@ -309,7 +316,7 @@ QUANT_ACTIVATIONS = ("none", "int8")
 
 
 def _a8_backend(layers: list[QuantizedLinear], device: torch.device, dtype: torch.dtype, reference: bool,
-                qmm, a8, prefill_bf16: bool = False) -> functools.partial:
+                qmm, a8, prefill_bf16: bool = False, c_gemm: bool = False) -> functools.partial:
     """`QmmLinear` with int8 activations for every layer, or a ValueError saying why it cannot be."""
     if reference:
         raise ValueError("quant_activations='int8' is an approximation with no reference path: "
@@ -322,22 +329,25 @@ def _a8_backend(layers: list[QuantizedLinear], device: torch.device, dtype: torc
         if why is not None:
             raise ValueError(f"quant_activations='int8': layer {q.extra_repr()}: lmf_qmm_a8 {why}; "
                              "use quant_activations='none'")
+    c_gemm = c_gemm and dtype == torch.float32 and qmm is not None and not prefill_bf16
     backend = functools.partial(QmmLinear, qmm=qmm if dtype == torch.float32 else None, a8=a8,
-                                prefill_bf16=prefill_bf16)
-    backend.name = (f"int8/int4 weights x int8 activations (lmforge lmf_qmm_a8, {a8.isa}"  # type: ignore[attr-defined]
-                    + (f"; above {QmmLinear.A8_MAX_ROWS} rows bf16 GEMM on dequantized weights)" if prefill_bf16
-                       else f"; above {QmmLinear.A8_PREFILL_ROWS} rows sgemm on dequantized weights)"))
+                                prefill_bf16=prefill_bf16, c_gemm=c_gemm)
+    above = (f"above {QmmLinear.A8_MAX_ROWS} rows bf16 GEMM on dequantized weights" if prefill_bf16 else
+             f"above {QmmLinear.A8_MAX_ROWS} rows lmforge lmf_gemm_f32 on float32 activations" if c_gemm else
+             f"above {QmmLinear.A8_PREFILL_ROWS} rows sgemm on dequantized weights")
+    backend.name = f"int8/int4 weights x int8 activations (lmforge lmf_qmm_a8, {a8.isa}; {above})"  # type: ignore
     return backend
 
 
 def select_backend(model: nn.Module, device: torch.device, reference: bool = False, qmm=None,
-                   quant_activations: str = "none", a8=None,
-                   prefill_bf16: bool = False) -> type[nn.Module] | functools.partial | None:
+                   quant_activations: str = "none", a8=None, prefill_bf16: bool = False,
+                   c_gemm: bool = False) -> type[nn.Module] | functools.partial | None:
     """One backend for the whole model. `quant_activations="int8"`: `QmmLinear` on the compiled
     int8-activation kernel `a8` (a ValueError when it cannot run: no kernels, a layer it does not
     take, reference mode, no quantized layer). Otherwise: float32 activations on CPU with the
     compiled `qmm` kernel: `QmmLinear`; else torch's packed CPU kernel (bf16 activations) when every
-    quantized layer fits it; else dequantize + matmul. None when the model holds no quantized layers."""
+    quantized layer fits it; else dequantize + matmul. None when the model holds no quantized layers.
+    `c_gemm`: the library has `lmf_gemm_f32`'s body, so prefill rows on float32 activations take it."""
     if quant_activations not in QUANT_ACTIVATIONS:
         raise ValueError(f"quant_activations={quant_activations!r}: must be one of {', '.join(QUANT_ACTIVATIONS)}")
     layers = [q for _, _, q in quantized_linears(model)]
@@ -346,13 +356,13 @@ def select_backend(model: nn.Module, device: torch.device, reference: bool = Fal
         if not layers:
             raise ValueError("quant_activations='int8' applies to int8/int4-weight checkpoints; this model has "
                              "no quantized linear layer (quantize it with `lmforge quantize`)")
-        return _a8_backend(layers, device, dtype, reference, qmm, a8, prefill_bf16)
+        return _a8_backend(layers, device, dtype, reference, qmm, a8, prefill_bf16, c_gemm)
     if not layers:
         return None
     if not reference:
         if qmm is not None and all(QmmLinear.supports(q, device, dtype) for q in layers):
-            backend = functools.partial(QmmLinear, qmm=qmm)
-            backend.name = QmmLinear.name  # type: ignore[attr-defined]
+            backend = functools.partial(QmmLinear, qmm=qmm, c_gemm=c_gemm)
+            backend.name = QmmLinear.name + ("; prefill on lmforge lmf_gemm_f32" if c_gemm else "")  # type: ignore
             return backend
         for cls in (Int8Linear, Int4Linear):
             if all(cls.supports(q, device) for q in layers):

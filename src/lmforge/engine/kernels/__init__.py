@@ -76,7 +76,7 @@ class CpuKernels:
     #                                         isa): on rows quantized already (the tests' entry point)
     quantize_s8: ctypes._CFuncPtr | None = None  # lmf_quantize_s8(x, act, M, K, nibble_order, q, q_scales)
     a8_isa_supported: ctypes._CFuncPtr | None = None  # lmf_a8_isa_supported(isa) -> 0 | 1
-    gemm_f32: ctypes._CFuncPtr | None = None  # lmf_gemm_f32(x, w, out, M, N, K, bits, threads) -> 0 | -1 (no body)
+    gemm_f32: ctypes._CFuncPtr | None = None  # lmf_gemm_f32(x, w, scales, out, M, N, K, bits, gs, threads) -> 0 | -1
     gemm_ok: bool = False  # whether this build has the panel GEMM's body (AVX2 + FMA): prefill chunks of bf16 weights
     decode_layer_q: ctypes._CFuncPtr | None = None  # lmf_decode_layer_q(isa, params, x, M, cos, sin, slots, tables,
     #                                                  tables_M, lens, rows, S, eps, scale): a whole decoder layer
@@ -195,7 +195,7 @@ def _bind(path: Path) -> CpuKernels:
           "qmm_s8": ("lmf_qmm_s8", [P, P, P, P, P, I64, I64, I64, I64, I64, I64, I64]),
           "quantize_s8": ("lmf_quantize_s8", [P, I64, I64, I64, I64, P, P]),
           "a8_isa_supported": ("lmf_a8_isa_supported", [I64]),
-          "gemm_f32": ("lmf_gemm_f32", [P, P, P, I64, I64, I64, I64, I64]),
+          "gemm_f32": ("lmf_gemm_f32", [P, P, P, P, I64, I64, I64, I64, I64, I64]),
           "decode_layer_q": ("lmf_decode_layer_q", [I64, P, P, I64, P, P, P, P, I64, P, P, I64, ctypes.c_float,
                                                     ctypes.c_float])}
     for field, (name, argtypes) in a8.items():
@@ -203,7 +203,7 @@ def _bind(path: Path) -> CpuKernels:
         fn.restype, fn.argtypes = ctypes.c_int, argtypes
         fns[field] = fn
     one = (ctypes.c_float * 1)(1.0)
-    gemm_ok = fns["gemm_f32"](one, one, one, 1, 1, 1, 32, 1) == 0  # -1: no AVX2 + FMA body in this build
+    gemm_ok = fns["gemm_f32"](one, one, None, one, 1, 1, 1, 32, 0, 1) == 0  # -1: no AVX2 + FMA body in this build
     return CpuKernels(path, decode, decode_any=decode_any, write_kv_bytes=write_bytes, write_kv_int8=write_int8,
                       qmm_f32=qmm, gemm_ok=gemm_ok, **fns)
 

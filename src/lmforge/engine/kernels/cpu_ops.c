@@ -917,8 +917,8 @@ static void *qmm_range(void *arg) {  /* a thread's share: chunks of weight rows 
 /* bits 32, 16, 8 or 4; float32, bf16 and int8 with gs <= 0 or gs = K are per channel (any K), else gs is a group as for
  * int4 (GGUF's Q8_0: groups of 32). Returns -1 for shapes it does not take (a group not a multiple of 32
  * dividing K). */
-int lmf_gemm_f32(const float *x, const void *w, float *out, int64_t M, int64_t N, int64_t K, int64_t bits,
-                 int64_t threads);
+int lmf_gemm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
+                 int64_t bits, int64_t gs, int64_t threads);
 #define GEMM_MIN_ROWS 12  /* bf16 and float32 weights from this many rows on the panel GEMM below (AVX2 EPYC, the
                              300M's shapes, 2 threads, all 96 layer linears: bf16 12 rows 93 ms both ways, 16 rows
                              109 vs 118, 32 rows 155 vs 197; float32 12 rows 106 vs 130, 16 rows 126 vs 140) */
@@ -928,11 +928,7 @@ int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, i
     if (bits != 32 && bits != 16 && bits != 8 && bits != 4) return -1;
     if (bits >= 8 && (gs <= 0 || gs == K)) gs = K;
     else if (gs <= 0 || gs % 32 || K % gs) return -1;
-    if (bits >= 16 && gs == K && M >= GEMM_MIN_ROWS && lmf_gemm_f32(x, w, out, M, N, K, bits, threads) == 0) {
-        for (int64_t m = 0; m < M; m++)  /* the row scales (1.0 for a bf16 checkpoint and float32: exact) */
-            for (int64_t n = 0; n < N; n++) out[m * N + n] *= scale[n];
-        return 0;
-    }
+    if (M >= GEMM_MIN_ROWS && lmf_gemm_f32(x, w, scale, out, M, N, K, bits, gs, threads) == 0) return 0;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > N) threads = N;
@@ -979,33 +975,61 @@ static inline __attribute__((always_inline)) void transpose8(__m256 r[8]) {
     }
 }
 
+/* 8 weights of row n from k (k a multiple of 8, gs of 32: one group) as float32, dequantized as
+ * `QmmLinear.dequantized` does (code * scale, one rounding): bf16 widened, float32 as is, int8 codes, int4
+ * two a byte (low nibble = even k, stored code + 8). */
+static inline __attribute__((always_inline)) __m256 gemm_load8(const void *w, int bits, const float *scale,
+                                                               int64_t G, int64_t gs, int64_t K, int64_t n, int64_t k) {
+    const int64_t i = n * K + k;
+    if (bits == 32) return _mm256_loadu_ps((const float *)w + i);
+    if (bits == 16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+            _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i))), 16));
+    __m256 v;
+    if (bits == 8) {
+        v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)w + i))));
+    } else {
+        uint32_t b4;
+        memcpy(&b4, (const uint8_t *)w + i / 2, 4);
+        const __m128i b = _mm_cvtsi32_si128((int)b4), lo4 = _mm_set1_epi8(0x0F);
+        const __m128i c = _mm_unpacklo_epi8(_mm_and_si128(b, lo4), _mm_and_si128(_mm_srli_epi16(b, 4), lo4));
+        v = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(c), _mm256_set1_epi32(8)));
+    }
+    return _mm256_mul_ps(v, _mm256_set1_ps(scale[n * G + k / gs]));
+}
+
+static inline float gemm_load1(const void *w, int bits, const float *scale, int64_t G, int64_t gs, int64_t K,
+                               int64_t n, int64_t k) {
+    const int64_t i = n * K + k;
+    if (bits == 32) return ((const float *)w)[i];
+    if (bits == 16) return bf16_to_f32(((const uint16_t *)w)[i]);
+    float c;
+    if (bits == 8) c = (float)((const int8_t *)w)[i];
+    else {
+        const uint8_t byte = ((const uint8_t *)w)[i / 2];
+        c = (float)((int)((i & 1) ? byte >> 4 : byte & 0x0F) - 8);
+    }
+    return c * scale[n * G + k / gs];
+}
+
 /* Weight rows n0 .. n0+nc-1 (nc <= 16) as a (K, 16) float32 panel: panel[k * 16 + j] = w[n0 + j, k],
- * zero where n0 + j >= N. 8 rows x 8 k at a time: widened, transposed in registers, stored as 8 rows. */
-static void gemm_pack(const void *w, int bits, int64_t K, int64_t n0, int64_t nc, float *panel) {
+ * zero where n0 + j >= N. 8 rows x 8 k at a time: dequantized, transposed in registers, stored as 8 rows. */
+static void gemm_pack(const void *w, int bits, const float *scale, int64_t gs, int64_t K, int64_t n0, int64_t nc,
+                      float *panel) {
+    const int64_t G = K / gs;
     for (int64_t j0 = 0; j0 < GEMM_NR; j0 += 8) {
         int64_t k = 0;
         if (j0 + 8 <= nc) {
             for (; k + 8 <= K; k += 8) {
                 __m256 r[8];
-                for (int i = 0; i < 8; i++) {
-                    const int64_t row = (n0 + j0 + i) * K + k;
-                    r[i] = bits == 16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
-                                            _mm_loadu_si128((const __m128i *)((const uint16_t *)w + row))), 16))
-                                      : _mm256_loadu_ps((const float *)w + row);
-                }
+                for (int i = 0; i < 8; i++) r[i] = gemm_load8(w, bits, scale, G, gs, K, n0 + j0 + i, k);
                 transpose8(r);
                 for (int i = 0; i < 8; i++) _mm256_storeu_ps(panel + (k + i) * GEMM_NR + j0, r[i]);
             }
         }
         for (; k < K; k++)  /* the K tail, and the columns past N of the last panel */
-            for (int64_t j = j0; j < j0 + 8; j++) {
-                float v = 0.0f;
-                if (j < nc) {
-                    const int64_t i = (n0 + j) * K + k;
-                    v = bits == 16 ? bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
-                }
-                panel[k * GEMM_NR + j] = v;
-            }
+            for (int64_t j = j0; j < j0 + 8; j++)
+                panel[k * GEMM_NR + j] = j < nc ? gemm_load1(w, bits, scale, G, gs, K, n0 + j, k) : 0.0f;
     }
 }
 
@@ -1036,8 +1060,8 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *x, int6
 }
 
 typedef struct {
-    const float *x; const void *w; float *out;
-    int64_t M, N, K, bits;
+    const float *x; const void *w; const float *scale; float *out;
+    int64_t M, N, K, bits, gs;
     int64_t *next, chunk;  /* panels handed out `chunk` at a time */
     float *panel;          /* this thread's (K, 16) buffer */
 } gemm_job;
@@ -1049,7 +1073,7 @@ static void *gemm_range(void *arg) {
     while (take_chunk(j->next, j->chunk, P, &p0, &p1))
         for (int64_t p = p0; p < p1; p++) {
             const int64_t n0 = p * GEMM_NR, nc = j->N - n0 < GEMM_NR ? j->N - n0 : GEMM_NR;
-            gemm_pack(j->w, (int)j->bits, K, n0, nc, j->panel);
+            gemm_pack(j->w, (int)j->bits, j->scale, j->gs, K, n0, nc, j->panel);
             int64_t m = 0;
             for (; m + GEMM_MR <= j->M; m += GEMM_MR)
                 gemm_tile(j->x + m * K, K, GEMM_MR, j->panel, j->out + m * j->N + n0, j->N, nc);
@@ -1068,29 +1092,47 @@ static void *gemm_range(void *arg) {
 }
 #endif
 
-/* bits 16 (bf16 bit patterns) or 32 (float32). Returns 0, or -1 when this build has no AVX2 + FMA body,
- * the bits are others, or memory for the panels is not to be had. */
-int lmf_gemm_f32(const float *x, const void *w, float *out, int64_t M, int64_t N, int64_t K, int64_t bits,
-                 int64_t threads) {
+/* Weights as `lmf_qmm_f32` takes them: bits 32 or 16 (scale may be NULL: 1), 8 (per channel: gs <= 0 or K;
+ * or groups) or 4 (groups); groups a multiple of 32 dividing K. Returns 0, or -1 when this build has no
+ * AVX2 + FMA body, the shape is not one it takes, or memory for the panels is not to be had. */
+int lmf_gemm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
+                 int64_t bits, int64_t gs, int64_t threads) {
 #ifdef LMF_QMM_AVX2
-    if ((bits != 16 && bits != 32) || M < 1 || N < 1 || K < 1) return -1;
+    static const float one = 1.0f;
+    if (M < 1 || N < 1 || K < 1) return -1;
+    if (bits != 32 && bits != 16 && bits != 8 && bits != 4) return -1;
+    if (scale == NULL && bits < 16) return -1;
+    if (scale == NULL) scale = &one;  /* float weights with no scales: a row of ones, below */
+    if (bits != 4 && (gs <= 0 || gs == K)) gs = K;
+    else if (gs <= 0 || gs % 32 || K % gs) return -1;
     const int64_t P = (N + GEMM_NR - 1) / GEMM_NR;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > P) threads = P;
+    float *ones = NULL;
+    if (scale == &one) {  /* one scale a row, all 1 */
+        ones = (float *)malloc((size_t)N * sizeof(float));
+        if (ones == NULL) return -1;
+        for (int64_t n = 0; n < N; n++) ones[n] = 1.0f;
+        scale = ones;
+    }
     float *panels = (float *)aligned_alloc(64, (size_t)threads * K * GEMM_NR * sizeof(float));
-    if (panels == NULL) return -1;
+    if (panels == NULL) {
+        free(ones);
+        return -1;
+    }
     int64_t next = 0;
     int64_t chunk = P / (8 * threads);  /* ~8 chunks a thread: a slower sibling core takes fewer */
     if (chunk < 1) chunk = 1;
     gemm_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (gemm_job){x, w, out, M, N, K, bits, &next, chunk, panels + t * K * GEMM_NR};
+        jobs[t] = (gemm_job){x, w, scale, out, M, N, K, bits, gs, &next, chunk, panels + t * K * GEMM_NR};
     run_jobs(gemm_range, jobs, sizeof jobs[0], threads);
     free(panels);
+    free(ones);
     return 0;
 #else
-    (void)x; (void)w; (void)out; (void)M; (void)N; (void)K; (void)bits; (void)threads;
+    (void)x; (void)w; (void)scale; (void)out; (void)M; (void)N; (void)K; (void)bits; (void)gs; (void)threads;
     return -1;
 #endif
 }
