@@ -127,8 +127,8 @@ def test_qmm_f32_bits_16_is_the_float32_matmul_of_the_bf16_weight(portable):
     for K, c_gemm in ((256, False), (200, False), (256, True), (203, True)):
         lin = nn.Linear(K, 45, bias=True).to(torch.bfloat16)
         layer = QmmLinear.from_bf16(lin, lib.qmm_f32, c_gemm=c_gemm and lib.gemm_ok)
-        # 12+ rows: lmf_gemm_f32 inside lmf_qmm_f32 when the build has it; 40: above MAX_ROWS (the GEMM with
-        # c_gemm, else the widened weight and sgemm)
+        # with c_gemm, from GEMM_MIN_ROWS rows lmf_gemm_f32 inside lmf_qmm_f32; without, the row kernel up to
+        # MAX_ROWS and above (40) the widened weight and sgemm
         for M in (1, 2, 3, 4, 5, 11, 12, 13, 40):
             x = torch.randn(M, K)
             want = x @ lin.weight.float().T + lin.bias.float()

@@ -88,3 +88,38 @@ def test_models_it_cannot_take_keep_their_modules(models):
     assert off.llm_engine.model_runner.decode_layers == 0 and off.llm_engine.model_runner.f32_layer_linears == 0
     lora = LLM(str(models["w8"]), dtype="float32", device="cpu", enable_lora=True)  # LoRA wraps q/k/v: not fused
     assert lora.llm_engine.model_runner.decode_layers == 0
+
+
+@pytest.mark.parametrize("name", ["w4", "src"])
+def test_c_layer_batch_on_the_panel_gemm_is_the_module_path_bit_for_bit(models, name):
+    """Enough sequences decoding together that the layer's matmuls cross `QmmLinear.GEMM_MIN_ROWS` (the panel
+    GEMM inside `lmf_qmm_f32`, passed to the C layer as its `gemm_rows`): still the module path's bits."""
+    from lmforge.quant.linear import QmmLinear
+
+    llm = LLM(str(models[name]), dtype="float32", device="cpu", enable_prefix_caching=False)
+    runner = llm.llm_engine.model_runner
+    layer = runner.model.model.layers[0]
+    qkv = layer.layer.self_attn.qkv_proj
+    want = QmmLinear.GEMM_MIN_ROWS[qkv.bits] if LIB.gemm_ok else 0
+    assert qkv.gemm_rows == want and int(layer.params[22]) == want
+    prompts = [[1, 2 + i, 7, 3 * i + 1] for i in range(14)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    calls, lib_call = [], layer.lib.decode_layer_q
+    for lay in runner.model.model.layers:
+        lay.lib = type("L", (), {"decode_layer_q": staticmethod(lambda *a: calls.append(a[3]) or lib_call(*a))})
+
+    def run():
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+                for o in outs]
+    fast = run()
+    assert max(calls) == len(prompts) >= QmmLinear.GEMM_MIN_ROWS[qkv.bits]  # one C call a layer for all 14 rows
+    layers = runner.model.model.layers
+    saved = list(layers)
+    for i, lay in enumerate(layers):
+        layers[i] = lay.layer
+    try:
+        assert fast == run()
+    finally:
+        for i, lay in enumerate(saved):
+            layers[i] = lay

@@ -306,7 +306,8 @@ def test_bench_linear_reports_every_kernel(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     rows = json.loads((tmp_path / "bench_linear.json").read_text())["quant"]["rows"]
     kinds = {r["kernel"] for r in rows}
-    assert kinds >= {f"A8 {isa}" for isa in LIB.a8_isas()} | {"A16 exact (lmf_qmm_f32)", "torch (bf16 activations)"}
+    assert kinds >= {f"A8 {isa}" for isa in LIB.a8_isas()} | {"A16 exact (lmf_qmm_f32 rows)", "torch (bf16 activations)"}
+    assert ("A16 exact (lmf_gemm_f32 panel)" in kinds) == LIB.gemm_ok
     assert {(r["weights"], r["batch"]) for r in rows} == {(w, b) for w in ("w8a16", "w4a16 g128") for b in (1, 3)}
     for r in rows:
         assert r["us"] > 0 and r["median_us"] >= r["us"] and r["weight_gbs"] > 0 and r["gflops"] > 0

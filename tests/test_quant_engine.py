@@ -62,8 +62,9 @@ def test_kernel_matches_dequantized_float32_matmul(cls, scheme, dtype):
                          ids=["int8", "int8-tail", "int4-g32", "int4-g128", "int4-g64"])
 def test_qmm_kernel_matches_dequantized_float32_matmul(scheme, K, build, tmp_path):
     """lmf_qmm_f32 (float32 activations, int8 / packed int4 codes): the same products as the dequantized
-    float32 matmul, in another summation order; rows 1-11 run the row kernel, 12-32 its panel GEMM
-    (`lmf_gemm_f32`, AVX2 builds; the row kernel in the portable one), more rows dequantize + sgemm.
+    float32 matmul, in another summation order; without `c_gemm` rows up to `MAX_ROWS` run the row kernel,
+    more rows dequantize + sgemm; with it, from `GEMM_MIN_ROWS` rows on the panel GEMM (`lmf_gemm_f32`,
+    AVX2 builds; the portable one has none and keeps the row kernel).
     The portable body (-DLMF_PORTABLE: plain C) is checked too: it is what a CPU without AVX2 runs."""
     if build == "native":
         lib = kernels.load()
@@ -74,13 +75,15 @@ def test_qmm_kernel_matches_dequantized_float32_matmul(scheme, K, build, tmp_pat
     q = _quantized_linear(scheme, N=40, K=K)
     assert QmmLinear.supports(q, torch.device("cpu"), torch.float32)
     assert not QmmLinear.supports(q, torch.device("cpu"), torch.bfloat16)
-    layer = QmmLinear(q, torch.float32, qmm=lib.qmm_f32)
-    for M in (1, 2, 3, 4, 5, 8, 9, 12, 13, 23, 33):  # 12-32: the panel GEMM in the native build
-        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
-        ref = x.double() @ q.dequantized_weight().double().t() + q.bias.double()
-        got = layer(x)
-        assert got.dtype == torch.float32 and got.shape == (M, 40)
-        assert (got.double() - ref).abs().max() < 1e-4 * ref.abs().max(), (M, (got.double() - ref).abs().max())
+    for c_gemm in (False, True):
+        layer = QmmLinear(q, torch.float32, qmm=lib.qmm_f32, c_gemm=c_gemm)
+        assert layer.gemm_rows == (QmmLinear.GEMM_MIN_ROWS[scheme.num_bits] if c_gemm else 0)
+        for M in (1, 2, 3, 4, 5, 8, 9, 12, 13, 23, 33):
+            x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+            ref = x.double() @ q.dequantized_weight().double().t() + q.bias.double()
+            got = layer(x)
+            assert got.dtype == torch.float32 and got.shape == (M, 40)
+            assert (got.double() - ref).abs().max() < 1e-4 * ref.abs().max(), (M, (got.double() - ref).abs().max())
     if scheme.num_bits == 4:
         assert layer.codes.dtype == torch.uint8 and layer.codes.shape == (40, K // 2)  # half a byte a weight
     if build == "native" and lib.gemm_ok and K % 32 == 0:
@@ -96,7 +99,7 @@ def test_qmm_kernel_matches_dequantized_float32_matmul(scheme, K, build, tmp_pat
 def test_qmm_kernel_float32_weights(K, build, tmp_path):
     """lmf_qmm_f32 with bits 32 (`QmmLinear.from_f32`: a float32 model's decoder-layer linears): rows 1-4
     take the 4-row body, 5-8 the 8-row one (`f32_row8`), 9-16 both in turn; K = 200 leaves a tail under
-    16 and 32; from 12 rows the panel GEMM (`c_gemm`, native build) or above `MAX_ROWS` oneDNN on the same
+    16 and 32; from `GEMM_MIN_ROWS[32]` rows the panel GEMM (`c_gemm`, native build) or above `MAX_ROWS` oneDNN on the same
     tensor. No copy of the weight is made."""
     if build == "native":
         lib = kernels.load()
@@ -106,7 +109,7 @@ def test_qmm_kernel_float32_weights(K, build, tmp_path):
         lib = kernels._bind(kernels.build(("-DLMF_PORTABLE",), out_dir=tmp_path))
     lin = nn.Linear(K, 40, bias=True)
     torch.nn.init.normal_(lin.weight, generator=torch.Generator().manual_seed(K))
-    for c_gemm in (False, True):  # above 16 rows oneDNN, or lmf_qmm_f32 all the way (its panel GEMM from 12 rows)
+    for c_gemm in (False, True):  # above 16 rows oneDNN, or lmf_qmm_f32 all the way (its panel GEMM from GEMM_MIN_ROWS[32])
         layer = QmmLinear.from_f32(lin, lib.qmm_f32, max_rows=16, c_gemm=c_gemm and lib.gemm_ok)
         assert layer.bits == 32 and layer.codes.data_ptr() == lin.weight.data_ptr()
         for M in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 40):

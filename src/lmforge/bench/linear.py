@@ -2,7 +2,8 @@
 
   * quantized (issue 25): int8 (per channel) and int4 (per group) weights at batch 1/4/16/64, per
     kernel: the int8-activation bodies this CPU has (`lmf_qmm_a8`: AVX-512 VNNI, AVX-VNNI, AVX2,
-    portable), the exact A16 kernel (`lmf_qmm_f32`, float32 activations) and torch's weight-only
+    portable), the exact A16 kernels on float32 activations (`lmf_qmm_f32`'s row kernel, and the panel
+    GEMM `lmf_gemm_f32` that takes over from `QmmLinear.GEMM_MIN_ROWS` rows) and torch's weight-only
     kernels (bf16 activations). Each figure is GB/s of weight bytes read (codes + scales) and
     GFLOP/s (2·M·N·K), against the STREAM triad of `lmforge doctor` (its saved profile, else measured
     now) as the roofline. Each call reads the next of enough weight copies to overflow the caches
@@ -97,15 +98,26 @@ def _kernels(q: QuantizedLinear, lib: kernels.CpuKernels | None) -> dict[str, Ca
     bodies and the A16 kernel on one `QmmLinear`'s codes, torch's kernel on its packed copy."""
     out: dict[str, Callable[[torch.Tensor], Any]] = {}
     if lib is not None:
-        layer = QmmLinear(q, torch.float32, qmm=lib.qmm_f32)
+        layer = QmmLinear(q, torch.float32, qmm=lib.qmm_f32)  # no c_gemm: the row kernel at every batch
         layer.MAX_ROWS = max(BATCHES)  # the A16 kernel itself at every batch, not its sgemm fallback
         for isa in lib.a8_isas():
             out[f"A8 {isa}"] = functools.partial(layer.forward_a8, a8=lib.a8(isa))
-        out["A16 exact (lmf_qmm_f32)"] = layer
+        out["A16 exact (lmf_qmm_f32 rows)"] = layer
+        if lib.gemm_ok:  # the same codes on the panel GEMM, which the engine runs from QmmLinear.GEMM_MIN_ROWS rows
+            out["A16 exact (lmf_gemm_f32 panel)"] = functools.partial(_gemm, layer, lib.gemm_f32)
     torch_cls = Int8Linear if q.scheme.num_bits == 8 else Int4Linear
     if torch_cls.supports(q, torch.device("cpu")):
         out["torch (bf16 activations)"] = torch_cls(q, torch.bfloat16)
     return out
+
+
+def _gemm(layer: QmmLinear, gemm, x_MK: torch.Tensor) -> torch.Tensor:
+    out_MN = torch.empty(x_MK.shape[0], layer.N)
+    rc = gemm(x_MK.data_ptr(), layer.codes.data_ptr(), layer.scale.data_ptr(), out_MN.data_ptr(), x_MK.shape[0],
+              layer.N, layer.K, layer.bits, layer.gs, layer.threads)
+    if rc != 0:
+        raise RuntimeError(f"lmf_gemm_f32 refused {layer.N}x{layer.K} int{layer.bits} group {layer.gs}")
+    return out_MN
 
 
 def bench_quant_linear(batches: tuple[int, ...] = BATCHES, group_size: int = 128, threads: int | None = None,

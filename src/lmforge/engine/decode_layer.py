@@ -70,7 +70,8 @@ class CDecodeLayer(nn.Module):
              attn.n_heads, attn.n_kv_heads, attn.head_dim, down.K, backend.kv.block_size,
              qkv.codes.data_ptr(), qkv.scale.data_ptr(), o.codes.data_ptr(), o.scale.data_ptr(),
              gu.codes.data_ptr(), gu.scale.data_ptr(), down.codes.data_ptr(), down.scale.data_ptr(),
-             qkv.bits, _kernel_gs(qkv), k_pool.data_ptr(), v_pool.data_ptr(), qkv.threads, torch.get_num_threads()]
+             qkv.bits, _kernel_gs(qkv), k_pool.data_ptr(), v_pool.data_ptr(), qkv.threads, torch.get_num_threads(),
+             qkv.gemm_rows]
         self.params = torch.tensor(p, dtype=torch.int64)  # kept alive: the C call reads it every step
 
     def forward(self, x_BTD: torch.Tensor, cos_BTH, sin_BTH, attn) -> torch.Tensor:

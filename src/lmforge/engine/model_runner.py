@@ -147,7 +147,7 @@ F32_QMM_ROWS = 16  # float32 weights up to here on lmf_qmm_f32 (bits 32): at or 
 def swap_f32_layer_linears(model: nn.Module, qmm, c_gemm: bool = False) -> int:
     """Every float32 `nn.Linear` inside the decoder layers becomes `QmmLinear.from_f32` (the weight itself,
     `lmf_qmm_f32` with bits 32 up to `F32_QMM_ROWS` rows; above, with `c_gemm` the same call (the panel GEMM
-    `lmf_gemm_f32` from 12 rows), else oneDNN's GEMM on the same tensor), so that a
+    `lmf_gemm_f32` from 10 rows), else oneDNN's GEMM on the same tensor), so that a
     decode step of a few rows runs each layer as one C call (`engine.decode_layer`); the LM head stays for
     `PackedLinear`.
     Returns how many."""
@@ -229,7 +229,7 @@ class ModelRunner:
         self.bf16_linears = swap_bf16_linears(model, lib.qmm_f32, c_gemm) if bf16_weights else 0
         if self.bf16_linears:
             self.linear_backend = ("bf16 weights x float32 activations (lmforge lmf_qmm_f32, bits 16; "
-                                   + ("prefill on lmf_gemm_f32 from 12 rows)" if c_gemm else "widen + sgemm above 32 rows)"))
+                                   + (f"prefill on lmf_gemm_f32 from {QmmLinear.GEMM_MIN_ROWS[16]} rows)" if c_gemm else "widen + sgemm above 32 rows)"))
         self.weight_bytes = weight_bytes(model)
         # every weight under its checkpoint name, captured before any swap below: the fused stand-ins
         # hold these same tensors (not copies), so `load_weights` can write through them in place
@@ -239,7 +239,7 @@ class ModelRunner:
                 and not bf16_weights and os.environ.get("LMFORGE_F32_DECODE_LAYERS", "1") != "0"):
             self.f32_layer_linears = swap_f32_layer_linears(model, lib.qmm_f32, c_gemm)
         if self.f32_layer_linears:
-            above = "lmforge lmf_gemm_f32 from 12 rows" if c_gemm else f"oneDNN GEMM above {F32_QMM_ROWS} rows"
+            above = f"lmforge lmf_gemm_f32 from {QmmLinear.GEMM_MIN_ROWS[32]} rows" if c_gemm else f"oneDNN GEMM above {F32_QMM_ROWS} rows"
             self.linear_backend = f"float32 layers on lmforge lmf_qmm_f32 (bits 32), {above}; the LM head oneDNN-packed"
         self.packed_linears = 0
         if will_pack:

@@ -133,7 +133,7 @@ def _kernel_threads() -> int:
 
 class QmmLinear(nn.Module):
     """CPU, float32 activations (CPUs without bf16): the compiled `lmf_qmm_f32` for a decode step's few
-    rows, reading 1 (int8) or 0.5 (int4, packed here two codes a byte) bytes a weight. From 12 rows the
+    rows, reading 1 (int8) or 0.5 (int4, packed here two codes a byte) bytes a weight. From `GEMM_MIN_ROWS` rows the
     work is compute: with `c_gemm` (the build has `lmf_gemm_f32`'s AVX2 + FMA body) `lmf_qmm_f32` hands
     every such call to that panel GEMM, which dequantizes the weight 16 rows at a time into L2 (the same
     float32 weights as `dequantized`, so the same products up to summation order); without, above
@@ -154,6 +154,11 @@ class QmmLinear(nn.Module):
     name = "int8/int4 weight-only (lmforge lmf_qmm_f32, float32 activations)"
     MAX_ROWS = 32  # measured on the AVX2 EPYC (8192x2048, 1 thread): the kernel beats dequantize + sgemm up to 32 rows
     A8_MAX_ROWS = 64  # the decode batches issue 25 targets (and the C decoder layer's limit)
+    # with `c_gemm`, from this many rows (by bits) `lmf_qmm_f32` runs the panel GEMM, not its row kernel: where
+    # the two cross on the AVX2 EPYC (the 300M's 96 layer linears, 2 threads, int8/int4 g32; rows / GEMM time
+    # at 8, 10, 12 rows: int8 0.92, 1.05, 1.20; int4 0.85-0.87, 1.06-1.13, 1.17-1.20; float32 0.87, 1.12,
+    # 1.24; bf16, whose row kernel reads half float32's bytes, 0.95-0.98 at 20 rows and 1.08-1.14 at 24)
+    GEMM_MIN_ROWS = {32: 10, 16: 22, 8: 10, 4: 10}
     # without bf16 units, prefill chunks up to this many rows stay on the A8 kernel too: on the AVX2 EPYC
     # (2 threads, int8 / int4 g32, 1024x2816 and back) it runs 93-131 GFLOP/s at 128 rows where dequantize
     # + sgemm runs 67-82, and sgemm wins only from ~512 rows (116-129 against 84-100;
@@ -203,7 +208,7 @@ class QmmLinear(nn.Module):
         """A bfloat16 `nn.Linear` on float32 activations (a bf16 checkpoint on a CPU without bf16 units):
         the weight stays bf16 (2 bytes read a weight, `lmf_qmm_f32` with bits 16, widened exactly inside
         the kernel), scale 1. Prefill chunks: with `c_gemm` (the build has `lmf_gemm_f32`'s AVX2 body) every
-        row count goes to `lmf_qmm_f32`, which from 12 rows runs the panel GEMM (the weight widened 16 rows at
+        row count goes to `lmf_qmm_f32`, which from 22 rows runs the panel GEMM (the weight widened 16 rows at
         a time in L2: 1.2-2.5x widen + sgemm on the 300M's shapes); without, above `MAX_ROWS` rows the weight
         is widened into the shared float32 buffer for sgemm. The same numbers as the float32 model of the
         same weights, up to summation order."""
@@ -215,7 +220,7 @@ class QmmLinear(nn.Module):
     def from_f32(cls, linear: nn.Linear, qmm, max_rows: int, c_gemm: bool = False) -> "QmmLinear":
         """A float32 `nn.Linear` on `lmf_qmm_f32` with bits 32 (the weights read as they are, scale 1) up to
         `max_rows` rows: what lets a float32 model's decode step run a decoder layer as one C call
-        (`engine.decode_layer`). Above, with `c_gemm` every row count stays on `lmf_qmm_f32`, which from 12
+        (`engine.decode_layer`). Above, with `c_gemm` every row count stays on `lmf_qmm_f32`, which from 10
         rows runs the panel GEMM `lmf_gemm_f32` (1.1-1.3x oneDNN's on the 300M's shapes, AVX2 EPYC); without,
         oneDNN's GEMM on the same tensor. No copy: `codes` is the weight itself."""
         self = cls._dense(linear, qmm, torch.float32, 32)
@@ -242,6 +247,11 @@ class QmmLinear(nn.Module):
                 q.scheme.num_bits in (8, 4) and gs is not None and gs % 32 == 0 and K % gs == 0):
             return f"takes int8 per channel or int8/int4 with groups a multiple of 32, not {q.scheme.name} group {gs}"
         return None
+
+    @property
+    def gemm_rows(self) -> int:
+        """From how many rows `lmf_qmm_f32` hands this layer's calls to the panel GEMM (0: never)."""
+        return self.GEMM_MIN_ROWS[self.bits] if self.c_gemm else 0
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight (N, K), written into the shared `scratch` buffer."""
@@ -296,7 +306,7 @@ class QmmLinear(nn.Module):
         else:
             out_MN = torch.empty(M, self.N)
             rc = self.qmm(x_MK.data_ptr(), self.codes.data_ptr(), self.scale.data_ptr(), out_MN.data_ptr(),
-                          M, self.N, self.K, self.bits, self.gs, self.threads)
+                          M, self.N, self.K, self.bits, self.gs, self.threads, self.gemm_rows)
             if rc != 0:
                 raise RuntimeError(f"lmf_qmm_f32 refused {self.N}x{self.K} int{self.bits} group {self.gs}")
             if self.bias is not None:

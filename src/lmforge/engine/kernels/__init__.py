@@ -8,9 +8,10 @@ KV cache, for CPUs without native bf16 and for `kv_cache_dtype=int8`):
   * `lmf_rmsnorm_bf16`, `lmf_rope_bf16`, `lmf_silu_mul_bf16`: a Llama layer's elementwise ops, one
     call each instead of 5-14 torch ops (`lmforge.engine.fused` puts them in the model);
   * `lmf_qmm_f32`: weight-only int8 (per channel) / int4 (packed, per group) matmul on float32
-    activations for a decode step's few rows (`lmforge.quant.linear.QmmLinear`); for bf16 weights from
-    12 rows it hands over to `lmf_gemm_f32`, a register-tiled GEMM that widens the weight a (K, 16) panel
-    at a time in L2 (prefill of a bf16 checkpoint on a CPU without bf16 units; AVX2 + FMA);
+    activations for a decode step's few rows (`lmforge.quant.linear.QmmLinear`), and bf16 (bits 16) or
+    float32 (bits 32) weights; from the caller's `gemm_rows` rows it hands over to `lmf_gemm_f32`, a
+    register-tiled GEMM that widens or dequantizes the weight a (K, 16) panel at a time in L2 (prefill
+    chunks and big batches; AVX2 + FMA);
   * `lmf_qmm_a8`: the same weights on int8 activations (dynamic, per token) with int32 integer dot
     products, one body per ISA chosen at run time from the CPU's flags (`A8_ISAS`: AVX-512 VNNI,
     AVX-VNNI, AVX2, portable C); `LMFORGE_A8_ISA=<name>` forces one, `a8_isa()` says which runs.
@@ -70,7 +71,8 @@ class CpuKernels:
     rmsnorm_f32: ctypes._CFuncPtr
     rope_f32: ctypes._CFuncPtr
     silu_mul_f32: ctypes._CFuncPtr
-    qmm_f32: ctypes._CFuncPtr | None = None  # lmf_qmm_f32(x, codes, scales, out, M, N, K, bits, gs, threads)
+    qmm_f32: ctypes._CFuncPtr | None = None  # lmf_qmm_f32(x, codes, scales, out, M, N, K, bits, gs, threads,
+    #                                          gemm_rows): from gemm_rows rows (> 0) on the panel GEMM
     qmm_a8: ctypes._CFuncPtr | None = None  # lmf_qmm_a8(isa, x, act, codes, scales, out, M, N, K, bits, gs, threads)
     qmm_s8: ctypes._CFuncPtr | None = None  # lmf_qmm_s8(q, q_scales, codes, scales, out, M, N, K, bits, gs, threads,
     #                                         isa): on rows quantized already (the tests' entry point)
@@ -190,7 +192,7 @@ def _bind(path: Path) -> CpuKernels:
     write_int8 = lib.lmf_write_kv_int8
     write_int8.restype, write_int8.argtypes = ctypes.c_int, [P, P, P, I64, I64, I64, I64, P, P, P, P]
     qmm = lib.lmf_qmm_f32
-    qmm.restype, qmm.argtypes = ctypes.c_int, [P, P, P, P, I64, I64, I64, I64, I64, I64]
+    qmm.restype, qmm.argtypes = ctypes.c_int, [P, P, P, P, I64, I64, I64, I64, I64, I64, I64]
     a8 = {"qmm_a8": ("lmf_qmm_a8", [I64, P, I64, P, P, P, I64, I64, I64, I64, I64, I64]),
           "qmm_s8": ("lmf_qmm_s8", [P, P, P, P, P, I64, I64, I64, I64, I64, I64, I64]),
           "quantize_s8": ("lmf_quantize_s8", [P, I64, I64, I64, I64, P, P]),

@@ -915,20 +915,19 @@ static void *qmm_range(void *arg) {  /* a thread's share: chunks of weight rows 
 }
 
 /* bits 32, 16, 8 or 4; float32, bf16 and int8 with gs <= 0 or gs = K are per channel (any K), else gs is a group as for
- * int4 (GGUF's Q8_0: groups of 32). Returns -1 for shapes it does not take (a group not a multiple of 32
+ * int4 (GGUF's Q8_0: groups of 32). From `gemm_rows` rows on (> 0; 0: never) the call goes to the panel GEMM below
+ * when this build has it: the caller's choice, per weight, since where the GEMM starts to win depends on the bits
+ * (`QmmLinear.GEMM_MIN_ROWS`, measured). Returns -1 for shapes it does not take (a group not a multiple of 32
  * dividing K). */
 int lmf_gemm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
                  int64_t bits, int64_t gs, int64_t threads);
-#define GEMM_MIN_ROWS 12  /* bf16 and float32 weights from this many rows on the panel GEMM below (AVX2 EPYC, the
-                             300M's shapes, 2 threads, all 96 layer linears: bf16 12 rows 93 ms both ways, 16 rows
-                             109 vs 118, 32 rows 155 vs 197; float32 12 rows 106 vs 130, 16 rows 126 vs 140) */
 
 int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
-                int64_t bits, int64_t gs, int64_t threads) {
+                int64_t bits, int64_t gs, int64_t threads, int64_t gemm_rows) {
     if (bits != 32 && bits != 16 && bits != 8 && bits != 4) return -1;
     if (bits >= 8 && (gs <= 0 || gs == K)) gs = K;
     else if (gs <= 0 || gs % 32 || K % gs) return -1;
-    if (M >= GEMM_MIN_ROWS && lmf_gemm_f32(x, w, scale, out, M, N, K, bits, gs, threads) == 0) return 0;
+    if (gemm_rows > 0 && M >= gemm_rows && lmf_gemm_f32(x, w, scale, out, M, N, K, bits, gs, threads) == 0) return 0;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > N) threads = N;
@@ -1635,24 +1634,24 @@ int lmf_qmm_a8(int64_t isa, const void *x, int64_t act, const void *w, const flo
  * residual adds are float32 adds, as torch's. At a 24-layer model's batch-1 step this replaces ~40 Python
  * calls and small torch ops a layer (~0.35 ms) with one.
  *
- * p: the layer, 22 values as int64 (pointers as integers):
+ * p: the layer, 23 values as int64 (pointers as integers):
  *   0 in_norm_w  1 post_norm_w  2 D  3 N heads  4 K kv heads  5 H head dim  6 F intermediate  7 block size
  *   8 qkv codes  9 qkv scales  10 o codes  11 o scales  12 gate_up codes  13 gate_up scales
  *   14 down codes  15 down scales  16 bits  17 gs (group size; <= 0 per channel)  18 k_pool  19 v_pool
- *   20 threads (matmuls)  21 threads (attention)
+ *   20 threads (matmuls)  21 threads (attention)  22 gemm_rows (lmf_qmm_f32's: from this many rows the panel GEMM)
  * cos, sin: (M, H); slots (M); tables (S, tables_M) int32, lens (S) int32, rows (S) int64: as
  * lmf_paged_decode_any. Returns 0, or the first failing kernel's code. */
 static int qmm_any(int64_t isa, const float *x, const void *w, const float *ws, float *out, int64_t M, int64_t N,
-                   int64_t K, int64_t bits, int64_t gs, int64_t threads) {
+                   int64_t K, int64_t bits, int64_t gs, int64_t threads, int64_t gemm_rows) {
     if (isa >= 0) return lmf_qmm_a8(isa, x, 1, w, ws, out, M, N, K, bits, gs, threads);
-    return lmf_qmm_f32(x, w, ws, out, M, N, K, bits, gs, threads);
+    return lmf_qmm_f32(x, w, ws, out, M, N, K, bits, gs, threads, gemm_rows);
 }
 
 int lmf_decode_layer_q(int64_t isa, const int64_t *p, float *x, int64_t M, const float *cos, const float *sin,
                        const int64_t *slots, const int32_t *tables, int64_t tables_M, const int32_t *lens,
                        const int64_t *rows, int64_t S, float eps, float scale) {
     const int64_t D = p[2], N = p[3], K = p[4], H = p[5], F = p[6], B = p[7], bits = p[16], gs = p[17];
-    const int64_t th = p[20], th_attn = p[21], NQ = N * H, NK = K * H, NQKV = NQ + 2 * NK;
+    const int64_t th = p[20], th_attn = p[21], gr = p[22], NQ = N * H, NK = K * H, NQKV = NQ + 2 * NK;
     const float *in_w = (const float *)p[0], *post_w = (const float *)p[1];
     const int64_t floats = M * (D + NQKV + NQ + 2 * NK + NQ + 2 * F + F + D);
     float *buf = (float *)malloc((size_t)floats * sizeof(float));
@@ -1661,7 +1660,7 @@ int lmf_decode_layer_q(int64_t isa, const int64_t *p, float *x, int64_t M, const
     float *gu = att + M * NQ, *act = gu + M * 2 * F, *o = act + M * F;
     int rc = 0;
     lmf_rmsnorm_f32(x, in_w, h, M, D, eps);
-    if ((rc = qmm_any(isa, h, (const void *)p[8], (const float *)p[9], qkv, M, NQKV, D, bits, gs, th))) goto done;
+    if ((rc = qmm_any(isa, h, (const void *)p[8], (const float *)p[9], qkv, M, NQKV, D, bits, gs, th, gr))) goto done;
     for (int64_t m = 0; m < M; m++) {
         memcpy(q + m * NQ, qkv + m * NQKV, (size_t)NQ * sizeof(float));
         memcpy(k + m * NK, qkv + m * NQKV + NQ, (size_t)NK * sizeof(float));
@@ -1673,13 +1672,13 @@ int lmf_decode_layer_q(int64_t isa, const int64_t *p, float *x, int64_t M, const
     if ((rc = lmf_paged_decode_any(q, (const void *)p[18], (const void *)p[19], NULL, NULL, tables, tables_M, lens,
                                    rows, S, N, K, H, B, scale, att, th_attn, 1, 1)))
         goto done;
-    if ((rc = qmm_any(isa, att, (const void *)p[10], (const float *)p[11], o, M, D, NQ, bits, gs, th))) goto done;
+    if ((rc = qmm_any(isa, att, (const void *)p[10], (const float *)p[11], o, M, D, NQ, bits, gs, th, gr))) goto done;
     for (int64_t i = 0; i < M * D; i++) x[i] = x[i] + o[i];
     lmf_rmsnorm_f32(x, post_w, h, M, D, eps);
-    if ((rc = qmm_any(isa, h, (const void *)p[12], (const float *)p[13], gu, M, 2 * F, D, bits, gs, th))) goto done;
+    if ((rc = qmm_any(isa, h, (const void *)p[12], (const float *)p[13], gu, M, 2 * F, D, bits, gs, th, gr))) goto done;
     for (int64_t m = 0; m < M; m++)  /* gate and up side by side in each row: silu_mul takes them apart */
         lmf_silu_mul_f32(gu + m * 2 * F, gu + m * 2 * F + F, act + m * F, F);
-    if ((rc = qmm_any(isa, act, (const void *)p[14], (const float *)p[15], o, M, D, F, bits, gs, th))) goto done;
+    if ((rc = qmm_any(isa, act, (const void *)p[14], (const float *)p[15], o, M, D, F, bits, gs, th, gr))) goto done;
     for (int64_t i = 0; i < M * D; i++) x[i] = x[i] + o[i];
 done:
     free(buf);
