@@ -246,12 +246,17 @@ def test_a8_model_greedy_agrees_with_a16(w8_model):
     assert sum(a == b for a, b in zip(tokens_a16, tokens_a8)) >= 9, (tokens_a16, tokens_a8)
 
 
-def test_model_runner_takes_the_choice(w8_model):
+@pytest.mark.parametrize("bf16_units", ["0", "1"])
+def test_model_runner_takes_the_choice(w8_model, bf16_units, monkeypatch):
+    monkeypatch.setenv("LMFORGE_CPU_BF16", bf16_units)  # both branches on any CPU (the flag reading overridden)
     model = load_pretrained(w8_model, dtype="float32", device="cpu")
     runner = ModelRunner(model, num_blocks=8, block_size=16, quant_activations="int8")
     assert "lmf_qmm_a8" in runner.linear_backend and runner.quantized_linears == 14
-    gemm = kernels.load().gemm_ok  # prefill rows above A8_MAX_ROWS on the panel GEMM, not dequantize + sgemm
-    assert ("lmf_gemm_f32" in runner.linear_backend) is gemm
+    # A8 prefill rows above A8_MAX_ROWS: a bf16 GEMM where the CPU has bf16 units, else the panel GEMM
+    # (where this build has it), else dequantize + sgemm
+    gemm = kernels.load().gemm_ok
+    assert ("lmf_gemm_f32" in runner.linear_backend) is (gemm and bf16_units == "0")
+    assert ("bf16 GEMM" in runner.linear_backend) is (bf16_units == "1")
     plain = ModelRunner(load_pretrained(w8_model, dtype="float32", device="cpu"), num_blocks=8, block_size=16)
     assert plain.linear_backend == QmmLinear.name + ("; prefill on lmforge lmf_gemm_f32" if gemm else "")
 
