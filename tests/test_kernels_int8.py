@@ -341,22 +341,13 @@ def test_bench_linear_packed_section_covers_float32(tmp_path, monkeypatch):
     assert "| float32 | 64 → 96 | 3 |" in md
 
 
-def test_avx_vnni_body_by_its_evex_twin(tmp_path):
-    """The avx_vnni body (VEX `vpdpbusd`, Alder Lake and later) cannot run on a CPU without AVX-VNNI;
-    built with -DLMF_A8_AVXVNNI_AS_EVEX it is the same code on the EVEX form of the instruction, which
-    an AVX-512 VNNI CPU runs: its dot products must be exact too."""
+def test_avx512_vnni_cpu_runs_the_256_bit_body_by_default(monkeypatch):
+    """On an AVX-512 VNNI CPU the default body is the 256-bit one on the EVEX vpdpbusd (A8_YMM_BODY, the
+    avx_vnni body's code with the other encoding, so its exactness tests above cover that code too); the
+    512-bit body stays a choice."""
     if "avx512_vnni" not in LIB.a8_isas():
-        pytest.skip("no AVX-512 VNNI on this CPU")
-    lib = kernels._bind(kernels.build(("-DLMF_A8_AVXVNNI_AS_EVEX",), out_dir=tmp_path))
-    assert "avx_vnni" in lib.a8_isas()
-    rng = np.random.default_rng(11)
-    for bits, gs, K in SHAPES:
-        N, M = 13, 5
-        q = rng.integers(-127, 128, (M, K), dtype=np.int8)
-        c = rng.integers(-128, 128, (N, K), dtype=np.int8) if bits == 8 else rng.integers(-8, 8, (N, K), dtype=np.int8)
-        w, G, q_in = (c, 1, q) if bits == 8 else (_pack4(c), K // gs, _nibble_order(q))
-        out = np.zeros((M, N), np.float32)
-        assert lib.qmm_s8(q_in.ctypes.data, np.ones(M, np.float32).ctypes.data, w.ctypes.data,
-                          np.ones((N, G), np.float32).ctypes.data, out.ctypes.data, M, N, K, bits, gs, 2,
-                          kernels.A8_ISAS["avx_vnni"]) == 0
-        assert np.array_equal(out.astype(np.int64), q.astype(np.int64) @ c.astype(np.int64).T), (bits, gs, K)
+        pytest.skip(f"no AVX-512 VNNI on this CPU (runs {LIB.a8_isas()})")
+    monkeypatch.delenv("LMFORGE_A8_ISA", raising=False)
+    assert LIB.a8_isas()[:2] == ["avx512_vnni_256", "avx512_vnni"] and LIB.a8().isa == "avx512_vnni_256"
+    monkeypatch.setenv("LMFORGE_A8_ISA", "avx512_vnni")
+    assert LIB.a8().isa == "avx512_vnni"

@@ -13,8 +13,8 @@ KV cache, for CPUs without native bf16 and for `kv_cache_dtype=int8`):
     register-tiled GEMM that widens or dequantizes the weight a (K, 16) panel at a time in L2 (prefill
     chunks and big batches; AVX2 + FMA);
   * `lmf_qmm_a8`: the same weights on int8 activations (dynamic, per token) with int32 integer dot
-    products, one body per ISA chosen at run time from the CPU's flags (`A8_ISAS`: AVX-512 VNNI,
-    AVX-VNNI, AVX2, portable C); `LMFORGE_A8_ISA=<name>` forces one, `a8_isa()` says which runs.
+    products, one body per ISA chosen at run time from the CPU's flags (`A8_ISAS`: AVX-512 VNNI
+    in 256-bit and 512-bit forms, AVX-VNNI, AVX2, portable C); `LMFORGE_A8_ISA=<name>` forces one, `a8_isa()` says which runs.
 
 Why native code: on CPU the per-sequence `scaled_dot_product_attention` loop spent ~30 us of
 dispatch per sequence per layer on top of reading the K/V, and a padded batched SDPA must first
@@ -46,8 +46,9 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 MAX_H = 256  # head size limit of the attention and RoPE kernels (cpu_ops.c's MAX_H)
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-pthread"]
-# the A8 matmul's bodies (cpu_ops.c's A8_* enum), widest first when chosen automatically
-A8_ISAS = {"portable": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3}
+# numbered in order of preference (cpu_ops.c's enum): with none forced, the highest this CPU runs; on an
+# AVX-512 VNNI CPU that is the 256-bit body on the EVEX vpdpbusd (faster than the 512-bit body on Zen 4)
+A8_ISAS = {"portable": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3, "avx512_vnni_256": 4}
 OPENMP = "-fopenmp"  # tried first: the decode kernel's threads then come from torch's own OpenMP pool
 
 _lock = threading.Lock()
@@ -84,11 +85,11 @@ class CpuKernels:
     #                                                  tables_M, lens, rows, S, eps, scale): a whole decoder layer
 
     def a8_isas(self) -> list[str]:
-        """The A8 bodies this CPU runs, widest first (`A8_ISAS` names)."""
+        """The A8 bodies this CPU runs, the default first (`A8_ISAS` names, in order of preference)."""
         return [name for name, i in sorted(A8_ISAS.items(), key=lambda kv: -kv[1]) if self.a8_isa_supported(i)]
 
     def a8(self, isa: str | None = None) -> A8Matmul:
-        """`lmf_qmm_a8` with one body bound: `isa`, else `a8_isa(self)` (LMFORGE_A8_ISA or the widest)."""
+        """`lmf_qmm_a8` with one body bound: `isa`, else `a8_isa(self)` (LMFORGE_A8_ISA or the preferred one)."""
         isa = isa or a8_isa(self)
         if isa not in A8_ISAS or not self.a8_isa_supported(A8_ISAS[isa]):
             raise ValueError(f"int8-activation body {isa!r}: this CPU runs {', '.join(self.a8_isas())}")
@@ -231,7 +232,7 @@ def load(extra_flags: tuple[str, ...] = ()) -> CpuKernels | None:
 
 def a8_isa(lib: CpuKernels) -> str:
     """The A8 body `lib` runs: `LMFORGE_A8_ISA` when set (a ValueError if unknown or not on this CPU),
-    else the widest this CPU has."""
+    else the first this CPU has in order of preference."""
     forced = os.environ.get("LMFORGE_A8_ISA", "").strip().lower()
     if not forced:
         return lib.a8_isas()[0]
