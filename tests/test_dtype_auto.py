@@ -44,10 +44,9 @@ def test_policy(monkeypatch, has_bf16):
     assert kernels.auto_dtype("bfloat16", True)[0] == "float32"  # int weights: float32 on the integer kernels
     assert kernels.auto_dtype("bfloat16", True)[2] is False
     dtype, why, bf16_weights = kernels.auto_dtype("bfloat16", False)
-    if has_bf16 == "1":
-        assert (dtype, bf16_weights) == ("bfloat16", False) and "has bf16 units" in why
-    elif kernels.load() is not None:  # no bf16 units: bf16 weights kept, float32 activations on lmforge's kernels
-        assert (dtype, bf16_weights) == ("float32", True) and "without bf16 units" in why
+    if kernels.load() is not None:  # bf16 weights kept, float32 activations on lmforge's kernels
+        assert (dtype, bf16_weights) == ("float32", True)
+        assert ("has bf16 units" in why and "oneDNN's bf16 GEMM" in why) if has_bf16 == "1" else "without bf16 units" in why
     else:
         assert (dtype, bf16_weights) == ("bfloat16", False)
     assert kernels.auto_dtype("float16", False)[0] == "bfloat16"
@@ -110,6 +109,37 @@ def test_bf16_weights_on_float32_activations_are_the_float32_model(folders, monk
         assert out[0, len(p):].tolist() == toks
     with pytest.raises(ValueError):
         llm.load_weights(f32.llm_engine.model.state_dict())
+
+
+def test_bf16_units_run_decode_on_the_float32_kernels_and_prefill_on_bf16(folders, monkeypatch):
+    """A bf16 checkpoint on a CPU with bf16 units (forced here on any CPU: the bf16 GEMM then runs on
+    oneDNN's emulation) keeps the float32 kernels for steps under `BF16_UNITS_ROWS` rows, so a one-token
+    prompt decoding alone is the float32 engine's up to summation order, and from that
+    many rows takes oneDNN's bf16 GEMM on the bf16 weight: a long prompt's logits are the bf16 model's
+    rounding of the float32 ones, not the float32 ones exactly."""
+    from lmforge.quant.linear import QmmLinear
+
+    monkeypatch.setenv("LMFORGE_CPU_BF16", "1")
+    llm = LLM(str(folders["bfloat16"]), device="cpu", enable_prefix_caching=False)
+    runner = llm.llm_engine.model_runner
+    assert llm.stats()["dtype"] == "float32" and "bf16 units" in llm.stats()["dtype_choice"]
+    assert runner.bf16_linears > 0 and "oneDNN bf16 GEMM" in runner.linear_backend
+    q = next(m for m in runner.model.modules() if isinstance(m, QmmLinear))
+    x = torch.randn(QmmLinear.BF16_UNITS_ROWS, q.K)
+    w = q.codes.view(torch.bfloat16).float()
+    few, many = q(x[:-1]), q(x)  # the float32 kernel; then the bf16 GEMM on bf16-rounded activations
+    torch.testing.assert_close(few, x[:-1] @ w.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(many, x.bfloat16().float() @ w.T, rtol=2e-2, atol=2e-2)
+    assert not torch.equal(many[:-1], few)  # the long call did take the other path
+    f32 = LLM(str(folders["bfloat16"]), device="cpu", dtype="float32", enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    a, b = (l.generate([[7]], params, use_tqdm=False)[0].outputs[0] for l in (llm, f32))
+    assert a.token_ids == b.token_ids  # one row a step: the exact path throughout
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+    long = list(range(10, 50))
+    a, b = (l.generate([long], params, use_tqdm=False)[0].outputs[0] for l in (llm, f32))
+    assert a.token_ids[:4] == b.token_ids[:4]  # the prefill in bf16: the same model up to bf16 rounding
 
 
 @pytest.mark.skipif(kernels.load() is None, reason="no C compiler: lmforge's CPU kernels are absent")

@@ -131,13 +131,14 @@ def float32_except_linears(model: nn.Module) -> None:
             t.data = t.data.float()
 
 
-def swap_bf16_linears(model: nn.Module, qmm, c_gemm: bool = False) -> int:
+def swap_bf16_linears(model: nn.Module, qmm, c_gemm: bool = False, bf16_units: bool = False) -> int:
     """Every `nn.Linear` with a bfloat16 weight becomes `QmmLinear.from_bf16` (bf16 weights, float32
-    activations, `lmf_qmm_f32` with bits 16; prefill chunks on `lmf_gemm_f32` with `c_gemm`); returns how many."""
+    activations, `lmf_qmm_f32` with bits 16; prefill chunks on `lmf_gemm_f32` with `c_gemm`, or with
+    `bf16_units` on oneDNN's bf16 GEMM from `QmmLinear.BF16_UNITS_ROWS` rows); returns how many."""
     todo = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
             if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16]
     for parent, name, child in todo:
-        setattr(parent, name, QmmLinear.from_bf16(child, qmm, c_gemm))
+        setattr(parent, name, QmmLinear.from_bf16(child, qmm, c_gemm, bf16_units))
     return len(todo)
 
 
@@ -226,10 +227,13 @@ class ModelRunner:
         self.linear_backend = backend.name if backend is not None else "dense"
         self.quantized_linears = swap_backend(model, backend, dtype) if backend is not None else 0
         c_gemm = gemm_on(lib)
-        self.bf16_linears = swap_bf16_linears(model, lib.qmm_f32, c_gemm) if bf16_weights else 0
+        bf16_units = kernels.cpu_has_bf16()
+        self.bf16_linears = swap_bf16_linears(model, lib.qmm_f32, c_gemm, bf16_units) if bf16_weights else 0
         if self.bf16_linears:
-            self.linear_backend = ("bf16 weights x float32 activations (lmforge lmf_qmm_f32, bits 16; "
-                                   + (f"prefill on lmf_gemm_f32 from {QmmLinear.GEMM_MIN_ROWS[16]} rows)" if c_gemm else "widen + sgemm above 32 rows)"))
+            self.linear_backend = ("bf16 weights x float32 activations (lmforge lmf_qmm_f32, bits 16; " + (
+                f"from {QmmLinear.BF16_UNITS_ROWS} rows oneDNN bf16 GEMM on the CPU's bf16 units)" if bf16_units else
+                f"prefill on lmf_gemm_f32 from {QmmLinear.GEMM_MIN_ROWS[16]} rows)" if c_gemm else
+                "widen + sgemm above 32 rows)"))
         self.weight_bytes = weight_bytes(model)
         # every weight under its checkpoint name, captured before any swap below: the fused stand-ins
         # hold these same tensors (not copies), so `load_weights` can write through them in place

@@ -164,6 +164,11 @@ class QmmLinear(nn.Module):
     # + sgemm runs 67-82, and sgemm wins only from ~512 rows (116-129 against 84-100;
     # `python scripts/cpu_rows_bench.py --linear`)
     A8_PREFILL_ROWS = 256
+    # bf16 weights on a CPU with bf16 units (`from_bf16(..., bf16_units=True)`): from this many rows oneDNN's bf16
+    # GEMM on the CPU's bf16 units (activations rounded to bf16), below it the exact float32 row kernel. Zen 4,
+    # the 300M's 96 layer linears read from memory, 2 threads, row kernel / bf16 GEMM time: 1 row 0.70, 2 rows
+    # 0.69, 4 rows 0.91, 8 rows 1.30, 16 rows 1.63, 64 rows 1.74
+    BF16_UNITS_ROWS = 6
 
     def __init__(self, q: QuantizedLinear, dtype: torch.dtype, qmm=None, a8=None, prefill_bf16: bool = False,
                  c_gemm: bool = False):
@@ -204,16 +209,21 @@ class QmmLinear(nn.Module):
         return self
 
     @classmethod
-    def from_bf16(cls, linear: nn.Linear, qmm, c_gemm: bool = False) -> "QmmLinear":
+    def from_bf16(cls, linear: nn.Linear, qmm, c_gemm: bool = False, bf16_units: bool = False) -> "QmmLinear":
         """A bfloat16 `nn.Linear` on float32 activations (a bf16 checkpoint on a CPU without bf16 units):
         the weight stays bf16 (2 bytes read a weight, `lmf_qmm_f32` with bits 16, widened exactly inside
         the kernel), scale 1. Prefill chunks: with `c_gemm` (the build has `lmf_gemm_f32`'s AVX2 body) every
         row count goes to `lmf_qmm_f32`, which from 22 rows runs the panel GEMM (the weight widened 16 rows at
         a time in L2: 1.2-2.5x widen + sgemm on the 300M's shapes); without, above `MAX_ROWS` rows the weight
         is widened into the shared float32 buffer for sgemm. The same numbers as the float32 model of the
-        same weights, up to summation order."""
+        same weights, up to summation order. With `bf16_units` (a CPU with AVX-512 BF16 or AMX): calls of
+        `BF16_UNITS_ROWS` rows or more run oneDNN's bf16 GEMM on the weight as it is (activations rounded to
+        bf16, as a bf16 model's are; 1.3-1.8x the float32 kernels from 8 rows on the Zen 4), fewer rows the
+        exact float32 kernel, which reads the weights faster than torch's bf16 matmul (a batch-1 decode step
+        of the random 300M on the Zen 4: 19.5-22.3 ms against 29-37 ms in bf16)."""
         self = cls._dense(linear, qmm, torch.bfloat16, 16)
         self.c_gemm = c_gemm and qmm is not None
+        self.prefill_bf16 = bf16_units
         return self
 
     @classmethod
@@ -288,9 +298,12 @@ class QmmLinear(nn.Module):
             if self.bias is not None:
                 out_MN += self.bias
             return out_MN.to(x.dtype).reshape(*x.shape[:-1], self.N)
-        if self.prefill_bf16:
-            w_NK = scratch(self.N * self.K, torch.bfloat16, self.codes.device).view(self.N, self.K)
-            w_NK.copy_(self.dequantized())
+        if self.prefill_bf16 and (self.bits != 16 or rows >= self.BF16_UNITS_ROWS):
+            if self.bits == 16:  # the bf16 weight as it is
+                w_NK = self.codes.view(torch.bfloat16)
+            else:
+                w_NK = scratch(self.N * self.K, torch.bfloat16, self.codes.device).view(self.N, self.K)
+                w_NK.copy_(self.dequantized())
             out_MN = F.linear(x.reshape(-1, self.K).to(torch.bfloat16), w_NK).float()
             if self.bias is not None:
                 out_MN += self.bias

@@ -276,15 +276,23 @@ def auto_dtype(checkpoint_dtype: str | None, quantized: bool) -> tuple[str, str,
     bits 16: a decode step's few rows, and the whole decoder layer as one C call; above 32 rows the
     weight widened for sgemm): torch's own bf16 matmul on such a CPU has no fast path (prefill of 512
     tokens on the random 300M, AVX2 EPYC, 2 threads: 32 tok/s against llama.cpp's 154,
-    `python scripts/vs_llamacpp.py`). Without the compiled kernels, bf16 as before."""
+    `python scripts/vs_llamacpp.py`). On a CPU with bf16 units a bf16 checkpoint takes the same form, but
+    steps of `QmmLinear.BF16_UNITS_ROWS` rows or more run oneDNN's bf16 GEMM on the bf16 weight (prefill,
+    batched decode): decode stays on the float32 kernels, which read weights faster than torch's bf16
+    matmul (random 300M, batch 1, Zen 4, 2 threads: 19.5-22.3 ms a step against 29-37 in bf16 compute).
+    Without the compiled kernels, bf16 as before."""
     if quantized:
         return "float32", "int8/int4 weights: float32 activations on lmforge's integer kernels", False
     ckpt = checkpoint_dtype or "float32"
     if ckpt not in ("bfloat16", "float16"):
         return ckpt, f"{ckpt} checkpoint kept", False
-    if cpu_has_bf16():
-        return "bfloat16", f"{ckpt} checkpoint, CPU has bf16 units: bf16 compute", False
+    units = cpu_has_bf16()
     if ckpt == "bfloat16" and (lib := load()) is not None and lib.qmm_f32 is not None:
+        if units:
+            return ("float32", "bfloat16 checkpoint, CPU has bf16 units: bf16 weights, float32 activations on "
+                    "lmforge's kernels for a decode step's few rows, oneDNN's bf16 GEMM on the bf16 units above", True)
         return ("float32", "bfloat16 checkpoint, CPU without bf16 units: bf16 weights, float32 activations on "
                 "lmforge's kernels", True)
+    if units:
+        return "bfloat16", f"{ckpt} checkpoint, CPU has bf16 units: bf16 compute", False
     return "bfloat16", f"{ckpt} checkpoint, CPU without bf16 units: bf16 weights, float32 arithmetic in oneDNN", False
