@@ -532,10 +532,23 @@ __attribute__((target("avx2,fma"))) static void decode_one_f32_avx2(const float 
         mx[n] = -INFINITY;
         sum[n] = 0.0f;
     }
+    /* A head's rows are scattered over the pool (K heads apart inside a block, blocks anywhere), which the
+     * hardware prefetchers follow poorly: before a tile's scores, its V rows and the next tile's K rows are
+     * prefetched. Zen 4, 2 threads, the 300M's 24 layers at batch 1, blocks in random order: 1.2-1.5x at 200
+     * to 1,400 tokens of context (1,400: 16.4 -> 13.2 ms a step), where attention had become half of a Q4_0
+     * decode step. */
+    int64_t row[TILE], next[TILE];
+    tile_rows(table, 0, len < TILE ? len : TILE, B, K, g, row);
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {
         const int64_t nt = len - t0 < TILE ? len - t0 : TILE;
-        int64_t row[TILE];
-        tile_rows(table, t0, nt, B, K, g, row);
+        const int64_t left = len - t0 - nt, nn = left < TILE ? left : TILE;
+        if (nn > 0) tile_rows(table, t0 + TILE, nn, B, K, g, next);
+        for (int64_t i = 0; i < nt; i++) {
+            for (int64_t b = 0; b < H * 4; b += 64) {
+                _mm_prefetch((const char *)(v_pool + row[i] * H) + b, _MM_HINT_T0);
+                if (i < nn) _mm_prefetch((const char *)(k_pool + next[i] * H) + b, _MM_HINT_T0);
+            }
+        }
         for (int64_t i = 0; i < nt; i++) {  /* scores: each K row read once for every query head */
             const float *kr = k_pool + row[i] * H;
             for (int64_t n = 0; n < G; n++) {
@@ -570,6 +583,7 @@ __attribute__((target("avx2,fma"))) static void decode_one_f32_avx2(const float 
                     _mm256_store_ps(acc[n] + h, _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + h), _mm256_load_ps(acc[n] + h)));
             }
         }
+        memcpy(row, next, sizeof row);
     }
     for (int64_t n = 0; n < G; n++) {
         const __m256 inv = _mm256_set1_ps(1.0f / sum[n]);
