@@ -172,23 +172,26 @@ def test_a8_linear_within_tolerance_of_a16(scheme, dtype):
 
 
 @pytest.mark.parametrize("scheme", [QuantScheme(8, None), QuantScheme(4, 32)], ids=["w8", "w4-g32"])
-def test_a8_prefill_bf16_gemm_above_64_rows(scheme):
-    """With `prefill_bf16` (the engine sets it on CPUs with bf16 units) rows above 64 run oneDNN's bf16
-    GEMM on the dequantized weight: bf16 rounding of weights and activations, float32 accumulation;
-    64 rows and fewer still take the int8-activation kernel (the same numbers as without the flag)."""
+def test_a8_prefill_bf16_gemm_above_its_rows(scheme):
+    """With `prefill_bf16` (the engine sets it on CPUs with bf16 units) rows above `A8_BF16_PREFILL_ROWS` run
+    oneDNN's bf16 GEMM on the dequantized weight: bf16 rounding of weights and activations, float32
+    accumulation; that many rows and fewer still take the int8-activation kernel (the same numbers as
+    without the flag)."""
     q = _layer(scheme, N=72, K=256)
     fast = QmmLinear(q, torch.float32, qmm=LIB.qmm_f32, a8=LIB.a8(), prefill_bf16=True)
     plain = QmmLinear(q, torch.float32, qmm=LIB.qmm_f32, a8=LIB.a8())
     w = q.dequantized_weight().double()
-    for M in (64, 65, 300):
+    rows = QmmLinear.A8_BF16_PREFILL_ROWS
+    assert QmmLinear.A8_MAX_ROWS < rows < QmmLinear.A8_PREFILL_ROWS
+    for M in (64, rows, rows + 1, 300):
         x = torch.randn(M, 256, generator=torch.Generator().manual_seed(M))
         ref = x.double() @ w.t() + q.bias.double()
         got = fast(x)
         err = ((got.double() - ref).norm() / ref.norm()).item()
-        if M <= 64:
+        if M <= rows:
             assert torch.equal(got, plain(x))
         else:
-            assert 1e-4 < err < 1e-2, (M, err)  # bf16's rounding shows, within bf16's precision
+            assert not torch.equal(got, plain(x)) and 1e-4 < err < 1e-2, (M, err)  # bf16's rounding, within its precision
     backend = select_backend(torch.nn.Sequential(q), CPU, qmm=LIB.qmm_f32, quant_activations="int8", a8=LIB.a8(),
                              prefill_bf16=True)
     assert "bf16 GEMM" in backend.name and backend(q, torch.float32).prefill_bf16

@@ -164,6 +164,11 @@ class QmmLinear(nn.Module):
     # + sgemm runs 67-82, and sgemm wins only from ~512 rows (116-129 against 84-100;
     # `python scripts/cpu_rows_bench.py --linear`)
     A8_PREFILL_ROWS = 256
+    # with bf16 units, A8 prefill chunks up to this many rows stay on the A8 kernel, above it the bf16 GEMM on the
+    # dequantized weight (whose dequantization costs each call): Zen 4, random 300M Q4_0, 2 threads, one prompt
+    # (A8 to 64 / to 256 rows): 100 tokens 484-487 / 320-325 ms, 128 496-539 / 422-442, 160 589-594 / 533-586,
+    # 200 640-666 / 629-809, 256 744-823 / 881-943
+    A8_BF16_PREFILL_ROWS = 160
     # bf16 weights on a CPU with bf16 units (`from_bf16(..., bf16_units=True)`): from this many rows oneDNN's bf16
     # GEMM on the CPU's bf16 units (activations rounded to bf16), below it the exact float32 row kernel. Zen 4,
     # the 300M's 96 layer linears read from memory, 2 threads, row kernel / bf16 GEMM time: 1 row 0.70, 2 rows
@@ -292,7 +297,8 @@ class QmmLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.K
-        a8_rows = self.A8_MAX_ROWS if self.prefill_bf16 or self.c_gemm else self.A8_PREFILL_ROWS
+        a8_rows = (self.A8_BF16_PREFILL_ROWS if self.prefill_bf16 else self.A8_MAX_ROWS if self.c_gemm
+                   else self.A8_PREFILL_ROWS)
         if self.a8 is not None and rows <= a8_rows:
             out_MN = self.forward_a8(x.reshape(-1, self.K).contiguous())
             if self.bias is not None:
@@ -355,7 +361,7 @@ def _a8_backend(layers: list[QuantizedLinear], device: torch.device, dtype: torc
     c_gemm = c_gemm and dtype == torch.float32 and qmm is not None and not prefill_bf16
     backend = functools.partial(QmmLinear, qmm=qmm if dtype == torch.float32 else None, a8=a8,
                                 prefill_bf16=prefill_bf16, c_gemm=c_gemm)
-    above = (f"above {QmmLinear.A8_MAX_ROWS} rows bf16 GEMM on dequantized weights" if prefill_bf16 else
+    above = (f"above {QmmLinear.A8_BF16_PREFILL_ROWS} rows bf16 GEMM on dequantized weights" if prefill_bf16 else
              f"above {QmmLinear.A8_MAX_ROWS} rows lmforge lmf_gemm_f32 on float32 activations" if c_gemm else
              f"above {QmmLinear.A8_PREFILL_ROWS} rows sgemm on dequantized weights")
     backend.name = f"int8/int4 weights x int8 activations (lmforge lmf_qmm_a8, {a8.isa}; {above})"  # type: ignore
