@@ -47,7 +47,8 @@ SOURCE = Path(__file__).with_name("cpu_ops.c")
 MAX_H = 256  # head size limit of the attention and RoPE kernels (cpu_ops.c's MAX_H)
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-pthread"]
 # numbered in order of preference (cpu_ops.c's enum): with none forced, the highest this CPU runs; on an
-# AVX-512 VNNI CPU that is the 256-bit body on the EVEX vpdpbusd (faster than the 512-bit body on Zen 4)
+# AVX-512 VNNI CPU that is the 256-bit body on the EVEX vpdpbusd (faster than the 512-bit body on Zen 4; it
+# hands int8 weights at 8 rows or more to the 512-bit body, which wins there)
 A8_ISAS = {"portable": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3, "avx512_vnni_256": 4}
 OPENMP = "-fopenmp"  # tried first: the decode kernel's threads then come from torch's own OpenMP pool
 
