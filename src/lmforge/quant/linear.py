@@ -215,7 +215,7 @@ class QmmLinear(nn.Module):
 
     @classmethod
     def from_bf16(cls, linear: nn.Linear, qmm, c_gemm: bool = False, bf16_units: bool = False) -> "QmmLinear":
-        """A bfloat16 `nn.Linear` on float32 activations (a bf16 checkpoint on a CPU without bf16 units):
+        """A bfloat16 `nn.Linear` on float32 activations (a bf16 checkpoint under `--dtype auto`):
         the weight stays bf16 (2 bytes read a weight, `lmf_qmm_f32` with bits 16, widened exactly inside
         the kernel), scale 1. Prefill chunks: with `c_gemm` (the build has `lmf_gemm_f32`'s AVX2 body) every
         row count goes to `lmf_qmm_f32`, which from 22 rows runs the panel GEMM (the weight widened 16 rows at
