@@ -64,8 +64,8 @@ class CDecodeLayer(nn.Module):
         qkv, o, gu, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
         self.isa = A8_ISAS[qkv.a8.isa] if qkv.a8 is not None else -1
         self.max_rows = QmmLinear.A8_MAX_ROWS if qkv.a8 is not None else qkv.MAX_ROWS  # bits 32: its own
-        if qkv.bits == 16 and qkv.prefill_bf16:  # bf16 weights on bf16 units: bigger steps on oneDNN's bf16 GEMM
-            self.max_rows = QmmLinear.BF16_UNITS_ROWS - 1
+        if qkv.bf16_rows:  # steps that reach oneDNN's bf16 GEMM take the module path
+            self.max_rows = min(self.max_rows, qkv.bf16_rows - 1)
         k_pool, v_pool = backend.kv.rows(attn.layer_idx)
         self.layer_idx, self.eps, self.scale = attn.layer_idx, layer.input_layernorm.variance_epsilon, attn.head_dim ** -0.5
         p = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), o.N,

@@ -264,6 +264,14 @@ class QmmLinear(nn.Module):
         return None
 
     @property
+    def bf16_rows(self) -> int:
+        """From how many rows this layer runs oneDNN's bf16 GEMM (0: never): with `prefill_bf16`, bf16
+        weights from `BF16_UNITS_ROWS`, int8/int4 weights on int8 activations above `A8_BF16_PREFILL_ROWS`."""
+        if not self.prefill_bf16:
+            return 0
+        return self.BF16_UNITS_ROWS if self.bits == 16 else self.A8_BF16_PREFILL_ROWS + 1
+
+    @property
     def gemm_rows(self) -> int:
         """From how many rows `lmf_qmm_f32` hands this layer's calls to the panel GEMM (0: never)."""
         return self.GEMM_MIN_ROWS[self.bits] if self.c_gemm else 0
@@ -297,14 +305,14 @@ class QmmLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.K
-        a8_rows = (self.A8_BF16_PREFILL_ROWS if self.prefill_bf16 else self.A8_MAX_ROWS if self.c_gemm
+        a8_rows = (self.bf16_rows - 1 if self.prefill_bf16 else self.A8_MAX_ROWS if self.c_gemm
                    else self.A8_PREFILL_ROWS)
         if self.a8 is not None and rows <= a8_rows:
             out_MN = self.forward_a8(x.reshape(-1, self.K).contiguous())
             if self.bias is not None:
                 out_MN += self.bias
             return out_MN.to(x.dtype).reshape(*x.shape[:-1], self.N)
-        if self.prefill_bf16 and (self.bits != 16 or rows >= self.BF16_UNITS_ROWS):
+        if self.bf16_rows and rows >= self.bf16_rows:
             if self.bits == 16:  # the bf16 weight as it is
                 w_NK = self.codes.view(torch.bfloat16)
             else:

@@ -14,7 +14,8 @@ KV cache, for CPUs without native bf16 and for `kv_cache_dtype=int8`):
     chunks and big batches; AVX2 + FMA);
   * `lmf_qmm_a8`: the same weights on int8 activations (dynamic, per token) with int32 integer dot
     products, one body per ISA chosen at run time from the CPU's flags (`A8_ISAS`: AVX-512 VNNI
-    in 256-bit and 512-bit forms, AVX-VNNI, AVX2, portable C); `LMFORGE_A8_ISA=<name>` forces one, `a8_isa()` says which runs.
+    in 256-bit and 512-bit forms, AVX-VNNI, AVX2, portable C); `LMFORGE_A8_ISA=<name>` forces one,
+    `a8_isa()` says which runs.
 
 Why native code: on CPU the per-sequence `scaled_dot_product_attention` loop spent ~30 us of
 dispatch per sequence per layer on top of reading the K/V, and a padded batched SDPA must first
@@ -289,11 +290,10 @@ def auto_dtype(checkpoint_dtype: str | None, quantized: bool) -> tuple[str, str,
         return ckpt, f"{ckpt} checkpoint kept", False
     units = cpu_has_bf16()
     if ckpt == "bfloat16" and (lib := load()) is not None and lib.qmm_f32 is not None:
-        if units:
-            return ("float32", "bfloat16 checkpoint, CPU has bf16 units: bf16 weights, float32 activations on "
-                    "lmforge's kernels for a decode step's few rows, oneDNN's bf16 GEMM on the bf16 units above", True)
-        return ("float32", "bfloat16 checkpoint, CPU without bf16 units: bf16 weights, float32 activations on "
-                "lmforge's kernels", True)
+        how = ("CPU has bf16 units: bf16 weights, float32 activations on lmforge's kernels for a decode step's "
+               "few rows, oneDNN's bf16 GEMM on the bf16 units above" if units else
+               "CPU without bf16 units: bf16 weights, float32 activations on lmforge's kernels")
+        return "float32", f"bfloat16 checkpoint, {how}", True
     if units:
         return "bfloat16", f"{ckpt} checkpoint, CPU has bf16 units: bf16 compute", False
     return "bfloat16", f"{ckpt} checkpoint, CPU without bf16 units: bf16 weights, float32 arithmetic in oneDNN", False

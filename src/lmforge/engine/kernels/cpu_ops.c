@@ -535,8 +535,8 @@ __attribute__((target("avx2,fma"))) static void decode_one_f32_avx2(const float 
     /* A head's rows are scattered over the pool (K heads apart inside a block, blocks anywhere), which the
      * hardware prefetchers follow poorly: before a tile's scores, its V rows and the next tile's K rows are
      * prefetched. Zen 4, 2 threads, the 300M's 24 layers at batch 1, blocks in random order: 1.2-1.5x at 200
-     * to 1,400 tokens of context (1,400: 16.4 -> 13.2 ms a step), where attention had become half of a Q4_0
-     * decode step. */
+     * to 1,400 tokens of context (1,400: 13.7-16.4 -> 10.3-13.2 ms a step; `scripts/attn_decode_ab.py`), where
+     * attention had become half of a Q4_0 decode step. */
     int64_t row[TILE], next[TILE];
     tile_rows(table, 0, len < TILE ? len : TILE, B, K, g, row);
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {

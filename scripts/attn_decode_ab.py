@@ -1,0 +1,72 @@
+"""Batch-1 decode attention on a float32 K/V pool (`lmf_paged_decode_any`: act float32, kv float32, the
+AVX2 body where the CPU has it) of this checkout's `cpu_ops.c` against another revision's, alternating in one
+process, bit-identical output required. The shapes are the random 300M Llama's (24 layers, 16 query / 8 kv
+heads of 64), its pool blocks in random order as a long-running server's are, `--threads` threads; the
+best of `--repeats` steps for each context length. Prints ms a step and the K/V GB/s it reads.
+
+    python scripts/attn_decode_ab.py --old-rev d4c9797 --contexts 200,700,1400
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import typer
+
+from lmforge.engine import kernels
+
+LAYERS, BLOCK, KV_HEADS, HEAD, HEADS, BLOCKS = 24, 16, 8, 64, 16, 4096
+
+
+def _library_at(rev: str, out: Path) -> kernels.CpuKernels:
+    src = out / "cpu_ops.c"
+    src.write_text(subprocess.run(["git", "show", f"{rev}:src/lmforge/engine/kernels/cpu_ops.c"], check=True,
+                                  capture_output=True, text=True).stdout)
+    here = kernels.SOURCE
+    kernels.SOURCE = src
+    try:
+        return kernels._bind(kernels.build(out_dir=out))
+    finally:
+        kernels.SOURCE = here
+
+
+def main(old_rev: str = typer.Option(..., help="The revision to compare against (its cpu_ops.c)."),
+         contexts: str = "200,700,1400", repeats: int = 40, threads: int = 2) -> None:
+    torch.set_num_threads(threads)
+    libs = {"this checkout": kernels.load()}
+    if libs["this checkout"] is None:
+        raise typer.BadParameter("lmforge's CPU kernels did not build here (`lmforge doctor`)")
+    libs[old_rev] = _library_at(old_rev, Path(tempfile.mkdtemp(prefix="attn-ab-")))
+    shape = (BLOCKS, BLOCK, KV_HEADS, HEAD)
+    ks = [torch.randn(shape) for _ in range(LAYERS)]
+    vs = [torch.randn(shape) for _ in range(LAYERS)]
+    q = torch.randn(1, HEADS * HEAD)
+    for L in (int(c) for c in contexts.split(",")):
+        perm = np.random.default_rng(L).permutation(BLOCKS)[: (L + BLOCK - 1) // BLOCK]
+        table = torch.tensor(perm, dtype=torch.int32).reshape(1, -1)
+        lens, rows = torch.tensor([L], dtype=torch.int32), torch.tensor([0], dtype=torch.int64)
+        outs = {name: torch.empty(1, HEADS * HEAD) for name in libs}
+        best = {name: float("inf") for name in libs}
+        for _ in range(repeats):
+            for name, lib in libs.items():
+                t = time.perf_counter()
+                for k, v in zip(ks, vs):
+                    rc = lib.decode_any(q.data_ptr(), k.data_ptr(), v.data_ptr(), None, None, table.data_ptr(),
+                                        table.shape[1], lens.data_ptr(), rows.data_ptr(), 1, HEADS, KV_HEADS, HEAD,
+                                        BLOCK, HEAD ** -0.5, outs[name].data_ptr(), threads, 1, 1)
+                    assert rc == 0, rc
+                best[name] = min(best[name], time.perf_counter() - t)
+        a, b = outs.values()
+        assert torch.equal(a, b), "the two libraries' outputs differ"
+        kv_bytes = LAYERS * L * KV_HEADS * HEAD * 4 * 2
+        print(f"context {L}: " + ", ".join(f"{name} {best[name] * 1e3:.2f} ms ({kv_bytes / best[name] / 1e9:.1f} GB/s)"
+                                           for name in libs), flush=True)
+
+
+if __name__ == "__main__":
+    typer.run(main)
