@@ -87,8 +87,9 @@ def test_bf16_weights_on_float32_activations_are_the_float32_model(folders, monk
     """A bf16 checkpoint on a CPU without bf16 units keeps 2-byte weights (`QmmLinear.from_bf16`: decode rows
     on `lmf_qmm_f32` with bits 16, a 40-token prompt on the panel GEMM `lmf_gemm_f32`, or without its AVX2
     body above 32 rows on the widened weight) and computes in
-    float32: the greedy tokens are the float32 engine's on the same weights and transformers' float32
-    `generate`; the weights take half the bytes; the trainer's in-place weight sync is refused."""
+    float32 over a bf16 K/V cache (`--kv-cache-dtype auto`): the greedy tokens are the float32 engine's on the
+    same weights and K/V; with float32 K/V, transformers' float32 `generate`; the weights take half the bytes;
+    the trainer's in-place weight sync is refused."""
     import transformers
 
     from lmforge.quant.linear import QmmLinear
@@ -100,12 +101,16 @@ def test_bf16_weights_on_float32_activations_are_the_float32_model(folders, monk
     runner = llm.llm_engine.model_runner
     assert runner.bf16_linears > 0 and all(m.bits == 16 for m in runner.model.modules() if isinstance(m, QmmLinear))
     assert ("prefill on lmf_gemm_f32" in runner.linear_backend) is kernels.load().gemm_ok  # the 40-token prompt
+    assert runner.attn.kv.store_dtype == torch.bfloat16 and "bf16 K/V" in llm.stats()["kv_cache_dtype_choice"]
     fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    f32 = LLM(str(folders["bfloat16"]), device="cpu", dtype="float32")
+    f32 = LLM(str(folders["bfloat16"]), device="cpu", dtype="float32", kv_cache_dtype="bfloat16")
     assert fast == [o.outputs[0].token_ids for o in f32.generate(prompts, params, use_tqdm=False)]
     assert runner.weight_bytes < 0.6 * f32.llm_engine.model_runner.weight_bytes
+    exact = LLM(str(folders["bfloat16"]), device="cpu", kv_cache_dtype="float32")
+    assert exact.llm_engine.model_runner.bf16_linears > 0
+    exact_toks = [o.outputs[0].token_ids for o in exact.generate(prompts, params, use_tqdm=False)]
     hf = transformers.AutoModelForCausalLM.from_pretrained(folders["bfloat16"], dtype=torch.float32)
-    for p, toks in zip(prompts, fast):
+    for p, toks in zip(prompts, exact_toks):
         out = hf.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
         assert out[0, len(p):].tolist() == toks
     with pytest.raises(ValueError):
@@ -132,7 +137,8 @@ def test_bf16_units_run_decode_on_the_float32_kernels_and_prefill_on_bf16(folder
     torch.testing.assert_close(few, x[:-1] @ w.T, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(many, x.bfloat16().float() @ w.T, rtol=2e-2, atol=2e-2)
     assert not torch.equal(many[:-1], few)  # the long call did take the other path
-    f32 = LLM(str(folders["bfloat16"]), device="cpu", dtype="float32", enable_prefix_caching=False)
+    f32 = LLM(str(folders["bfloat16"]), device="cpu", dtype="float32", enable_prefix_caching=False,
+              kv_cache_dtype="bfloat16")  # the same bf16 K/V cache as the bf16 checkpoint's auto choice
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     a, b = (l.generate([[7]], params, use_tqdm=False)[0].outputs[0] for l in (llm, f32))
     assert a.token_ids == b.token_ids  # one row a step: the exact path throughout

@@ -50,14 +50,21 @@ def _run(llm: LLM, modules: bool) -> list[tuple[list[int], list[float]]]:
             layers[i] = layer
 
 
-@pytest.mark.parametrize("name,qa", [("w8", "none"), ("w8", "int8"), ("w4", "none"), ("w4", "int8"), ("bf16", "none"),
-                                     ("src", "none")])
-def test_c_layer_step_is_the_module_path_bit_for_bit(models, name, qa, monkeypatch):
+@pytest.mark.parametrize("name,qa,kv", [("w8", "none", "auto"), ("w8", "int8", "auto"), ("w4", "none", "auto"),
+                                        ("w4", "int8", "auto"), ("bf16", "none", "auto"), ("src", "none", "auto"),
+                                        ("src", "none", "bfloat16")])
+def test_c_layer_step_is_the_module_path_bit_for_bit(models, name, qa, kv, monkeypatch):
+    """`--kv-cache-dtype auto` keeps float32 K/V on the exact paths (A16, a float32 model) and bf16 K/V under
+    A8 and for the bf16 checkpoint (the C layer writes it rounded, as the module path's write does)."""
     monkeypatch.setenv("LMFORGE_CPU_BF16", "0")  # bf16: `--dtype auto` as on a CPU without bf16 units
     llm = LLM(str(models[name]), dtype="auto" if name == "bf16" else "float32", device="cpu", quant_activations=qa,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, kv_cache_dtype=kv)
     runner = llm.llm_engine.model_runner
     assert (runner.bf16_linears > 0) == (name == "bf16") and runner.dtype == torch.float32
+    bf16_kv = qa == "int8" or name == "bf16" or kv == "bfloat16"
+    assert runner.attn.kv.store_dtype == (torch.bfloat16 if bf16_kv else torch.float32)
+    assert llm.llm_engine.config.kv_cache_dtype == ("bfloat16" if bf16_kv else "float32")
+    assert int(runner.model.model.layers[0].params[23]) == int(not bf16_kv)
     # the float32 model: its layers' linears are the weights themselves on lmf_qmm_f32 (bits 32), the head packed
     assert runner.f32_layer_linears == (3 * 4 if name == "src" else 0)
     if name == "src":

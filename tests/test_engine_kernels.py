@@ -278,12 +278,13 @@ def _run_decode_any(lib, q, k_pool, v_pool, tables, rows, lens, B, k_scale=None,
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
 @pytest.mark.parametrize("portable", [False, True], ids=["auto", "portable"])
-@pytest.mark.parametrize("kv", ["float32", "int8"])
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("N,K,H,B", [(8, 2, 64, 4), (6, 3, 32, 5)])
 def test_paged_decode_any_float32_and_int8(kv, N, K, H, B, portable):
-    """float32 q and K/V: the float32 reference to float32 rounding; int8 K/V (codes * scale): the same
+    """float32 q and K/V: the float32 reference to float32 rounding; a bf16 pool under float32 q: the very
+    bits of the float32 pool holding the same (widened) values; int8 K/V (codes * scale): the same
     reference over the dequantized cache, and within int8 error of the float32 one. Both the build
-    this CPU runs (float32 with H % 8 == 0 on AVX2: the 8-wide body) and the portable one."""
+    this CPU runs (float32 q, float32 or bf16 K/V with H % 8 == 0 on AVX2: the 8-wide body) and the portable one."""
     from lmforge.engine.attention import quantize_kv
 
     lib = kernels.load(("-DLMF_PORTABLE",) if portable else ())
@@ -295,6 +296,12 @@ def test_paged_decode_any_float32_and_int8(kv, N, K, H, B, portable):
         rc, out = _run_decode_any(lib, q, k_pool, v_pool, tables, rows, lens, B)
         assert rc == 0
         torch.testing.assert_close(out[rows], ref[rows], rtol=1e-5, atol=1e-5)
+        return
+    if kv == "bfloat16":
+        k16, v16 = (k_pool * 1.37).bfloat16(), (v_pool * 0.61).bfloat16()  # values a bf16 pool does round
+        rc, out = _run_decode_any(lib, q, k16, v16, tables, rows, lens, B)
+        rc32, out32 = _run_decode_any(lib, q, k16.float(), v16.float(), tables, rows, lens, B)
+        assert rc == rc32 == 0 and torch.equal(out, out32)
         return
     (kq, ks), (vq, vs) = quantize_kv(k_pool), quantize_kv(v_pool)
     rc, out = _run_decode_any(lib, q, kq, vq, tables, rows, lens, B, ks, vs)
@@ -309,7 +316,7 @@ def test_paged_decode_any_float32_and_int8(kv, N, K, H, B, portable):
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
-@pytest.mark.parametrize("kv", ["float32", "int8"])
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "int8"])
 def test_paged_decode_any_one_sequence_splits_kv_heads(kv):
     """Batch 1 with threads: the kv heads are cut into ranges (each head computed as on one thread, so
     the output is bit-identical), from 512 cached (token, kv head) pairs; short contexts stay on one."""
@@ -324,11 +331,32 @@ def test_paged_decode_any_one_sequence_splits_kv_heads(kv):
         if kv == "int8":
             (k_pool, ks), (v_pool, vs) = quantize_kv(k_pool), quantize_kv(v_pool)
             scales = (ks, vs)
+        if kv == "bfloat16":
+            k_pool, v_pool = k_pool.bfloat16(), v_pool.bfloat16()
         rc1, one = _run_decode_any(lib, q, k_pool, v_pool, tables, rows, [n], B, *scales, threads=1)
         rc3, three = _run_decode_any(lib, q, k_pool, v_pool, tables, rows, [n], B, *scales, threads=3)
         assert rc1 == rc3 == 0 and torch.equal(one, three), n
-        tol = 1e-5 if kv == "float32" else 0.03
+        tol = {"float32": 1e-5, "bfloat16": 0.02, "int8": 0.03}[kv]
         torch.testing.assert_close(three[rows], ref[rows], rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_write_kv_f32_bf16_rounds_as_torch():
+    """float32 K/V into a bf16 pool: the bits of torch's `.to(torch.bfloat16)` (nearest, ties to even),
+    infinities and values that round up into the next binade included; other rows untouched."""
+    lib = kernels.load()
+    T, K, H, rows = 7, 2, 64, 30
+    k, v = torch.randn(T, K, H) * 100, torch.randn(T, K, H)
+    k[0, 0, :4] = torch.tensor([float("inf"), -float("inf"), 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8])  # ties: down, up
+    v[1, 1, :2] = torch.tensor([3.3895e38, -0.0])
+    slots = torch.tensor(random.Random(2).sample(range(rows), T), dtype=torch.long)
+    pools = [torch.full((rows, K, H), 5.0, dtype=torch.bfloat16) for _ in range(2)]
+    lib.write_kv_f32_bf16(k.data_ptr(), v.data_ptr(), slots.data_ptr(), T, K * H, pools[0].data_ptr(),
+                          pools[1].data_ptr())
+    for x, pool in ((k, pools[0]), (v, pools[1])):
+        assert torch.equal(pool[slots].view(torch.int16), x.bfloat16().view(torch.int16))
+        others = [r for r in range(rows) if r not in slots.tolist()]
+        assert torch.equal(pool[others], torch.full((len(others), K, H), 5.0, dtype=torch.bfloat16))
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")

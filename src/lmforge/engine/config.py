@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")
+
 
 @dataclass
 class EngineConfig:
@@ -25,7 +27,9 @@ class EngineConfig:
     attention: str = "fast"  # fast (batched gather + SDPA) | reference (per-sequence loop, plain math)
     pack_weights: bool = True  # CPU float32 / bf16: linear weights reordered once into oneDNN's layout (fast path)
     cpu_kernels: bool = True  # CPU bfloat16: compiled C paged-decode attention (torch path if no compiler)
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (codes + a bf16 scale per token per head)
+    # auto (the model's dtype; on CPU float32 activations over bf16 or int8-activation weights: bfloat16, see
+    # LLMEngine._resolve_kv_dtype) | bfloat16 | float32 | int8 (codes + a bf16 scale per token per head)
+    kv_cache_dtype: str = "auto"
     quant_activations: str = "none"  # w8/w4 checkpoints on CPU: none (exact) | int8 (per-token int8, integer dots)
     tensor_parallel_size: int = 1  # processes (ranks) the model's layers are split over (engine/executor.py)
     # speculative decoding (engine/spec_decode.py): a draft model, or ngram prompt lookup, proposes K tokens
@@ -57,7 +61,7 @@ class EngineConfig:
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, "must be >= 1"),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 1, "must be >= 1"),
             ("attention", self.attention in ("fast", "reference"), "must be 'fast' or 'reference'"),
-            ("kv_cache_dtype", self.kv_cache_dtype in ("auto", "int8"), "must be 'auto' or 'int8'"),
+            ("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"must be one of {', '.join(KV_CACHE_DTYPES)}"),
             ("quant_activations", self.quant_activations in ("none", "int8"), "must be 'none' or 'int8'"),
             ("tensor_parallel_size", isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
              "must be an integer >= 1"),

@@ -6,9 +6,9 @@ and float32 models (`QmmLinear.from_f32`, bits 32: the weights as they are, up t
 Why: at batch 1 a 24-layer model's step spent ~8 ms of ~28 in the Python module tree around the
 kernels (module calls, reshapes, the small torch ops between the C calls; `scripts/decode_step_profile.py`),
 a third of the step, and most of it at batch 1 is interpreter time, not arithmetic. The C function runs
-the very kernels the module path calls (RMSNorm, the fused q/k/v matmul, RoPE, the K/V write, paged
-decode attention, o_proj, RMSNorm, gate/up, SiLU x up, down, the residual adds), in the same order, so
-a step gives the same bits either way (`tests/test_engine_decode_layer.py`).
+the very kernels the module path calls (RMSNorm, the fused q/k/v matmul, RoPE, the K/V write into a
+float32 or bf16 pool, paged decode attention, o_proj, RMSNorm, gate/up, SiLU x up, down, the residual
+adds), in the same order, so a step gives the same bits either way (`tests/test_engine_decode_layer.py`).
 
 `CDecodeLayer` stands in for a `DecoderLayer` (as the other engine-only stand-ins of `fused.py` do): on
 a step where every row decodes (no prefill chunk), at most `QmmLinear.A8_MAX_ROWS` (A8) or
@@ -31,7 +31,9 @@ def _why_not(layer: DecoderLayer, backend) -> str | None:
     """None when `lmf_decode_layer_q` computes this layer exactly as its modules do, else why not."""
     attn, mlp = layer.self_attn, layer.mlp
     if type(backend).__name__ != "KernelBackend" or getattr(backend.kv, "int8", False):
-        return "attention is not the C kernels on a model-dtype K/V pool"
+        return "attention is not the C kernels on a float K/V pool"
+    if backend.kv.store_dtype not in (torch.float32, torch.bfloat16):
+        return "the K/V pool is neither float32 nor bfloat16"
     if not (isinstance(attn, FusedAttention) and "qkv_proj" in attn._modules and attn.q_norm is None):
         return "q/k/v are not one projection (or the model has q/k norms)"
     if not (isinstance(mlp, FusedMLP) and "gate_up_proj" in mlp._modules):
@@ -73,7 +75,7 @@ class CDecodeLayer(nn.Module):
              qkv.codes.data_ptr(), qkv.scale.data_ptr(), o.codes.data_ptr(), o.scale.data_ptr(),
              gu.codes.data_ptr(), gu.scale.data_ptr(), down.codes.data_ptr(), down.scale.data_ptr(),
              qkv.bits, _kernel_gs(qkv), k_pool.data_ptr(), v_pool.data_ptr(), qkv.threads, torch.get_num_threads(),
-             qkv.gemm_rows]
+             qkv.gemm_rows, int(k_pool.dtype == torch.float32)]
         self.params = torch.tensor(p, dtype=torch.int64)  # kept alive: the C call reads it every step
 
     def forward(self, x_BTD: torch.Tensor, cos_BTH, sin_BTH, attn) -> torch.Tensor:

@@ -89,6 +89,7 @@ class LLMEngine:
             raise FileNotFoundError(f"{model_dir}: no config.json; pass a Hugging Face layout model directory "
                                     "or a .gguf file")
         bf16_weights = self._resolve_dtype(config, model_dir)  # before any worker starts
+        self.kv_choice = self._resolve_kv_dtype(config, model_dir, bf16_weights)
         torch.manual_seed(config.seed)
         # tensor parallelism: the workers start loading now, beside rank 0 (this process)
         self.executor = MultiprocExecutor(config) if config.tensor_parallel_size > 1 else None
@@ -132,11 +133,11 @@ class LLMEngine:
         self.timings = dict.fromkeys(("propose", "schedule", "sample", "postprocess", "detokenize"), 0.0)  # seconds
         r = self.model_runner
         log.info("engine ready: %s, %s (%s) on %s; weights %.1f MiB (linear: %s); %d KV blocks of %d tokens "
-                 "(%.1f MiB, %d B/token, %s, %d tokens); attention: %s; %d packed linears, %d fused modules",
+                 "(%.1f MiB, %d B/token, %s K/V: %s, %d tokens); attention: %s; %d packed linears, %d fused modules",
                  model_dir, r.dtype, self.dtype_choice, r.device, r.weight_bytes / 2**20, r.linear_backend, num_blocks,
                  config.block_size,
                  num_blocks * r.attn.bytes_per_block / 2**20, r.attn.bytes_per_block // config.block_size,
-                 config.kv_cache_dtype, num_blocks * config.block_size, r.attention_backend, r.packed_linears,
+                 config.kv_cache_dtype, self.kv_choice, num_blocks * config.block_size, r.attention_backend, r.packed_linears,
                  r.fused_modules)
 
     def _resolve_dtype(self, config: EngineConfig, model_dir: Path) -> bool:
@@ -150,6 +151,26 @@ class LLMEngine:
                 config.dtype, bf16_weights = "bfloat16", False
                 self.dtype_choice = "bfloat16 checkpoint, CPU without bf16 units: bf16 (tensor parallel, LoRA or reference)"
         return bf16_weights
+
+    @staticmethod
+    def _resolve_kv_dtype(config: EngineConfig, model_dir: Path, bf16_weights: bool) -> str:
+        """`--kv-cache-dtype auto`: the activations' dtype, except on CPU float32 activations that exist for
+        the kernels' sake, over a bf16 checkpoint (`bf16_weights`) or int8-activation (A8) int weights:
+        there K/V is kept in bfloat16, as the bf16 checkpoint itself would (and as llama.cpp keeps f16 K/V),
+        and a decode step reads half the bytes (at 700 tokens of context the random 300M's float32 K/V is
+        67 MB a step, more than its Q4_0 weights). The exact A16 path and float32 checkpoints keep float32.
+        Written into `config.kv_cache_dtype`; returns why, for the log and `/metrics`."""
+        if config.kv_cache_dtype != "auto":
+            return "set by --kv-cache-dtype"
+        if config.dtype != "float32" or resolve_device(config.device).type != "cpu":
+            return "the activations' dtype"
+        a8 = config.quant_activations == "int8" and checkpoint_info(model_dir)[1]
+        if (bf16_weights or a8) and config.cpu_kernels and config.attention == "fast" and kernels.load() is not None:
+            config.kv_cache_dtype = "bfloat16"
+            return ("bf16 checkpoint on float32 activations: bf16 K/V" if bf16_weights else
+                    "int8 activations over int weights: bf16 K/V (as llama.cpp's f16 cache)")
+        config.kv_cache_dtype = "float32"
+        return "the activations' dtype"
 
     def _num_blocks_from_budget(self) -> int:
         per_block = kv_bytes_per_block(self.model, self.config.block_size, self.config.kv_cache_dtype)
@@ -448,7 +469,8 @@ class LLMEngine:
         r, bs = self.model_runner, self.config.block_size
         return dict(weight_bytes=r.weight_bytes, linear_backend=r.linear_backend, attention_backend=r.attention_backend,
                     dtype=str(r.dtype).removeprefix("torch."), dtype_choice=self.dtype_choice,
-                    kv_cache_dtype=self.config.kv_cache_dtype, kv_bytes_per_token=r.attn.bytes_per_block // bs,
+                    kv_cache_dtype=self.config.kv_cache_dtype, kv_cache_dtype_choice=self.kv_choice,
+                    kv_bytes_per_token=r.attn.bytes_per_block // bs,
                     kv_pool_tokens=self.block_manager.num_blocks * bs)
 
     # ---- what callers may read -------------------------------------------------------------------

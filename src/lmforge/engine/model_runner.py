@@ -29,7 +29,7 @@ from lmforge.quant.linear import QmmLinear, QuantizedLinear, swap_backend
 from lmforge.quant.linear import select_backend as select_linear_backend
 
 from . import decode_layer, kernels
-from .attention import kv_bytes_per_token, select_backend
+from .attention import kv_bytes_per_token, kv_store_dtype, select_backend
 from .fused import fuse_elementwise, fuse_projections
 from .scheduler import ScheduledSeq
 
@@ -65,7 +65,7 @@ def kv_bytes_per_block(model: Transformer, block_size: int, kv_cache_dtype: str 
     """2 (k and v) x layers x kv heads x head dim x block size x dtype size (int8: codes + a scale per head);
     under tensor parallelism, one rank's kv heads."""
     c = model.config
-    dtype = next(model.parameters()).dtype
+    dtype = kv_store_dtype(kv_cache_dtype, next(model.parameters()).dtype)
     return block_size * kv_bytes_per_token(c.num_hidden_layers, local_heads(model)[1], c.head_dim, dtype,
                                            kv_cache_dtype == "int8")
 

@@ -60,7 +60,9 @@ QuantActivationsOpt = Annotated[str, typer.Option(
     help="none: quantized weights run on the exact A16 kernels | int8: activations quantized per token and "
     "integer dot products (VNNI / AVX2), faster, within ~1% of exact.")]
 KvCacheDtypeOpt = Annotated[str, typer.Option(
-    help="auto (the model's dtype) | int8 (a scale per token per head: ~2x the tokens per byte).")]
+    help="auto (the model's dtype; bfloat16 under float32 activations over a bf16 checkpoint or with "
+         "--quant-activations int8) | bfloat16 | float32 | int8 (a scale per token per head: ~2x the tokens per "
+         "byte of bf16).")]
 TensorParallelSizeOpt = Annotated[int, typer.Option(
     help="Split the model's layers over this many processes (CUDA: one GPU each), as vLLM's flag.")]
 ShutdownTimeoutOpt = Annotated[float, typer.Option(

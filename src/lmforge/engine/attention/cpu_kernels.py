@@ -4,7 +4,7 @@ in place whatever their order (no views, no buckets, no gather; int8 codes dequa
 kernel); prefill chunks go through the torch backend's `attend_groups`.
 
 bf16 K/V with bf16 queries run the tuned body (`decode`); float32 queries or K/V, and int8 K/V, run
-`decode_any`. The kernel is chosen at run time from this CPU's flags when the library is built; with
+`decode_any` (float32 queries over a float32 or bf16 pool: its AVX2 body). The kernel is chosen at run time from this CPU's flags when the library is built; with
 no compiler the engine selects the torch backend instead (`attention.select_backend`).
 This module knows nothing about scheduling or the model beyond the hook's signature.
 
@@ -69,7 +69,7 @@ class KernelBackend(AttentionBackend):
         N, (K, H) = q_TNH.shape[1], k_cache.shape[1:]
         common = (tables_SM.data_ptr(), tables_SM.shape[1], lens_S.data_ptr(), rows_S.data_ptr(), len(rows_S), N, K, H,
                   self.kv.block_size, H ** -0.5, out_TNH.data_ptr(), torch.get_num_threads())
-        if q_TNH.dtype == torch.bfloat16 and k_scale is None:
+        if q_TNH.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16:
             rc = self.kernels.decode(q_TNH.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *common)
         else:
             kv_kind = 2 if k_scale is not None else int(k_cache.dtype == torch.float32)  # int8 | f32 | bf16

@@ -3,8 +3,12 @@ things every attention backend asks of it: write this step's K/V rows into their
 whole blocks of a group of sequences into a buffer every layer reuses.
 
 Two kinds, chosen once from `kv_cache_dtype`:
-  * `KVPool` - the model's dtype. Written by `index_copy_`, or by the C `write_kv_bytes` when the
-    compiled kernels are in use (same bits). A backend may read its rows in place.
+  * `KVPool` - the model's dtype, or (`kv_cache_dtype="bfloat16"` / `"float32"`, the store dtype) another
+    float dtype than the activations': float32 activations over a bf16 cache, as a bf16 checkpoint served
+    on float32 arithmetic keeps it (half the bytes a decode step reads; llama.cpp keeps f16). Written by
+    `index_copy_`, or by the C `write_kv_bytes` / `write_kv_f32_bf16` when the compiled kernels are in use
+    (same bits: round to nearest even). A backend may read its rows in place when they are the
+    activations' dtype; else the gather widens them.
   * `Int8KVPool` (`kv_cache_dtype="int8"`) - each token's K and V stored per head as int8 codes plus one
     bfloat16 scale (absmax / 127, symmetric): quantized on write (C or torch, same bits), dequantized
     where it is read (the gather, the reference loop, the C decode kernel); never read in place.
@@ -55,26 +59,33 @@ class Group:
 
 
 class KVPool:
-    """K/V pools in the model's dtype, and the gather buffers every layer reuses."""
+    """K/V pools in the model's dtype (or `store_dtype`), and the gather buffers every layer reuses."""
 
     int8 = False
-    label = ""  # appended to the backend's name
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None = None):
+                 dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None = None,
+                 store_dtype: torch.dtype | None = None):
         self.dtype, self.device, self.block_size = dtype, device, block_size
+        self.store_dtype = store_dtype or dtype  # of the pools (int8 pools: their scales' kind aside, codes)
         self.kernels = kernels  # compiled K/V write; None: torch only
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        pool_dtype = torch.int8 if self.int8 else dtype
+        pool_dtype = torch.int8 if self.int8 else self.store_dtype
         self.k_pools_PBKH = [torch.zeros(shape, dtype=pool_dtype, device=device) for _ in range(num_layers)]
         self.v_pools_PBKH = [torch.zeros(shape, dtype=pool_dtype, device=device) for _ in range(num_layers)]
         self._k_buf_X = self._v_buf_X = torch.empty(0, dtype=dtype, device=device)
-        self.bytes_per_block = block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, self.int8)
+        self.bytes_per_block = block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, self.store_dtype,
+                                                               self.int8)
+
+    @property
+    def label(self) -> str:
+        """Appended to the backend's name: the pool's kind where it is not the activations' dtype."""
+        return f", {str(self.store_dtype).removeprefix('torch.')} KV" if self.store_dtype != self.dtype else ""
 
     @property
     def reads_in_place(self) -> bool:
-        """A backend may attend over the pool rows as they are (no dequantize)."""
-        return not self.int8
+        """A backend may attend over the pool rows as they are (no dequantize, no widening)."""
+        return not self.int8 and self.store_dtype == self.dtype
 
     def rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(P*B, K, H) views of the layer's pools: a row per slot."""
@@ -88,15 +99,19 @@ class KVPool:
     def write(self, layer_idx: int, k_BTKH: torch.Tensor, v_BTKH: torch.Tensor, slot_mapping_T: torch.Tensor) -> None:
         """This step's K/V rows into their slots (vLLM's `reshape_and_cache`)."""
         k_cache, v_cache = self.rows(layer_idx)
-        if self.kernels is not None:
+        same = k_BTKH.dtype == self.store_dtype
+        to_bf16 = k_BTKH.dtype == torch.float32 and self.store_dtype == torch.bfloat16
+        if self.kernels is not None and (same or to_bf16):
             K, H = k_BTKH.shape[2:]
             k_TKH, v_TKH = k_BTKH[0].contiguous(), v_BTKH[0].contiguous()
-            self.kernels.write_kv_bytes(k_TKH.data_ptr(), v_TKH.data_ptr(), slot_mapping_T.data_ptr(),
-                                        k_TKH.shape[0], K * H * k_TKH.element_size(), k_cache.data_ptr(),
-                                        v_cache.data_ptr())
-        else:
-            k_cache.index_copy_(0, slot_mapping_T, k_BTKH[0])
-            v_cache.index_copy_(0, slot_mapping_T, v_BTKH[0])
+            args = (k_TKH.data_ptr(), v_TKH.data_ptr(), slot_mapping_T.data_ptr(), k_TKH.shape[0])
+            if same:
+                self.kernels.write_kv_bytes(*args, K * H * k_TKH.element_size(), k_cache.data_ptr(), v_cache.data_ptr())
+            else:
+                self.kernels.write_kv_f32_bf16(*args, K * H, k_cache.data_ptr(), v_cache.data_ptr())
+        else:  # index_copy_ rounds to the pool's dtype as the C write does
+            k_cache.index_copy_(0, slot_mapping_T, k_BTKH[0].to(self.store_dtype))
+            v_cache.index_copy_(0, slot_mapping_T, v_BTKH[0].to(self.store_dtype))
 
     def reserve(self, max_gather_blocks: int) -> None:
         """Make the gather buffers hold `max_gather_blocks` blocks (no fresh allocation per layer: on CPU,
@@ -117,7 +132,10 @@ class KVPool:
         P, B, K, H = pool_PBKH.shape
         n = g.num_seqs * g.num_blocks
         out_nX = buf_X[:n * B * K * H].view(n, B * K * H)
-        torch.index_select(pool_PBKH.view(P, -1), 0, g.blocks_SM, out=out_nX)
+        if pool_PBKH.dtype == buf_X.dtype:
+            torch.index_select(pool_PBKH.view(P, -1), 0, g.blocks_SM, out=out_nX)
+        else:  # a bf16 pool under float32 activations: widened into the buffer
+            out_nX.copy_(pool_PBKH.view(P, -1).index_select(0, g.blocks_SM))
         return out_nX.view(g.num_seqs, g.num_blocks * B, K, H)[:, :g.context_len].transpose(1, 2)
 
 
@@ -125,7 +143,7 @@ class Int8KVPool(KVPool):
     """int8 codes in the pools plus one bfloat16 scale per token per head."""
 
     int8 = True
-    label = ", int8 KV"
+    label = ", int8 KV"  # type: ignore[assignment]  (the base class's property, fixed here)
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None = None):

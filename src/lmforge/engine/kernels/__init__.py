@@ -71,6 +71,8 @@ class CpuKernels:
     decode_any: ctypes._CFuncPtr  # lmf_paged_decode_any(q, k, v, k_scales, v_scales, ..., threads, act, kv)
     write_kv_bytes: ctypes._CFuncPtr  # lmf_write_kv_bytes(k, v, slots, T, row_bytes, k_pool, v_pool)
     write_kv_int8: ctypes._CFuncPtr  # lmf_write_kv_int8(k, v, slots, T, K, H, act, k_pool, v_pool, k_sc, v_sc)
+    write_kv_f32_bf16: ctypes._CFuncPtr | None  # lmf_write_kv_f32_bf16(k, v, slots, T, row_len, k_pool, v_pool): float32
+    #                                       rows rounded into a bfloat16 pool
     rmsnorm_f32: ctypes._CFuncPtr
     rope_f32: ctypes._CFuncPtr
     silu_mul_f32: ctypes._CFuncPtr
@@ -192,6 +194,9 @@ def _bind(path: Path) -> CpuKernels:
     decode_any.argtypes = [P, P, P, P, P, P, I64, P, P, I64, I64, I64, I64, I64, ctypes.c_float, P, I64, I64, I64]
     write_bytes = lib.lmf_write_kv_bytes
     write_bytes.restype, write_bytes.argtypes = None, [P, P, P, I64, I64, P, P]
+    to_bf16 = getattr(lib, "lmf_write_kv_f32_bf16", None)  # None: an older revision's build (A/B scripts)
+    if to_bf16 is not None:
+        to_bf16.restype, to_bf16.argtypes = None, [P, P, P, I64, I64, P, P]
     write_int8 = lib.lmf_write_kv_int8
     write_int8.restype, write_int8.argtypes = ctypes.c_int, [P, P, P, I64, I64, I64, I64, P, P, P, P]
     qmm = lib.lmf_qmm_f32
@@ -210,7 +215,7 @@ def _bind(path: Path) -> CpuKernels:
     one = (ctypes.c_float * 1)(1.0)
     gemm_ok = fns["gemm_f32"](one, one, None, one, 1, 1, 1, 32, 0, 1) == 0  # -1: no AVX2 + FMA body in this build
     return CpuKernels(path, decode, decode_any=decode_any, write_kv_bytes=write_bytes, write_kv_int8=write_int8,
-                      qmm_f32=qmm, gemm_ok=gemm_ok, **fns)
+                      write_kv_f32_bf16=to_bf16, qmm_f32=qmm, gemm_ok=gemm_ok, **fns)
 
 
 def load(extra_flags: tuple[str, ...] = ()) -> CpuKernels | None:

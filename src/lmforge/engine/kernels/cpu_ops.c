@@ -520,75 +520,139 @@ __attribute__((target("avx2,fma"))) static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* decode_one_any for float32 q and a float32 K/V pool (AVX2 CPUs without bf16 run the engine so), H a
- * multiple of 8: the same online softmax with 8-wide dot products, exp and accumulations. */
-__attribute__((target("avx2,fma"))) static void decode_one_f32_avx2(const float *q, const float *k_pool,
-        const float *v_pool, const int32_t *table, int64_t len, int64_t g, int64_t G, int64_t K, int64_t H,
-        int64_t B, float scale, float *out) {
-    float acc[MAX_G][MAX_H] __attribute__((aligned(32))), p[MAX_G][TILE] __attribute__((aligned(32)));
-    float mx[MAX_G], sum[MAX_G];
-    for (int64_t n = 0; n < G; n++) {
-        for (int64_t h = 0; h < H; h += 8) _mm256_store_ps(acc[n] + h, _mm256_setzero_ps());
-        mx[n] = -INFINITY;
-        sum[n] = 0.0f;
+/* 8 K/V values at p as float32: a float32 pool as it is, a bfloat16 pool widened (a bf16 value is the
+ * top half of its float32) */
+__attribute__((target("avx2,fma"))) static inline __m256 kv_load8(const void *p, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* The 8 sums of d[0..8), each over its 8 lanes, as one vector (lane j: the sum of d[j]). */
+__attribute__((target("avx2,fma"))) static inline __m256 hsum8x8(const __m256 d[8]) {
+    const __m256 t0 = _mm256_hadd_ps(d[0], d[1]), t1 = _mm256_hadd_ps(d[2], d[3]);
+    const __m256 t2 = _mm256_hadd_ps(d[4], d[5]), t3 = _mm256_hadd_ps(d[6], d[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* decode_one_any for float32 q over a float32 or bfloat16 K/V pool, for kv heads [g0, g1) of one sequence
+ * at once (AVX2 CPUs without bf16 run the engine in float32; a bf16 checkpoint or int8-activation model keeps
+ * its K/V in bf16 there, half the bytes), H a multiple of 8, (g1 - g0) * G <= MAX_N. The same online softmax
+ * as the others, arranged for the memory and the core:
+ *   - tile-outer, head-inner: a tile's 16 tokens are read for all the heads [g0, g1) together, so each
+ *     token's rows of those heads are one contiguous run of the pool ((g1 - g0) * H values; the whole token
+ *     row when one thread takes every head), and the next tile's runs are prefetched while this one computes.
+ *     Head-outer order (one head over every token, then the next) read 128-256 B pieces 1-2 KB apart and
+ *     ran at ~5 GB/s from memory against ~25 for a streaming read (Zen 4, 2 threads).
+ *   - scores 8 tokens at a time: 8 independent FMA chains, then one transposing reduction (`hsum8x8`)
+ *     instead of 8 horizontal sums; the tile's softmax in vectors;
+ *   - V: each 64-float slice of a query head's accumulator (16 past a multiple of 64) stays in registers
+ *     over the tile's tokens,
+ *     rescaled by the tile's alpha on load (one load and store a tile, not a store-forwarded
+ *     read-modify-write a token).
+ * `bf16` is a constant in each of the two callers below, so each gets its own body. */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void decode_heads_avx2(
+        const float *q, const char *k_pool, const char *v_pool, const int32_t *table, int64_t len, int64_t g0,
+        int64_t g1, int64_t G, int64_t K, int64_t H, int64_t B, float scale, float *out, const int bf16) {
+    float acc[MAX_N * MAX_H] __attribute__((aligned(32)));
+    float p[MAX_N][TILE] __attribute__((aligned(32))), mx[MAX_N], sum[MAX_N], alpha[MAX_N];
+    const int64_t es = bf16 ? 2 : 4, rb = H * es, NS = (g1 - g0) * G, run = (g1 - g0) * rb;
+    for (int64_t i = 0; i < NS * H; i += 8) _mm256_store_ps(acc + i, _mm256_setzero_ps());
+    for (int64_t s = 0; s < NS; s++) {
+        mx[s] = -INFINITY;
+        sum[s] = 0.0f;
     }
-    /* A head's rows are scattered over the pool (K heads apart inside a block, blocks anywhere), which the
-     * hardware prefetchers follow poorly: before a tile's scores, its V rows and the next tile's K rows are
-     * prefetched. Zen 4, 2 threads, the 300M's 24 layers at batch 1, blocks in random order: 1.2-1.5x at 200
-     * to 1,400 tokens of context (1,400: 13.7-16.4 -> 10.3-13.2 ms a step; `scripts/attn_decode_ab.py`), where
-     * attention had become half of a Q4_0 decode step. */
-    int64_t row[TILE], next[TILE];
-    tile_rows(table, 0, len < TILE ? len : TILE, B, K, g, row);
+    int64_t row[TILE], next[TILE];  /* pool rows of kv head g0 for the tile's tokens; heads g0.. follow */
+    tile_rows(table, 0, len < TILE ? len : TILE, B, K, g0, row);
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {
         const int64_t nt = len - t0 < TILE ? len - t0 : TILE;
         const int64_t left = len - t0 - nt, nn = left < TILE ? left : TILE;
-        if (nn > 0) tile_rows(table, t0 + TILE, nn, B, K, g, next);
-        for (int64_t i = 0; i < nt; i++) {
-            for (int64_t b = 0; b < H * 4; b += 64) {
-                _mm_prefetch((const char *)(v_pool + row[i] * H) + b, _MM_HINT_T0);
-                if (i < nn) _mm_prefetch((const char *)(k_pool + next[i] * H) + b, _MM_HINT_T0);
-            }
+        if (nn > 0) {  /* the next tile's runs, into L2 (into L1 they evicted this tile's: 1.1-1.3x slower) */
+            tile_rows(table, t0 + TILE, nn, B, K, g0, next);
+            for (int64_t i = 0; i < nn; i++)
+                for (int64_t b = 0; b < run; b += 64) {
+                    _mm_prefetch(k_pool + next[i] * rb + b, _MM_HINT_T1);
+                    _mm_prefetch(v_pool + next[i] * rb + b, _MM_HINT_T1);
+                }
         }
-        for (int64_t i = 0; i < nt; i++) {  /* scores: each K row read once for every query head */
-            const float *kr = k_pool + row[i] * H;
-            for (int64_t n = 0; n < G; n++) {
-                const float *qn = q + n * H;
-                __m256 d = _mm256_mul_ps(_mm256_loadu_ps(qn), _mm256_loadu_ps(kr));
-                for (int64_t h = 8; h < H; h += 8) d = _mm256_fmadd_ps(_mm256_loadu_ps(qn + h), _mm256_loadu_ps(kr + h), d);
-                __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
-                s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-                p[n][i] = _mm_cvtss_f32(_mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 1))) * scale;
+        for (int64_t g = 0; g < g1 - g0; g++)
+            for (int64_t n = 0; n < G; n++) {  /* scores of state s = g * G + n, 8 tokens at a time */
+                const int64_t st = g * G + n;
+                const float *qn = q + ((g0 + g) * G + n) * H;
+                for (int64_t i = 0; i < nt; i += 8) {
+                    const char *kr[8];
+                    __m256 d[8];
+                    for (int j = 0; j < 8; j++) {  /* past the tile's end: its last row again, never used */
+                        kr[j] = k_pool + (row[i + j < nt ? i + j : nt - 1] + g) * rb;
+                        d[j] = _mm256_setzero_ps();
+                    }
+                    for (int64_t h = 0; h < H; h += 8) {
+                        const __m256 qv = _mm256_loadu_ps(qn + h);
+                        for (int j = 0; j < 8; j++) d[j] = _mm256_fmadd_ps(qv, kv_load8(kr[j] + h * es, bf16), d[j]);
+                    }
+                    _mm256_store_ps(p[st] + i, _mm256_mul_ps(hsum8x8(d), _mm256_set1_ps(scale)));
+                }
             }
-        }
-        for (int64_t n = 0; n < G; n++) {  /* the tile's online softmax */
-            float m = mx[n];
-            for (int64_t i = 0; i < nt; i++) m = p[n][i] > m ? p[n][i] : m;
-            const float alpha = expf(mx[n] - m);
-            for (int64_t i = nt; i < TILE; i++) p[n][i] = m;  /* padding: exp(0) = 1, not summed or used */
+        for (int64_t st = 0; st < NS; st++) {  /* the tile's online softmax; padding lanes end as 0 */
+            for (int64_t i = nt; i < TILE; i++) p[st][i] = -INFINITY;
+            const __m256 a = _mm256_load_ps(p[st]), b2 = _mm256_load_ps(p[st] + 8);
+            __m256 m8 = _mm256_max_ps(a, b2);
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+            const float m = _mm_cvtss_f32(m4) > mx[st] ? _mm_cvtss_f32(m4) : mx[st];
+            alpha[st] = expf(mx[st] - m);
             const __m256 mv = _mm256_set1_ps(m);
-            for (int64_t i = 0; i < TILE; i += 8)
-                _mm256_store_ps(p[n] + i, exp256(_mm256_sub_ps(_mm256_load_ps(p[n] + i), mv)));
+            const __m256 e0 = exp256(_mm256_sub_ps(a, mv)), e1 = exp256(_mm256_sub_ps(b2, mv));
+            _mm256_store_ps(p[st], e0);
+            _mm256_store_ps(p[st] + 8, e1);
+            for (int64_t i = nt; i < TILE; i++) p[st][i] = 0.0f;
             float tile_sum = 0.0f;
-            for (int64_t i = 0; i < nt; i++) tile_sum += p[n][i];
-            sum[n] = sum[n] * alpha + tile_sum;
-            mx[n] = m;
-            const __m256 av = _mm256_set1_ps(alpha);
-            for (int64_t h = 0; h < H; h += 8) _mm256_store_ps(acc[n] + h, _mm256_mul_ps(_mm256_load_ps(acc[n] + h), av));
+            for (int64_t i = 0; i < nt; i++) tile_sum += p[st][i];
+            sum[st] = sum[st] * alpha[st] + tile_sum;
+            mx[st] = m;
         }
-        for (int64_t i = 0; i < nt; i++) {
-            const float *vr = v_pool + row[i] * H;
-            for (int64_t n = 0; n < G; n++) {
-                const __m256 pv = _mm256_set1_ps(p[n][i]);
-                for (int64_t h = 0; h < H; h += 8)
-                    _mm256_store_ps(acc[n] + h, _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + h), _mm256_load_ps(acc[n] + h)));
+        for (int64_t g = 0; g < g1 - g0; g++)
+            for (int64_t n = 0; n < G; n++) {  /* acc = acc * alpha + sum_i p_i * V_i, 16 floats at a time */
+                const int64_t st = g * G + n;
+                float *as = acc + st * H;
+                const __m256 al = _mm256_set1_ps(alpha[st]);
+                int64_t h = 0;
+                for (; h < H; h += 16) {
+                    const int two = h + 8 < H;
+                    __m256 a0 = _mm256_mul_ps(_mm256_load_ps(as + h), al);
+                    __m256 a1 = two ? _mm256_mul_ps(_mm256_load_ps(as + h + 8), al) : _mm256_setzero_ps();
+                    for (int64_t i = 0; i < nt; i++) {
+                        const char *vr = v_pool + (row[i] + g) * rb + h * es;
+                        const __m256 pv = _mm256_set1_ps(p[st][i]);
+                        a0 = _mm256_fmadd_ps(pv, kv_load8(vr, bf16), a0);
+                        if (two) a1 = _mm256_fmadd_ps(pv, kv_load8(vr + 8 * es, bf16), a1);
+                    }
+                    _mm256_store_ps(as + h, a0);
+                    if (two) _mm256_store_ps(as + h + 8, a1);
+                }
             }
-        }
         memcpy(row, next, sizeof row);
     }
-    for (int64_t n = 0; n < G; n++) {
-        const __m256 inv = _mm256_set1_ps(1.0f / sum[n]);
-        for (int64_t h = 0; h < H; h += 8) _mm256_storeu_ps(out + n * H + h, _mm256_mul_ps(_mm256_load_ps(acc[n] + h), inv));
-    }
+    for (int64_t g = 0; g < g1 - g0; g++)
+        for (int64_t n = 0; n < G; n++) {
+            const int64_t st = g * G + n;
+            const __m256 inv = _mm256_set1_ps(1.0f / sum[st]);
+            float *o = out + ((g0 + g) * G + n) * H;
+            for (int64_t h = 0; h < H; h += 8) _mm256_storeu_ps(o + h, _mm256_mul_ps(_mm256_load_ps(acc + st * H + h), inv));
+        }
+}
+
+__attribute__((target("avx2,fma"))) static void decode_heads_f32_avx2(const float *q, const void *k_pool,
+        const void *v_pool, const int32_t *table, int64_t len, int64_t g0, int64_t g1, int64_t G, int64_t K,
+        int64_t H, int64_t B, float scale, float *out) {
+    decode_heads_avx2(q, (const char *)k_pool, (const char *)v_pool, table, len, g0, g1, G, K, H, B, scale, out, 0);
+}
+
+__attribute__((target("avx2,fma"))) static void decode_heads_bf16kv_avx2(const float *q, const void *k_pool,
+        const void *v_pool, const int32_t *table, int64_t len, int64_t g0, int64_t g1, int64_t G, int64_t K,
+        int64_t H, int64_t B, float scale, float *out) {
+    decode_heads_avx2(q, (const char *)k_pool, (const char *)v_pool, table, len, g0, g1, G, K, H, B, scale, out, 1);
 }
 #endif
 
@@ -608,31 +672,34 @@ static void *decode_any_range(void *arg) {
     const int64_t N = j->N, H = j->H, G = N / j->K, es = j->act ? 4 : 2;
 #ifdef LMF_ATTN_AVX2
     __builtin_cpu_init();
-    const int avx2 = j->act == 1 && j->kv == 1 && H % 8 == 0 && __builtin_cpu_supports("avx2") &&
-                     __builtin_cpu_supports("fma");
+    const int avx2 = j->act == 1 && (j->kv == 1 || j->kv == 0) && H % 8 == 0 && (j->g1 - j->g0) * G <= MAX_N &&
+                     __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    void (*body)(const float *, const void *, const void *, const int32_t *, int64_t, int64_t, int64_t, int64_t,
+                 int64_t, int64_t, int64_t, float, float *) = j->kv == 1 ? decode_heads_f32_avx2 : decode_heads_bf16kv_avx2;
 #endif
-    for (int64_t s = j->first; s < j->last; s++)
-        for (int64_t g = j->g0; g < j->g1; g++) {
-            const int64_t off = (j->rows[s] * N + g * G) * H * es;
+    for (int64_t s = j->first; s < j->last; s++) {
+        const int64_t base = j->rows[s] * N * H * es;
 #ifdef LMF_ATTN_AVX2
-            if (avx2) {
-                decode_one_f32_avx2((const float *)((const char *)j->q + off), (const float *)j->k_pool,
-                                    (const float *)j->v_pool, j->block_tables + s * j->M, j->lens[s], g, G, j->K, H,
-                                    j->B, j->scale, (float *)((char *)j->out + off));
-                continue;
-            }
+        if (avx2) {  /* all of this job's kv heads in one pass over the sequence's blocks */
+            body((const float *)((const char *)j->q + base), j->k_pool, j->v_pool, j->block_tables + s * j->M,
+                 j->lens[s], j->g0, j->g1, G, j->K, H, j->B, j->scale, (float *)((char *)j->out + base));
+            continue;
+        }
 #endif
+        for (int64_t g = j->g0; g < j->g1; g++) {
+            const int64_t off = base + g * G * H * es;
             decode_one_any((const char *)j->q + off, j->k_pool, j->v_pool, j->k_scales, j->v_scales,
                            j->block_tables + s * j->M, j->lens[s], g, G, j->K, H, j->B, j->scale,
                            (char *)j->out + off, j->act, j->kv);
         }
+    }
     return NULL;
 }
 
 /* As lmf_paged_decode_bf16, for any act/kv pair; scales are (P * B * K) bfloat16 (NULL unless kv = 2).
  * Fewer sequences than threads (batch 1) with >= 512 cached (token, kv head) pairs: the kv heads are
- * split across the threads instead (each head's numbers are the same either way). float32 q and K/V
- * with H % 8 == 0 on an AVX2 CPU run `decode_one_f32_avx2`; everything else `decode_one_any`. */
+ * split across the threads instead (each head's numbers are the same either way). float32 q on a float32
+ * or bfloat16 pool with H % 8 == 0 on an AVX2 CPU run `decode_heads_avx2`; everything else `decode_one_any`. */
 int lmf_paged_decode_any(const void *q, const void *k_pool, const void *v_pool, const uint16_t *k_scales,
                          const uint16_t *v_scales, const int32_t *block_tables, int64_t M, const int32_t *lens,
                          const int64_t *rows, int64_t S, int64_t N, int64_t K, int64_t H, int64_t B, float scale,
@@ -671,6 +738,20 @@ void lmf_write_kv_bytes(const void *k, const void *v, const int64_t *slots, int6
     for (int64_t t = 0; t < T; t++) {
         memcpy((char *)k_pool + slots[t] * row_bytes, (const char *)k + t * row_bytes, (size_t)row_bytes);
         memcpy((char *)v_pool + slots[t] * row_bytes, (const char *)v + t * row_bytes, (size_t)row_bytes);
+    }
+}
+
+/* float32 K/V rows into a bfloat16 pool (round to nearest even, as torch's .to(torch.bfloat16)): float32
+ * activations over a bf16 K/V cache. row_len = K * H. */
+void lmf_write_kv_f32_bf16(const float *k, const float *v, const int64_t *slots, int64_t T, int64_t row_len,
+                           uint16_t *k_pool, uint16_t *v_pool) {
+    for (int64_t t = 0; t < T; t++) {
+        uint16_t *kd = k_pool + slots[t] * row_len, *vd = v_pool + slots[t] * row_len;
+        const float *ks = k + t * row_len, *vs = v + t * row_len;
+        for (int64_t i = 0; i < row_len; i++) {
+            kd[i] = f32_to_bf16(ks[i]);
+            vd[i] = f32_to_bf16(vs[i]);
+        }
     }
 }
 
@@ -1660,6 +1741,7 @@ int lmf_qmm_a8(int64_t isa, const void *x, int64_t act, const void *w, const flo
  *   8 qkv codes  9 qkv scales  10 o codes  11 o scales  12 gate_up codes  13 gate_up scales
  *   14 down codes  15 down scales  16 bits  17 gs (group size; <= 0 per channel)  18 k_pool  19 v_pool
  *   20 threads (matmuls)  21 threads (attention)  22 gemm_rows (lmf_qmm_f32's: from this many rows the panel GEMM)
+ *   23 the K/V pool's dtype: 1 float32, 0 bfloat16 (written rounded to nearest even)
  * cos, sin: (M, H); slots (M); tables (S, tables_M) int32, lens (S) int32, rows (S) int64: as
  * lmf_paged_decode_any. Returns 0, or the first failing kernel's code. */
 static int qmm_any(int64_t isa, const float *x, const void *w, const float *ws, float *out, int64_t M, int64_t N,
@@ -1672,7 +1754,8 @@ int lmf_decode_layer_q(int64_t isa, const int64_t *p, float *x, int64_t M, const
                        const int64_t *slots, const int32_t *tables, int64_t tables_M, const int32_t *lens,
                        const int64_t *rows, int64_t S, float eps, float scale) {
     const int64_t D = p[2], N = p[3], K = p[4], H = p[5], F = p[6], B = p[7], bits = p[16], gs = p[17];
-    const int64_t th = p[20], th_attn = p[21], gr = p[22], NQ = N * H, NK = K * H, NQKV = NQ + 2 * NK;
+    const int64_t th = p[20], th_attn = p[21], gr = p[22], kv = p[23], NQ = N * H, NK = K * H, NQKV = NQ + 2 * NK;
+    if (kv != 0 && kv != 1) return -1;
     const float *in_w = (const float *)p[0], *post_w = (const float *)p[1];
     const int64_t floats = M * (D + NQKV + NQ + 2 * NK + NQ + 2 * F + F + D);
     float *buf = (float *)malloc((size_t)floats * sizeof(float));
@@ -1689,9 +1772,12 @@ int lmf_decode_layer_q(int64_t isa, const int64_t *p, float *x, int64_t M, const
     }
     lmf_rope_f32(q, cos, sin, M, N, H);
     lmf_rope_f32(k, cos, sin, M, K, H);
-    lmf_write_kv_bytes(k, v, slots, M, NK * (int64_t)sizeof(float), (void *)p[18], (void *)p[19]);
+    if (kv == 0)
+        lmf_write_kv_f32_bf16(k, v, slots, M, NK, (uint16_t *)p[18], (uint16_t *)p[19]);
+    else
+        lmf_write_kv_bytes(k, v, slots, M, NK * (int64_t)sizeof(float), (void *)p[18], (void *)p[19]);
     if ((rc = lmf_paged_decode_any(q, (const void *)p[18], (const void *)p[19], NULL, NULL, tables, tables_M, lens,
-                                   rows, S, N, K, H, B, scale, att, th_attn, 1, 1)))
+                                   rows, S, N, K, H, B, scale, att, th_attn, 1, kv)))
         goto done;
     if ((rc = qmm_any(isa, att, (const void *)p[10], (const float *)p[11], o, M, D, NQ, bits, gs, th, gr))) goto done;
     for (int64_t i = 0; i < M * D; i++) x[i] = x[i] + o[i];
