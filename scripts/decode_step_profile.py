@@ -9,6 +9,7 @@ RoPE, residual adds, reshapes): the interpreter's share of a step.
 
     python scripts/decode_step_profile.py runs/vs-llamacpp/random-llama-300m/model-q4_0.gguf --quant-activations int8
     python scripts/decode_step_profile.py runs/vs-llamacpp/random-llama-300m --dtype float32   # the float32 C layers
+    python scripts/decode_step_profile.py MODEL-q4_0.gguf --quant-activations int8 --prompt-len 600  # at long context
 """
 
 from __future__ import annotations
@@ -40,13 +41,14 @@ def _timed(obj, attr: str, acc: dict, key: str) -> None:
 
 
 def profile(model: str, quant_activations: str = "none", threads: int = 2, steps: int = 128,
-            dtype: str = "auto") -> dict:
+            dtype: str = "auto", prompt_len: int = 1) -> dict:
     torch.set_num_threads(threads)
     llm = LLM(model, dtype=dtype, enable_prefix_caching=False, quant_activations=quant_activations)
     eng = llm.llm_engine
     runner = eng.model_runner
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
-    llm.generate([[5]], params, use_tqdm=False)  # warm-up
+    prompt = [5 + i % 97 for i in range(prompt_len)]  # decode at prompt_len.. tokens of context
+    llm.generate([prompt], params, use_tqdm=False)  # warm-up
     acc: dict = defaultdict(float)
     linears = [m for m in runner.model.modules()
                if type(m).__name__ in ("QmmLinear", "PackedLinear", "Int8Linear", "Int4Linear", "DequantLinear")
@@ -59,7 +61,7 @@ def profile(model: str, quant_activations: str = "none", threads: int = 2, steps
     _timed(runner.attn, "__call__", acc, "attention")
     before = dict(eng.step_profile())
     t0 = time.perf_counter()
-    out = llm.generate([[5]], params, use_tqdm=False)[0].outputs[0]
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     wall = time.perf_counter() - t0
     after = eng.step_profile()
     n = steps + 1
@@ -76,6 +78,7 @@ def profile(model: str, quant_activations: str = "none", threads: int = 2, steps
     rows["between steps (generate loop, outputs)"] = step_ms - sum(rows.values())
     st = llm.stats()
     return {"model": model, "quant_activations": quant_activations, "threads": threads, "steps": steps,
+            "prompt_len": prompt_len, "kv_cache_dtype": st.get("kv_cache_dtype"),
             "c_layers": runner.decode_layers, "c_layers_why_not": runner.decode_layers_why,
             "step_ms": step_ms, "tok_s": 1000 / step_ms, "wall_s": wall, "ms": rows,
             "linear_calls_per_step": acc["linear_calls"] / n, "weight_bytes": st.get("weight_bytes"),
@@ -85,11 +88,13 @@ def profile(model: str, quant_activations: str = "none", threads: int = 2, steps
 
 def main(models: list[str], quant_activations: str = "none", threads: int = 2, steps: int = 128,
          dtype: Annotated[str, typer.Option(help="auto, float32 or bfloat16 (LLM's dtype).")] = "auto",
+         prompt_len: Annotated[int, typer.Option(help="Prompt tokens: the steps decode after this much context.")] = 1,
          out: Annotated[Optional[Path], typer.Option(help="Write decode_profile.json here.")] = None) -> None:
-    reps = [profile(m, quant_activations if m.endswith(("q8_0.gguf", "q4_0.gguf")) else "none", threads, steps, dtype)
-            for m in models]
+    reps = [profile(m, quant_activations if m.endswith(("q8_0.gguf", "q4_0.gguf")) else "none", threads, steps, dtype,
+                    prompt_len) for m in models]
     for r in reps:
-        print(f"\n{r['model']} ({r['dtype']}, {r['linear_backend']}), {r['threads']} threads: "
+        print(f"\n{r['model']} ({r['dtype']}, K/V {r['kv_cache_dtype']}, {r['linear_backend']}), {r['threads']} threads, "
+              f"context {r['prompt_len']}..{r['prompt_len'] + r['steps']}: "
               f"{r['step_ms']:.2f} ms a step ({r['tok_s']:.1f} tok/s), {r['linear_calls_per_step']:.0f} linear "
               f"calls a step (+ {r['c_layers']} C layers), weights read at {r['linear_gb_s']:.1f} GB/s "
               f"(all weight bytes / time in linear kernels and C layers)")

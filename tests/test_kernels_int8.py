@@ -80,6 +80,26 @@ def test_integer_dot_products_are_exact(isa, bits, gs, K):
         assert np.array_equal(out.astype(np.int64), want), (M, np.abs(out - want).max())
 
 
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_every_weight_row_is_computed_once_whatever_the_split(threads):
+    """The rows are handed out as one contiguous 7/8 of each thread's share, then small chunks
+    (`take_rows`); too few rows for a share: chunks only. Every output row is the exact dot product
+    (none left NaN, none from a wrong row) for row counts around each edge."""
+    rng = np.random.default_rng(threads)
+    K, M = 64, 2
+    for N in (1, 7, 8, 9, 17, 37, 64, 100, 301):
+        q = rng.integers(-127, 128, (M, K), dtype=np.int8)
+        c = rng.integers(-128, 128, (N, K), dtype=np.int8)
+        rc, out = _qmm_s8("portable", q, np.ones(M, np.float32), c, np.ones((N, 1), np.float32), N, 8, 0, threads)
+        assert rc == 0 and np.array_equal(out.astype(np.int64), q.astype(np.int64) @ c.astype(np.int64).T), N
+        x = torch.randn(M, K)
+        y = torch.full((M, N), float("nan"))
+        w = torch.from_numpy(c.copy())
+        assert LIB.qmm_f32(x.data_ptr(), w.data_ptr(), torch.ones(N).data_ptr(), y.data_ptr(), M, N, K, 8, 0,
+                           threads, 0) == 0
+        torch.testing.assert_close(y, x @ w.float().T, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_scaled_output_agrees_with_portable(isa):
     """Real scales: every body applies them the same way (float32 sums in another order: 1e-6)."""
