@@ -557,6 +557,79 @@ __attribute__((target("avx2,fma"))) static inline __m256 hsum8x8(const __m256 d[
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+/* The scaled scores of a tile's nt tokens (kv head g's rows at row[i] + g) for SB query heads (1, or 2 sharing
+ * each widened K value: q0 and q0 + H) into p0 (and p1): 8 / SB tokens at a time, 8 FMA chains, one
+ * transposing reduction (`hsum8x8`, lane j * SB + u: token j, head u). */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void heads_scores(
+        const float *q0, const char *k_pool, const int64_t *row, int64_t g, int64_t nt, int64_t H, int64_t rb,
+        float scale, float *p0, float *p1, const int SB, const int bf16) {
+    const int TB = 8 / SB, es = bf16 ? 2 : 4;
+    for (int64_t i = 0; i < nt; i += TB) {
+        const char *kr[8];
+        __m256 d[8];
+        for (int j = 0; j < TB; j++)  /* past the tile's end: its last row again, never used */
+            kr[j] = k_pool + (row[i + j < nt ? i + j : nt - 1] + g) * rb;
+        for (int j = 0; j < 8; j++) d[j] = _mm256_setzero_ps();
+        for (int64_t h = 0; h < H; h += 8) {
+            const __m256 qa = _mm256_loadu_ps(q0 + h), qb = SB == 2 ? _mm256_loadu_ps(q0 + H + h) : qa;
+            for (int j = 0; j < TB; j++) {
+                const __m256 kv = kv_load8(kr[j] + h * es, bf16);
+                d[j * SB] = _mm256_fmadd_ps(qa, kv, d[j * SB]);
+                if (SB == 2) d[j * SB + 1] = _mm256_fmadd_ps(qb, kv, d[j * SB + 1]);
+            }
+        }
+        const __m256 sc = _mm256_mul_ps(hsum8x8(d), _mm256_set1_ps(scale));
+        if (SB == 1) {
+            _mm256_store_ps(p0 + i, sc);
+        } else {  /* lanes (t0 h0, t0 h1, t1 h0, ...): each head's 4 tokens together */
+            const __m256 de = _mm256_permutevar8x32_ps(sc, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+            _mm_store_ps(p0 + i, _mm256_castps256_ps128(de));
+            _mm_store_ps(p1 + i, _mm256_extractf128_ps(de, 1));
+        }
+    }
+}
+
+/* acc0 (and acc1) = acc * alpha + sum_i p_i * V_i over a tile's nt tokens for SB query heads sharing each
+ * widened V value: 32 floats of each accumulator in registers across the tokens (8 past a multiple of 32). */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void heads_values(
+        const char *v_pool, const int64_t *row, int64_t g, int64_t nt, int64_t H, int64_t rb, const float *p0,
+        const float *p1, float alpha0, float alpha1, float *acc0, float *acc1, const int SB, const int bf16) {
+    const int es = bf16 ? 2 : 4;
+    const __m256 al0 = _mm256_set1_ps(alpha0), al1 = _mm256_set1_ps(alpha1);
+    int64_t h = 0;
+    for (; h + 32 <= H; h += 32) {
+        __m256 a[2][4];
+        for (int c = 0; c < 4; c++) {
+            a[0][c] = _mm256_mul_ps(_mm256_load_ps(acc0 + h + 8 * c), al0);
+            if (SB == 2) a[1][c] = _mm256_mul_ps(_mm256_load_ps(acc1 + h + 8 * c), al1);
+        }
+        for (int64_t i = 0; i < nt; i++) {
+            const char *vr = v_pool + (row[i] + g) * rb + h * es;
+            const __m256 w0 = _mm256_set1_ps(p0[i]), w1 = SB == 2 ? _mm256_set1_ps(p1[i]) : w0;
+            for (int c = 0; c < 4; c++) {
+                const __m256 v = kv_load8(vr + 8 * c * es, bf16);
+                a[0][c] = _mm256_fmadd_ps(w0, v, a[0][c]);
+                if (SB == 2) a[1][c] = _mm256_fmadd_ps(w1, v, a[1][c]);
+            }
+        }
+        for (int c = 0; c < 4; c++) {
+            _mm256_store_ps(acc0 + h + 8 * c, a[0][c]);
+            if (SB == 2) _mm256_store_ps(acc1 + h + 8 * c, a[1][c]);
+        }
+    }
+    for (; h < H; h += 8) {
+        __m256 a0 = _mm256_mul_ps(_mm256_load_ps(acc0 + h), al0);
+        __m256 a1 = SB == 2 ? _mm256_mul_ps(_mm256_load_ps(acc1 + h), al1) : a0;
+        for (int64_t i = 0; i < nt; i++) {
+            const __m256 v = kv_load8(v_pool + (row[i] + g) * rb + h * es, bf16);
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(p0[i]), v, a0);
+            if (SB == 2) a1 = _mm256_fmadd_ps(_mm256_set1_ps(p1[i]), v, a1);
+        }
+        _mm256_store_ps(acc0 + h, a0);
+        if (SB == 2) _mm256_store_ps(acc1 + h, a1);
+    }
+}
+
 /* decode_one_any for float32 q over a float32 or bfloat16 K/V pool, for kv heads [g0, g1) of one sequence
  * at once (AVX2 CPUs without bf16 run the engine in float32; a bf16 checkpoint or int8-activation model keeps
  * its K/V in bf16 there, half the bytes), H a multiple of 8, (g1 - g0) * G <= MAX_N. The same online softmax
@@ -600,23 +673,14 @@ __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline))
                     _mm_prefetch(v_pool + next[i] * rb + b, _MM_HINT_T1);
                 }
         }
-        for (int64_t g = 0; g < g1 - g0; g++)
-            for (int64_t n = 0; n < G; n++) {  /* scores of state s = g * G + n, 8 tokens at a time */
+        for (int64_t g = 0; g < g1 - g0; g++)  /* scores: query heads in pairs where G is even (a K row widened once) */
+            for (int64_t n = 0; n < G; n += G % 2 ? 1 : 2) {
                 const int64_t st = g * G + n;
                 const float *qn = q + ((g0 + g) * G + n) * H;
-                for (int64_t i = 0; i < nt; i += 8) {
-                    const char *kr[8];
-                    __m256 d[8];
-                    for (int j = 0; j < 8; j++) {  /* past the tile's end: its last row again, never used */
-                        kr[j] = k_pool + (row[i + j < nt ? i + j : nt - 1] + g) * rb;
-                        d[j] = _mm256_setzero_ps();
-                    }
-                    for (int64_t h = 0; h < H; h += 8) {
-                        const __m256 qv = _mm256_loadu_ps(qn + h);
-                        for (int j = 0; j < 8; j++) d[j] = _mm256_fmadd_ps(qv, kv_load8(kr[j] + h * es, bf16), d[j]);
-                    }
-                    _mm256_store_ps(p[st] + i, _mm256_mul_ps(hsum8x8(d), _mm256_set1_ps(scale)));
-                }
+                if (G % 2)
+                    heads_scores(qn, k_pool, row, g, nt, H, rb, scale, p[st], NULL, 1, bf16);
+                else
+                    heads_scores(qn, k_pool, row, g, nt, H, rb, scale, p[st], p[st + 1], 2, bf16);
             }
         for (int64_t st = 0; st < NS; st++) {  /* the tile's online softmax; padding lanes end as 0 */
             for (int64_t i = nt; i < TILE; i++) p[st][i] = -INFINITY;
@@ -637,25 +701,14 @@ __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline))
             sum[st] = sum[st] * alpha[st] + tile_sum;
             mx[st] = m;
         }
-        for (int64_t g = 0; g < g1 - g0; g++)
-            for (int64_t n = 0; n < G; n++) {  /* acc = acc * alpha + sum_i p_i * V_i, 16 floats at a time */
+        for (int64_t g = 0; g < g1 - g0; g++)  /* acc = acc * alpha + sum_i p_i * V_i, a V row widened once a pair */
+            for (int64_t n = 0; n < G; n += G % 2 ? 1 : 2) {
                 const int64_t st = g * G + n;
-                float *as = acc + st * H;
-                const __m256 al = _mm256_set1_ps(alpha[st]);
-                int64_t h = 0;
-                for (; h < H; h += 16) {
-                    const int two = h + 8 < H;
-                    __m256 a0 = _mm256_mul_ps(_mm256_load_ps(as + h), al);
-                    __m256 a1 = two ? _mm256_mul_ps(_mm256_load_ps(as + h + 8), al) : _mm256_setzero_ps();
-                    for (int64_t i = 0; i < nt; i++) {
-                        const char *vr = v_pool + (row[i] + g) * rb + h * es;
-                        const __m256 pv = _mm256_set1_ps(p[st][i]);
-                        a0 = _mm256_fmadd_ps(pv, kv_load8(vr, bf16), a0);
-                        if (two) a1 = _mm256_fmadd_ps(pv, kv_load8(vr + 8 * es, bf16), a1);
-                    }
-                    _mm256_store_ps(as + h, a0);
-                    if (two) _mm256_store_ps(as + h + 8, a1);
-                }
+                if (G % 2)
+                    heads_values(v_pool, row, g, nt, H, rb, p[st], NULL, alpha[st], 0.0f, acc + st * H, NULL, 1, bf16);
+                else
+                    heads_values(v_pool, row, g, nt, H, rb, p[st], p[st + 1], alpha[st], alpha[st + 1], acc + st * H,
+                                 acc + (st + 1) * H, 2, bf16);
             }
         memcpy(row, next, sizeof row);
     }
