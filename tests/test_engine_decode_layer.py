@@ -34,6 +34,15 @@ def models(tmp_path_factory):
     return out
 
 
+def _count_rows(runner, calls: list[int]) -> None:
+    """Record the rows of every C call (a layer's, or the whole stack's) the runner's layers make."""
+    for layer in runner.model.model.layers:
+        real = layer.lib
+        layer.lib = type("L", (), {
+            "decode_layer_q": staticmethod(lambda *a, real=real: calls.append(a[3]) or real.decode_layer_q(*a)),
+            "decode_stack_q": staticmethod(lambda *a, real=real: calls.append(a[4]) or real.decode_stack_q(*a))})
+
+
 def _run(llm: LLM, modules: bool) -> list[tuple[list[int], list[float]]]:
     layers = llm.llm_engine.model_runner.model.model.layers
     saved = list(layers)
@@ -70,15 +79,20 @@ def test_c_layer_step_is_the_module_path_bit_for_bit(models, name, qa, kv, monke
     if name == "src":
         assert runner.packed_linears == 1  # the LM head
     assert runner.decode_layers == 3, runner.decode_layers_why
+    layers = runner.model.model.layers
+    assert all(m.stack is not None and m.index == i for i, m in enumerate(layers))  # one C call a step
     calls = []
-    lib_call = runner.model.model.layers[0].lib.decode_layer_q
-    for layer in runner.model.model.layers:  # count the C calls (a prefill step must not make any)
-        layer.lib = type("L", (), {"decode_layer_q": staticmethod(lambda *a: calls.append(a[3]) or lib_call(*a))})
+    _count_rows(runner, calls)  # count the C calls (a prefill step must not make any)
     fast = _run(llm, modules=False)
     slow = _run(llm, modules=True)
     assert fast == slow
     # 11 decode steps after each prefill; the three sequences decode together: rows per call 1..3
     assert calls and max(calls) == 3 and set(calls) <= {1, 2, 3}
+    decode_steps = len(calls)
+    for m in layers:  # a call a layer (LMFORGE_DECODE_STACK=0): the same bits, 3 calls a step
+        m.stack = None
+    calls.clear()
+    assert _run(llm, modules=False) == fast and len(calls) == 3 * decode_steps
 
 
 def test_models_it_cannot_take_keep_their_modules(models):
@@ -111,16 +125,15 @@ def test_c_layer_batch_on_the_panel_gemm_is_the_module_path_bit_for_bit(models, 
     assert qkv.gemm_rows == want and int(layer.params[22]) == want
     prompts = [[1, 2 + i, 7, 3 * i + 1] for i in range(14)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
-    calls, lib_call = [], layer.lib.decode_layer_q
-    for lay in runner.model.model.layers:
-        lay.lib = type("L", (), {"decode_layer_q": staticmethod(lambda *a: calls.append(a[3]) or lib_call(*a))})
+    calls = []
+    _count_rows(runner, calls)
 
     def run():
         outs = llm.generate(prompts, params, use_tqdm=False)
         return [(o.outputs[0].token_ids, [lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
                 for o in outs]
     fast = run()
-    assert max(calls) == len(prompts) >= QmmLinear.GEMM_MIN_ROWS[qkv.bits]  # one C call a layer for all 14 rows
+    assert max(calls) == len(prompts) >= QmmLinear.GEMM_MIN_ROWS[qkv.bits]  # one C call a step for all 14 rows
     layers = runner.model.model.layers
     saved = list(layers)
     for i, lay in enumerate(layers):

@@ -12,10 +12,14 @@ adds), in the same order, so a step gives the same bits either way (`tests/test_
 
 `CDecodeLayer` stands in for a `DecoderLayer` (as the other engine-only stand-ins of `fused.py` do): on
 a step where every row decodes (no prefill chunk), at most `QmmLinear.A8_MAX_ROWS` (A8) or
-`MAX_ROWS` (A16) rows, it makes the one call; any other step takes the module path unchanged.
+`MAX_ROWS` (A16) rows, it makes the one call; any other step takes the module path unchanged. Where
+every layer decides alike, the first runs the whole stack in one `lmf_decode_stack_q` call and the
+others pass its result on (`LMFORGE_DECODE_STACK=0`: a call a layer, for A/B runs).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -57,7 +61,12 @@ def _kernel_gs(m: QmmLinear) -> int:
 
 
 class CDecodeLayer(nn.Module):
-    """A `DecoderLayer` whose all-decode steps run as one `lmf_decode_layer_q` call."""
+    """A `DecoderLayer` whose all-decode steps run as one `lmf_decode_layer_q` call; or, as one of a stack
+    (`stack` set, `index` its place), the first layer runs every layer of the step in one
+    `lmf_decode_stack_q` call and the others hand the result on."""
+
+    stack: torch.Tensor | None = None  # (layers,) int64: each layer's `params` address (set by `install`)
+    index = 0
 
     def __init__(self, layer: DecoderLayer, backend, lib: CpuKernels):
         super().__init__()
@@ -84,13 +93,17 @@ class CDecodeLayer(nn.Module):
         if (attn is not self.backend or meta is None or meta.decode is None or meta.groups or M > self.max_rows
                 or x_BTD.dtype != torch.float32):
             return self.layer(x_BTD, cos_BTH, sin_BTH, attn)
+        if self.stack is not None and self.index:
+            return x_BTD  # the first layer ran this step through every layer
         rows_S, lens_S, tables_SM = meta.decode
         x = x_BTD.clone(memory_format=torch.contiguous_format)  # the residual stream, updated in place by C
         cos, sin = cos_BTH.contiguous(), sin_BTH.contiguous()
-        rc = self.lib.decode_layer_q(self.isa, self.params.data_ptr(), x.data_ptr(), M, cos.data_ptr(),
-                                     sin.data_ptr(), meta.slot_mapping_T.data_ptr(), tables_SM.data_ptr(),
-                                     tables_SM.shape[1], lens_S.data_ptr(), rows_S.data_ptr(), len(rows_S),
-                                     self.eps, self.scale)
+        step = (x.data_ptr(), M, cos.data_ptr(), sin.data_ptr(), meta.slot_mapping_T.data_ptr(), tables_SM.data_ptr(),
+                tables_SM.shape[1], lens_S.data_ptr(), rows_S.data_ptr(), len(rows_S), self.eps, self.scale)
+        if self.stack is not None:
+            rc = self.lib.decode_stack_q(self.isa, len(self.stack), self.stack.data_ptr(), *step)
+        else:
+            rc = self.lib.decode_layer_q(self.isa, self.params.data_ptr(), *step)
         if rc != 0:
             raise RuntimeError(f"lmf_decode_layer_q refused layer {self.layer_idx} (code {rc})")
         return x
@@ -110,4 +123,11 @@ def install(model: nn.Module, backend, lib: CpuKernels | None) -> tuple[int, str
             return 0, why
     for i, layer in enumerate(layers):
         layers[i] = CDecodeLayer(layer, backend, lib)
+    # one call a step for the whole stack, where every layer takes the C path on the same steps (same row cap,
+    # body, eps and scale) and the library has it
+    same = len({(m.max_rows, m.isa, m.eps, m.scale) for m in layers}) == 1
+    if lib.decode_stack_q is not None and same and os.environ.get("LMFORGE_DECODE_STACK", "1") != "0":
+        stack = torch.tensor([m.params.data_ptr() for m in layers], dtype=torch.int64)
+        for i, m in enumerate(layers):
+            m.stack, m.index = stack, i
     return len(layers), None

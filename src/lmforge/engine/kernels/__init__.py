@@ -87,6 +87,8 @@ class CpuKernels:
     gemm_ok: bool = False  # whether this build has the panel GEMM's body (AVX2 + FMA): prefill chunks of bf16 weights
     decode_layer_q: ctypes._CFuncPtr | None = None  # lmf_decode_layer_q(isa, params, x, M, cos, sin, slots, tables,
     #                                                  tables_M, lens, rows, S, eps, scale): a whole decoder layer
+    decode_stack_q: ctypes._CFuncPtr | None = None  # lmf_decode_stack_q(isa, n_layers, layer_params, x, M, ...):
+    #                                                  every decoder layer of a decode step in one call
 
     def a8_isas(self) -> list[str]:
         """The A8 bodies this CPU runs, the default first (`A8_ISAS` names, in order of preference)."""
@@ -207,9 +209,13 @@ def _bind(path: Path) -> CpuKernels:
           "a8_isa_supported": ("lmf_a8_isa_supported", [I64]),
           "gemm_f32": ("lmf_gemm_f32", [P, P, P, P, I64, I64, I64, I64, I64, I64]),
           "decode_layer_q": ("lmf_decode_layer_q", [I64, P, P, I64, P, P, P, P, I64, P, P, I64, ctypes.c_float,
+                                                    ctypes.c_float]),
+          "decode_stack_q": ("lmf_decode_stack_q", [I64, I64, P, P, I64, P, P, P, P, I64, P, P, I64, ctypes.c_float,
                                                     ctypes.c_float])}
     for field, (name, argtypes) in a8.items():
-        fn = getattr(lib, name)
+        fn = getattr(lib, name, None)
+        if fn is None:  # an older revision's build (the A/B scripts)
+            continue
         fn.restype, fn.argtypes = ctypes.c_int, argtypes
         fns[field] = fn
     one = (ctypes.c_float * 1)(1.0)
