@@ -92,12 +92,12 @@ def test_every_weight_row_is_computed_once_whatever_the_split(threads):
         c = rng.integers(-128, 128, (N, K), dtype=np.int8)
         rc, out = _qmm_s8("portable", q, np.ones(M, np.float32), c, np.ones((N, 1), np.float32), N, 8, 0, threads)
         assert rc == 0 and np.array_equal(out.astype(np.int64), q.astype(np.int64) @ c.astype(np.int64).T), N
-        x = torch.randn(M, K)
+        x = torch.from_numpy(rng.standard_normal((M, K), dtype=np.float32))
         y = torch.full((M, N), float("nan"))
         w = torch.from_numpy(c.copy())
         assert LIB.qmm_f32(x.data_ptr(), w.data_ptr(), torch.ones(N).data_ptr(), y.data_ptr(), M, N, K, 8, 0,
                            threads, 0) == 0
-        torch.testing.assert_close(y, x @ w.float().T, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(y, x @ w.float().T, rtol=1e-4, atol=1e-3)  # outputs ~100: float32 sums
 
 
 @pytest.mark.parametrize("isa", ISAS)
