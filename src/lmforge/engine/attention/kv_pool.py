@@ -80,6 +80,8 @@ class KVPool:
     @property
     def label(self) -> str:
         """Appended to the backend's name: the pool's kind where it is not the activations' dtype."""
+        if self.int8:
+            return ", int8 KV"
         return f", {str(self.store_dtype).removeprefix('torch.')} KV" if self.store_dtype != self.dtype else ""
 
     @property
@@ -143,7 +145,6 @@ class Int8KVPool(KVPool):
     """int8 codes in the pools plus one bfloat16 scale per token per head."""
 
     int8 = True
-    label = ", int8 KV"  # type: ignore[assignment]  (the base class's property, fixed here)
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None = None):

@@ -896,10 +896,11 @@ int lmf_paged_decode_any(const void *q, const void *k_pool, const void *v_pool, 
     decode_any_job jobs[MAX_THREADS];
 #ifdef LMF_ATTN_AVX2
     __builtin_cpu_init();
-    if (S < want && want > 1 && total >= 2 * PART_TOKENS && act == 1 && (kv == 0 || kv == 1) && H % 8 == 0 &&
+    const int64_t pt = threads < MAX_THREADS ? threads : MAX_THREADS;  /* partitions: not bounded by the kv heads */
+    if (S < pt && pt > 1 && total >= 2 * PART_TOKENS && act == 1 && (kv == 0 || kv == 1) && H % 8 == 0 &&
         N <= MAX_N && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
         return decode_partitioned((const float *)q, k_pool, v_pool, block_tables, M, lens, rows, S, N, K, H, B, scale,
-                                  (float *)out, want, kv == 1 ? decode_heads_f32_avx2 : decode_heads_bf16kv_avx2);
+                                  (float *)out, pt, kv == 1 ? decode_heads_f32_avx2 : decode_heads_bf16kv_avx2);
 #endif
     if (S < want && want > 1 && total * K >= 512) {
         /* fewer sequences than threads (batch 1) and enough K/V to read (at long context this is
