@@ -272,6 +272,7 @@ static int64_t chunk_rows(int64_t N, int64_t threads) {
 }
 
 /* The next chunk [*n0, *n1) of rows [0, N), or 0 when none is left. */
+__attribute__((unused)) /* its one user, the panel GEMM, is absent from builds without AVX2 + FMA */
 static int take_chunk(int64_t *next, int64_t chunk, int64_t N, int64_t *n0, int64_t *n1) {
     *n0 = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED) * chunk;
     if (*n0 >= N) return 0;
