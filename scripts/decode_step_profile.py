@@ -56,20 +56,29 @@ def profile(model: str, quant_activations: str = "none", threads: int = 2, steps
     for m in linears:
         _timed(m, "forward", acc, "linear")
     libs = {id(m.lib): m.lib for m in runner.model.modules() if type(m).__name__ == "CDecodeLayer"}
-    for lib in libs.values():  # a whole layer a C call (engine.decode_layer): linears and attention inside
-        _timed(lib, "decode_layer_q", acc, "c_layer")
+    for lib in libs.values():  # the decoder layers as C calls (engine.decode_layer): linears and attention inside
+        _timed(lib, "decode_layer_q", acc, "c_layer")  # a call a layer
+        _timed(lib, "decode_stack_q", acc, "c_layer")  # or the whole stack in one
     _timed(runner.attn, "__call__", acc, "attention")
+
+    # the steps one by one: the prefill step first, then the counters from zero for the `steps` decode steps
+    eng.add_request("profile", prompt, params)
+    eng.step()
+    acc.clear()
     before = dict(eng.step_profile())
     t0 = time.perf_counter()
-    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    done = []
+    while eng.has_unfinished_requests():
+        done += [o for o in eng.step() if o.finished]
     wall = time.perf_counter() - t0
     after = eng.step_profile()
-    n = steps + 1
+    out = done[-1].outputs[0]
+    n = steps
     phases = {k: 1000 * (after[k] - before.get(k, 0.0)) / n for k in after}
     tt = out.token_times
     step_ms = 1000 * (tt[-1] - tt[0]) / (len(tt) - 1)
     lin, att, c_layer = (1000 * acc[k] / n for k in ("linear", "attention", "c_layer"))
-    rows = {"decoder layers as one C call each (norms, matmuls, RoPE, K/V, attention, adds)": c_layer,
+    rows = {"decoder layers as C calls (norms, matmuls, RoPE, K/V, attention, adds)": c_layer,
             "linear kernels (Python-called)": lin, "attention (Python-called: KV write + decode kernel)": att,
             "rest of the forward (Python modules, embedding, norms, RoPE, adds)": phases["forward"] - lin - att - c_layer,
             "prepare (inputs, attention metadata)": phases["prepare"], "sample": phases["sample"],

@@ -14,7 +14,8 @@ adds), in the same order, so a step gives the same bits either way (`tests/test_
 a step where every row decodes (no prefill chunk), at most `QmmLinear.A8_MAX_ROWS` (A8) or
 `MAX_ROWS` (A16) rows, it makes the one call; any other step takes the module path unchanged. Where
 every layer decides alike, the first runs the whole stack in one `lmf_decode_stack_q` call and the
-others pass its result on (`LMFORGE_DECODE_STACK=0`: a call a layer, for A/B runs).
+others pass its result on (`LMFORGE_DECODE_STACK=0`: a call a layer; `python scripts/kernels_ab.py stack
+MODEL` compares the two: 1-4% of a Q4_0 step of the random 300M).
 """
 
 from __future__ import annotations

@@ -85,11 +85,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         model_dir = Path(config.model)
-        if not (model_dir / "config.json").exists() and not is_gguf(model_dir):
+        if is_gguf(model_dir) and not model_dir.is_file():
+            raise FileNotFoundError(f"{model_dir}: no such GGUF file")
+        if not is_gguf(model_dir) and not (model_dir / "config.json").exists():
             raise FileNotFoundError(f"{model_dir}: no config.json; pass a Hugging Face layout model directory "
                                     "or a .gguf file")
-        bf16_weights = self._resolve_dtype(config, model_dir)  # before any worker starts
-        self.kv_choice = self._resolve_kv_dtype(config, model_dir, bf16_weights)
+        info = checkpoint_info(model_dir)  # (saved dtype, int weights), from the header: before any worker starts
+        bf16_weights = self._resolve_dtype(config, info)
+        self.kv_choice = self._resolve_kv_dtype(config, info[1], bf16_weights)
         torch.manual_seed(config.seed)
         # tensor parallelism: the workers start loading now, beside rank 0 (this process)
         self.executor = MultiprocExecutor(config) if config.tensor_parallel_size > 1 else None
@@ -137,15 +140,15 @@ class LLMEngine:
                  model_dir, r.dtype, self.dtype_choice, r.device, r.weight_bytes / 2**20, r.linear_backend, num_blocks,
                  config.block_size,
                  num_blocks * r.attn.bytes_per_block / 2**20, r.attn.bytes_per_block // config.block_size,
-                 config.kv_cache_dtype, self.kv_choice, num_blocks * config.block_size, r.attention_backend, r.packed_linears,
-                 r.fused_modules)
+                 config.kv_cache_dtype, self.kv_choice, num_blocks * config.block_size, r.attention_backend,
+                 r.packed_linears, r.fused_modules)
 
-    def _resolve_dtype(self, config: EngineConfig, model_dir: Path) -> bool:
+    def _resolve_dtype(self, config: EngineConfig, info: tuple[str | None, bool]) -> bool:
         """`--dtype auto` on CPU: what is fast here (`kernels.auto_dtype`), written into `config.dtype` and
         `self.dtype_choice`; True when a bf16 checkpoint keeps bf16 linear weights on float32 activations."""
         self.dtype_choice, bf16_weights = "set by --dtype", False
         if config.dtype == "auto" and resolve_device(config.device).type == "cpu":
-            config.dtype, self.dtype_choice, bf16_weights = kernels.auto_dtype(*checkpoint_info(model_dir))
+            config.dtype, self.dtype_choice, bf16_weights = kernels.auto_dtype(*info)
             if bf16_weights and (config.tensor_parallel_size > 1 or config.enable_lora
                                  or config.attention == "reference"):  # those take one dtype throughout
                 config.dtype, bf16_weights = "bfloat16", False
@@ -153,7 +156,7 @@ class LLMEngine:
         return bf16_weights
 
     @staticmethod
-    def _resolve_kv_dtype(config: EngineConfig, model_dir: Path, bf16_weights: bool) -> str:
+    def _resolve_kv_dtype(config: EngineConfig, quantized: bool, bf16_weights: bool) -> str:
         """`--kv-cache-dtype auto`: the activations' dtype, except on CPU float32 activations that exist for
         the kernels' sake, over a bf16 checkpoint (`bf16_weights`) or int8-activation (A8) int weights:
         there K/V is kept in bfloat16, as the bf16 checkpoint itself would (and as llama.cpp keeps f16 K/V),
@@ -164,7 +167,7 @@ class LLMEngine:
             return "set by --kv-cache-dtype"
         if config.dtype != "float32" or resolve_device(config.device).type != "cpu":
             return "the activations' dtype"
-        a8 = config.quant_activations == "int8" and checkpoint_info(model_dir)[1]
+        a8 = config.quant_activations == "int8" and quantized
         if (bf16_weights or a8) and config.cpu_kernels and config.attention == "fast" and kernels.load() is not None:
             config.kv_cache_dtype = "bfloat16"
             return ("bf16 checkpoint on float32 activations: bf16 K/V" if bf16_weights else

@@ -4,8 +4,9 @@ in place whatever their order (no views, no buckets, no gather; int8 codes dequa
 kernel); prefill chunks go through the torch backend's `attend_groups`.
 
 bf16 K/V with bf16 queries run the tuned body (`decode`); float32 queries or K/V, and int8 K/V, run
-`decode_any` (float32 queries over a float32 or bf16 pool: its AVX2 body). The kernel is chosen at run time from this CPU's flags when the library is built; with
-no compiler the engine selects the torch backend instead (`attention.select_backend`).
+`decode_any` (float32 queries over a float32 or bf16 pool: its AVX2 body). The kernel is chosen at run
+time from this CPU's flags when the library is built; with no compiler the engine selects the torch
+backend instead (`attention.select_backend`).
 This module knows nothing about scheduling or the model beyond the hook's signature.
 
 Shape legend: T flat tokens this step, N query heads, K kv heads, H head dim, S decoding sequences,

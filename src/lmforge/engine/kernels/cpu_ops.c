@@ -284,8 +284,9 @@ static int take_chunk(int64_t *next, int64_t chunk, int64_t N, int64_t *n0, int6
  * share of the rows, one contiguous run, and the last eighth goes in chunks of `chunk` rows to whichever
  * thread is free (a late or slowed thread still takes less). Chunks of 1/16 of a share throughout cost a
  * batch-1 step ~20%: each chunk is a new stream the hardware prefetcher must pick up again, 16 a thread in
- * each of a step's 96 matmuls (the 300M's int4 g32 layer shapes, 2 threads, Zen 4, alternating builds:
- * 8.2 -> 6.7 ms at 1 row, 14.1 -> 13.1 at 4; all of it static 0.96x of this, with no balancing). */
+ * each of a step's 96 matmuls (the 300M's int4 g32 layer shapes, 2 threads, Zen 4: 7.65 -> 6.09 ms at 1 row,
+ * 11.2 -> 9.9 at 4; `python scripts/kernels_ab.py matmuls --old-rev efd2024`; a fully static split, a
+ * throwaway variant, 0.96x of this, with nothing left to balance a slowed thread). */
 #define GUIDED_NUM 7
 #define GUIDED_DEN 8
 static int take_rows(int64_t *next, int64_t chunk, int64_t N, int64_t threads, int64_t *n0, int64_t *n1) {
@@ -663,8 +664,9 @@ __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline))
     tile_rows(table, t_begin, len < TILE ? len : TILE, B, K, g0, row);
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {
         const int64_t nt = len - t0 < TILE ? len - t0 : TILE;
-        /* the next tile's runs, into L2 (into L1 they evicted this tile's: 1.1-1.3x slower); a partition's last
-         * tile prefetches the next partition's first (pf_len: the tokens left in the sequence from t_begin) */
+        /* the next tile's runs, into L2 (into L1 they evicted this tile's: 1.1-1.3x slower, a throwaway
+         * variant); a partition's last tile prefetches the next partition's first (pf_len: the tokens left in
+         * the sequence from t_begin) */
         const int64_t left = pf_len - t0 - nt, nn = left < TILE ? left : TILE;
         if (nn > 0) {
             tile_rows(table, t_begin + t0 + TILE, nn, B, K, g0, next);
@@ -791,9 +793,10 @@ static void *decode_any_range(void *arg) {
  * (all kv heads over one contiguous token range: whole pool blocks streamed, where a split by kv heads read
  * half of each token's row at a 1-2 KB stride) and merged in a fixed order, so the bits do not depend on the
  * thread count; a thread takes a contiguous run of partitions and prefetches across their edges. The 300M's
- * 24 layers at batch 1, bf16 K/V in random blocks, Zen 4, 2 threads, alternating builds, against the split by
- * kv heads: 200 tokens of context 1.0x, 700 0.81-0.88x, 1,400 0.80x the time (64-token partitions: 200
- * tokens 1.23x, the merge and the partitions' starts cost; 256: two threads get 1 and 2 of 700 tokens'). */
+ * 24 layers at batch 1, bf16 K/V in random blocks, Zen 4, 2 threads, against the split by kv heads
+ * (`python scripts/kernels_ab.py attention --old-rev 9111c25 --kv bfloat16`): 700 tokens of context 0.84x,
+ * 1,400 0.79-0.82x the time. Throwaway variants: 64-token partitions cost 1.23x at 200 tokens (the merge
+ * and the partitions' starts); 256 give two threads 1 and 2 of 700 tokens' partitions. */
 #define PART_TOKENS 128
 
 typedef struct {
