@@ -93,6 +93,9 @@ class ServerConfig:
     lora_modules: dict[str, str] = field(default_factory=dict)
     max_lora_rank: int = 16  # the engine's; adapters are checked against it when registered
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin key)
+    # the text of a Jinja chat template (`lmforge serve --chat-template FILE`) used instead of the model's own
+    # for chat requests that send no `chat_template` field of their own
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.log_interval_s <= 0:
@@ -103,6 +106,8 @@ class ServerConfig:
         if self.served_model_name in self.lora_modules:
             raise ValueError(f"lora_modules: {self.served_model_name!r} is the base model's name; name the adapter "
                              "otherwise")
+        if self.chat_template is not None and not self.chat_template.strip():
+            raise ValueError("chat_template is empty (--chat-template: a file holding a Jinja template)")
         if self.admin_api_key is not None and self.admin_api_key == self.api_key:
             raise ValueError("admin_api_key must differ from api_key (--admin-api-key, --api-key): an inference "
                              "client must not administer")
