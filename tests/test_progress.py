@@ -1,0 +1,60 @@
+"""The shared progress helper (`lmforge.track.progress`): lines off a terminal, a bar on one, an ETA.
+
+    python -m pytest -q tests/test_progress.py
+"""
+
+from __future__ import annotations
+
+import io
+
+from lmforge.track.progress import Progress, eta_s, fmt_duration
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_off_a_terminal_it_prints_plain_lines_with_counts_rate_and_eta(monkeypatch):
+    monkeypatch.delenv("LMFORGE_PROGRESS", raising=False)
+    out = io.StringIO()
+    with Progress("generate", total=10, unit="req", stream=out, every_s=0) as p:
+        for _ in range(4):
+            p.advance()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 5 and "\r" not in out.getvalue()  # one per update (every_s=0) + the final one
+    assert lines[0].startswith("generate: 1/10 req (10%)") and "ETA" in lines[0]
+    assert lines[-1].startswith("generate: 4/10 req (40%)") and "done in" in lines[-1]
+
+
+def test_lines_are_spaced_by_every_s():
+    out = io.StringIO()
+    p = Progress("prepare", stream=out, every_s=3600)
+    for _ in range(1000):
+        p.advance()
+    assert out.getvalue() == ""  # nothing due yet
+    p.close()
+    assert out.getvalue().startswith("prepare: 1,000 it,") and out.getvalue().count("\n") == 1
+
+
+def test_on_a_terminal_it_redraws_one_bar_and_ends_the_line(monkeypatch):
+    monkeypatch.delenv("LMFORGE_PROGRESS", raising=False)
+    out = _Tty()
+    with Progress("eval", total=4, stream=out, every_s=0) as p:
+        p.advance(4)
+    text = out.getvalue()
+    assert text.startswith("\r[") and text.endswith("\n") and "4/4 it (100%)" in text
+
+
+def test_off_switch_silences_it(monkeypatch):
+    monkeypatch.setenv("LMFORGE_PROGRESS", "off")
+    out = io.StringIO()
+    with Progress("x", total=2, stream=out, every_s=0) as p:
+        p.advance(2)
+    assert out.getvalue() == ""
+
+
+def test_eta_and_durations():
+    assert eta_s(25, 100, 10.0) == 30.0
+    assert eta_s(0, 100, 10.0) is None and eta_s(5, None, 1.0) is None
+    assert [fmt_duration(s) for s in (4.4, 185, 3720)] == ["4s", "3m05s", "1h02m"]
