@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import io
+import json
 
 from lmforge.track.progress import Progress, eta_s, fmt_duration
 
@@ -58,3 +59,17 @@ def test_eta_and_durations():
     assert eta_s(25, 100, 10.0) == 30.0
     assert eta_s(0, 100, 10.0) is None and eta_s(5, None, 1.0) is None
     assert [fmt_duration(s) for s in (4.4, 185, 3720)] == ["4s", "3m05s", "1h02m"]
+
+
+def test_data_prepare_reports_each_pass(tmp_path, capsys, monkeypatch):
+    from lmforge.data.prepare import prepare_dataset
+
+    monkeypatch.setenv("LMFORGE_PROGRESS_S", "0")
+    src = tmp_path / "docs.jsonl"
+    words = [f"w{i}" for i in range(400)]
+    src.write_text("".join(json.dumps({"id": str(i), "text": " ".join(words[(i * 7 + j) % 400] for j in range(120))})
+                           + "\n" for i in range(30)))
+    prepare_dataset([str(src)], tmp_path / "out", workers=1, show_progress=True)
+    err = capsys.readouterr().err
+    assert "prepare: read + normalize: 30 docs" in err
+    assert "prepare: clean + dedup: 30/30 docs (100%)" in err and "done in" in err

@@ -35,6 +35,7 @@ from tokenizers import Tokenizer
 from lmforge.tokenizer.load import _tokenizer_json, tokenizer_hash
 from lmforge.tokenizer.special import BOS, EOS
 from lmforge.track.io import atomic_write_json, sha256_file
+from lmforge.track.progress import Progress
 from lmforge.track.run import RunDir
 
 FORMAT = "lmforge-packed-v1"
@@ -172,7 +173,7 @@ def _pack_split(src: Path, writer: _ShardWriter, pool: Any, tokenizer_dir: str, 
         nbytes += b
         documents += int(np.count_nonzero(np.frombuffer(data, dtype=dtype) == eos))
         if progress is not None:
-            progress[0].update(progress[1], advance=b)
+            progress.advance(b)
     writer.close()
     return {"tokens": tokens, "documents": documents, "bytes": nbytes}
 
@@ -209,26 +210,17 @@ def _pack_splits(out: Path, sources: dict[str, Path], tokenizer_dir: str, bos: i
     Ray tasks when given one: the same ordered `imap`)."""
     splits: dict[str, dict] = {}
     pool = None
-    progress = None
     try:
         if executor is not None:
             pool = executor.pool(_init_worker, (tokenizer_dir,))
         elif workers > 1:
             pool = mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer_dir,))
-        if show_progress:
-            # deferred: rich's progress bar only for an interactive run; spawned workers re-import this module
-            from rich.progress import Progress
-
-            progress = Progress(transient=True)
-            progress.start()
         for split, src in sources.items():
-            task = (progress, progress.add_task(f"pack {split}", total=src.stat().st_size)) if progress else None
             writer = _ShardWriter(out, split, np.dtype(dtype).itemsize, shard_tokens)
-            counts = _pack_split(src, writer, pool, tokenizer_dir, bos, eos, dtype, task)
+            with Progress(f"pack {split}", total=src.stat().st_size, unit="bytes", enabled=show_progress) as bar:
+                counts = _pack_split(src, writer, pool, tokenizer_dir, bos, eos, dtype, bar)
             splits[split] = _split_entry(writer, counts, seq_len)
     finally:
-        if progress is not None:
-            progress.stop()
         if pool is not None:
             pool.close()
             pool.join()

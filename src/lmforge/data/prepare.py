@@ -50,6 +50,7 @@ from lmforge.data.readers import file_sha256, file_size, iter_records, resolve_i
 from lmforge.data.sources import python_docs_snapshot
 from lmforge.data.split import SPLITS, assign_split
 from lmforge.track.io import atomic_write_json, atomic_write_text, sha256_file
+from lmforge.track.progress import Progress
 from lmforge.track.run import RunDir
 
 log = logging.getLogger("lmforge.data")
@@ -270,7 +271,7 @@ class _Pipeline:
 
     def _tick(self, name: str, n: int) -> None:
         if self.progress is not None:
-            self.progress[0].update(self.progress[1][name], advance=n)
+            self.progress.tick(name, n)
 
     def pass1(self, records: Iterator[dict]) -> Counter:
         """Read + normalize; write normalized docs to .work and count boilerplate candidates."""
@@ -582,20 +583,34 @@ def _open_run(out: Path, cfg: PrepareConfig, overwrite: bool) -> RunDir:
     return run
 
 
-def _start_progress() -> tuple[Any, dict]:
-    # deferred: rich's progress bar only for an interactive run; spawned workers re-import this module
-    from rich.progress import Progress
+class _PassProgress:
+    """One `track.progress.Progress` per pass, each started when its pass starts (so its rate and ETA
+    are its own); pass 2's total is the documents pass 1 kept."""
 
-    bar = Progress(transient=True)
-    bar.start()
-    return bar, {"read": bar.add_task("read + normalize", total=None),
-                 "clean": bar.add_task("clean + dedup", total=None)}
+    NAMES = {"read": "prepare: read + normalize", "clean": "prepare: clean + dedup"}
+
+    def __init__(self) -> None:
+        self.bars: dict[str, Progress] = {}
+
+    def tick(self, name: str, n: int, total: int | None = None) -> None:
+        if name not in self.bars:
+            for bar in self.bars.values():
+                bar.close()
+            self.bars[name] = Progress(self.NAMES[name], total=total, unit="docs")
+        self.bars[name].advance(n)
+
+    def start(self, name: str, total: int | None) -> None:
+        self.tick(name, 0, total)
+
+    def stop(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
 
 
 def _run_passes(cfg: PrepareConfig, out: Path, sources: list, eval_sets: list[str], workers: int,
                 show_progress: bool) -> tuple[_Pipeline, dict[str, dict], list[str]]:
     """The three passes; returns the pipeline (its counts), built-in sources' digests and warnings."""
-    progress = _start_progress() if show_progress else None
+    progress = _PassProgress() if show_progress else None
     pool = _make_pool(workers, cfg)
     try:
         pipe = _Pipeline(cfg, out, pool, progress)
@@ -606,13 +621,15 @@ def _run_passes(cfg: PrepareConfig, out: Path, sources: list, eval_sets: list[st
         n_docs = pipe.stats.steps["normalize"]["out"]
         bp_keys = boilerplate_keys(counts, n_docs, cfg.boilerplate) if cfg.boilerplate.enabled else frozenset()
         del counts
+        if progress is not None:
+            progress.start("clean", n_docs)
         pipe.pass2(bp_keys)
         pipe.pass3(eval_sets)
     finally:
         if pool is not None:
             pool.terminate()
         if progress is not None:
-            progress[0].stop()
+            progress.stop()
     pipe.rejected.close()
     pipe.quarantine.close()
     shutil.rmtree(out / ".work", ignore_errors=True)
