@@ -213,12 +213,6 @@ def test_engine_process_load_error_is_raised(model_dir, tmp_path):
     assert str(tmp_path) in str(raised.value)  # the child's own error, with its message
 
 
-def test_prompt_logprobs_are_refused_not_ignored(model_dir):
-    llm = LLM(str(model_dir), device="cpu")
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        llm.generate([[5, 6]], SamplingParams(prompt_logprobs=1), use_tqdm=False)
-
-
 def test_output_kinds_reconcile(model_dir):
     """delta outputs concatenate to the cumulative ones; final_only yields exactly one output."""
     engine = LLM(str(model_dir), device="cpu").llm_engine

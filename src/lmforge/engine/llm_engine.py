@@ -38,7 +38,7 @@ from .executor import MultiprocExecutor
 from .lora import LoRAManager, LoRARequest
 from .model_runner import ModelRunner, float32_except_linears, kv_bytes_per_block
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .sampler import Sampler, SampleResult, make_generator
+from .sampler import Sampler, SampleResult, make_generator, prompt_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence
@@ -58,6 +58,7 @@ class Request:
     seqs: list[Sequence]
     output_kind: str = "cumulative"
     sent: list[tuple[int, int]] = field(default_factory=list)  # delta: (tokens, characters) sent per sample
+    prompt_logprobs_sent: bool = False  # delta: the prompt logprobs went out with the first output
 
 
 def _eos_token_ids(model_dir: Path, model: Transformer, tokenizer) -> set[int]:
@@ -236,10 +237,6 @@ class LLMEngine:
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: token ids against the vocabulary; unsupported fields.
         A grammar that does not compile is refused when add_request compiles it, before anything is queued."""
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported by lmforge's engine yet (it would need the logits "
-                             "of every prompt position, which chunked prefill and the prefix cache skip); "
-                             "omit it, or score the prompt with lmforge.model.Transformer directly")
         V = self.vocab_size
         if any(t >= V for t in params.stop_token_ids):  # they index the logits (min_tokens masks them)
             raise ValueError(f"SamplingParams.stop_token_ids={[t for t in params.stop_token_ids if t >= V][:5]}: "
@@ -295,7 +292,7 @@ class LLMEngine:
             return self._idle()
         if self.lora is not None:  # adapters of this step resident, each row's slot known
             self.lora.activate(scheduled, self.scheduler.running)
-        logits_SV = self.model_runner.run(scheduled)
+        logits_SV = self._prompt_logprobs(scheduled, self.model_runner.run(scheduled))
         sampling, results = self._sample(scheduled, logits_SV)
         return self._update(scheduled, sampling, results)
 
@@ -305,6 +302,23 @@ class LLMEngine:
         if scheduled:  # an idle step is not counted
             self.timings["schedule"] += time.perf_counter() - t0
         return scheduled
+
+    def _prompt_logprobs(self, scheduled: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
+        """Record the prompt logprobs of this step's prompt-logprob rows (they follow the sampled rows);
+        returns the sampled rows' logits."""
+        num_prompt_rows = sum(len(s.prompt_positions) for s in scheduled)
+        if not num_prompt_rows:
+            return logits
+        t0, r = time.perf_counter(), logits.shape[0] - num_prompt_rows
+        for s in scheduled:
+            pos, seq = s.prompt_positions, s.seq
+            if pos:
+                targets = seq.prompt_token_ids[pos.start + 1:pos.stop + 1]  # position p predicts token p + 1
+                seq.prompt_logprobs += prompt_logprobs(logits[r:r + len(pos)], targets,
+                                                       seq.sampling_params.prompt_logprobs)
+                r += len(pos)
+        self.timings["sample"] += time.perf_counter() - t0
+        return logits[:logits.shape[0] - num_prompt_rows]
 
     def _sample(self, scheduled: list[ScheduledSeq],
                 logits_SV: torch.Tensor) -> tuple[list[Sequence], list[list[SampleResult]]]:
@@ -431,8 +445,11 @@ class LLMEngine:
         done = all(s.is_finished for s in seqs)
         metrics = RequestMetrics(s0.arrival_time, s0.first_scheduled_time, min(firsts, default=None),
                                  max(last, default=None), max(s.finished_time for s in seqs) if done else None)
+        prompt_lps = s0.prompt_logprobs
+        if prompt_lps is not None and req.output_kind == "delta":  # the first output carries them, once
+            prompt_lps, req.prompt_logprobs_sent = (None if req.prompt_logprobs_sent else prompt_lps), True
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, done, s0.num_cached_tokens,
-                             metrics)
+                             metrics, prompt_lps)
 
     # ---- statistics --------------------------------------------------------------------------------
 

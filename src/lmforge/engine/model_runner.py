@@ -5,7 +5,8 @@ All scheduled tokens (prefill chunks and decode tokens together) form one flat r
 positions. `prepare` turns the scheduled sequences into `StepInputs` (plain ints); `execute` runs
 them: the attention backend, chosen once at construction (`attention.select_backend`), builds its
 indices from the block tables once per step and does the rest inside each layer. `lm_head` runs only
-on the last token of each sequence whose chunk reaches its end. Under tensor parallelism `run` first
+on the last token of each sequence whose chunk reaches its end, and on the prompt positions of a
+sequence that asked for prompt logprobs (`ScheduledSeq.prompt_positions`). Under tensor parallelism `run` first
 hands the same `StepInputs` to the worker ranks (`workers`: the executor), which `execute` the same
 forward on their shards. This module knows nothing about scheduling policy, sampling, text or
 processes.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -37,13 +38,15 @@ from .scheduler import ScheduledSeq
 @dataclass
 class StepInputs:
     """What every rank needs for one forward: plain ints, cheap to pickle. Sequence s computes tokens
-    [computed[s], computed[s] + q_lens[s]); `last_rows` are the flat rows whose logits rank 0 samples."""
+    [computed[s], computed[s] + q_lens[s]); `last_rows` are the flat rows whose logits rank 0 samples,
+    `prompt_rows` those whose logits give prompt logprobs (their logits follow the sampled rows')."""
     input_ids: list[int]
     positions: list[int]
     last_rows: list[int]
     block_tables: list[list[int]]
     computed: list[int]
     q_lens: list[int]
+    prompt_rows: list[int] = field(default_factory=list)
 
 
 class StepWorkers(Protocol):
@@ -253,8 +256,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """float32 (float64 in exactness mode) logits (S, V), one row per sampling sequence (1 + its drafts' rows
-        for a verifying one), in `scheduled` order.
+        """float32 (float64 in exactness mode) logits (S + P, V): one row per sampling sequence (1 + its drafts'
+        rows for a verifying one), in `scheduled` order, then the P prompt-logprob rows in the same order.
         Adds its seconds to `timings` (on CUDA, `forward` is launch time: the sampler's copy waits for the rest)."""
         t0 = time.perf_counter()
         inputs = self.prepare(scheduled)
@@ -268,11 +271,12 @@ class ModelRunner:
     def prepare(scheduled: list[ScheduledSeq]) -> StepInputs:
         """The step as plain ints: what every tensor-parallel rank needs to run the same forward."""
         input_ids, positions, last_rows, start = [], [], [], 0
-        tables, computed, q_lens = [], [], []
+        tables, computed, q_lens, prompt_rows = [], [], [], []
         for s in scheduled:  # a verifying sequence: its last token, then its drafts, all K+1 rows sampled
             c, n, k = s.seq.num_computed_tokens, s.num_new_tokens, len(s.spec_token_ids)
             input_ids += s.seq.token_ids[c:c + n - k] + s.spec_token_ids
             positions += range(c, c + n)
+            prompt_rows += (start + p - c for p in s.prompt_positions)
             start += n
             if s.samples:
                 last_rows += range(start - 1 - k, start)
@@ -282,23 +286,24 @@ class ModelRunner:
             tables += [s.seq.block_table] * parts
             computed += range(c, c + parts) if k else [c]
             q_lens += [1] * parts if k else [n]
-        return StepInputs(input_ids, positions, last_rows, tables, computed, q_lens)
+        return StepInputs(input_ids, positions, last_rows, tables, computed, q_lens, prompt_rows)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, logits: bool = True, t0: float | None = None) -> torch.Tensor | None:
-        """One forward; the logits of `inputs.last_rows` (tensor-parallel workers pass `logits=False`)."""
+        """One forward; the logits of `inputs.last_rows`, then of `inputs.prompt_rows` (tensor-parallel
+        workers pass `logits=False`)."""
         t0 = time.perf_counter() if t0 is None else t0
         self.attn.prepare(inputs.block_tables, inputs.computed, inputs.q_lens)
         to_dev = dict(dtype=torch.long, device=self.device)
         input_ids_1T = torch.tensor([inputs.input_ids], **to_dev)
         positions_1T = torch.tensor([inputs.positions], **to_dev)
-        last_rows_S = torch.tensor(inputs.last_rows, **to_dev)
+        last_rows_S = torch.tensor(inputs.last_rows + inputs.prompt_rows, **to_dev)
         t1 = time.perf_counter()
         h_1TD = self.model.hidden_states(input_ids_1T, positions_1T, attn=self.attn)
         self.attn.finish()
         if not logits:
             logits_SV = None
-        elif inputs.last_rows:
+        elif inputs.last_rows or inputs.prompt_rows:
             logits_SV = self.model.lm_head(h_1TD[0, last_rows_S]).to(torch.promote_types(self.dtype, torch.float32))
         else:  # float64 stays exact
             logits_SV = torch.empty(0, self.model.config.vocab_size, device=self.device)

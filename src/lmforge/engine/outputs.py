@@ -1,5 +1,6 @@
 """What the engine hands back for a request: `RequestOutput` (one per request per step), with one
-`CompletionOutput` per sample and the request's `RequestMetrics` (vLLM's `vllm/outputs.py`).
+`CompletionOutput` per sample, the request's `RequestMetrics` and, when asked for, its prompt's
+`Logprob`s (vLLM's `vllm/outputs.py`).
 
 Plain dataclasses, cheap to pickle: they cross the engine core's pipe (`messages.py`). This module
 knows nothing about how they are produced.
@@ -8,6 +9,20 @@ knows nothing about how they are produced.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Logprob:
+    """One token's log-probability at one prompt position, and its 1-based rank in that position's
+    distribution (vLLM's `Logprob`; `decoded_token` is left to the caller, which holds the tokenizer)."""
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# vLLM's PromptLogprobs: per prompt token, None for the first (nothing predicts it), else the prompt
+# token's and the `prompt_logprobs` most likely tokens' Logprob, keyed by token id
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -38,7 +53,8 @@ class RequestMetrics:
 class RequestOutput:
     """`SamplingParams.output_kind`: cumulative (the default) — `outputs[i].token_ids`, `.text`, `.logprobs`,
     `.token_times` hold everything generated so far; delta — only what is new since the previous output;
-    final_only — a single output, when the request finishes (or is aborted), holding everything."""
+    final_only — a single output, when the request finishes (or is aborted), holding everything.
+    `prompt_logprobs` is complete in every output of a request that asked for it (delta: the first only)."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -46,4 +62,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int  # prompt tokens served by the prefix cache (sample 0's first admission)
     metrics: RequestMetrics
+    prompt_logprobs: PromptLogprobs | None = None  # SamplingParams.prompt_logprobs: one entry per prompt token
 

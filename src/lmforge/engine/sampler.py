@@ -35,6 +35,8 @@ import torch
 
 from lmforge.engine.sampling_params import SamplingParams
 
+from .outputs import Logprob
+
 
 @dataclass
 class SampleResult:
@@ -227,6 +229,24 @@ class Sampler:
             k = params[i].logprobs or 0
             results[i] = SampleResult(tokens[i], chosen_R[r], dict(zip(top_ids[r][:k], top_values[r][:k])))
         return results
+
+
+def prompt_logprobs(logits_PV: torch.Tensor, targets: list[int], k: int) -> list[dict[int, Logprob]]:
+    """Raw logprobs (log_softmax of the model's logits, as for sampled tokens) at P prompt positions: per
+    position, the next prompt token's (`targets[p]`) and the `k` most likely tokens', with vLLM's ranks
+    (1 + how many tokens are at least as likely, the token itself included; top-k: 1..k)."""
+    logprobs_PV = torch.log_softmax(logits_PV.float(), dim=-1)
+    targets_P1 = torch.tensor(targets, device=logits_PV.device).unsqueeze(1)
+    chosen_P1 = logprobs_PV.gather(1, targets_P1)
+    ranks = (logprobs_PV >= chosen_P1).sum(dim=-1).tolist()
+    top_values_PK, top_ids_PK = logprobs_PV.topk(min(k, logprobs_PV.shape[1]), dim=-1)
+    out = []
+    for t, lp, rank, ids, values in zip(targets, chosen_P1[:, 0].tolist(), ranks, top_ids_PK.tolist(),
+                                        top_values_PK.tolist()):
+        entry = {t: Logprob(lp, rank)}
+        entry.update((i, Logprob(v, r)) for r, (i, v) in enumerate(zip(ids, values), start=1) if i != t)
+        out.append(entry)
+    return out
 
 
 def _argmax(x_SV: torch.Tensor) -> torch.Tensor:

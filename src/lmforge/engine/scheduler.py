@@ -3,7 +3,8 @@ decode token, or the next prefill chunk), then on waiting ones in arrival order 
 be allocated. Chunked prefill, prefix-cache hits and resumption after preemption all fall out of
 `num_tokens - num_computed_tokens`. When a running sequence cannot get a block, the newest running
 sequence is preempted by recompute: its blocks are freed, `num_computed_tokens` goes back to 0 and
-it returns to the head of the waiting queue, keeping its generated tokens. A decoding sequence with
+it returns to the head of the waiting queue, keeping its generated tokens. A sequence still collecting
+prompt logprobs reads nothing from the prefix cache (its every prompt position must be computed). A decoding sequence with
 speculative drafts (`seq.spec_token_ids`) is given 1 + its drafts, as far as the budget and the free
 blocks allow; only accepted drafts ever count as computed (`accept_spec`).
 
@@ -27,6 +28,7 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens whose K/V this step computes, from seq.num_computed_tokens on (drafts included)
     spec_token_ids: list[int] = field(default_factory=list)  # speculative decoding: the drafts verified this step
+    prompt_positions: range = range(0)  # positions whose logits give prompt logprobs (Sequence.prompt_logprob_positions)
 
     @property
     def samples(self) -> bool:  # the chunk reaches the last token: its logits give the next token
@@ -61,7 +63,7 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 break
             bm.allocate(seq, n + len(spec))
-            scheduled.append(ScheduledSeq(seq, n + len(spec), spec))
+            scheduled.append(ScheduledSeq(seq, n + len(spec), spec, seq.prompt_logprob_positions(n)))
             budget -= n + len(spec)
             i += 1
         # vLLM's rule: no admissions in a step that had to preempt (memory is tight)
@@ -71,7 +73,7 @@ class Scheduler:
                 break  # n > 1: let sample 0 fill the prompt's blocks, then share them
             if not self._lora_fits(seq):
                 break  # its adapter needs a slot that running sequences hold: wait for one to finish
-            hit_ids, hashes = bm.match_prefix(seq)
+            hit_ids, hashes = bm.match_prefix(seq) if not seq.needs_prompt_logprobs else ([], [])
             n = min(seq.num_tokens - len(hit_ids) * bm.block_size, budget)
             if not bm.can_admit(seq, hit_ids, n):
                 break
@@ -83,7 +85,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.first_scheduled_time = seq.first_scheduled_time or time.time()
             self.running.append(seq)
-            scheduled.append(ScheduledSeq(seq, n))
+            scheduled.append(ScheduledSeq(seq, n, prompt_positions=seq.prompt_logprob_positions(n)))
             budget -= n
         return scheduled
 

@@ -38,6 +38,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_preemptions = 0
         self.logprobs: list[dict[int, float]] = []  # per output token: sampled + top ids -> logprob
+        # per prompt token (outputs.PromptLogprobs), collected chunk by chunk; sample 0 of a request that
+        # asked for them (sampling_params.prompt_logprobs), else None
+        self.prompt_logprobs: list | None = [None] if sampling_params.prompt_logprobs is not None and index == 0 \
+            else None
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None  # stop | length | abort
         self.stop_reason: int | str | None = None  # the stop token id or stop string that matched
@@ -66,6 +70,20 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs still to collect: every prompt position must run through the model, so the
+        prefix cache is not read for this sequence (vLLM's rule), though the blocks it computes are cached."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def prompt_logprob_positions(self, num_new_tokens: int) -> range:
+        """The positions of the next `num_new_tokens` whose logits give a prompt logprob not collected yet:
+        position p predicts prompt token p + 1 (a recompute after preemption collects nothing twice)."""
+        if not self.needs_prompt_logprobs:
+            return range(0)
+        start = max(self.num_computed_tokens, len(self.prompt_logprobs) - 1)
+        return range(start, min(self.num_computed_tokens + num_new_tokens, self.num_prompt_tokens - 1))
 
     @property
     def lora_int_id(self) -> int:  # 0: the base model
