@@ -28,6 +28,10 @@ _INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "pr
 # its API enforces, as we understand it; not in the reference). An unbounded map would cost Python per step.
 LOGIT_BIAS_MAX, LOGIT_BIAS_MAX_ENTRIES = 100.0, 300
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# Between JSON tokens (json, json_object), unless a request says otherwise: a newline and a space at most.
+# JSON's own unbounded whitespace lets a weak model pad until max_tokens and never close the object, the
+# failure OpenAI's JSON-mode docs warn of; the offline engine and the server apply the same cap.
+JSON_WHITESPACE = r"[ \n]{0,2}"
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
@@ -40,10 +44,11 @@ class StructuredOutputsParams:
     the output is exactly one of these strings; grammar: a Lark grammar (llguidance's dialect) or a
     GBNF/EBNF one.
 
-    JSON whitespace (json, json_object): by default any run of whitespace may separate JSON tokens, as in
-    vLLM, so a model can pretty-print, and a weak one can pad until max_tokens (OpenAI warns of the same
-    in JSON mode). disable_any_whitespace: none at all (compact output); whitespace_pattern: a regex
-    each separator must match instead, e.g. r"[ \n]{0,2}" (bounded, so every output can end).
+    JSON whitespace (json, json_object): by default each separator between JSON tokens is at most a
+    newline and a space (`JSON_WHITESPACE`), so every output can end: with JSON's own unbounded rule
+    (vLLM's default) a weak model pads until max_tokens, as OpenAI warns for JSON mode.
+    disable_any_whitespace: none at all (compact output); whitespace_pattern: a regex each separator
+    must match instead (r"[ \t\n\r]*" for JSON's own rule).
     """
     json: dict | str | None = None
     json_object: bool | None = None

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .sampling_params import StructuredOutputsParams
+from .sampling_params import JSON_WHITESPACE, StructuredOutputsParams
 
 GRAMMAR_CACHE_SIZE = 256  # distinct specs kept compiled; a compile is ~0.1-1 ms for typical schemas
 PARALLEL_MIN_ROWS, PARALLEL_MIN_CPUS = 8, 8  # when llguidance's thread pool fills the masks
@@ -207,8 +207,8 @@ def _cache_key(params: StructuredOutputsParams) -> tuple[str, str, bool | str]:
         spec = json.dumps(spec)
     elif params.kind == "json_object":
         spec = ""
-    # JSON whitespace: True = any (the default), False = none, a string = that regex per separator
-    whitespace = params.whitespace_pattern or not params.disable_any_whitespace
+    # JSON whitespace: False = none, a string = that regex per separator (by default JSON_WHITESPACE)
+    whitespace = False if params.disable_any_whitespace else params.whitespace_pattern or JSON_WHITESPACE
     return params.kind, spec, whitespace
 
 

@@ -29,11 +29,6 @@ from lmforge.engine import SamplingParams
 
 MAX_N = 16  # samples per prompt: each holds a sequence slot and its own KV blocks
 INT64 = 2**63
-# Between JSON tokens under response_format / guided_json: a newline and a space at most. Unbounded
-# whitespace (JSON's own rule) lets a weak model pad until max_tokens and never close the object, the
-# failure OpenAI's JSON-mode docs warn of; `structured_outputs: {"json": ..., "whitespace_pattern": ...}`
-# (or `disable_any_whitespace`) chooses otherwise.
-JSON_WHITESPACE = r"[ \n]{0,2}"
 MAX_USER_LEN = 256  # an end-user id, not a document: it is stored with every logged exchange
 
 # Fields that change what an answer means, refused with a 400 naming them until implemented
@@ -92,11 +87,11 @@ class ResponseFormat(BaseModel):
 
     def structured(self) -> dict | None:
         if self.type == "json_object":
-            return {"json_object": True, "whitespace_pattern": JSON_WHITESPACE}
+            return {"json_object": True}  # JSON whitespace capped by the engine (JSON_WHITESPACE)
         if self.type == "json_schema":
             if self.json_schema is None:
                 raise ValueError("SamplingParams.response_format=json_schema: needs `json_schema: {name, schema}`")
-            return {"json": self.json_schema.json_schema or {}, "whitespace_pattern": JSON_WHITESPACE}
+            return {"json": self.json_schema.json_schema or {}}
         return None
 
 
@@ -146,8 +141,7 @@ class _SamplingFields(BaseModel):
         asked = {name: spec for name, spec in (
             ("response_format", self.response_format.structured() if self.response_format else None),
             ("structured_outputs", self.structured_outputs),
-            ("guided_json", {"json": self.guided_json, "whitespace_pattern": JSON_WHITESPACE}
-             if self.guided_json is not None else None),
+            ("guided_json", {"json": self.guided_json} if self.guided_json is not None else None),
             ("guided_regex", {"regex": self.guided_regex} if self.guided_regex is not None else None),
             ("guided_choice", {"choice": self.guided_choice} if self.guided_choice is not None else None),
             ("guided_grammar", {"grammar": self.guided_grammar} if self.guided_grammar is not None else None),

@@ -18,9 +18,11 @@ import json
 import re
 from collections.abc import Iterator
 
+from lmforge.engine.sampling_params import JSON_WHITESPACE
+
 from .errors import OpenAIError, bad_request
 from .guard import check_text
-from .protocol import JSON_WHITESPACE, ChatCompletionRequest, NamedToolChoice
+from .protocol import ChatCompletionRequest, NamedToolChoice
 from .serving_engine import Job, OpenAIServing, check_length, check_params, check_prompt, encode
 from .tool_parsers import ToolCallStream, ToolParser, get_tool_parser
 from .versions import Served
