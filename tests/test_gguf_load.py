@@ -6,7 +6,6 @@ template come from the file's metadata; a K-quant tensor takes `gguf.quants.dequ
 from __future__ import annotations
 
 import json
-import types
 
 import gguf
 import numpy as np
@@ -17,7 +16,9 @@ from lmforge.engine import LLM, SamplingParams, kernels
 from lmforge.model.reference import save_hf_model
 from lmforge.quant import load_pretrained
 from lmforge.quant.gguf_export import export_gguf, read_gguf
-from lmforge.quant.gguf_load import _float, unpermute_qk
+from lmforge.quant.gguf_file import GGUFFile
+from lmforge.quant.gguf_load import unpermute_qk
+from lmforge.quant.gguf_types import UNPACK
 from lmforge.quant.linear import QmmLinear, QuantizedLinear, quantized_linears
 from lmforge.quant.load import checkpoint_info
 from lmforge.quant.scheme import QuantScheme
@@ -103,21 +104,40 @@ def test_tokenizer_and_chat_template_from_metadata(files):
     assert outs[0].outputs[0].text == ours.decode(outs[0].outputs[0].token_ids)  # the engine detokenizes with it
 
 
-def test_k_quant_tensor_is_dequantized_with_gguf():
-    """Q6_K (what Q4_K_M files keep for some matrices): `gguf.quants.quantize` cannot write it, so random
-    blocks with a sane scale stand in; the loader's float path equals gguf's dequantization, oriented
-    (out, in)."""
-    rng = np.random.default_rng(0)
+def _random_blocks(qtype, N: int, K: int, seed: int = 0) -> np.ndarray:
+    """(N, bytes a row) of random blocks of `qtype` whose f16 fields (scales, mins) are sane finite values."""
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (N, K // block, size), dtype=np.uint8)
+    Q = gguf.GGMLQuantizationType
+    f16_at = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q5_0: [0], Q.Q4_1: [0, 2], Q.Q5_1: [0, 2], Q.Q4_K: [0, 2],
+              Q.Q5_K: [0, 2], Q.Q6_K: [size - 2]}[qtype]
+    for at in f16_at:
+        vals = rng.uniform(-0.05, 0.05, (N, K // block)).astype(np.float16)
+        raw[..., at:at + 2] = vals[..., None].view(np.uint8)
+    return raw.reshape(N, -1)
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_block_types_unpack_to_codes_that_dequantize_bit_for_bit(name):
+    """Every block type lmforge keeps as codes: `scale * code (+ zero)` equals `gguf.quants.dequantize`
+    (llama.cpp's reference) bit for bit on random blocks, codes within the scheme's range."""
+    qtype = gguf.GGMLQuantizationType[name]
     N, K = 6, 512
-    block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q6_K][1]
-    raw = rng.integers(0, 256, (N, K // 256, block_bytes), dtype=np.uint8)
-    raw[..., -2:] = np.full((N, K // 256, 1), 0.01, np.float16).view(np.uint8)  # d: the block's f16 scale
-    data = raw.reshape(N, -1)
-    t = types.SimpleNamespace(tensor_type=gguf.GGMLQuantizationType.Q6_K, data=data, shape=np.array([K, N]))
-    got = _float(t)
-    want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q6_K)
-    assert got.shape == (N, K) and torch.equal(got, torch.from_numpy(want))
-    assert got.abs().max() > 0
+    data = _random_blocks(qtype, N, K)
+    g = UNPACK[qtype](data)
+    want = gguf.quants.dequantize(data, qtype)
+    assert g.codes.shape == (N, K) and g.scale.shape == (N, K // g.scheme.group_size)
+    np.testing.assert_array_equal(g.dequantize(), want)
+    lo, hi = (0, 2 ** g.scheme.num_bits - 1) if g.scheme.zero_point else (g.scheme.qmin, g.scheme.qmax)
+    assert g.codes.min() >= lo and g.codes.max() <= hi and np.abs(want).max() > 0
+    # the QuantizedLinear the loader installs dequantizes to the same numbers
+    q = QuantizedLinear(K, N, g.scheme, scale_dtype=torch.float32)
+    q.qweight.copy_(torch.from_numpy(g.codes))
+    q.weight_scale.copy_(torch.from_numpy(g.scale))
+    if g.zero is not None:
+        q.weight_zero.copy_(torch.from_numpy(g.zero))
+    assert torch.equal(q.dequantized_weight(), torch.from_numpy(want))
 
 
 @pytest.mark.skipif(LIB is None, reason="no C compiler: lmforge's CPU kernels are absent")
@@ -153,5 +173,45 @@ def test_refusals_name_the_file_and_field(files, tmp_path):
     with pytest.raises(ValueError, match="general.architecture='gpt2'"):
         hf_config({"general.architecture": "gpt2"}, tmp_path / "x.gguf")
     (tmp_path / "bad.gguf").write_bytes(b"not a gguf file at all")
-    with pytest.raises(ValueError, match="bad.gguf: not a readable GGUF file"):
+    with pytest.raises(ValueError, match="bad.gguf: not a (valid )?GGUF file"):
         load_pretrained(tmp_path / "bad.gguf")
+
+
+def _corrupt_copies(good: bytes) -> dict[str, bytes]:
+    """Damaged copies of a valid file: empty, wrong magic/version, truncated at points through the header
+    and the data, and header fields (counts, a string length, a tensor's dims, type, offset) overwritten."""
+    import struct
+
+    kv0 = 24  # the first metadata key's length
+    out = {"empty": b"", "magic": b"GGUX" + good[4:], "version": good[:4] + struct.pack("<I", 9) + good[8:],
+           "tensor count": good[:8] + struct.pack("<Q", 2**40) + good[16:],
+           "metadata count": good[:16] + struct.pack("<Q", 2**40) + good[24:],
+           "key length": good[:kv0] + struct.pack("<Q", 2**50) + good[kv0 + 8:]}
+    for frac in (0.001, 0.01, 0.05, 0.2, 0.5, 0.9, 0.999):
+        out[f"truncated at {frac}"] = good[:int(len(good) * frac)]
+    return out
+
+
+def test_corrupt_files_are_one_clear_error_naming_the_file(files, tmp_path):
+    """Every damaged copy of a valid GGUF stops at open with a ValueError naming the file and the fault
+    (never an IndexError or a numpy reshape error); the data section's tail cut off is caught too."""
+    from pathlib import Path
+
+    good = Path(files["q8_0"]).read_bytes()
+    hdr = GGUFFile(files["q8_0"])
+    t = next(iter(hdr.tensors.values()))
+    copies = _corrupt_copies(good)
+    at = good.index(t.name.encode()) + len(t.name)  # the tensor info: n_dims, dims, type, offset
+    import struct
+    copies["tensor dims"] = good[:at + 4] + struct.pack("<Q", 2**62) + good[at + 12:]
+    copies["tensor type"] = good[:at + 4 + 8 * len(t.dims)] + struct.pack("<I", 999) + good[at + 8 + 8 * len(t.dims):]
+    copies["tensor offset"] = (good[:at + 8 + 8 * len(t.dims)] + struct.pack("<Q", 2**40)
+                               + good[at + 16 + 8 * len(t.dims):])
+    assert len(copies) >= 13
+    for what, data in copies.items():
+        bad = tmp_path / f"bad-{what.replace(' ', '-')}.gguf"
+        bad.write_bytes(data)
+        with pytest.raises(ValueError) as e:
+            load_pretrained(bad, dtype="float32", device="cpu")
+        assert str(bad) in str(e.value) and "\n" not in str(e.value), (what, str(e.value))
+        assert "GGUF" in str(e.value), (what, str(e.value))

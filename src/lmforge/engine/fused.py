@@ -70,6 +70,8 @@ def concat_linears(mods: list[nn.Module]) -> nn.Module | None:
                             bias=bias is not None, scale_dtype=first.weight_scale.dtype, device="meta")
         q.qweight = torch.cat([m.qweight for m in mods])
         q.weight_scale = torch.cat([m.weight_scale for m in mods])
+        if first.scheme.zero_point:
+            q.weight_zero = torch.cat([m.weight_zero for m in mods])
         if bias is not None:
             q.bias = nn.Parameter(bias, requires_grad=False)
         return q

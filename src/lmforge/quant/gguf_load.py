@@ -1,33 +1,34 @@
-"""Load a llama.cpp `.gguf` file as a lmforge model, with the `gguf` package's reader.
+"""Load a llama.cpp `.gguf` file as a lmforge model, from the one parse every reader shares (`gguf_file`).
 
 What a llama.cpp user has is one file: `LLM(model="model-q4_0.gguf")` and `lmforge serve model.gguf`
 come here (through `lmforge.quant.load_pretrained`). Each tensor keeps what it is:
 
-  * Q8_0 (blocks of 32 int8 codes + an f16 scale) and Q4_0 (blocks of 32 4-bit codes stored u + 8
-    + an f16 scale) become `QuantizedLinear`s with `QuantScheme(8, 32)` / `QuantScheme(4, 32)`: the
-    same codes and scales, repacked into our layout (no requantization), so the engine runs them on
-    its integer kernels (`lmf_qmm_f32` / `lmf_qmm_a8`) and the dequantized weight is llama.cpp's.
-  * F32 / F16 / BF16 tensors load as floats in the model's dtype.
-  * every other type (K-quants: Q4_K, Q5_K, Q6_K, ...; Q5_0, IQ*) is dequantized at load with
-    `gguf.quants.dequantize` into a float weight of the model's dtype (the nearest lmforge format
-    that keeps its values: requantizing 6-bit K blocks to our 4/8-bit would change them). The summary
-    names how many tensors took each path.
-  * an embedding stored quantized is dequantized (a lookup, not a matmul).
+  * the block types people download (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) become
+    `QuantizedLinear`s holding the same codes, scales and zeros, repacked from the file's blocks without
+    requantization (`gguf_types`: the dequantized weight equals llama.cpp's bit for bit), so the
+    engine runs them on its integer kernels where they take the layout;
+  * F32 / F16 / BF16 tensors load as floats in the model's dtype;
+  * other types (Q2_K, Q3_K, IQ*, ...) are dequantized at load with `gguf.quants.dequantize`, with a
+    warning naming the type; the summary names how many tensors took each path;
+  * an embedding stored as codes is dequantized (a lookup, not a matmul); when it is tied, the LM head
+    keeps the codes (its own `QuantizedLinear`), as llama.cpp runs it.
 
 Llama/Mistral q and k rows are stored in GGML's interleaved RoPE order and are un-permuted here
-(row permutations: a block of 32 lies inside one row, so codes and scales move with their row).
+(row permutations: a group lies inside one row, so codes, scales and zeros move with their row).
 The architecture comes from the file's metadata (`general.architecture`, `<arch>.block_count`, ...).
-This module knows nothing about tokenizers (lmforge.tokenizer.load reads the vocabulary), the
-engine or serving.
+A tensor whose shape disagrees with the metadata is an error naming both. This module knows nothing
+about tokenizers (`lmforge.tokenizer.gguf` reads the vocabulary from the same parse), the engine or
+serving.
 
     from lmforge.quant import load_pretrained
     model = load_pretrained("models/tiny/model-q8_0.gguf", dtype="float32", device="cpu")
 
-Shape legend: N output features (rows), K input features, B blocks of 32 a row.
+Shape legend: N output features (rows), K input features.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import gguf
@@ -37,15 +38,16 @@ import torch
 from lmforge.model import ModelConfig, Transformer
 from lmforge.model import checkpoint
 
+from .gguf_file import GGUFError, GGUFFile, TensorInfo, open_gguf
+from .gguf_types import UNPACK, GroupCodes
 from .linear import QuantizedLinear
-from .scheme import QuantScheme
 
 Q = gguf.GGMLQuantizationType
+log = logging.getLogger("lmforge.quant")
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # HF model_type -> GGUF
 MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF architecture -> HF model_type
 PERMUTED = ("llama",)  # GGML's llama RoPE rotates interleaved pairs; HF's rotates halves
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
-CODE_TYPES = {Q.Q8_0: QuantScheme(8, 32), Q.Q4_0: QuantScheme(4, 32)}  # run on the integer kernels as stored
 
 
 def tensor_names(layers: int) -> dict[str, str]:
@@ -71,24 +73,6 @@ def permute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def unpermute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def metadata(reader: gguf.GGUFReader) -> dict:
-    """Scalar and string fields as Python values; arrays of strings or numbers as lists."""
-    out = {}
-    for key, f in reader.fields.items():
-        if not f.types:
-            continue
-        if f.types[0] == gguf.GGUFValueType.ARRAY:
-            if len(f.types) > 1 and f.types[1] == gguf.GGUFValueType.STRING:
-                out[key] = [bytes(f.parts[i]).decode("utf-8", "replace") for i in f.data]
-            else:
-                out[key] = [f.parts[i].tolist()[0] for i in f.data]
-        else:
-            v = f.parts[f.data[0]]
-            out[key] = bytes(v).decode("utf-8", "replace") if f.types[0] == gguf.GGUFValueType.STRING \
-                else v.tolist()[0]
-    return out
 
 
 def hf_config(meta: dict, path: Path, tensors: set[str] = frozenset()) -> dict:
@@ -124,86 +108,105 @@ def hf_config(meta: dict, path: Path, tensors: set[str] = frozenset()) -> dict:
     return hf
 
 
-def _codes(t) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8_0 / Q4_0 blocks as (codes int8 (N, K), scales float32 (N, B)): the stored values, repacked.
-    Q8_0 block: f16 d, 32 int8. Q4_0 block: f16 d, 16 bytes; byte j holds element j (low nibble) and
-    element j + 16 (high nibble), each stored as code + 8 (llama.cpp's dequantize_row_q4_0)."""
-    N, K = int(t.shape[1]), int(t.shape[0])  # GGUF lists dims fastest-first
-    block = np.asarray(t.data, dtype=np.uint8).reshape(N, K // 32, -1)  # (N, B, bytes a block)
-    d_NB = block[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if t.tensor_type == Q.Q8_0:
-        q_NK = block[..., 2:].copy().view(np.int8).reshape(N, K)
-    else:
-        qs = block[..., 2:]
-        q_NK = (np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - 8).reshape(N, K)
-    return torch.from_numpy(q_NK), torch.from_numpy(d_NB)
-
-
-def _float(t) -> torch.Tensor:
-    """Any tensor as float32 in our orientation ((out, in) for matrices): stored floats as they are,
-    every other type dequantized with `gguf.quants.dequantize`."""
-    shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-    data = np.asarray(t.data)
-    if t.tensor_type == Q.F32:
-        out = data.astype(np.float32)
-    elif t.tensor_type == Q.F16:
+def _float(f: GGUFFile, t: TensorInfo) -> torch.Tensor:
+    """Any tensor as float32 in our orientation ((out, in) for matrices): stored floats as they are, block
+    types through their unpacker (`scale * code + zero`, bit for bit llama.cpp's dequantization), other
+    types through `gguf.quants.dequantize`."""
+    data = f.tensor_data(t.name)
+    if t.type == Q.F32:
+        out = data.view(np.float32)
+    elif t.type == Q.F16:
         out = data.view(np.float16).astype(np.float32)
-    else:  # BF16 and every quantized type: gguf's reference dequantization
-        out = gguf.quants.dequantize(data, t.tensor_type)
-    return torch.from_numpy(np.ascontiguousarray(out).reshape(shape).astype(np.float32))
+    elif t.type == Q.BF16:
+        return torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16).float().reshape(t.shape)
+    elif t.type in UNPACK:
+        out = UNPACK[t.type](data).dequantize()
+    else:
+        out = gguf.quants.dequantize(data.reshape(-1), t.type)
+    return torch.from_numpy(np.array(out, dtype=np.float32, copy=True)).reshape(t.shape)
 
 
-def _read_tensors(reader: gguf.GGUFReader, model: Transformer, arch: str, path: Path,
+def _codes_state(g: GroupCodes, module: str, heads: int | None) -> dict[str, torch.Tensor]:
+    """A `QuantizedLinear`'s buffers from unpacked codes; q/k rows un-permuted (a group lies in one row,
+    so codes, scales and zeros move with their row)."""
+    parts = {"qweight": torch.from_numpy(g.codes), "weight_scale": torch.from_numpy(g.scale)}
+    if g.zero is not None:
+        parts["weight_zero"] = torch.from_numpy(g.zero)
+    return {f"{module}.{k}": (unpermute_qk(v, heads) if heads else v).contiguous() for k, v in parts.items()}
+
+
+def _read_tensors(f: GGUFFile, model: Transformer, arch: str,
                   torch_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-    """Our state dict (quantized linears installed in `model` for Q8_0 / Q4_0 matrices) and counts of
-    tensors per path taken ('Q8_0 codes', 'Q6_K dequantized', 'F32', ...)."""
+    """Our state dict (quantized linears installed in `model` for every block type with an unpacker) and
+    counts of tensors per path taken ('Q4_K codes', 'Q2_K dequantized', 'F32', ...)."""
     c = model.config
     by_gguf = {g: ours for ours, g in tensor_names(c.num_hidden_layers).items()}
     linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    state, counts = {}, {}
-    for t in reader.tensors:
+    state, counts, warned = {}, {}, set()
+    for t in f.tensors.values():
         name = by_gguf.get(t.name)
         if name is None:
-            raise ValueError(f"{path}: tensor {t.name} has no lmforge name (unsupported layout for {arch})")
+            raise GGUFError(f"{f.path}: tensor {t.name} has no lmforge name (unsupported layout for {arch})")
         module = name.rpartition(".")[0]
         heads = {"q_proj": c.num_attention_heads, "k_proj": c.num_key_value_heads}.get(module.rpartition(".")[2]) \
             if arch in PERMUTED else None
-        if t.tensor_type in CODE_TYPES and module in linears and int(t.shape[0]) % 32 == 0:
-            q_NK, d_NB = _codes(t)
-            if heads:
-                q_NK, d_NB = unpermute_qk(q_NK, heads), unpermute_qk(d_NB, heads)
-            _install(model, module, CODE_TYPES[t.tensor_type])
-            state[f"{module}.qweight"], state[f"{module}.weight_scale"] = q_NK.contiguous(), d_NB.contiguous()
-            kind = f"{t.tensor_type.name} codes"
+        _check_shape(f, t, model, name)
+        if t.type in UNPACK and module in linears:
+            g = UNPACK[t.type](f.tensor_data(t.name))
+            _install(model, module, g)
+            state.update(_codes_state(g, module, heads))
+            kind = f"{t.type.name} codes"
         else:
-            w = _float(t)
+            w = _float(f, t)
             state[name] = (unpermute_qk(w, heads) if heads else w).to(torch_dtype)
-            kind = t.tensor_type.name if t.tensor_type in FLOAT_TYPES else f"{t.tensor_type.name} dequantized"
+            kind = t.type.name if t.type in FLOAT_TYPES or t.type in UNPACK else f"{t.type.name} dequantized"
+            if kind.endswith("dequantized") and module in linears and t.type not in warned:
+                warned.add(t.type)
+                log.warning("%s: %s tensors have no integer kernel in lmforge; dequantized to %s at load "
+                            "(more memory, slower decode)", f.path, t.type.name, str(torch_dtype)[6:])
         counts[kind] = counts.get(kind, 0) + 1
     return state, counts
 
 
-def _install(model: Transformer, module: str, scheme: QuantScheme) -> None:
-    """`module` (an `nn.Linear` on the meta device) replaced by a `QuantizedLinear` with float32 scales
-    (an f16 scale is exact in float32)."""
+def _check_shape(f: GGUFFile, t: TensorInfo, model: Transformer, name: str) -> None:
+    """The tensor's shape is the one the metadata's config gives (a corrupt header says so, naming both)."""
+    try:
+        want = tuple(model.get_parameter(name).shape)
+    except AttributeError:
+        return
+    if tuple(t.shape) != want:
+        raise GGUFError(f"{f.path}: tensor {t.name} has shape {t.shape}, but the metadata's config needs {want}")
+
+
+def _install(model: Transformer, module: str, g: GroupCodes) -> None:
+    """`module` (an `nn.Linear` on the meta device) replaced by a `QuantizedLinear` of `g`'s scheme with
+    float32 scales (every f16 product of a GGUF scale is exact in float32)."""
     m = model.get_submodule(module)
     parent_name, _, child = module.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, QuantizedLinear(m.in_features, m.out_features, scheme, m.bias is not None,
+    setattr(parent, child, QuantizedLinear(m.in_features, m.out_features, g.scheme, m.bias is not None,
                                            torch.float32, device=m.weight.device))
 
 
 def file_dtype(path: str | Path) -> tuple[str | None, bool]:
     """(float dtype of the file's matrices or None, whether they are int codes) from `general.file_type`:
-    ALL_F32 float32, MOSTLY_F16 float16, MOSTLY_BF16 bfloat16; Q8_0 / Q4_0 int codes; K-quants and
-    others (dequantized at load) float32."""
-    return _file_dtype(metadata(gguf.GGUFReader(str(path))))
+    ALL_F32 float32, MOSTLY_F16 float16, MOSTLY_BF16 bfloat16; the block types lmforge keeps as codes
+    (`gguf_types.UNPACK`) int codes; others (dequantized at load) float32."""
+    return _file_dtype(open_gguf(path).metadata)
+
+
+CODE_FILE_TYPES = {"MOSTLY_Q8_0", "MOSTLY_Q4_0", "MOSTLY_Q4_1", "MOSTLY_Q5_0", "MOSTLY_Q5_1", "MOSTLY_Q4_K_S",
+                   "MOSTLY_Q4_K_M", "MOSTLY_Q5_K_S", "MOSTLY_Q5_K_M", "MOSTLY_Q6_K"}
 
 
 def _file_dtype(meta: dict) -> tuple[str | None, bool]:
     ftype, F = meta.get("general.file_type"), gguf.LlamaFileType
     floats = {F.ALL_F32: "float32", F.MOSTLY_F16: "float16", F.MOSTLY_BF16: "bfloat16"}
-    if ftype in (F.MOSTLY_Q8_0, F.MOSTLY_Q4_0):
+    try:
+        name = F(ftype).name
+    except ValueError:
+        name = None
+    if name in CODE_FILE_TYPES:
         return None, True
     return floats.get(ftype, "float32"), False
 
@@ -211,26 +214,29 @@ def _file_dtype(meta: dict) -> tuple[str | None, bool]:
 def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto",
               device: str | torch.device = "auto") -> Transformer:
     """The file's model; `dtype="auto"` is the file's float type (`file_dtype`; float32 for quantized
-    files). `model.gguf_summary` says which tensors kept their codes and which were dequantized."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such GGUF file")
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
-    meta = metadata(reader)
-    names = {t.name for t in reader.tensors}
-    hf = hf_config(meta, path, names)
-    hf["tie_word_embeddings"] = "output.weight" not in names
+    files). Matrices of a block type with an unpacker (`gguf_types`) keep their codes; a tied embedding
+    stored as codes gives the LM head its own codes (the lookup table is dequantized). `model.gguf_summary`
+    says which tensors kept their codes and which were dequantized."""
+    f = open_gguf(path)
+    meta = f.metadata
+    names = set(f.tensors)
+    hf = hf_config(meta, f.path, names)
+    tied = "output.weight" not in names
+    embd = f.tensors.get("token_embd.weight")
+    untie = tied and embd is not None and embd.type in UNPACK  # the LM head runs on the codes
+    hf["tie_word_embeddings"] = tied and not untie
     config = ModelConfig.from_hf(hf)
     torch_dtype = checkpoint.resolve_dtype(dtype, _file_dtype(meta)[0] or "float32")
-    with torch.device("meta"):
-        model = Transformer(config)
-    state, counts = _read_tensors(reader, model, meta["general.architecture"], path, torch_dtype)
+    model = Transformer.on_meta(config)
+    state, counts = _read_tensors(f, model, meta["general.architecture"], torch_dtype)
+    if untie:
+        g = UNPACK[embd.type](f.tensor_data(embd.name))
+        _install(model, "lm_head", g)
+        state.update(_codes_state(g, "lm_head", None))
+        counts[f"{embd.type.name} codes (lm_head, tied)"] = 1
     device = checkpoint.resolve_device(device)
     state = {k: v.to(device) for k, v in state.items()}
-    model = checkpoint.assign_weights(model, state, path)
-    model.gguf_summary = {"file": str(path), "architecture": meta["general.architecture"],
-                          "file_type": meta.get("general.file_type"), "tensors": counts}
+    model = checkpoint.assign_weights(model, state, f.path)
+    model.gguf_summary = {"file": str(f.path), "architecture": meta["general.architecture"],
+                          "file_type": meta.get("general.file_type"), "tensors": counts, "tied": tied}
     return model

@@ -42,10 +42,13 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("weight_scale", torch.ones(out_features, scheme.groups(in_features),
                                                         dtype=scale_dtype, device=device))
+        if scheme.zero_point:  # unsigned codes, w = scale * code + zero (GGUF's Q4_1, Q5_1, K-quants)
+            self.register_buffer("weight_zero", torch.zeros(out_features, scheme.groups(in_features),
+                                                            dtype=scale_dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize(self.qweight, self.weight_scale, dtype)
+        return dequantize(self.qweight, self.weight_scale, dtype, getattr(self, "weight_zero", None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = None if self.bias is None else self.bias.to(x.dtype)
@@ -96,7 +99,8 @@ class Int8Linear(_Bf16Kernel):
 
     @staticmethod
     def supports(q: QuantizedLinear, device: torch.device) -> bool:
-        return device.type == "cpu" and q.scheme.num_bits == 8 and q.scheme.group_size is None
+        return (device.type == "cpu" and q.scheme.num_bits == 8 and q.scheme.group_size is None
+                and not q.scheme.zero_point)
 
     def matmul(self, x_MK: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x_MK, self.qweight, self.scale)
@@ -121,10 +125,20 @@ class Int4Linear(_Bf16Kernel):
     def supports(q: QuantizedLinear, device: torch.device) -> bool:
         gs = q.scheme.group_size
         return (device.type == "cpu" and q.scheme.num_bits == 4 and gs in (32, 64, 128, 256)
-                and q.in_features % gs == 0 and q.in_features % 2 == 0)
+                and q.in_features % gs == 0 and q.in_features % 2 == 0 and not q.scheme.zero_point)
 
     def matmul(self, x_MK: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x_MK, self.packed, self.group_size, self.scale_zeros)
+
+
+def _kernel_layout(q: QuantizedLinear) -> bool:
+    """Whether lmforge's kernels take the layer's codes: int8 per channel, or int8 (5- and 6-bit codes held
+    in int8 too) / int4 in groups that are a multiple of 32; symmetric."""
+    gs = q.scheme.group_size
+    if q.scheme.zero_point:
+        return False
+    return (q.scheme.storage_bits == 8 and gs is None or
+            gs is not None and gs % 32 == 0 and q.in_features % gs == 0)
 
 
 def _kernel_threads() -> int:
@@ -178,7 +192,7 @@ class QmmLinear(nn.Module):
     def __init__(self, q: QuantizedLinear, dtype: torch.dtype, qmm=None, a8=None, prefill_bf16: bool = False,
                  c_gemm: bool = False):
         super().__init__()
-        self.qmm, self.a8, self.bits = qmm, a8, q.scheme.num_bits
+        self.qmm, self.a8, self.bits = qmm, a8, q.scheme.storage_bits
         self.prefill_bf16 = prefill_bf16 and a8 is not None
         self.N, self.K = q.out_features, q.in_features
         self.gs = q.scheme.group_size or q.in_features
@@ -246,9 +260,7 @@ class QmmLinear(nn.Module):
     @staticmethod
     def supports(q: QuantizedLinear, device: torch.device, dtype: torch.dtype) -> bool:
         gs = q.scheme.group_size
-        return (device.type == "cpu" and dtype == torch.float32 and
-                (q.scheme.num_bits == 8 and gs is None or  # int8 per channel, or in groups (GGUF's Q8_0) as int4
-                 q.scheme.num_bits in (8, 4) and gs is not None and gs % 32 == 0 and q.in_features % gs == 0))
+        return (device.type == "cpu" and dtype == torch.float32 and _kernel_layout(q))
 
     @staticmethod
     def supports_a8(q: QuantizedLinear, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -258,8 +270,7 @@ class QmmLinear(nn.Module):
             return f"runs on CPU with float32 or bfloat16 activations, not {device.type} {dtype}"
         if K % 32 or K >= 65536:
             return f"needs in_features a multiple of 32 below 65536, not {K}"
-        if not (q.scheme.num_bits == 8 and gs is None or
-                q.scheme.num_bits in (8, 4) and gs is not None and gs % 32 == 0 and K % gs == 0):
+        if not _kernel_layout(q):
             return f"takes int8 per channel or int8/int4 with groups a multiple of 32, not {q.scheme.name} group {gs}"
         return None
 

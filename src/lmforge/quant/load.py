@@ -37,8 +37,7 @@ def load_pretrained(path: str | Path, dtype: str | torch.dtype = "auto",
     config = ModelConfig.from_hf(hf)
     torch_dtype = checkpoint.resolve_dtype(dtype, hf.get("torch_dtype") or hf.get("dtype"))
     device = checkpoint.resolve_device(device)
-    with torch.device("meta"):
-        model = Transformer(config)
+    model = Transformer.on_meta(config)
     if hf["quantization_config"].get("quant_method") in ("gptq", "awq"):  # where they map onto ours
         state = _load_gptq_awq(model, hf, path, torch_dtype, device)
     else:  # compressed-tensors W8A16/W4A16 (refused otherwise, naming the field)

@@ -24,12 +24,23 @@ SCHEME_NAMES = ("w8a16", "w4a16")
 
 @dataclass(frozen=True)
 class QuantScheme:
-    num_bits: int  # 8 or 4
+    """`num_bits` 8 or 4 (what lmforge writes); 5 and 6 (GGUF's Q5_*, Q6_K, held in int8) come from GGUF
+    files. `zero_point`: the codes are unsigned (0 .. 2^bits - 1) and each group has a float zero, w =
+    scale * code + zero (GGUF's Q4_1, Q5_1, Q4_K, Q5_K: llama.cpp's `d * q + m`); else symmetric signed
+    codes, w = scale * code."""
+
+    num_bits: int  # 8 or 4; 5 or 6 from GGUF files (stored one code a byte)
     group_size: int | None  # None: one scale per output channel
+    zero_point: bool = False
 
     @property
     def name(self) -> str:
-        return f"w{self.num_bits}a16"
+        return f"w{self.num_bits}a16" + ("-zp" if self.zero_point else "")
+
+    @property
+    def storage_bits(self) -> int:
+        """Bits a code takes in the kernels' layout: 4 (two a byte) or 8 (5- and 6-bit codes too)."""
+        return 4 if self.num_bits == 4 else 8
 
     @property
     def qmin(self) -> int:
@@ -87,9 +98,14 @@ def quantize_rtn(w_NK: torch.Tensor, scheme: QuantScheme,
     return quantize(w_NK, scale_NG, scheme), scale_NG
 
 
-def dequantize(q_NK: torch.Tensor, scale_NG: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """q * scale in float32, then cast to `dtype`: the reference every kernel is checked against."""
-    return scale_groups_(q_NK.float(), scale_NG).to(dtype)
+def dequantize(q_NK: torch.Tensor, scale_NG: torch.Tensor, dtype: torch.dtype = torch.float32,
+               zero_NG: torch.Tensor | None = None) -> torch.Tensor:
+    """q * scale (+ zero) in float32, then cast to `dtype`: the reference every kernel is checked against."""
+    w_NK = scale_groups_(q_NK.float(), scale_NG)
+    if zero_NG is not None:
+        N = w_NK.shape[0]
+        w_NK.view(N, zero_NG.shape[1], -1).add_(zero_NG.float()[..., None])
+    return w_NK.to(dtype)
 
 
 def scale_groups_(w_NK: torch.Tensor, scale_NG: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """Open a trained tokenizer folder: as `transformers` sees it, and by its content hash.
 
 The hash (sha256 of `tokenizer.json`) is what later stages record as their tokenizer input,
-so two runs can tell whether they tokenized the same way. A llama.cpp `.gguf` file is opened too:
-`transformers` builds a fast tokenizer from its `tokenizer.ggml.*` fields, and the chat template is
-its `tokenizer.chat_template`. This module knows nothing about training or models.
+so two runs can tell whether they tokenized the same way. A llama.cpp `.gguf` file is opened too
+(`lmforge.tokenizer.gguf` builds the tokenizer from its `tokenizer.ggml.*` fields; the chat template
+is its `tokenizer.chat_template`). This module knows nothing about training or models.
 
     from lmforge.tokenizer.load import load_tokenizer, tokenizer_hash
     tok = load_tokenizer("runs/tok"); tok.apply_chat_template(messages, tokenize=False)
@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-import gguf
-
+from lmforge.quant.gguf_file import open_gguf
+from lmforge.tokenizer.gguf import gguf_tokenizer
 from lmforge.track.io import sha256_file
 
 
@@ -54,23 +54,11 @@ def load_tokenizer(directory: str | os.PathLike, optional: bool = False) -> Any:
 
 
 def load_gguf_tokenizer(path: str | os.PathLike, optional: bool = False) -> Any:
-    """The vocabulary, merges and special tokens of a GGUF file (`tokenizer.ggml.*`) as a `transformers`
-    fast tokenizer, with the file's `tokenizer.chat_template`. A file without `tokenizer.ggml.tokens`
-    raises ValueError naming it, or gives None when `optional`."""
-    path = Path(path)
-    fields = gguf.GGUFReader(str(path)).fields
-    if "tokenizer.ggml.tokens" not in fields:
-        if optional:
-            return None
-        raise ValueError(f"{path}: no tokenizer.ggml.tokens in the GGUF metadata; pass prompts as token ids "
-                         "or re-export the file with its tokenizer")
-    from transformers import AutoTokenizer  # deferred: transformers takes seconds to import
-
-    tok = AutoTokenizer.from_pretrained(os.fspath(path.parent), gguf_file=path.name)
-    template = fields.get("tokenizer.chat_template")
-    if template is not None and not getattr(tok, "chat_template", None):
-        tok.chat_template = bytes(template.parts[template.data[0]]).decode()
-    return tok
+    """The vocabulary, merges, special tokens and chat template of a GGUF file (`tokenizer.ggml.*`,
+    `tokenizer.chat_template`) as a `transformers` fast tokenizer (`lmforge.tokenizer.gguf`), from the
+    parse the weights share (`open_gguf`). A file without `tokenizer.ggml.tokens` raises ValueError
+    naming it, or gives None when `optional`."""
+    return gguf_tokenizer(open_gguf(path), optional)
 
 
 def tokenizer_hash(directory: str | os.PathLike) -> str:

@@ -22,8 +22,10 @@ group, M blocks per sequence (padded), Q query tokens, C context length (padded)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..kernels import CpuKernels
@@ -45,6 +47,16 @@ def quantize_kv(x_TKH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale_TK = (x.abs().amax(-1) / 127).clamp_min(1e-8).to(KV_SCALE_DTYPE)
     q_TKH = torch.round(x / scale_TK.float()[..., None]).clamp_(-127, 127).to(torch.int8)
     return q_TKH, scale_TK
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On CPU from numpy's calloc: the OS hands out zero pages when they are first
+    touched, so a pool of gigabytes costs neither the seconds of `torch.zeros`' memset at start nor
+    resident memory until requests fill it."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 @dataclass
@@ -71,8 +83,8 @@ class KVPool:
         self.kernels = kernels  # compiled K/V write; None: torch only
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         pool_dtype = torch.int8 if self.int8 else self.store_dtype
-        self.k_pools_PBKH = [torch.zeros(shape, dtype=pool_dtype, device=device) for _ in range(num_layers)]
-        self.v_pools_PBKH = [torch.zeros(shape, dtype=pool_dtype, device=device) for _ in range(num_layers)]
+        self.k_pools_PBKH = [lazy_zeros(shape, pool_dtype, device) for _ in range(num_layers)]
+        self.v_pools_PBKH = [lazy_zeros(shape, pool_dtype, device) for _ in range(num_layers)]
         self._k_buf_X = self._v_buf_X = torch.empty(0, dtype=dtype, device=device)
         self.bytes_per_block = block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, self.store_dtype,
                                                                self.int8)
