@@ -98,3 +98,28 @@ class EngineConfig:
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r}: {why}")
+
+
+def kv_budget_for_utilization(fraction: float, *, cuda: bool, total_bytes: int, free_bytes: int, weights_bytes: int,
+                              need_bytes: int) -> int:
+    """vLLM's `--gpu-memory-utilization` as a KV pool budget in bytes (`kv_cache_memory_bytes`).
+
+    CUDA (vLLM's meaning): this process may hold `fraction` of the GPU's total memory; the weights come
+    out of it, and of the rest the pool takes 90%, leaving 10% for activations, as the engine's own
+    default does with free memory. Refused (ValueError) when that share is not free now, as vLLM refuses.
+    CPU: the pool gets `fraction` of the memory available now (`free_bytes`), but no more than `need_bytes`,
+    what `max_num_seqs` sequences of full length can fill (a larger pool would only be zeroed memory)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"gpu_memory_utilization={fraction!r}: a share of memory in (0, 1], e.g. 0.9")
+    if not cuda:
+        return max(1, min(int(fraction * free_bytes), need_bytes))
+    share = int(fraction * total_bytes)
+    if share > free_bytes:
+        raise ValueError(f"gpu_memory_utilization={fraction}: asks for {share / 2**30:.1f} GiB of the GPU's "
+                         f"{total_bytes / 2**30:.1f} GiB, but {free_bytes / 2**30:.1f} GiB is free (another process "
+                         f"holds the rest); lower it to {free_bytes / total_bytes:.2f} or less")
+    left = share - weights_bytes
+    if left <= 0:
+        raise ValueError(f"gpu_memory_utilization={fraction}: {share / 2**30:.1f} GiB does not hold the weights "
+                         f"({weights_bytes / 2**30:.1f} GiB); raise it")
+    return int(0.9 * left)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
 
 import typer
 
+from . import vllm_args
 from .config import ListenConfig, ServerConfig, ServerLimits, VersionsConfig
 from .tool_parsers import TOOL_PARSERS
 
@@ -102,6 +103,32 @@ LoraModulesOpt = Annotated[Optional[list[str]], typer.Option(help=(
     "a request's model picks one (docs/serving.md)."))]
 MaxLorasOpt = Annotated[int, typer.Option(min=1, help="LoRA adapters resident at once; more are swapped in LRU.")]
 MaxLoraRankOpt = Annotated[int, typer.Option(min=1, help="The largest LoRA rank accepted (every slot is this wide).")]
+# vLLM's launch names (serve/vllm_args.py): aliases of the settings above, so a vLLM launch script runs as it is
+ModelOpt = Annotated[Optional[str], typer.Option(
+    help="The model folder or .gguf file, as vLLM's --model (= MODEL_DIR); with --registry: the registered name.")]
+GpuMemoryUtilizationOpt = Annotated[Optional[float], typer.Option(
+    help="As vLLM's: the share of memory this server may use; sets the KV pool (CUDA: of the GPU's total, less "
+         "the weights; CPU: of the memory available, at most what --max-num-seqs full-length sequences fill).")]
+ChatTemplateOpt = Annotated[Optional[str], typer.Option(
+    help="A Jinja chat template (a file, or the template's text) used instead of the model's, as vLLM's flag.")]
+EnableAutoToolChoiceOpt = Annotated[bool, typer.Option(
+    help="vLLM's switch for tool_choice auto: accepted; auto works with every --tool-call-parser here.")]
+TrustRemoteCodeOpt = Annotated[bool, typer.Option(
+    help="Accepted for vLLM launch scripts; nothing remote runs (no model's own Python code is ever loaded).")]
+EnableLoraOpt = Annotated[bool, typer.Option(
+    help="LoRA slots in the engine (implied by --lora-modules), as vLLM's flag; adapters come with "
+         "--lora-modules or at run time.")]
+SpeculativeConfigOpt = Annotated[Optional[str], typer.Option(
+    help="vLLM's JSON form of the speculative flags: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+         "\"prompt_lookup_max\": 4} or {\"model\": \"DRAFT_DIR\", \"num_speculative_tokens\": 4}.")]
+# vLLM flags kept out of --help: accepted where there is nothing to change here, refused with the reason otherwise
+_HIDDEN_BOOL = Annotated[bool, typer.Option(hidden=True)]
+EnableChunkedPrefillOpt = Annotated[Optional[bool], typer.Option(
+    "--enable-chunked-prefill/--no-enable-chunked-prefill", hidden=True)]
+UvicornLogLevelOpt = Annotated[Optional[str], typer.Option(hidden=True)]
+QuantizationOpt = Annotated[Optional[str], typer.Option(hidden=True)]
+PipelineParallelSizeOpt = Annotated[int, typer.Option(hidden=True)]
+TokenizerOpt = Annotated[Optional[Path], typer.Option(hidden=True)]
 AllowRuntimeLoraOpt = Annotated[bool, typer.Option(
     envvar=["LMFORGE_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"],
     help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter, behind --admin-api-key (vLLM's env switch).")]
@@ -110,7 +137,7 @@ AllowRuntimeLoraOpt = Annotated[bool, typer.Option(
 def serve(
     model_dir: ModelDirOpt = None,
     registry: RegistryOpt = None,
-    model: Annotated[Optional[str], typer.Option(help="With --registry: the registered model's name.")] = None,
+    model: ModelOpt = None,
     canary: CanaryOpt = 0.0,
     log_requests: LogRequestsOpt = False,
     feedback_db: FeedbackDbOpt = None,
@@ -154,21 +181,41 @@ def serve(
     max_loras: MaxLorasOpt = 1,
     max_lora_rank: MaxLoraRankOpt = 16,
     allow_runtime_lora_updating: AllowRuntimeLoraOpt = False,
+    gpu_memory_utilization: GpuMemoryUtilizationOpt = None,
+    chat_template: ChatTemplateOpt = None,
+    enable_auto_tool_choice: EnableAutoToolChoiceOpt = False,
+    trust_remote_code: TrustRemoteCodeOpt = False,
+    enable_lora: EnableLoraOpt = False,
+    speculative_config: SpeculativeConfigOpt = None,
+    enforce_eager: _HIDDEN_BOOL = False,  # no CUDA graphs are captured here: nothing to turn off
+    disable_log_requests: _HIDDEN_BOOL = False,  # request bodies are never logged (only with --log-requests)
+    disable_log_stats: _HIDDEN_BOOL = False,  # the load log line stays: it is one line every few seconds
+    enable_chunked_prefill: EnableChunkedPrefillOpt = None,
+    uvicorn_log_level: UvicornLogLevelOpt = None,
+    quantization: QuantizationOpt = None,
+    pipeline_parallel_size: PipelineParallelSizeOpt = 1,
+    tokenizer: TokenizerOpt = None,
 ) -> None:
     """Serve MODEL_DIR over the OpenAI API (/v1/*), with /health, /metrics (vLLM's names) and /version."""
-    model_dir = _model_dir(model_dir, registry, model, canary)
+    model_dir = _model_dir(_vllm(vllm_args.model_source, model_dir, registry, model), registry, model, canary)
+    for note in _vllm(vllm_args.check_vllm_flags, model_dir, quantization=quantization, tokenizer=tokenizer,
+                      pipeline_parallel_size=pipeline_parallel_size, enable_chunked_prefill=enable_chunked_prefill,
+                      trust_remote_code=trust_remote_code, enable_auto_tool_choice=enable_auto_tool_choice):
+        typer.echo(f"note: {note}", err=True)
+    spec = _speculative(speculative_config, speculative_model, speculative_method, num_speculative_tokens)
+    kv_cache_memory_bytes = _kv_budget(gpu_memory_utilization, kv_cache_memory_bytes, num_kv_blocks, model_dir, device,
+                                       dtype, max_num_seqs, max_model_len)
     loras = _lora_modules(lora_modules or [], model_dir, max_lora_rank)
-    if (replicas > 1 or ray_address) and (loras or allow_runtime_lora_updating):
+    if (replicas > 1 or ray_address) and (loras or allow_runtime_lora_updating or enable_lora):
         _usage_error("--replicas does not carry LoRA adapters yet: serve adapters from one engine, or merge each "
                      "adapter (`lmforge export`) and serve the merged folders")
     config = _engine_config(model=str(model_dir), dtype=dtype, device=device, block_size=block_size, seed=seed,
                             num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
                             kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-                            tensor_parallel_size=tensor_parallel_size, num_speculative_tokens=num_speculative_tokens,
-                            speculative_model=speculative_model, speculative_method=speculative_method,
+                            tensor_parallel_size=tensor_parallel_size, **spec,
                             quant_activations=quant_activations, max_loras=max_loras, max_lora_rank=max_lora_rank,
-                            enable_lora=bool(loras) or allow_runtime_lora_updating)
+                            enable_lora=bool(loras) or allow_runtime_lora_updating or enable_lora)
     limits = _server_limits(max_waiting=max_waiting, max_body_bytes=max_body_bytes, read_timeout_s=read_timeout,
                             body_timeout_s=body_timeout, header_timeout_s=header_timeout,
                             keep_alive_timeout_s=keep_alive_timeout, max_connections=max_connections,
@@ -179,10 +226,44 @@ def serve(
     server = _server_config(served_model_name or model or model_dir.name, log_requests, feedback_db,
                             registry is not None, api_key=api_key, admin_api_key=admin_api_key, limits=limits,
                             tool_call_parser=tool_call_parser, lora_modules=loras, max_lora_rank=max_lora_rank,
-                            allow_runtime_lora_updating=allow_runtime_lora_updating)
+                            allow_runtime_lora_updating=allow_runtime_lora_updating,
+                            chat_template=_vllm(vllm_args.chat_template_text, chat_template) if chat_template else None)
+    log_level = uvicorn_log_level or log_level
     raise typer.Exit(run_server(config, server, ListenConfig(host, port, shutdown_timeout, log_level), engine_process,
                                 registry=(registry, model) if registry else None, canary=canary,
                                 replicas=(replicas, ray_address)))
+
+
+def _vllm(fn: Callable, *args, **kwargs):
+    """A `vllm_args` function; its ValueError (naming the flag) exits 2."""
+    try:
+        return fn(*args, **kwargs)
+    except ValueError as e:
+        _usage_error(str(e))
+
+
+def _speculative(config_json: str | None, model: str | None, method: str | None, k: int) -> dict:
+    """EngineConfig's speculative fields from lmforge's flags or vLLM's --speculative-config (not both)."""
+    if config_json is None:
+        return {"speculative_model": model, "speculative_method": method, "num_speculative_tokens": k}
+    if model is not None or method is not None or k:
+        _usage_error("--speculative-config and --speculative-model/--speculative-method/--num-speculative-tokens "
+                     "say the same thing; pass one form")
+    return _vllm(vllm_args.speculative_config, config_json)
+
+
+def _kv_budget(fraction: float | None, kv_bytes: int | None, num_kv_blocks: int | None, model_dir: Path, device: str,
+               dtype: str, max_num_seqs: int, max_model_len: int | None) -> int | None:
+    """--kv-cache-memory-bytes, or the bytes --gpu-memory-utilization gives the pool on this machine."""
+    if fraction is None:
+        return kv_bytes
+    if kv_bytes is not None or num_kv_blocks is not None:
+        _usage_error("--gpu-memory-utilization sizes the KV pool, as --kv-cache-memory-bytes and --num-kv-blocks do; "
+                     "pass one of them")
+    budget = _vllm(vllm_args.kv_bytes_from_utilization, fraction, model_dir, device, dtype, max_num_seqs,
+                   max_model_len)
+    typer.echo(f"note: --gpu-memory-utilization {fraction}: a KV pool of {budget / 2**30:.3f} GiB", err=True)
+    return budget
 
 
 def _model_dir(model_dir: Path | None, registry: Path | None, model: str | None, canary: float) -> Path:
