@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, NoReturn, Optional
 
 import typer
 
@@ -25,6 +25,7 @@ from lmforge.bench import lora as bench_lora
 from lmforge.bench import parallel as pipeline_bench
 from lmforge.bench import quant as bench_quant
 from lmforge.bench import spec_decode as bench_spec_decode
+from lmforge.bench.short import shrink
 from lmforge.config import ConfigError
 from lmforge.parallel.plots import plot_timeline
 from lmforge.parallel.simulate import simulate
@@ -35,16 +36,36 @@ app = typer.Typer(no_args_is_help=True, help="Benchmarks that write bench.json a
 
 
 @app.command("serve", help="Load-test an OpenAI-compatible server: TTFT, TPOT, ITL, E2E, throughput, "
-                           "goodput; writes bench.json and bench.md.")
+                           "goodput; writes bench.json and bench.md. Takes `vllm bench serve`'s names too.")
 def bench_serve(
-    base_url: Annotated[str, typer.Option(help="The server, e.g. http://127.0.0.1:8000.")],
+    base_url: Annotated[Optional[str], typer.Option(
+        help="The server, e.g. http://127.0.0.1:8000 [default: http://--host:--port, as vLLM].")] = None,
+    host: Annotated[str, typer.Option(help="The server's host, when --base-url is not given (vLLM's name).")] = (
+        "127.0.0.1"),
+    port: Annotated[int, typer.Option(help="The server's port, when --base-url is not given (vLLM's name).")] = 8000,
+    endpoint: Annotated[str, typer.Option(help="The API route (vLLM's name); completions are what is sent.")] = (
+        "/v1/completions"),
+    backend: Annotated[str, typer.Option(help="vLLM's client kind: vllm or openai (both: streamed completions).")] = (
+        "vllm"),
     model: Annotated[Optional[str], typer.Option(help="Model id (default: the server's first).")] = None,
     num_prompts: Annotated[int, typer.Option(help="Requests to send.")] = 100,
     request_rate: Annotated[float, typer.Option(help="Poisson arrival rate, req/s; inf = all at once.")] = math.inf,
     max_concurrency: Annotated[Optional[int], typer.Option(help="Most requests in flight.")] = None,
-    workload: Annotated[str, typer.Option(help="high-variance | uniform | shared-prefix.")] = "high-variance",
-    input_len: Annotated[int, typer.Option(help="Prompt tokens (uniform, shared-prefix).")] = 128,
-    output_len: Annotated[int, typer.Option(help="Output tokens (uniform, shared-prefix).")] = 128,
+    workload: Annotated[str, typer.Option("--workload", "--dataset-name", help=(
+        "high-variance | uniform (= vLLM's random) | shared-prefix | sharegpt (with --dataset-path).")
+    )] = "high-variance",
+    input_len: Annotated[int, typer.Option("--input-len", "--random-input-len",
+                                           help="Prompt tokens (uniform, shared-prefix).")] = 128,
+    output_len: Annotated[int, typer.Option("--output-len", "--random-output-len",
+                                            help="Output tokens (uniform, shared-prefix).")] = 128,
+    range_ratio: Annotated[float, typer.Option("--random-range-ratio", help=(
+        "Draw each length from [len * (1 - r), len * (1 + r)] (vLLM's name).")
+    )] = 0.0,
+    dataset_path: Annotated[Optional[Path], typer.Option(help="A ShareGPT JSON for --dataset-name sharegpt.")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(help=(
+        "Folder whose tokenizer counts ShareGPT tokens [default: --model when it is a folder].")
+    )] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="Every output runs to its length (vLLM's --ignore-eos).")] = True,
     seed: Annotated[int, typer.Option(help="Workload and arrival seed.")] = 0,
     slo: Annotated[Optional[str], typer.Option(help="SLOs for goodput, ms: 'ttft=500,tpot=50'.")] = None,
     api_key: Annotated[Optional[str], typer.Option(envvar="LMFORGE_API_KEY", help="Bearer key.")] = None,
@@ -52,6 +73,9 @@ def bench_serve(
         help="Also run the same requests through the offline engine on this model dir (HTTP cost).")] = None,
     offline_dtype: Annotated[str, typer.Option(help="dtype for --offline-model.")] = "auto",
     out: Annotated[Optional[Path], typer.Option(help="Write bench.json and bench.md here.")] = None,
+    save_result: Annotated[bool, typer.Option(help="Write the result to --result-dir (vLLM's name).")] = False,
+    result_dir: Annotated[Optional[Path], typer.Option(help="Folder for --save-result [default: .].")] = None,
+    result_filename: Annotated[Optional[str], typer.Option(help="JSON file name for --save-result.")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     against: Annotated[Optional[str], typer.Option(
         help="Another OpenAI-compatible server (e.g. llama-server): same workload on both, ratios.")] = None,
@@ -59,28 +83,53 @@ def bench_serve(
     concurrency: Annotated[str, typer.Option(help="With --against: concurrencies to run, e.g. 1,16.")] = "1,16",
 ) -> None:
     """Load-test an OpenAI-compatible server: TTFT, TPOT, ITL, E2E percentiles, throughput, goodput,
-    and the server's own /metrics view beside them; with --against, lmforge against another server."""
+    and the server's own /metrics view beside them; with --against, lmforge against another server.
+    LMFORGE_SHORT=1 caps the run at 8 requests of at most 32 + 16 tokens (CI)."""
     # deferred: httpx (and the HTTP client runner) only for this verb; `lmforge --help` stays lighter
     import httpx
 
     from lmforge.bench.serve import BenchConfig, bench_serve as run, parse_slo, to_markdown  # deferred: same
 
+    if backend not in ("vllm", "openai"):
+        _exit(2, f"--backend {backend}: bench serve speaks OpenAI's streamed completions (vllm, openai)")
+    if endpoint.rstrip("/") != "/v1/completions":
+        _exit(2, f"--endpoint {endpoint}: bench serve sends streamed completions; use /v1/completions")
+    base_url = (base_url or f"http://{host}:{port}").rstrip("/")
+    if tokenizer is None and workload == "sharegpt" and model and Path(model).is_dir():
+        tokenizer = model
     try:
-        cfg = BenchConfig(base_url.rstrip("/"), model, num_prompts, request_rate, max_concurrency, workload,
-                          input_len, output_len, seed, parse_slo(slo), api_key,
-                          str(offline_model) if offline_model else None, offline_dtype, progress)
+        cfg = BenchConfig(base_url, model, shrink(num_prompts, 8), request_rate, max_concurrency, workload,
+                          shrink(input_len, 32), shrink(output_len, 16), seed, parse_slo(slo), api_key,
+                          str(offline_model) if offline_model else None, offline_dtype, progress, ignore_eos,
+                          range_ratio, str(dataset_path) if dataset_path else None, tokenizer)
     except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        _exit(2, str(e))
+    out = _result_dir(out, save_result, result_dir, result_filename)
     if against:
         raise typer.Exit(_bench_against(cfg, against, against_model, concurrency, out))
     try:
-        report = run(cfg, out)
+        report = run(cfg, out, json_name=result_filename or "bench.json")
     except httpx.HTTPError as e:
-        typer.echo(f"error: {base_url}: {type(e).__name__}: {e}", err=True)
-        raise typer.Exit(1) from None
+        _exit(1, f"{base_url}: {type(e).__name__}: {e} (is `lmforge serve` running there? --base-url or "
+                 "--host/--port name it)")
+    except ValueError as e:
+        _exit(2, str(e))
     typer.echo(to_markdown(report))
     raise typer.Exit(0 if report["client"]["failed"] == 0 else 1)
+
+
+def _exit(code: int, message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _result_dir(out: Path | None, save_result: bool, result_dir: Path | None, result_filename: str | None) -> Path | None:
+    """--out, or vLLM's --save-result [--result-dir D] [--result-filename F] (one of the two forms)."""
+    if (result_dir or result_filename) and not save_result:
+        _exit(2, "--result-dir and --result-filename go with --save-result")
+    if save_result and out is not None:
+        _exit(2, "--out and --save-result --result-dir say the same thing; pass one")
+    return (result_dir or Path(".")) if save_result else out
 
 
 def _bench_against(cfg, against: str, against_model: str | None, concurrency: str, out: Path | None) -> int:

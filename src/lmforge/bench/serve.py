@@ -11,14 +11,22 @@ price the HTTP layer. Writes `bench.json` and `bench.md` to `out`.
 
 Workloads are generated from a seed (the same run twice sends the same requests):
   high-variance  prompt 16-512, output 8-512 tokens, log-uniform
-  uniform        every request `input_len` prompt and `output_len` output tokens
+  uniform        every request `input_len` prompt and `output_len` output tokens (vLLM's `random`
+                 dataset, also by that name; `range_ratio` r draws each length from [len(1-r), len(1+r)])
   shared-prefix  like uniform, but the first 3/4 of every prompt is one shared prefix
+  sharegpt       vLLM's ShareGPT sampling from `dataset_path` (a ShareGPT JSON): each conversation's
+                 first human turn is the prompt, its first reply's token count the output length
+                 (counted with `tokenizer`); pairs with a prompt or reply under 4 tokens, a prompt over
+                 1024 or both over 2048 tokens are skipped, as vLLM skips them
 Prompt ids are drawn from [5, 261): the byte tokens of a byte-level BPE after lmforge's five
-specials, valid ids for any vocabulary of at least 261. Clipped so prompt + output fit the
-server's `max_model_len`. This module knows nothing about the engine (except for the offline
-comparison) and imports no torch unless asked for it.
+specials, valid ids for any vocabulary of at least 261 (ShareGPT prompts go as text). Clipped so
+prompt + output fit the server's `max_model_len`. `ignore_eos` (the default, vLLM's `--ignore-eos`)
+makes every output exactly its length. This module knows nothing about the engine (except for the
+offline comparison) and imports no torch unless asked for it.
 
     lmforge bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 8 --out runs/bench
+    lmforge bench serve --host 127.0.0.1 --port 8000 --dataset-name random --random-input-len 256 \
+        --random-output-len 64 --ignore-eos --save-result --result-dir runs/bench       # vLLM's names
 
 With `--against URL` (`bench_against`) the same requests go, one concurrency at a time (1 and 16 by
 default), to lmforge's server and to any other OpenAI-compatible server (llama.cpp's `llama-server`,
@@ -45,14 +53,15 @@ from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from rich.progress import Progress
 
 from lmforge.engine import LLM, SamplingParams
 from lmforge.track.io import atomic_write_json, atomic_write_text
+from lmforge.track.progress import Progress
 from lmforge.track.provenance import hardware_info, package_versions
 
-WORKLOADS = ("high-variance", "uniform", "shared-prefix")
+WORKLOADS = ("high-variance", "uniform", "random", "shared-prefix", "sharegpt")
 TOKEN_LO, TOKEN_HI = 5, 261
+SHAREGPT_MIN, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048  # vLLM's pruning of ShareGPT pairs
 
 
 @dataclass
@@ -71,12 +80,24 @@ class BenchConfig:
     offline_model: str | None = None
     offline_dtype: str = "auto"
     progress: bool = True
+    ignore_eos: bool = True  # every output runs to output_len (vLLM's --ignore-eos)
+    range_ratio: float = 0.0  # uniform/random: lengths drawn from [len * (1 - r), len * (1 + r)]
+    dataset_path: str | None = None  # sharegpt: the ShareGPT JSON file
+    tokenizer: str | None = None  # sharegpt: the folder whose tokenizer counts prompt and reply tokens
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
-            raise ValueError(f"workload {self.workload!r}: choose one of {', '.join(WORKLOADS)}")
+            raise ValueError(f"workload {self.workload!r} (--workload / --dataset-name): choose one of "
+                             f"{', '.join(WORKLOADS)}")
         if self.num_prompts < 1 or self.request_rate <= 0 or (self.max_concurrency or 1) < 1:
             raise ValueError("num_prompts, request_rate and max_concurrency must be positive")
+        if not 0 <= self.range_ratio < 1:
+            raise ValueError(f"--random-range-ratio {self.range_ratio}: must be in [0, 1)")
+        if (self.workload == "sharegpt") != (self.dataset_path is not None):
+            raise ValueError("--dataset-name sharegpt goes with --dataset-path FILE (a ShareGPT JSON), and only it")
+        if self.workload == "sharegpt" and not self.tokenizer:
+            raise ValueError("--dataset-name sharegpt needs --tokenizer DIR (a model folder) to count the "
+                             "prompt and reply tokens, as vLLM does")
         bad = set(self.slo) - {"ttft", "tpot", "itl", "e2e"}
         if bad:
             raise ValueError(f"--slo: unknown metric(s) {sorted(bad)}; use ttft, tpot, itl, e2e (milliseconds)")
@@ -98,12 +119,23 @@ def parse_slo(text: str | None) -> dict[str, float]:
 
 @dataclass
 class BenchRequest:
-    prompt: list[int]
+    prompt: list[int] | str  # token ids; text for ShareGPT
     output_len: int
+    prompt_len: int = 0  # tokens of a text prompt (counted with the tokenizer); ids: their number
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt, str):
+            self.prompt_len = len(self.prompt)
 
 
 def make_workload(cfg: BenchConfig, max_model_len: int) -> list[BenchRequest]:
+    if cfg.workload == "sharegpt":
+        return sharegpt_requests(Path(cfg.dataset_path), cfg.tokenizer, cfg.num_prompts, cfg.seed, max_model_len)
     rng = random.Random(cfg.seed)
+
+    def spread(n: int) -> int:  # vLLM's --random-range-ratio
+        return rng.randint(max(1, int(n * (1 - cfg.range_ratio))), int(n * (1 + cfg.range_ratio))) \
+            if cfg.range_ratio else n
 
     def log_uniform(lo: int, hi: int) -> int:
         return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
@@ -116,13 +148,42 @@ def make_workload(cfg: BenchConfig, max_model_len: int) -> list[BenchRequest]:
     for _ in range(cfg.num_prompts):
         if cfg.workload == "high-variance":
             p, o = tokens(log_uniform(16, 512)), log_uniform(8, 512)
-        elif cfg.workload == "uniform":
-            p, o = tokens(cfg.input_len), cfg.output_len
+        elif cfg.workload in ("uniform", "random"):
+            p, o = tokens(spread(cfg.input_len)), spread(cfg.output_len)
         else:
             p, o = prefix + tokens(cfg.input_len - len(prefix)), cfg.output_len
         o = max(1, min(o, max_model_len - 1))
         reqs.append(BenchRequest(p[: max_model_len - o], o))
     return reqs
+
+
+def sharegpt_requests(path: Path, tokenizer_dir: str, n: int, seed: int, max_model_len: int) -> list[BenchRequest]:
+    """`n` (prompt, output length) pairs sampled from a ShareGPT JSON as vLLM samples them (see the module
+    docstring); ValueError naming the file when it is not ShareGPT or holds too few usable pairs."""
+    from transformers import AutoTokenizer  # deferred: only the ShareGPT workload counts tokens
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--dataset-path {path}: {type(e).__name__}: {e}") from None
+    if not isinstance(data, list):
+        raise ValueError(f"--dataset-path {path}: a ShareGPT file is a JSON list of {{\"conversations\": [...]}}")
+    pairs = [(c[0]["value"], c[1]["value"]) for d in data if isinstance(d, dict)
+             and isinstance(c := d.get("conversations"), list) and len(c) >= 2
+             and all(isinstance(t, dict) and isinstance(t.get("value"), str) for t in c[:2])]
+    random.Random(seed).shuffle(pairs)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    out = []
+    for prompt, reply in pairs:
+        p, o = len(tok(prompt).input_ids), len(tok(reply).input_ids)
+        if p < SHAREGPT_MIN or o < SHAREGPT_MIN or p > SHAREGPT_MAX_PROMPT or p + o > SHAREGPT_MAX_TOTAL \
+                or p + o > max_model_len:
+            continue
+        out.append(BenchRequest(prompt, o, p))
+        if len(out) == n:
+            return out
+    raise ValueError(f"--dataset-path {path}: {len(out)} usable conversations for --num-prompts {n} (of "
+                     f"{len(pairs)} with a prompt and a reply; each must fit {max_model_len} tokens)")
 
 
 @dataclass
@@ -142,7 +203,7 @@ class RequestResult:
 
 async def _one(client: httpx.AsyncClient, cfg: BenchConfig, model: str, req: BenchRequest) -> RequestResult:
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": cfg.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     res, last = RequestResult(ok=False), None
     try:
@@ -171,7 +232,7 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, model: str, req: Ben
         res.e2e = time.perf_counter() - start
         res.ok = last is not None
         if res.ok and not res.output_tokens:  # a server without stream usage: one token a chunk (llama-server)
-            res.prompt_tokens, res.output_tokens = len(req.prompt), len(res.itl) + 1
+            res.prompt_tokens, res.output_tokens = req.prompt_len, len(res.itl) + 1
         if not res.ok:
             res.error = "the stream ended without a token"
     except (httpx.HTTPError, json.JSONDecodeError) as e:
@@ -244,25 +305,25 @@ def server_view(before: dict[str, float], after: dict[str, float]) -> dict[str, 
 
 
 async def _run_requests(cfg: BenchConfig, model: str, reqs: list[BenchRequest]) -> tuple[list[RequestResult], float]:
-    rng = random.Random(cfg.seed + 1)
     limit = cfg.max_concurrency or len(reqs)
     sem = asyncio.Semaphore(limit)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    progress = None
-    if cfg.progress:
-        progress = Progress(transient=True)
-        progress.start()
-        task = progress.add_task("bench serve", total=len(reqs))
+    with Progress("bench serve", total=len(reqs), unit="req", enabled=cfg.progress, heartbeat=True) as progress:
+        return await _send_all(cfg, model, reqs, sem, progress, httpx.AsyncClient(
+            base_url=cfg.base_url, headers=headers, timeout=httpx.Timeout(600.0), limits=limits))
 
-    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=httpx.Timeout(600.0),
-                                 limits=limits) as client:
+
+async def _send_all(cfg: BenchConfig, model: str, reqs: list[BenchRequest], sem: asyncio.Semaphore,
+                    progress: Progress, client: httpx.AsyncClient) -> tuple[list[RequestResult], float]:
+    """Every request, arriving at `cfg.request_rate` (Poisson) or all at once; at most `sem` in flight."""
+    rng = random.Random(cfg.seed + 1)
+    async with client:
 
         async def run(req: BenchRequest) -> RequestResult:
             async with sem:
                 r = await _one(client, cfg, model, req)
-            if progress is not None:
-                progress.advance(task)
+            progress.advance()
             return r
 
         start, tasks = time.perf_counter(), []
@@ -272,8 +333,6 @@ async def _run_requests(cfg: BenchConfig, model: str, reqs: list[BenchRequest]) 
                 await asyncio.sleep(rng.expovariate(cfg.request_rate))  # Poisson process: exponential gaps
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    if progress is not None:
-        progress.stop()
     return list(results), duration
 
 
@@ -310,8 +369,8 @@ def run_offline(cfg: BenchConfig, reqs: list[BenchRequest]) -> dict[str, float]:
     return {"duration_s": duration, "output_tokens": tokens, "output_throughput": tokens / duration}
 
 
-def bench_serve(cfg: BenchConfig, out: Path | None = None) -> dict[str, Any]:
-    """Run the benchmark; return (and write, with `out`) the report."""
+def bench_serve(cfg: BenchConfig, out: Path | None = None, json_name: str = "bench.json") -> dict[str, Any]:
+    """Run the benchmark; return (and write, with `out`, as `json_name` and a Markdown twin) the report."""
     with httpx.Client(base_url=cfg.base_url, timeout=30.0,
                       headers={"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}) as c:
         card = c.get("/v1/models").raise_for_status().json()["data"][0]
@@ -331,8 +390,8 @@ def bench_serve(cfg: BenchConfig, out: Path | None = None) -> dict[str, Any]:
                             "hardware": hardware_info()}
     if out is not None:
         Path(out).mkdir(parents=True, exist_ok=True)
-        atomic_write_json(Path(out) / "bench.json", report)
-        atomic_write_text(Path(out) / "bench.md", to_markdown(report))
+        atomic_write_json(Path(out) / json_name, report)
+        atomic_write_text((Path(out) / json_name).with_suffix(".md"), to_markdown(report))
     return report
 
 
