@@ -39,7 +39,7 @@ from .lora import LoRAManager, LoRARequest
 from .model_runner import ModelRunner, float32_except_linears, kv_bytes_per_block
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampler import Sampler, SampleResult, make_generator, prompt_logprobs
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, truncate_prompt
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence
 from .spec_decode import SpecDecoder
@@ -212,6 +212,10 @@ class LLMEngine:
                                  "start it with enable_lora (lmforge serve --lora-modules / --enable-lora)")
             self.lora.check(lora_request)  # read and checked once (ValueError naming file and field)
         text, ids = self._tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
+            text, ids = (text if len(kept) == len(ids) else None), kept
+        bad_words = self._bad_words_token_ids(params.bad_words) if params.bad_words else []
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         if len(ids) + max_tokens > self.max_model_len:
             raise ValueError(f"request {request_id!r}: prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = "
@@ -226,6 +230,7 @@ class LLMEngine:
         for seq in seqs:
             seq.wait_for = seqs[0] if seq.index else None  # n > 1: share sample 0's prompt blocks
             seq.lora_request = lora_request
+            seq.bad_words_token_ids = bad_words
             if self.tokenizer is not None:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params, ids)
             if params.structured_outputs is not None:  # compiled (and checked) once, cached; a copy per sample
@@ -241,12 +246,28 @@ class LLMEngine:
         if any(t >= V for t in params.stop_token_ids):  # they index the logits (min_tokens masks them)
             raise ValueError(f"SamplingParams.stop_token_ids={[t for t in params.stop_token_ids if t >= V][:5]}: "
                              f"token ids must be below the vocabulary size ({V})")
+        if any(t >= V for t in params.allowed_token_ids or ()):
+            raise ValueError(f"SamplingParams.allowed_token_ids={[t for t in params.allowed_token_ids if t >= V][:5]}: "
+                             f"token ids must be below the vocabulary size ({V})")
         bad = [t for t in params.logit_bias or () if t >= V]
         if bad:
             raise ValueError(f"SamplingParams.logit_bias: token id {bad[0]} is not in the vocabulary "
                              f"(ids are 0..{V - 1})")
         if params.structured_outputs is not None:
             self.structured.check(params.structured_outputs)  # raises ValueError naming the problem
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """vLLM's encoding of `bad_words`: each word as it would start a text, and after a space when that
+        gives a different first token and as many tokens (so "word" is banned at the start and mid-text)."""
+        if self.tokenizer is None:
+            raise ValueError(f"SamplingParams.bad_words: {self.config.model} has no tokenizer to encode them; "
+                             "ban token ids with logit_bias instead")
+        out = []
+        for word in bad_words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out += [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+        return [w for w in out if w and all(t < self.vocab_size for t in w)]
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

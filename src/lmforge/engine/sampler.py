@@ -3,7 +3,7 @@
 Order of operations, the same as `transformers` `generate()` and vLLM (see docs/sampling.md):
 
     raw logits ─┬─> log_softmax ─────────────────────────────> logprobs ("raw" logprobs)
-                └─> grammar mask -> min_tokens mask -> logit_bias -> repetition penalty
+                └─> grammar mask -> allowed_token_ids / bad_words -> min_tokens mask -> logit_bias -> repetition penalty
                     -> presence/frequency penalties
                     -> greedy? argmax : temperature -> top-k -> top-p -> min-p -> sample
 
@@ -145,6 +145,8 @@ class Sampler:
         params: list[SamplingParams] = [s.sampling_params for s in seqs]
         S, V = logits_SV.shape
         device = logits_SV.device
+        if any(p.allowed_token_ids is not None or _bad_words(s) for p, s in zip(params, seqs)):
+            logits_SV.masked_fill_(_vocabulary_mask_SV(params, seqs, V, device), float("-inf"))
 
         suppressed = [self._suppressed_ids(p, s) for p, s in zip(params, seqs)]
         if any(suppressed):
@@ -258,7 +260,31 @@ def _argmax(x_SV: torch.Tensor) -> torch.Tensor:
 def _needs_processing(p: SamplingParams, seq: Any) -> bool:
     """Whether anything besides temperature could change a greedy row's argmax."""
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            or len(seq.output_token_ids) < p.min_tokens or bool(p.logit_bias))
+            or len(seq.output_token_ids) < p.min_tokens or bool(p.logit_bias)
+            or p.allowed_token_ids is not None or bool(_bad_words(seq)))
+
+
+def _bad_words(seq: Any) -> list[list[int]]:
+    """The token ids of a sequence's `bad_words` (the engine encodes them at admission)."""
+    return getattr(seq, "bad_words_token_ids", None) or []
+
+
+def _vocabulary_mask_SV(params: list[SamplingParams], seqs: Sequence[Any], V: int,
+                        device: torch.device) -> torch.Tensor:
+    """(S, V) bool, True where vLLM's `allowed_token_ids` leaves a token out or one of `bad_words` would be
+    completed: a bad word's last token is banned when the output ends with the tokens before it (always, for
+    a one-token word), as vLLM's bad-words processor does."""
+    banned_SV = torch.zeros(len(seqs), V, dtype=torch.bool)
+    for i, (p, seq) in enumerate(zip(params, seqs)):
+        if p.allowed_token_ids is not None:
+            banned_SV[i] = True
+            banned_SV[i, [t for t in p.allowed_token_ids if t < V]] = False
+        out = seq.output_token_ids
+        for word in _bad_words(seq):
+            prefix = word[:-1]
+            if len(prefix) <= len(out) and (not prefix or list(out[len(out) - len(prefix):]) == prefix):
+                banned_SV[i, word[-1]] = True
+    return banned_SV.to(device, non_blocking=True)
 
 
 def _top_k_top_p(logits_SV: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -23,7 +23,8 @@ OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 # to inf and the softmax turns into NaN, so "almost zero" must mean "zero", not garbage.
 GREEDY_EPS = 1e-5
 INT64 = (-(2**63), 2**63 - 1)
-_INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs")
+_INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
+MAX_BAD_WORDS, MAX_ALLOWED_TOKEN_IDS = 128, 2**17  # a list past these is a client bug, not a request
 # OpenAI's limits: a bias is in [-100, 100] (its API reference) and at most 300 tokens are biased (what
 # its API enforces, as we understand it; not in the reference). An unbounded map would cost Python per step.
 LOGIT_BIAS_MAX, LOGIT_BIAS_MAX_ENTRIES = 100.0, 300
@@ -125,12 +126,23 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Constrained decoding (engine/structured.py); a dict is read as StructuredOutputsParams(**dict).
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: sample only among these token ids (every other logit -inf, before anything else)
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words never generated. Each is encoded as it would start a text and after a space; a one-token
+    # word is banned always, a longer one's last token whenever the output ends with the tokens before it
+    bad_words: list[str] | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len), before anything is checked
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self.logit_bias = _logit_bias(self.logit_bias)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = _structured_from_dict(self.structured_outputs)
@@ -179,6 +191,16 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64[1]
                                    for t in self.stop_token_ids), "must be non-negative token ids"),
+            ("allowed_token_ids", self.allowed_token_ids is None or (
+                0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS
+                and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64[1]
+                        for t in self.allowed_token_ids)),
+             f"must be a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} non-negative token ids"),
+            ("bad_words", self.bad_words is None or (
+                len(self.bad_words) <= MAX_BAD_WORDS and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
+             f"must be at most {MAX_BAD_WORDS} non-blank strings"),
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
+             or self.truncate_prompt_tokens >= 1, "must be -1 (the context's length) or >= 1"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -187,6 +209,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (k = -1: max_model_len); ValueError for a
+    k beyond the context, which could never be served."""
+    k = truncate_prompt_tokens
+    if k is None:
+        return token_ids
+    if k > max_model_len:
+        raise ValueError(f"SamplingParams.truncate_prompt_tokens={k}: must be <= max_model_len ({max_model_len})")
+    return token_ids[-(max_model_len if k == -1 else k):]
 
 
 def _logit_bias(bias: Any) -> dict[int, float] | None:

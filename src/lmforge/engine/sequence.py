@@ -46,6 +46,7 @@ class Sequence:
         self.finish_reason: str | None = None  # stop | length | abort
         self.stop_reason: int | str | None = None  # the stop token id or stop string that matched
         self.detokenizer = None  # set by the engine when the model has a tokenizer
+        self.bad_words_token_ids: list[list[int]] = []  # sampling_params.bad_words, encoded by the engine
         self.grammar = None  # structured outputs: this sample's matcher (engine/structured.py), advanced per token
         self.spec_token_ids: list[int] = []  # speculative decoding: this step's proposals (engine/spec_decode.py)
         self.spec_probs: list[torch.Tensor] = []  # their draft probabilities q (V,), for sampled rows of a draft model

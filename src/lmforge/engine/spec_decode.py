@@ -23,8 +23,8 @@ distribution. A rejected draft's K/V slot is simply overwritten later: the seque
 `num_computed_tokens` only counts accepted tokens.
 
 Sequences whose next token depends on more than the target's logits row and the sampling filters
-(repetition / presence / frequency penalties, logit_bias, structured outputs, min_tokens not yet
-reached, logprobs asked for) are decoded plainly, one token a step, in the same batch.
+(repetition / presence / frequency penalties, logit_bias, allowed_token_ids, bad_words, structured outputs,
+min_tokens not yet reached, logprobs asked for) are decoded plainly, one token a step, in the same batch.
 
 This module knows nothing about scheduling policy, text or HTTP.
 
@@ -53,6 +53,7 @@ def spec_eligible(seq: Sequence) -> bool:
     (what `verify` assumes); otherwise the sequence decodes plainly."""
     p = seq.sampling_params
     return (seq.grammar is None and p.logprobs is None and not p.logit_bias and p.repetition_penalty == 1.0
+            and p.allowed_token_ids is None and not seq.bad_words_token_ids
             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
             and seq.num_output_tokens >= p.min_tokens)
 

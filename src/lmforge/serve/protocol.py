@@ -40,9 +40,11 @@ REFUSED = {
     "modalities": "only text output is supported (modalities: [\"text\"])",
     "audio": "audio output is not supported",
     "web_search_options": "web search is not supported",
+    "use_beam_search": "beam search is not supported (vLLM's use_beam_search); sample with n instead",
 }
-_NOTHING_ASKED = {"modalities": (["text"],)}
+_NOTHING_ASKED = {"modalities": (["text"],), "use_beam_search": (False,)}
 MAX_TOOLS = 128  # OpenAI's limit on `tools`
+MAX_CHAT_TEMPLATE = 64 * 1024  # characters of a request's own Jinja chat template
 
 
 def _not_bool(v):
@@ -125,6 +127,12 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's extensions, each a SamplingParams field of the same name
+    prompt_logprobs: Int | None = Field(None, ge=0, le=20)
+    allowed_token_ids: list[Annotated[Int, Field(ge=0, lt=INT64)]] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: Int | None = Field(None, ge=-1, lt=INT64)
+    use_beam_search: bool = False  # refused when true (REFUSED)
 
     def structured_field(self) -> str | None:
         """The request field that carries its output constraint, to name in an error."""
@@ -160,16 +168,22 @@ class _SamplingFields(BaseModel):
                 return name, why
         return None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError naming the field (SamplingParams validates)."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """Raises ValueError naming the field (SamplingParams validates). `prompt_logprobs`: what the endpoint
+        needs (completions' echo + logprobs) when the request's own field is not set."""
         given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                                                "frequency_penalty", "repetition_penalty")
                  if getattr(self, k) is not None}
+        if self.prompt_logprobs is not None:
+            prompt_logprobs = self.prompt_logprobs
         return SamplingParams(n=self.n, seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
                               ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, max_tokens=max_tokens,
                               logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output,
-                              logit_bias=self.logit_bias, structured_outputs=self.structured(), **given)
+                              logit_bias=self.logit_bias, structured_outputs=self.structured(),
+                              prompt_logprobs=prompt_logprobs, allowed_token_ids=self.allowed_token_ids,
+                              bad_words=self.bad_words, truncate_prompt_tokens=self.truncate_prompt_tokens, **given)
 
     @property
     def include_usage(self) -> bool:
@@ -179,7 +193,8 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     # a string, token ids, or a list of either (a batch: choices are numbered prompt * n + sample)
     prompt: str | list[Int] | list[str] | list[list[Int]]
-    max_tokens: Int | None = Field(16, ge=1, lt=INT64)  # OpenAI's default for completions
+    # OpenAI's default for completions; 0 only with echo: the prompt (and its logprobs) alone, as vLLM
+    max_tokens: Int | None = Field(16, ge=0, lt=INT64)
     logprobs: Int | None = Field(None, ge=0, le=5)  # OpenAI's limit for the legacy endpoint
     echo: bool = False
     suffix: str | None = None
@@ -283,7 +298,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Int | None = Field(None, ge=1, lt=INT64)  # OpenAI's newer name; wins when both are set
     logprobs: bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=20)
+    # vLLM's chat template options, passed to the tokenizer's apply_chat_template
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is left open, to be continued
+    chat_template: str | None = Field(None, min_length=1, max_length=MAX_CHAT_TEMPLATE)  # Jinja text
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (e.g. enable_thinking)
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

@@ -34,6 +34,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from lmforge.engine import EngineDeadError, EngineStepError, RequestOutput, SamplingParams
+from lmforge.engine.sampling_params import truncate_prompt
 from lmforge.engine.structured import check_spec
 
 from .engine_client import EngineRequest, not_ready
@@ -66,6 +67,8 @@ class Job:
         self.n = params.n
         self.texts: list[str | None] = [None] * len(prompts)  # completions: the prompt strings given
         self.messages: list[dict] = []  # chat: the conversation
+        self.prompt_logprobs: list[list | None] = [None] * len(prompts)  # per prompt, from its first output
+        self.echo_only = False  # completions' max_tokens=0 with echo: the one token generated is dropped
 
 
 class Tracker:
@@ -134,6 +137,10 @@ class OpenAIServing:
     def exchange_prompt(self, job: Job) -> str:
         raise NotImplementedError
 
+    def response_extras(self, job: Job) -> dict:
+        """Top-level fields of a non-streamed response besides OpenAI's (chat: vLLM's `prompt_logprobs`)."""
+        return {}
+
     # ---- checks both endpoints make ------------------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
@@ -179,7 +186,7 @@ class OpenAIServing:
         try:
             if len(gens) == 1:
                 async for out in gens[0]:
-                    self._on_output(job, trackers[0], out)
+                    self._on_output(job, 0, trackers[0], out)
                     yield 0, out
                 return
             queue: asyncio.Queue = asyncio.Queue()
@@ -203,7 +210,7 @@ class OpenAIServing:
                     elif isinstance(item, Exception):
                         raise item
                     else:
-                        self._on_output(job, trackers[i], item)
+                        self._on_output(job, i, trackers[i], item)
                         yield i, item
             finally:
                 for t in tasks:
@@ -215,7 +222,9 @@ class OpenAIServing:
                 if t.last is not None and not t.last.finished:  # aborted: count it, as vLLM does
                     st.metrics.observe_finished(job.sv.label, t.last, "abort")
 
-    def _on_output(self, job: Job, t: Tracker, out: RequestOutput) -> None:
+    def _on_output(self, job: Job, p: int, t: Tracker, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            job.prompt_logprobs[p] = out.prompt_logprobs
         started = sum(1 for c in out.outputs if c.token_ids or c.finish_reason is not None)
         if started > t.started:
             job.ticket.release(started - t.started)
@@ -240,7 +249,8 @@ class OpenAIServing:
         choices = [self.final_choice(job, i, c) for i, t in enumerate(trackers) for c in t.last.outputs]
         self._ended(job, trackers, 200)
         return {"id": job.id, "object": self.kind, "created": job.created, "model": _model_name(self.st, job),
-                "system_fingerprint": _fingerprint(job), "choices": choices, "usage": _usage(trackers)}
+                "system_fingerprint": _fingerprint(job), "choices": choices, "usage": _usage(trackers, job),
+                **self.response_extras(job)}
 
     async def stream(self, job: Job) -> AsyncIterator[str]:
         """SSE chunks; one per sample per engine step. A cancelled stream (client gone) aborts."""
@@ -258,7 +268,7 @@ class OpenAIServing:
                         continue
                     yield sse({**base, "choices": [self._delta(job, t, p, c)]})
             if job.req.include_usage:
-                yield sse({**base, "choices": [], "usage": _usage(trackers)})
+                yield sse({**base, "choices": [], "usage": _usage(trackers, job)})
         except Exception as e:  # headers are gone: report in-band, as vLLM does
             err = engine_error(e)
             status = err.status
@@ -310,10 +320,10 @@ async def _unless_disconnected(raw: Request, coro):
     return work.result()
 
 
-def _usage(trackers: list[Tracker]) -> dict:
+def _usage(trackers: list[Tracker], job: Job) -> dict:
     outs = [t.last for t in trackers if t.last is not None]
     prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    completion = 0 if job.echo_only else sum(len(c.token_ids) for o in outs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
@@ -341,11 +351,15 @@ def check_prompt(sv: Served, ids: list[int], max_tokens: int | None, param: str)
                           "max_tokens" if max_tokens else param, "context_length_exceeded")
 
 
-def check_params(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def check_params(req, max_tokens: int | None, logprobs: int | None,
+                 prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's SamplingParams, its structured-output spec checked to compile (on the tokenize
     worker: a spec that fails in the engine would surface in-band, after a stream's 200)."""
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is not available with stream: true (as in vLLM); send the request "
+                          "without stream", "prompt_logprobs")
     try:
-        params = req.sampling_params(max_tokens, logprobs)
+        params = req.sampling_params(max_tokens, logprobs, prompt_logprobs)
         if params.structured_outputs is not None:
             check_spec(params.structured_outputs)
         return params
@@ -354,6 +368,24 @@ def check_params(req, max_tokens: int | None, logprobs: int | None) -> SamplingP
         if err.param == "structured_outputs":
             err.param = req.structured_field() or err.param
         raise err from None
+
+
+def truncate(sv: Served, ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`, by the engine's own rule (it applies it again, to the same result)."""
+    try:
+        return truncate_prompt(ids, truncate_prompt_tokens, sv.max_model_len)
+    except ValueError as e:
+        raise from_value_error(e) from None
+
+
+def prompt_logprobs_json(sv: Served, prompt_logprobs: list | None) -> list | None:
+    """vLLM's `prompt_logprobs` JSON: per prompt token null (the first) or {token id: {logprob, rank,
+    decoded_token}}."""
+    if prompt_logprobs is None:
+        return None
+    return [None if entry is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                                 "decoded_token": sv.token_text(t)} for t, lp in entry.items()}
+            for entry in prompt_logprobs]
 
 
 def check_length(sv: Served, at_least: int, max_tokens: int | None, param: str, what: str) -> None:
