@@ -49,7 +49,7 @@ app.add_typer(tokenizer_app, name="tokenizer",
               help="Train a byte-level BPE tokenizer (reads text/JSONL/python-docs; writes a HF tokenizer dir).")
 app.command("train", help=train_commands._TRAIN_HELP)(train_commands.train)
 app.command("export", help="Export a run's checkpoint as a Hugging Face model folder (LoRA merged) "
-                           "with its tokenizer.")(train_commands.export)
+                           "with its tokenizer; --adapter DIR: a LoRA run's peft adapter.")(train_commands.export)
 app.command("quantize", help=quant_commands.QUANTIZE_HELP)(quant_commands.quantize)
 app.command("distill")(train_commands.distill)
 app.add_typer(runs_app, name="runs", help="List, show and compare run directories (record.json, metrics.jsonl).")

@@ -15,6 +15,7 @@ parallelism plan). Heavy imports (torch) happen only when a verb runs, so `lmfor
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -90,10 +91,13 @@ def train(
                    f"mfu {res.get('mfu')} -> {record.get('experiment_id')}")
 
 
-@app.command("export", help="Export a run's checkpoint as a Hugging Face model folder (LoRA merged) with its tokenizer.")
+@app.command("export", help="Export a run's checkpoint as a Hugging Face model folder (LoRA merged) with its "
+                             "tokenizer; --adapter also (or only) writes a LoRA run's adapter as a peft folder.")
 def export(
     run: Path = typer.Argument(..., help="Run directory written by `lmforge train`."),
-    out: Path = typer.Option(..., "--out", "-o", help="Folder to write the model into."),
+    out: Path = typer.Option(None, "--out", "-o", help="Folder to write the model into (LoRA merged)."),
+    adapter: Path = typer.Option(None, "--adapter", help="Folder to write a LoRA (or LoRA DPO) run's adapter "
+                                                         "into, as peft's adapter_config.json + safetensors."),
     checkpoint: str = typer.Option("last", "--checkpoint", help="last, best, or a folder name like step-00000100."),
     dtype: str = typer.Option("float32", "--dtype", help="Weights dtype: float32, bfloat16 or float16."),
     fmt: str = typer.Option("hf", "--format", help="hf (the folder) | gguf (the folder plus OUT/model-TYPE.gguf)."),
@@ -102,13 +106,23 @@ def export(
     # deferred: torch loads only when a verb runs
     from .checkpoint import CheckpointError
     from .export import export_run
+    from .lora_adapter import export_adapter
 
+    if out is None and adapter is None:
+        typer.echo("error: pass --out DIR (the merged model), --adapter DIR (a LoRA run's peft adapter), or both",
+                   err=True)
+        raise typer.Exit(code=2)
     try:
-        path = export_run(run, out, checkpoint=checkpoint, dtype=dtype, fmt=fmt, gguf_type=gguf_type)
+        if adapter is not None:
+            path = export_adapter(run, adapter, checkpoint=checkpoint)
+            base = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
+            typer.echo(f"exported {run} -> {path} (peft adapter over {base or 'a base the run did not record'})")
+        if out is not None:
+            path = export_run(run, out, checkpoint=checkpoint, dtype=dtype, fmt=fmt, gguf_type=gguf_type)
+            typer.echo(f"exported {run} -> {path}")
     except (CheckpointError, FileNotFoundError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(code=2) from None
-    typer.echo(f"exported {run} -> {path}")
 
 
 # `python -m lmforge.train CONFIG ...` (and torchrun): the train verb alone, no sub-command name.

@@ -45,6 +45,16 @@ def load_run_model(run: str | os.PathLike, checkpoint: str = "last") -> tuple[Tr
     return model.eval(), meta
 
 
+def _set_model_max_length(out: Path, positions: int) -> None:
+    """tokenizer_config.json's `model_max_length` = the model's positions: the tokenizer was trained before
+    the model had a length (its 2048 is a placeholder), and clients size requests from it (lm-eval does)."""
+    path = out / "tokenizer_config.json"
+    if path.is_file():
+        cfg = json.loads(path.read_text())
+        cfg["model_max_length"] = int(positions)
+        atomic_write_json(path, cfg)
+
+
 def export_run(run: str | os.PathLike, out: str | os.PathLike, checkpoint: str = "last",
                dtype: str = "float32", fmt: str = "hf", gguf_type: str = "bf16") -> Path:
     """The HF folder in `out`; with `fmt="gguf"` also `out/model-<gguf_type>.gguf` (`lmforge.quant.gguf_export`)."""
@@ -64,6 +74,7 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, checkpoint: str =
         for name in TOKENIZER_FILES:
             if (Path(tok_dir) / name).is_file():
                 shutil.copyfile(Path(tok_dir) / name, out / name)
+        _set_model_max_length(out, model.config.max_position_embeddings)
     else:
         print(f"warning: {run}: no tokenizer folder recorded; exported weights only", flush=True)
     atomic_write_json(out / "export.json", {
