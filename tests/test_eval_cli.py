@@ -68,9 +68,18 @@ def ppl_suite(tmp_path_factory) -> Path:
 def eval_run(model_dir, ppl_suite, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("runs") / "a"
     # The default verb: `lmforge eval MODEL_DIR ...` is `lmforge eval run MODEL_DIR ...`.
-    run_cli(str(model_dir), "--suite", "arith,arith-stability", "--suite", "choice-basics", "--suite", "tiny-text",
-            "--suite", str(ppl_suite), "--limit", "3", "--out", str(out))
+    proc = run_cli(str(model_dir), "--suite", "arith,arith-stability", "--suite", "choice-basics", "--suite",
+                   "tiny-text", "--suite", str(ppl_suite), "--limit", "3", "--out", str(out))
+    (out.parent / "stderr.txt").write_text(proc.stderr)
     return out
+
+
+def test_each_suite_reports_its_progress(eval_run):
+    """Off a terminal each suite ends with one progress line (and prints one every few seconds before)."""
+    err = (eval_run.parent / "stderr.txt").read_text()
+    assert "eval arith: 3/3 requests (100%)" in err  # generation: one request per item
+    assert "eval choice-basics: 12/12 requests (100%)" in err  # four choices per item, one request each
+    assert err.count("done in") == 5
 
 
 def test_every_kind_end_to_end(eval_run, ppl_suite):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 
 from lmforge.track.progress import Progress, eta_s, fmt_duration
 
@@ -73,3 +74,12 @@ def test_data_prepare_reports_each_pass(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "prepare: read + normalize: 30 docs" in err
     assert "prepare: clean + dedup: 30/30 docs (100%)" in err and "done in" in err
+
+
+def test_a_heartbeat_prints_while_the_count_stands_still():
+    out = io.StringIO()
+    with Progress("eval arith", total=8, stream=out, every_s=0.05, heartbeat=True) as p:
+        p.advance(2)
+        time.sleep(0.4)
+    lines = out.getvalue().splitlines()
+    assert len(lines) >= 4 and all(ln.startswith("eval arith: 2/8 it (25%)") for ln in lines)

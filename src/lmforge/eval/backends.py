@@ -21,12 +21,14 @@ This module knows nothing about suites' files or metrics.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import math
 import tempfile
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -88,6 +90,33 @@ def a8_model(model_dir: str | Path, dtype: str = "float32") -> Any:
     return model
 
 
+@contextlib.contextmanager
+def _count_finished(engine: Any, n: int, advance: Callable[[int], None], every_s: float = 0.5) -> Iterator[None]:
+    """While `n` requests run on `engine` (an `LLMEngine` that held none before), advance by those that
+    finished, every `every_s` from a watcher thread: the engine's own loop is left as it is (its
+    `requests` holds the unfinished ones; reading its length from another thread is safe)."""
+    stop, reported = threading.Event(), [0]
+
+    def report() -> None:
+        done = n - len(engine.requests)
+        if done > reported[0]:
+            advance(done - reported[0])
+            reported[0] = done
+
+    def watch() -> None:
+        while not stop.wait(every_s):
+            report()
+
+    thread = threading.Thread(target=watch, name="eval-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+    advance(n - reported[0])  # the call returned: every request finished
+
+
 class TransformerBackend:
     """A model folder in HF layout (weights + tokenizer) on CPU or GPU."""
 
@@ -125,6 +154,16 @@ class TransformerBackend:
         self.resolved_dtype = dtype_name(resolve_dtype(dtype, cfg.get("torch_dtype") or cfg.get("dtype")))
         self._llm = None
         self._torch = torch
+        self.progress: Any = None  # a `track.progress.Progress` the scoring loops advance (`lmforge eval`'s)
+
+    def _expect(self, n: int) -> None:
+        """A call of `n` requests begins: the progress total grows by them."""
+        if self.progress is not None:
+            self.progress.total = (self.progress.total or 0) + n
+
+    def _advance(self, n: int) -> None:
+        if self.progress is not None:
+            self.progress.advance(n)
 
     @property
     def model(self) -> Any:
@@ -170,6 +209,7 @@ class TransformerBackend:
         torch = self._torch
         out: list[float] = [0.0] * len(rows)
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+        self._expect(len(rows))
         for b in range(0, len(order), self.batch_size):
             idx = order[b:b + self.batch_size]
             T = max(len(rows[i][0]) for i in idx) - 1
@@ -185,6 +225,7 @@ class TransformerBackend:
                 logp_SV = torch.log_softmax(logits_BTV[r, end - n_scored:end].float(), dim=-1)  # (S, V)
                 target_S = torch.tensor(ids[end - n_scored + 1:], device=logp_SV.device)
                 out[i] = logp_SV.gather(1, target_S[:, None]).sum().item()
+            self._advance(len(idx))
         return out
 
     def loglikelihood(self, requests: list[tuple[str, str]]) -> list[float]:
@@ -229,10 +270,14 @@ class TransformerBackend:
     def generate(self, prompts: list[str], *, max_tokens: int, stop: list[str], temperature: float = 0.0,
                  n: int = 1, seed: int | None = None, chat: bool = False) -> list[list[str]]:
         ids = [self.prompt_ids(p, chat) for p in prompts]
+        self._expect(len(ids))
         if self.engine == "llm":
             return self._generate_llm(ids, max_tokens, stop, temperature, n, seed)
-        return [self._generate_one(p, max_tokens, stop, temperature, n, None if seed is None else seed + i)
-                for i, p in enumerate(ids)]
+        outs = []
+        for i, p in enumerate(ids):
+            outs.append(self._generate_one(p, max_tokens, stop, temperature, n, None if seed is None else seed + i))
+            self._advance(1)
+        return outs
 
     def _generate_llm(self, ids: list[list[int]], max_tokens: int, stop: list[str], temperature: float,
                       n: int, seed: int | None) -> list[list[str]]:
@@ -245,8 +290,11 @@ class TransformerBackend:
         params = [dict(temperature=temperature, max_tokens=max_tokens, stop=list(stop), n=n,
                        seed=None if seed is None else seed + i) for i in range(len(ids))]
         if self.executor == "ray":
-            return self._generate_ray(ids, params)
-        outputs = self._llm.generate(ids, [SamplingParams(**p) for p in params], use_tqdm=False)
+            outs = self._generate_ray(ids, params)
+            self._advance(len(ids))
+            return outs
+        with _count_finished(self._llm.llm_engine, len(ids), self._advance):
+            outputs = self._llm.generate(ids, [SamplingParams(**p) for p in params], use_tqdm=False)
         return [[c.text for c in o.outputs] for o in outputs]
 
     def _generate_ray(self, ids: list[list[int]], params: list[dict[str, Any]]) -> list[list[str]]:

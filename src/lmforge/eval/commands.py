@@ -106,7 +106,7 @@ def run(
                   **({"quant_activations": quant_activations} if quant_activations != "none" else {}),
                   **({"executor": executor, "replicas": replicas} if executor != "local" else {})}
         results = evaluate(backend, suites, out, model_dir=model_dir, limit=limit, overwrite=overwrite,
-                           config=config, log=lambda name, t: console.print(
+                           config=config, progress=True, log=lambda name, t: console.print(
                                f"{name}: {t['metric']} {_fmt(t['value'])} ± {_fmt(t['stderr'])} (n={t['n']}, "
                                f"{t['seconds']:.1f}s)", highlight=False))
     except (SuiteError, FileNotFoundError, RunExistsError, ValueError) as e:

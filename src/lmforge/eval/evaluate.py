@@ -25,9 +25,22 @@ from lmforge.eval.backends import Backend, model_hash
 from lmforge.eval.scoring import run_task
 from lmforge.tasks.suite import Suite, SuiteError
 from lmforge.track.io import atomic_write_json, atomic_write_text, sha256_file
+from lmforge.track.progress import Progress
 from lmforge.track.run import RunDir, RunExistsError
 
 RESULTS, SAMPLES, BAD_CASES = "results.json", "samples.jsonl", "bad_cases.jsonl"
+
+
+def _run_with_progress(suite: Suite, backend: Backend, show: bool) -> Any:
+    """`run_task`, with a progress line per suite (`eval NAME: done/total requests, ETA`) when asked."""
+    if not show or not hasattr(backend, "progress"):
+        return run_task(suite, backend)
+    with Progress(f"eval {suite.name}", unit="requests", heartbeat=True) as bar:
+        backend.progress = bar
+        try:
+            return run_task(suite, backend)
+        finally:
+            backend.progress = None
 
 
 def _jsonl(rows: list[dict[str, Any]]) -> str:
@@ -47,8 +60,10 @@ def refuse_finished_run(out: str | os.PathLike, overwrite: bool) -> None:
 
 def evaluate(backend: Backend, suites: list[Suite], out: str | os.PathLike, *, model_dir: str | os.PathLike | None = None,
              limit: int | None = None, overwrite: bool = False, config: dict[str, Any] | None = None,
-             log: Any = None) -> dict[str, Any]:
-    """Score every suite (its first `limit` items when given) and write the run folder; returns results."""
+             log: Any = None, progress: bool = False) -> dict[str, Any]:
+    """Score every suite (its first `limit` items when given) and write the run folder; returns results.
+    `progress`: report each suite's requests as they are scored (`track.progress`, on stderr), for
+    backends that count them (`TransformerBackend.progress`)."""
     names = [s.name for s in suites]
     if len(set(names)) != len(names):
         raise SuiteError(f"two suites share a name ({names}); a run reports tasks by suite name")
@@ -64,7 +79,7 @@ def evaluate(backend: Backend, suites: list[Suite], out: str | os.PathLike, *, m
         for suite in suites:
             part = dataclasses.replace(suite, items=suite.items[:limit]) if limit else suite
             t0 = time.perf_counter()
-            res = run_task(part, backend)
+            res = _run_with_progress(part, backend, progress)
             seconds = time.perf_counter() - t0
             primary = res.metrics[res.primary]
             results["tasks"][suite.name] = {

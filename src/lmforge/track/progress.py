@@ -47,9 +47,11 @@ def eta_s(done: float, total: float | None, elapsed: float) -> float | None:
 
 class Progress:
     def __init__(self, desc: str, total: float | None = None, unit: str = "it", *, stream: TextIO | None = None,
-                 every_s: float | None = None, enabled: bool = True):
+                 every_s: float | None = None, enabled: bool = True, heartbeat: bool = False):
         """`total`: None while unknown (set `p.total` later). `every_s`: seconds between lines off a
-        terminal. `enabled=False` (or LMFORGE_PROGRESS=off) makes every call a no-op."""
+        terminal. `heartbeat`: a thread also prints when nothing advanced for `every_s` (the elapsed time
+        moves), for work whose count moves in large steps. `enabled=False` (or LMFORGE_PROGRESS=off)
+        makes every call a no-op."""
         self.desc, self.total, self.unit = desc, total, unit
         self.stream = stream if stream is not None else sys.stderr
         mode = os.environ.get("LMFORGE_PROGRESS", "auto")
@@ -61,6 +63,9 @@ class Progress:
         self._last_out = self.t0
         self._lock = threading.Lock()
         self._closed = False
+        self._stop = threading.Event()
+        if heartbeat and self.enabled:
+            threading.Thread(target=self._beat, name=f"progress-{desc}", daemon=True).start()
 
     def __enter__(self) -> Progress:
         return self
@@ -85,12 +90,22 @@ class Progress:
 
     def close(self) -> None:
         """The final line (count, rate, time taken); a bar ends its line."""
+        self._stop.set()
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             if self.enabled:
                 self._write(time.monotonic(), final=True)
+
+    def _beat(self) -> None:
+        period = 1.0 if self.bar else max(self.every_s, 0.05)
+        while not self._stop.wait(period):
+            with self._lock:
+                now = time.monotonic()
+                if not self._closed and now - self._last_out >= (period if self.bar else self.every_s):
+                    self._last_out = now
+                    self._write(now)
 
     def line(self, now: float | None = None, final: bool = False) -> str:
         """`desc: done/total unit (pct%), rate unit/s, elapsed, ETA` (at the end: `in` the time taken)."""
