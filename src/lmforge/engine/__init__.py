@@ -12,8 +12,9 @@ from .llm import LLM
 from .llm_engine import LLMEngine
 from .lora import LoRARequest
 from .messages import EngineDeadError, EngineStepError
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .pooling_params import PoolingParams
 from .sampling_params import SamplingParams
 
-__all__ = ["LLM", "AsyncLLMEngine", "CompletionOutput", "EngineConfig", "EngineDeadError", "EngineStepError", "LLMEngine", "LoRARequest", "ProcessAsyncLLMEngine",
-           "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "AsyncLLMEngine", "CompletionOutput", "EngineConfig", "EngineDeadError", "EngineStepError", "LLMEngine", "LoRARequest", "Logprob",
+           "PoolingParams", "ProcessAsyncLLMEngine", "RequestMetrics", "RequestOutput", "SamplingParams"]

@@ -1,6 +1,7 @@
 """`LLMEngine`: requests in, `RequestOutput`s out, one scheduler step at a time.
 
-`step()` is schedule -> run -> sample -> postprocess -> outputs (with speculative decoding,
+`step()` is schedule -> run -> sample -> postprocess -> outputs (a pooling request, `PoolingParams`, ends
+after its prefill with its last token's hidden state instead) (with speculative decoding,
 `spec_decode.py` proposes drafts first and verifies them where the sampler would sample). The engine owns what ends a
 request other than stop strings (the detokenizer's): EOS (unless `ignore_eos`), `stop_token_ids`,
 `max_tokens`, `min_tokens`, `max_model_len` and a completed grammar (structured outputs); and it
@@ -38,6 +39,7 @@ from .executor import MultiprocExecutor
 from .lora import LoRAManager, LoRARequest
 from .model_runner import ModelRunner, float32_except_linears, kv_bytes_per_block
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .pooling_params import PoolingParams
 from .sampler import Sampler, SampleResult, make_generator, prompt_logprobs
 from .sampling_params import SamplingParams, truncate_prompt
 from .scheduler import ScheduledSeq, Scheduler
@@ -198,11 +200,15 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    sampling_params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
         """Queue a request (on the LoRA adapter `lora_request`, if given); raises ValueError (naming the
-        numbers) for one that could never be served."""
-        params = sampling_params or SamplingParams()
+        numbers) for one that could never be served. `PoolingParams`: the prompt's pooled hidden state
+        (`RequestOutput.embedding`) instead of tokens."""
+        pooling = sampling_params if isinstance(sampling_params, PoolingParams) else None
+        params = SamplingParams(max_tokens=1, temperature=0, truncate_prompt_tokens=pooling.truncate_prompt_tokens,
+                                output_kind="final_only") if pooling else sampling_params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._check_params(params)
@@ -230,7 +236,7 @@ class LLMEngine:
         for seq in seqs:
             seq.wait_for = seqs[0] if seq.index else None  # n > 1: share sample 0's prompt blocks
             seq.lora_request = lora_request
-            seq.bad_words_token_ids = bad_words
+            seq.bad_words_token_ids, seq.pooling = bad_words, pooling
             if self.tokenizer is not None:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params, ids)
             if params.structured_outputs is not None:  # compiled (and checked) once, cached; a copy per sample
@@ -346,7 +352,7 @@ class LLMEngine:
         """The sequences that sample this step (their chunk reached its end), and their new tokens: one
         each, or for a verifying sequence its accepted drafts and the target's token."""
         t0 = time.perf_counter()
-        sampling = [s for s in scheduled if s.samples]
+        sampling = [s for s in scheduled if s.samples and s.seq.pooling is None]
         verifying = [s for s in sampling if s.spec_token_ids]
         plain = [s.seq for s in sampling if not s.spec_token_ids]
         if verifying:  # split the rows: one per plain sequence, K+1 per verifying one
@@ -368,13 +374,30 @@ class LLMEngine:
                 results: list[list[SampleResult]]) -> list[RequestOutput]:
         """Advance the scheduler, count the step, append the tokens, end requests, build the outputs."""
         t0 = time.perf_counter()
+        pooled = [s.seq for s in scheduled if s.samples and s.seq.pooling is not None]  # before `update` moves on
         self.scheduler.update(scheduled)
         self._count(scheduled)
-        outputs = self._postprocess(sampling, results)
+        outputs = self._pooled(pooled) + self._postprocess(sampling, results)
         for s in scheduled:
             if s.spec_token_ids:
                 self.scheduler.accept_spec(s.seq)
         self.timings["postprocess"] += time.perf_counter() - t0
+        return outputs
+
+    def _pooled(self, pooled: list[Sequence]) -> list[RequestOutput]:
+        """Pooling requests whose prefill ended this step: their last token's hidden state (L2-normalized unless
+        asked otherwise), and they are done."""
+        if not pooled:
+            return []
+        h_PD = self.model_runner.pooled_PD
+        if any(seq.pooling.normalize for seq in pooled):
+            h_PD = torch.where(torch.tensor([[seq.pooling.normalize] for seq in pooled], device=h_PD.device),
+                               torch.nn.functional.normalize(h_PD, dim=-1), h_PD)
+        outputs = []
+        for seq, vector in zip(pooled, h_PD.tolist()):
+            seq.embedding = vector
+            self.scheduler.finish(seq, "stop")
+            outputs.append(self._output(self.requests.pop(seq.request_id)))
         return outputs
 
     def step_profile(self) -> dict[str, float]:
@@ -470,7 +493,7 @@ class LLMEngine:
         if prompt_lps is not None and req.output_kind == "delta":  # the first output carries them, once
             prompt_lps, req.prompt_logprobs_sent = (None if req.prompt_logprobs_sent else prompt_lps), True
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, done, s0.num_cached_tokens,
-                             metrics, prompt_lps)
+                             metrics, prompt_lps, s0.embedding)
 
     # ---- statistics --------------------------------------------------------------------------------
 

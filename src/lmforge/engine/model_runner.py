@@ -47,6 +47,7 @@ class StepInputs:
     computed: list[int]
     q_lens: list[int]
     prompt_rows: list[int] = field(default_factory=list)
+    pool_rows: list[int] = field(default_factory=list)  # pooling requests' last rows: their hidden states are kept
 
 
 class StepWorkers(Protocol):
@@ -186,6 +187,7 @@ class ModelRunner:
     the attention backend with its KV pool; `attention_backend` names the backend for stats and logs."""
 
     workers: StepWorkers | None = None  # tensor parallelism: ranks 1.. get every step's inputs first
+    pooled_PD: torch.Tensor | None = None  # the last step's final hidden states of `StepInputs.pool_rows` (float32)
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, reference: bool = False,
                  pack_weights: bool = True, cpu_kernels: bool = True, kv_cache_dtype: str = "auto",
@@ -271,14 +273,16 @@ class ModelRunner:
     def prepare(scheduled: list[ScheduledSeq]) -> StepInputs:
         """The step as plain ints: what every tensor-parallel rank needs to run the same forward."""
         input_ids, positions, last_rows, start = [], [], [], 0
-        tables, computed, q_lens, prompt_rows = [], [], [], []
+        tables, computed, q_lens, prompt_rows, pool_rows = [], [], [], [], []
         for s in scheduled:  # a verifying sequence: its last token, then its drafts, all K+1 rows sampled
             c, n, k = s.seq.num_computed_tokens, s.num_new_tokens, len(s.spec_token_ids)
             input_ids += s.seq.token_ids[c:c + n - k] + s.spec_token_ids
             positions += range(c, c + n)
             prompt_rows += (start + p - c for p in s.prompt_positions)
             start += n
-            if s.samples:
+            if s.samples and s.seq.pooling is not None:
+                pool_rows.append(start - 1)
+            elif s.samples:
                 last_rows += range(start - 1 - k, start)
             # the attention sees a verification's K+1 rows as K+1 one-token decodes of the same block table
             # (every backend writes a step's K/V before it attends): the decode path, and its rounding
@@ -286,7 +290,7 @@ class ModelRunner:
             tables += [s.seq.block_table] * parts
             computed += range(c, c + parts) if k else [c]
             q_lens += [1] * parts if k else [n]
-        return StepInputs(input_ids, positions, last_rows, tables, computed, q_lens, prompt_rows)
+        return StepInputs(input_ids, positions, last_rows, tables, computed, q_lens, prompt_rows, pool_rows)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, logits: bool = True, t0: float | None = None) -> torch.Tensor | None:
@@ -301,6 +305,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         h_1TD = self.model.hidden_states(input_ids_1T, positions_1T, attn=self.attn)
         self.attn.finish()
+        self.pooled_PD = h_1TD[0, inputs.pool_rows].float() if inputs.pool_rows else None
         if not logits:
             logits_SV = None
         elif inputs.last_rows or inputs.prompt_rows:

@@ -63,4 +63,5 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served by the prefix cache (sample 0's first admission)
     metrics: RequestMetrics
     prompt_logprobs: PromptLogprobs | None = None  # SamplingParams.prompt_logprobs: one entry per prompt token
+    embedding: list[float] | None = None  # a PoolingParams request: its pooled hidden state (no outputs' tokens)
 

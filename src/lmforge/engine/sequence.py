@@ -47,6 +47,8 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop token id or stop string that matched
         self.detokenizer = None  # set by the engine when the model has a tokenizer
         self.bad_words_token_ids: list[list[int]] = []  # sampling_params.bad_words, encoded by the engine
+        self.pooling = None  # PoolingParams: the request wants its last prompt token's hidden state, not tokens
+        self.embedding: list[float] | None = None  # ... which the engine puts here after the prefill
         self.grammar = None  # structured outputs: this sample's matcher (engine/structured.py), advanced per token
         self.spec_token_ids: list[int] = []  # speculative decoding: this step's proposals (engine/spec_decode.py)
         self.spec_probs: list[torch.Tensor] = []  # their draft probabilities q (V,), for sampled rows of a draft model

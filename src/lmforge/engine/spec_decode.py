@@ -83,6 +83,8 @@ class DraftView:
     """A sequence as the draft model's runner and block manager see it: its tokens (plus the draft's
     own proposals), how many of them have draft K/V, and its draft-pool blocks."""
 
+    pooling = None  # never a pooling request (the model runner asks)
+
     def __init__(self):
         self.token_ids: list[int] = []
         self.num_computed_tokens = 0

@@ -2,8 +2,9 @@
 
 `build_app(engine, ServerConfig(served_model_name, ...))` returns the app (`config.py` holds the typed
 settings); `lmforge serve` runs it under uvicorn.
-Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/feedback`,
-`POST /admin/reload`, `GET /v1/models`, `GET /health` (`/live`, `/ready`), `GET /metrics`,
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses`, `POST /v1/embeddings`,
+`POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`, `POST /v1/feedback`,
+`POST /admin/reload`, `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` (`/live`, `/ready`), `GET /metrics`,
 `GET /version`, `/ui`; with `allow_runtime_lora_updating`, `POST /v1/load_lora_adapter` and
 `/v1/unload_lora_adapter` (admin key; `serving_lora.py`).
 Streams are SSE (`data: {json}\\n\\n` ... `data: [DONE]\\n\\n`).
@@ -13,7 +14,9 @@ The layers, as vLLM's `entrypoints/openai` has them:
     route (here)  ->  serving class, one per endpoint        ->  EngineClient (engine_client.py)
                       serving_completions / serving_chat          VersionRouterClient: champion,
                       (both over serving_engine.OpenAIServing),   challenger, routing, restarts,
-                      serving_feedback, serving_admin             reload, drain  ->  engines
+                      serving_responses (over serving_chat),      reload, drain  ->  engines
+                      serving_embedding, serving_tokenization,
+                      serving_feedback, serving_admin
 
 What the HTTP side does, and why it is here rather than in the engine: it tokenizes and renders
 chat templates on a worker thread and checks prompt + max_tokens against the context before
@@ -52,15 +55,19 @@ from .errors import OpenAIError, document_errors, install_error_handlers
 from .exchange_log import ExchangeLog
 from .guard import Admission, GuardMiddleware, ServerLimits
 from .metrics import LoadLogger, ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, FeedbackRequest
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, FeedbackRequest,
+                       ResponsesRequest, TokenizeRequest)
 from .serving_admin import ServingAdmin
 from .serving_chat import OpenAIServingChat
 from .serving_chat import encode_chat as _encode_chat  # noqa: F401 - tests import it from here
 from .serving_completions import OpenAIServingCompletion
+from .serving_embedding import OpenAIServingEmbedding
 from .serving_engine import VERSION_HEADER  # noqa: F401 - part of this module's surface
 from .serving_feedback import ServingFeedback
 from .serving_lora import ROUTE_RESPONSES as LORA_ROUTE_RESPONSES
 from .serving_lora import LoadLoRAAdapterRequest, LoRAAdapters, ServingLoRA, UnloadLoRAAdapterRequest
+from .serving_responses import OpenAIServingResponses
+from .serving_tokenization import OpenAIServingTokenization
 from .versions import Served
 
 log = logging.getLogger("lmforge.serve")
@@ -86,6 +93,7 @@ class ServerState:
         self.exchange_log = None  # ExchangeLog when --log-requests
         self.feedback = None  # FeedbackStore when feedback is on
         self.tool_call_parser = "hermes"  # how tool calls are written and read (--tool-call-parser)
+        self.chat_template: str | None = None  # --chat-template: overrides the model's (not a request's own)
         self.loras = LoRAAdapters(served_model_name)  # model names that pick a LoRA adapter (--lora-modules)
         self.reloader: Callable[[], dict] | None = None  # role -> (label, loader, path), for /admin/reload
         # one worker: tokenization and template rendering leave the event loop, and a burst of them
@@ -143,7 +151,7 @@ def build_app(engine: EngineOrLoader, config: ServerConfig) -> FastAPI:
     stays the caller's. Versions, feedback and request logging: see `ServerConfig`."""
     state = ServerState(config.served_model_name, config.api_key, config.limits, config.versions.on_rollback)
     state.reloader, state.feedback = config.versions.reloader, config.feedback
-    state.tool_call_parser = config.tool_call_parser
+    state.tool_call_parser, state.chat_template = config.tool_call_parser, config.chat_template
     state.loras = LoRAAdapters(config.served_model_name, config.max_lora_rank)
     base_dir = engine.model_path if isinstance(engine, AsyncLLMEngine) else None  # a loader: not known yet
     for name, path in config.lora_modules.items():  # checked (against the base's shapes when known) up front
@@ -242,13 +250,22 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         body = state.metrics.exposition()  # the engine's stats are a snapshot: nothing here waits for a step
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def cards(st: ServerState) -> list[dict]:
+        # `root` is the served name, not the weights' path on this machine
+        return [{"id": st.served_model_name, "object": "model", "created": st.created, "owned_by": "lmforge",
+                 "root": st.served_model_name, "parent": None, "max_model_len": st.max_model_len},
+                *st.loras.cards(st.created, st.max_model_len)]
+
     @app.get("/v1/models")
     async def models(st: ServerState = Depends(ready)) -> dict:
-        # `root` is the served name, not the weights' path on this machine
-        return {"object": "list", "data": [{"id": st.served_model_name, "object": "model", "created": st.created,
-                                            "owned_by": "lmforge", "root": st.served_model_name, "parent": None,
-                                            "max_model_len": st.max_model_len},
-                                           *st.loras.cards(st.created, st.max_model_len)]}
+        return {"object": "list", "data": cards(st)}
+
+    @app.get("/v1/models/{model_id:path}", summary="One served model (the base or a LoRA adapter); 404 otherwise")
+    async def model(model_id: str, st: ServerState = Depends(ready)) -> dict:
+        card = next((c for c in cards(st) if c["id"] == model_id), None)
+        if card is None:
+            raise OpenAIError(404, f"the model {model_id!r} does not exist", "model", "model_not_found")
+        return card
 
 
 def _add_openai_routes(app: FastAPI, state: ServerState, config: ServerConfig) -> None:
@@ -256,6 +273,8 @@ def _add_openai_routes(app: FastAPI, state: ServerState, config: ServerConfig) -
     ready = _ready_dependency(state)
     serving_completion, serving_chat = OpenAIServingCompletion(state), OpenAIServingChat(state)
     serving_feedback, serving_admin = ServingFeedback(state), ServingAdmin(state)
+    serving_responses, serving_embedding = OpenAIServingResponses(state), OpenAIServingEmbedding(state)
+    serving_tokenization = OpenAIServingTokenization(state, serving_chat)
 
     # "stream": true answers 200 with SSE: say so in /openapi.json (clients and fuzzers read it)
     streamed = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
@@ -267,6 +286,26 @@ def _add_openai_routes(app: FastAPI, state: ServerState, config: ServerConfig) -
     @app.post("/v1/chat/completions", responses=streamed)
     async def chat(req: ChatCompletionRequest, raw: Request, st: ServerState = Depends(ready)):
         return await serving_chat(req, raw)
+
+    @app.post("/v1/responses", responses=streamed, summary="OpenAI's Responses API, text in and text out")
+    async def responses(req: ResponsesRequest, raw: Request, st: ServerState = Depends(ready)):
+        return await serving_responses(req, raw)
+
+    @app.post("/v1/embeddings", summary="The served model's last-token hidden state per input, L2-normalized")
+    async def embeddings(req: EmbeddingRequest, st: ServerState = Depends(ready)) -> dict:
+        return await serving_embedding(req)
+
+    @app.post("/tokenize", summary="vLLM's: a prompt's or a chat's token ids, as the endpoints encode them")
+    async def tokenize(req: TokenizeRequest, st: ServerState = Depends(ready)) -> dict:
+        return await serving_tokenization.tokenize(req)
+
+    @app.post("/detokenize", summary="vLLM's: token ids to text")
+    async def detokenize(req: DetokenizeRequest, st: ServerState = Depends(ready)) -> dict:
+        return await serving_tokenization.detokenize(req)
+
+    @app.get("/tokenizer_info", summary="vLLM's: special tokens and chat template (lm-eval's remote tokenizer)")
+    async def tokenizer_info(st: ServerState = Depends(ready)) -> dict:
+        return serving_tokenization.tokenizer_info()
 
     @app.post("/v1/feedback", summary="A user's score for a completion (thumbs -1/+1 or 1-5), optional comment "
                                       "and corrected answer")

@@ -144,6 +144,8 @@ def document_errors(app: FastAPI, auth: bool) -> None:
                     statuses |= {401, 403, 404, 409, 429, 503}
                 if path.startswith("/health"):
                     statuses |= {503}
+                if path in ("/tokenize", "/detokenize", "/tokenizer_info") or path.startswith("/v1/models/"):
+                    statuses |= {400, 404, 503}  # an unknown model, a model without a tokenizer, loading
                 for status in sorted(statuses):
                     responses[str(status)] = {"description": _WHY[status], **ref}
                 if path == "/metrics":

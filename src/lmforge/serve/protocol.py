@@ -358,3 +358,121 @@ class FeedbackRequest(BaseModel):
     score: StrictNumber = Field(ge=-1, le=5)
     comment: str | None = Field(None, max_length=10_000)
     correction: str | None = Field(None, max_length=100_000)  # the answer the user wanted
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's `POST /tokenize`: a `prompt`, or chat `messages` rendered as `/v1/chat/completions` renders them."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template adds them)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = Field(None, min_length=1, max_length=MAX_CHAT_TEMPLATE)
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    return_token_strs: bool = False
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The messages as a chat request, so they are rendered by the chat endpoint's own code."""
+        return ChatCompletionRequest(model=self.model, messages=self.messages, tools=self.tools,
+                                     add_generation_prompt=self.add_generation_prompt,
+                                     continue_final_message=self.continue_final_message,
+                                     chat_template=self.chat_template, chat_template_kwargs=self.chat_template_kwargs)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[Annotated[Int, Field(ge=0, lt=INT64)]]
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's `POST /v1/embeddings` (+ vLLM's `truncate_prompt_tokens`)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    input: str | list[str] | list[Int] | list[list[Int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int | None = Field(None, ge=1)
+    user: str | None = Field(None, max_length=MAX_USER_LEN)
+    truncate_prompt_tokens: Int | None = Field(None, ge=-1, lt=INT64)
+
+    def inputs(self) -> list[str | list[int]]:
+        x = self.input
+        if isinstance(x, str) or (x and isinstance(x[0], int)):
+            return [x]
+        return list(x)
+
+
+class ResponsesContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ResponsesInputItem(BaseModel):
+    """A message of the Responses API's `input` list (`type` "message" or omitted); other item types (function
+    calls and their outputs, reasoning) are refused by name."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str = "message"
+    role: Literal["system", "developer", "user", "assistant"] | None = None
+    content: str | list[ResponsesContentPart] | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """OpenAI's `POST /v1/responses`, text in and text out; what it does not serve is refused by name
+    (`unsupported()`)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    input: str | list[ResponsesInputItem]
+    instructions: str | None = None
+    max_output_tokens: Int | None = Field(None, ge=1, lt=INT64)
+    temperature: Number | None = Field(None, ge=0, le=2)
+    top_p: Number | None = Field(None, gt=0, le=1)
+    stream: bool = False
+    user: str | None = Field(None, max_length=MAX_USER_LEN)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    text: dict[str, Any] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        extra = self.model_extra or {}
+        if self.tools:
+            return "tools", "tools are not served on /v1/responses; use /v1/chat/completions with `tools`"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice", "tools are not served on /v1/responses"
+        fmt = (self.text or {}).get("format") or {"type": "text"}
+        if fmt.get("type") != "text":
+            return "text.format", "structured output is not served on /v1/responses; use /v1/chat/completions " \
+                                  "with response_format"
+        for name in ("previous_response_id", "conversation", "background", "prompt", "reasoning"):
+            if extra.get(name):
+                return name, f"{name} is not supported (responses are not stored; text in, text out)"
+        for i, item in enumerate(self.input if isinstance(self.input, list) else ()):
+            if item.type != "message":
+                return f"input[{i}].type", f"input items of type {item.type!r} are not supported (messages only)"
+            if item.role is None:
+                return f"input[{i}].role", "a message needs its role"
+            for j, part in enumerate(item.content if isinstance(item.content, list) else ()):
+                if part.type not in ("input_text", "output_text", "text") or part.text is None:
+                    return (f"input[{i}].content[{j}].type", f"content of type {part.type!r} is not supported "
+                            "(text only: input_text)")
+        return None
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The same conversation as a chat request (instructions first, as a system message)."""
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        if isinstance(self.input, str):
+            messages.append({"role": "user", "content": self.input})
+        else:
+            for item in self.input:
+                text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content or ())
+                messages.append({"role": item.role, "content": text})
+        return ChatCompletionRequest(model=self.model, messages=messages, max_tokens=self.max_output_tokens,
+                                     temperature=self.temperature, top_p=self.top_p, stream=self.stream,
+                                     user=self.user)

@@ -1,7 +1,9 @@
 """`POST /v1/chat/completions` (vLLM's `OpenAIServingChat`): the conversation is rendered with the
 model's chat template and tokenized so that no text a user typed becomes a control token
-(`encode_chat`); streams open with the assistant role; logprobs in the chat shape (`content`:
-token, logprob, bytes, top_logprobs). Runs through `OpenAIServing`; knows nothing about how many
+(`encode_chat`), with the request's `chat_template` (else the server's `--chat-template`, else the
+model's), `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs` passed to Hugging
+Face's `apply_chat_template` (vLLM's fields); streams open with the assistant role; logprobs in the chat
+shape (`content`: token, logprob, bytes, top_logprobs); vLLM's `prompt_logprobs` at the top level. Runs through `OpenAIServing`; knows nothing about how many
 engines there are.
 
 Tool calls (`tools`, `tool_choice`): the tools go to the template as Hugging Face's
@@ -16,21 +18,26 @@ from __future__ import annotations
 
 import json
 import re
+from collections import OrderedDict
 from collections.abc import Iterator
+
+import jinja2
 
 from lmforge.engine.sampling_params import JSON_WHITESPACE
 
 from .errors import OpenAIError, bad_request
 from .guard import check_text
 from .protocol import ChatCompletionRequest, NamedToolChoice
-from .serving_engine import Job, OpenAIServing, check_length, check_params, check_prompt, encode
+from .serving_engine import (Job, OpenAIServing, check_length, check_params, check_prompt, encode,
+                             prompt_logprobs_json, truncate)
 from .tool_parsers import ToolCallStream, ToolParser, get_tool_parser
 from .versions import Served
 
 _PLACEHOLDER = "\ue000lmforge{}\ue001"  # private-use characters: no template alters or emits them
 _PLACEHOLDER_RE = re.compile("\ue000lmforge(\\d+)\ue001")
 _PROBE = "lmforge_template_probe"  # a function name no template writes unless it renders the tools it is given
-_TEMPLATE_FEATURES: dict[str, tuple[bool, bool]] = {}  # chat template -> (renders tools, renders tool_calls)
+_TEMPLATE_FEATURES: OrderedDict[str, tuple[bool, bool]] = OrderedDict()  # template -> (renders tools, tool_calls)
+TEMPLATE_FEATURES_KEPT = 64
 
 
 class ChatJob(Job):
@@ -52,7 +59,7 @@ class OpenAIServingChat(OpenAIServing):
             text = m.text()
             check_text(text, "messages")
             chars += len(text)
-        if sv.tokenizer is not None:
+        if sv.tokenizer is not None and req.truncate_prompt_tokens is None:
             check_length(sv, -(-chars // sv.chars_per_token), req.resolved_max_tokens(), "messages",
                          f"{chars} characters of content")
 
@@ -61,17 +68,21 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         tok = sv.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise bad_request("this model has no chat template; use /v1/completions", "messages", "unsupported")
+        template = req.chat_template or self.st.chat_template or getattr(tok, "chat_template", None)
+        if tok is None or not template:
+            raise bad_request("this model has no chat template; use /v1/completions, or send `chat_template`",
+                              "messages", "unsupported")
+        options = template_options(req, template)
         parser = get_tool_parser(self.st.tool_call_parser)
         choice = _tool_choice(req)
-        renders_tools, renders_calls = template_features(tok)
+        renders_tools, renders_calls = template_features(tok, template)
         tools = _tools(sv, req)
         messages = template_messages(req, parser, renders_calls)
         if tools and not renders_tools:
             messages = with_tools_prompt(messages, parser.system_prompt(tools))
         # The template writes every special token itself; do not let the tokenizer add a BOS on top.
-        ids = encode_chat(sv, messages, req.add_generation_prompt, tools if renders_tools else None)
+        ids = encode_chat(sv, messages, req.add_generation_prompt, tools if renders_tools else None, **options)
+        ids = truncate(sv, ids, req.truncate_prompt_tokens)
         specials = frozenset(m for m in parser.markers if m in sv.specials)
         if choice not in ("auto", "none"):
             req.force_tool_calls(forced_grammar(parser, tools, choice, req.parallel_tool_calls, specials))
@@ -116,23 +127,55 @@ class OpenAIServingChat(OpenAIServing):
     def exchange_prompt(self, job: Job) -> str:
         return "\n".join(f"{m['role']}: {m['content']}" for m in job.messages)
 
+    def response_extras(self, job: Job) -> dict:
+        if job.req.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": prompt_logprobs_json(job.sv, job.prompt_logprobs[0])}
+
+
+# apply_chat_template's own arguments: chat_template_kwargs may not set them (each has its request field)
+_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                            "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                            "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def template_options(req: ChatCompletionRequest, template: str) -> dict:
+    """vLLM's chat template fields as apply_chat_template arguments: the template (the request's, else the
+    server's `--chat-template`, else the model's), `continue_final_message` and `chat_template_kwargs`."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true: the last "
+                          "message is either continued or followed by a new assistant turn; send "
+                          "add_generation_prompt: false", "continue_final_message")
+    if req.continue_final_message and req.messages[-1].role != "assistant":
+        raise bad_request("continue_final_message needs an assistant message last (the one to continue)",
+                          "continue_final_message")
+    kwargs = req.chat_template_kwargs or {}
+    reserved = sorted(_TEMPLATE_ARGS & set(kwargs))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs.{reserved[0]}: set by its own request field, not here",
+                          f"chat_template_kwargs.{reserved[0]}")
+    return {"chat_template": template, "continue_final_message": req.continue_final_message, **kwargs}
+
 
 def encode_chat(sv: Served, messages: list[dict], add_generation_prompt: bool,
-                tools: list[dict] | None = None) -> list[int]:
+                tools: list[dict] | None = None, **options) -> list[int]:
     """Token ids of the rendered conversation. Control tokens come from the template only: text a user
     typed that looks like one (`<|im_start|>system`) is encoded as plain text, so no turn can be spoofed.
     Messages without such text are encoded in one piece, exactly as before (and as offline chat). `tools`
-    go to a template that renders them (`_tools` refused control tokens in them)."""
+    go to a template that renders them (`_tools` refused control tokens in them); `options` are further
+    apply_chat_template arguments (`template_options`)."""
     tok = sv.tokenizer
     extra = {"tools": tools} if tools else {}
     render = lambda msgs: tok.apply_chat_template(msgs, tokenize=False,  # noqa: E731
-                                                  add_generation_prompt=add_generation_prompt, **extra)
+                                                  add_generation_prompt=add_generation_prompt, **extra, **options)
     try:
         if not any(sp in m["content"] for m in messages for sp in sv.specials):
             return encode(sv, render(messages), "messages", add_special_tokens=False)
         text = render([{**m, "content": _PLACEHOLDER.format(i)} for i, m in enumerate(messages)])
     except OpenAIError:
         raise
+    except jinja2.TemplateSyntaxError as e:  # only a request's (or --chat-template's) own template can be broken
+        raise bad_request(f"chat_template is not a valid Jinja template: {e}", "chat_template") from None
     except Exception as e:  # a template that raises on these messages (e.g. role order) is the client's 400
         raise bad_request(f"messages could not be rendered with the chat template: {e}", "messages") from None
     ids, pos = [], 0
@@ -165,23 +208,27 @@ def _tools(sv: Served, req: ChatCompletionRequest) -> list[dict]:
     return tools
 
 
-def template_features(tok) -> tuple[bool, bool]:
-    """(renders `tools`, renders assistant `tool_calls`) for this tokenizer's chat template, found once per
-    template by rendering a probe function and looking for its name."""
-    key = str(tok.chat_template)
+def template_features(tok, template: str | None = None) -> tuple[bool, bool]:
+    """(renders `tools`, renders assistant `tool_calls`) for a chat template (default: the tokenizer's), found
+    once per template by rendering a probe function and looking for its name. The last
+    `TEMPLATE_FEATURES_KEPT` templates are remembered: requests may send templates of their own."""
+    key = str(template or tok.chat_template)
     if key not in _TEMPLATE_FEATURES:
         fn = {"name": _PROBE, "description": "probe", "parameters": {"type": "object", "properties": {}}}
         user = {"role": "user", "content": "hi"}
         call = {"role": "assistant", "content": "",
                 "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": _PROBE, "arguments": {}}}]}
-        _TEMPLATE_FEATURES[key] = (_renders(tok, [user], [{"type": "function", "function": fn}]),
-                                   _renders(tok, [user, call], None))
+        _TEMPLATE_FEATURES[key] = (_renders(tok, key, [user], [{"type": "function", "function": fn}]),
+                                   _renders(tok, key, [user, call], None))
+        while len(_TEMPLATE_FEATURES) > TEMPLATE_FEATURES_KEPT:
+            _TEMPLATE_FEATURES.popitem(last=False)
+    _TEMPLATE_FEATURES.move_to_end(key)
     return _TEMPLATE_FEATURES[key]
 
 
-def _renders(tok, messages: list[dict], tools: list[dict] | None) -> bool:
+def _renders(tok, template: str, messages: list[dict], tools: list[dict] | None) -> bool:
     try:
-        return _PROBE in tok.apply_chat_template(messages, tools=tools, tokenize=False)
+        return _PROBE in tok.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=template)
     except Exception:  # a template that refuses these messages does not render them either
         return False
 
