@@ -83,3 +83,25 @@ def test_a_heartbeat_prints_while_the_count_stands_still():
         time.sleep(0.4)
     lines = out.getvalue().splitlines()
     assert len(lines) >= 4 and all(ln.startswith("eval arith: 2/8 it (25%)") for ln in lines)
+
+
+def test_generate_reports_records_written_of_the_input(tmp_path, monkeypatch):
+    """`lmforge generate` off a terminal: the final line counts the records in --out of the input's lines, and
+    a resumed run counts the records it found as done (not in its rate)."""
+    from typer.testing import CliRunner
+
+    from hf_models import save_hf_model
+    from lmforge.cli import app
+
+    monkeypatch.setenv("LMFORGE_PROGRESS_S", "3600")
+    model = save_hf_model("llama", tmp_path / "model", vocab_size=128)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"prompt": [5, 6, 7 + i]}) + "\n" for i in range(3)))
+    args = ["generate", str(model), "--input", str(src), "--out", str(out), "--max-tokens", "2", "--batch-size", "2",
+            "--dtype", "float32", "--device", "cpu"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "generate: 3/3 records (100%)" in r.stderr and "done in" in r.stderr
+    src.write_text(src.read_text() + "".join(json.dumps({"prompt": [9, 9 + i]}) + "\n" for i in range(2)))
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0 and "generate: 5/5 records (100%)" in r.stderr and "3 resumed" in r.output

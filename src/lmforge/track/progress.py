@@ -47,8 +47,9 @@ def eta_s(done: float, total: float | None, elapsed: float) -> float | None:
 
 class Progress:
     def __init__(self, desc: str, total: float | None = None, unit: str = "it", *, stream: TextIO | None = None,
-                 every_s: float | None = None, enabled: bool = True, heartbeat: bool = False):
-        """`total`: None while unknown (set `p.total` later). `every_s`: seconds between lines off a
+                 every_s: float | None = None, enabled: bool = True, heartbeat: bool = False, initial: float = 0):
+        """`total`: None while unknown (set `p.total` later). `initial`: already done before this run (a
+        resumed job): counted in done, not in the rate. `every_s`: seconds between lines off a
         terminal. `heartbeat`: a thread also prints when nothing advanced for `every_s` (the elapsed time
         moves), for work whose count moves in large steps. `enabled=False` (or LMFORGE_PROGRESS=off)
         makes every call a no-op."""
@@ -58,7 +59,7 @@ class Progress:
         self.enabled = enabled and mode != "off"
         self.bar = self.enabled and mode != "lines" and _isatty(self.stream)
         self.every_s = every_s if every_s is not None else float(os.environ.get("LMFORGE_PROGRESS_S", "5"))
-        self.done, self.postfix = 0.0, ""
+        self.done, self.initial, self.postfix = float(initial), float(initial), ""
         self.t0 = time.monotonic()
         self._last_out = self.t0
         self._lock = threading.Lock()
@@ -114,13 +115,14 @@ class Progress:
         parts = [f"{self.desc}: {count} {self.unit}"]
         if self.total:
             parts[0] += f" ({100 * min(self.done / self.total, 1):.0f}%)"
-        if elapsed > 0 and self.done:
-            parts.append(f"{self.done / elapsed:.3g} {self.unit}/s")
+        new = self.done - self.initial
+        if elapsed > 0 and new:
+            parts.append(f"{new / elapsed:.3g} {self.unit}/s")
         if final:
             parts.append(f"done in {fmt_duration(elapsed)}")
         else:
             parts.append(f"{fmt_duration(elapsed)} elapsed")
-            left = eta_s(self.done, self.total, elapsed)
+            left = eta_s(new, self.total - self.initial if self.total else None, elapsed)
             parts.append(f"ETA {fmt_duration(left)}" if left is not None else "ETA ?")
         if self.postfix:
             parts.append(self.postfix)
