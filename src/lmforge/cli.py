@@ -51,6 +51,8 @@ app.command("train", help=train_commands._TRAIN_HELP)(train_commands.train)
 app.command("export", help="Export a run's checkpoint as a Hugging Face model folder (LoRA merged) "
                            "with its tokenizer; --adapter DIR: a LoRA run's peft adapter.")(train_commands.export)
 app.command("quantize", help=quant_commands.QUANTIZE_HELP)(quant_commands.quantize)
+app.command("convert", help=quant_commands.CONVERT_HELP)(quant_commands.convert)
+app.command("pull", help=quant_commands.PULL_HELP)(quant_commands.pull)
 app.command("distill")(train_commands.distill)
 app.add_typer(runs_app, name="runs", help="List, show and compare run directories (record.json, metrics.jsonl).")
 app.add_typer(eval_app, name="eval", help="Evaluate a model on frozen suites; compare two eval runs.")

@@ -4,6 +4,7 @@
     llm = LLM("path/to/hf-dir", dtype="bfloat16")
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
     print(outs[0].outputs[0].text, llm.stats())
+    outs = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))  # the model's template
 
 Submits every prompt at once and steps the engine until all finish, so the scheduler batches
 them; outputs come back in input order. Knows nothing about scheduling or tensors.
@@ -105,6 +106,40 @@ class LLM:
                 engine.abort_request(rid)
             raise
         return self._run(ids, use_tqdm)
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of `{"role", "content"}` messages) or a list of them,
+        each rendered with the model's chat template (or `chat_template`, a Jinja string) by the tokenizer's
+        `apply_chat_template`, as transformers renders it, tokenized without adding special tokens (the
+        template writes them), then generated as `generate` does. Outputs in input order."""
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError(f"{self.llm_engine.config.model}: no tokenizer, so no chat template; pass token ids "
+                             "to generate()")
+        if not messages:
+            raise ValueError("chat() needs at least one message")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = [tok.encode(self._render(tok, conv, chat_template, add_generation_prompt, continue_final_message,
+                                           tools, chat_template_kwargs or {}), add_special_tokens=False)
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+
+    @staticmethod
+    def _render(tok, conversation: Sequence[dict], chat_template: str | None, add_generation_prompt: bool,
+                continue_final_message: bool, tools: list[dict] | None, kwargs: dict) -> str:
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message are exclusive (vLLM's rule): "
+                             "continue the last assistant message or open a new one")
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template=")
+        return tok.apply_chat_template(list(conversation), tokenize=False, chat_template=chat_template,
+                                       add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message, tools=tools, **kwargs)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -120,7 +120,9 @@ class _Cursor:
             return self.string(what)
         if vtype == GGUFValueType.ARRAY:
             return self.array(what)
-        return self.scalar(SCALAR[vtype], what)
+        v = self.scalar(SCALAR[vtype], what)
+        # a float32 as the shortest decimal that reads back to it (1e-05, not 9.999999747378752e-06)
+        return float(str(np.float32(v))) if vtype == GGUFValueType.FLOAT32 else v
 
     def array(self, what: str) -> Any:
         etype, count = self.scalar("<I", what), self.scalar("<Q", what)

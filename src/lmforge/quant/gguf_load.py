@@ -135,10 +135,11 @@ def _codes_state(g: GroupCodes, module: str, heads: int | None) -> dict[str, tor
     return {f"{module}.{k}": (unpermute_qk(v, heads) if heads else v).contiguous() for k, v in parts.items()}
 
 
-def _read_tensors(f: GGUFFile, model: Transformer, arch: str,
-                  torch_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-    """Our state dict (quantized linears installed in `model` for every block type with an unpacker) and
-    counts of tensors per path taken ('Q4_K codes', 'Q2_K dequantized', 'F32', ...)."""
+def _read_tensors(f: GGUFFile, model: Transformer, arch: str, torch_dtype: torch.dtype,
+                  keep_codes: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """Our state dict (with `keep_codes`, quantized linears installed in `model` for every block type with
+    an unpacker; else every tensor as floats) and counts of tensors per path taken ('Q4_K codes', 'Q2_K
+    dequantized', 'F32', ...)."""
     c = model.config
     by_gguf = {g: ours for ours, g in tensor_names(c.num_hidden_layers).items()}
     linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -151,7 +152,7 @@ def _read_tensors(f: GGUFFile, model: Transformer, arch: str,
         heads = {"q_proj": c.num_attention_heads, "k_proj": c.num_key_value_heads}.get(module.rpartition(".")[2]) \
             if arch in PERMUTED else None
         _check_shape(f, t, model, name)
-        if t.type in UNPACK and module in linears:
+        if keep_codes and t.type in UNPACK and module in linears:
             g = UNPACK[t.type](f.tensor_data(t.name))
             _install(model, module, g)
             state.update(_codes_state(g, module, heads))
@@ -160,7 +161,7 @@ def _read_tensors(f: GGUFFile, model: Transformer, arch: str,
             w = _float(f, t)
             state[name] = (unpermute_qk(w, heads) if heads else w).to(torch_dtype)
             kind = t.type.name if t.type in FLOAT_TYPES or t.type in UNPACK else f"{t.type.name} dequantized"
-            if kind.endswith("dequantized") and module in linears and t.type not in warned:
+            if keep_codes and kind.endswith("dequantized") and module in linears and t.type not in warned:
                 warned.add(t.type)
                 log.warning("%s: %s tensors have no integer kernel in lmforge; dequantized to %s at load "
                             "(more memory, slower decode)", f.path, t.type.name, str(torch_dtype)[6:])
@@ -211,24 +212,25 @@ def _file_dtype(meta: dict) -> tuple[str | None, bool]:
     return floats.get(ftype, "float32"), False
 
 
-def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto",
-              device: str | torch.device = "auto") -> Transformer:
+def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
+              keep_codes: bool = True) -> Transformer:
     """The file's model; `dtype="auto"` is the file's float type (`file_dtype`; float32 for quantized
     files). Matrices of a block type with an unpacker (`gguf_types`) keep their codes; a tied embedding
-    stored as codes gives the LM head its own codes (the lookup table is dequantized). `model.gguf_summary`
-    says which tensors kept their codes and which were dequantized."""
+    stored as codes gives the LM head its own codes (the lookup table is dequantized). `keep_codes=False`:
+    every tensor dequantized (bit for bit llama.cpp's), embeddings kept tied (`lmforge convert`).
+    `model.gguf_summary` says which tensors kept their codes and which were dequantized."""
     f = open_gguf(path)
     meta = f.metadata
     names = set(f.tensors)
     hf = hf_config(meta, f.path, names)
     tied = "output.weight" not in names
     embd = f.tensors.get("token_embd.weight")
-    untie = tied and embd is not None and embd.type in UNPACK  # the LM head runs on the codes
+    untie = keep_codes and tied and embd is not None and embd.type in UNPACK  # the LM head runs on the codes
     hf["tie_word_embeddings"] = tied and not untie
     config = ModelConfig.from_hf(hf)
     torch_dtype = checkpoint.resolve_dtype(dtype, _file_dtype(meta)[0] or "float32")
     model = Transformer.on_meta(config)
-    state, counts = _read_tensors(f, model, meta["general.architecture"], torch_dtype)
+    state, counts = _read_tensors(f, model, meta["general.architecture"], torch_dtype, keep_codes)
     if untie:
         g = UNPACK[embd.type](f.tensor_data(embd.name))
         _install(model, "lm_head", g)
