@@ -183,9 +183,11 @@ def bench_data_cmd(
 ) -> None:
     """Throughput of `lmforge data prepare` per step and end to end (MB/s, CPU time) with 1 and 2
     workers; checks that the outputs are identical across worker counts."""
-    from lmforge.bench.data import run_bench  # deferred: data.prepare and its rules load only for this verb
+    from lmforge.bench.data import run_bench, to_markdown  # deferred: data.prepare and its rules, for this verb
 
-    run_bench(inputs=tuple(inputs or ["python-docs"]), workers=tuple(workers), repeats=repeats, out_dir=out)
+    result = run_bench(inputs=tuple(inputs or ["python-docs"]), workers=tuple(workers), repeats=repeats, out_dir=out)
+    typer.echo(to_markdown(result))
+    typer.echo(f"wrote {out / 'bench_data.json'} and bench_data.md")
 
 
 @app.command("scale")

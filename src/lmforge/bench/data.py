@@ -13,7 +13,9 @@ is an upper bound: prepare starts a pool only for inputs of 16 MB per worker or 
 table shows the workers asked for and (in brackets) those used. Outputs must be byte-identical
 across worker counts; the result records whether they were.
 
-It knows nothing about the CLI; `lmforge bench data` is meant to call `run_bench`.
+It knows nothing about the CLI; `lmforge bench data` calls `run_bench` and prints the table. A progress
+line (`lmforge.track.progress`) names the part being measured. `LMFORGE_SHORT=1` (CI) measures the first
+`SHORT_DOCS` documents, once each, end to end on their JSONL copy only: the same code, not figures to quote.
 
     python -m lmforge.bench.data --out runs/bench-data              # python-docs, workers 1 and 2
     python -m lmforge.bench.data --inputs data/*.jsonl --workers 1 4 --repeats 5
@@ -22,6 +24,7 @@ It knows nothing about the CLI; `lmforge bench data` is meant to call `run_bench
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import pickle
@@ -36,6 +39,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from lmforge.bench.short import short_mode, shrink
 from lmforge.data.boilerplate import line_keys, strip_boilerplate
 from lmforge.data.config import PrepareConfig
 from lmforge.data.contamination import ContaminationIndex
@@ -46,6 +50,7 @@ from lmforge.data.prepare import CHUNK_DOCS, _dumps, _hashing_records, prepare_d
 from lmforge.data.quality import quality_reasons
 from lmforge.data.readers import resolve_inputs
 from lmforge.data.split import assign_split
+from lmforge.track.progress import Progress
 
 
 def _cpu_seconds() -> float:
@@ -80,7 +85,11 @@ def _machine() -> dict[str, Any]:
             "load_average_1m_before": round(os.getloadavg()[0], 2), "versions": versions}
 
 
-def step_times(docs: list[dict], cfg: PrepareConfig, repeats: int = 3) -> dict[str, float]:
+SHORT_DOCS = 60
+
+
+def step_times(docs: list[dict], cfg: PrepareConfig, repeats: int = 3, progress: Progress | None = None
+               ) -> dict[str, float]:
     """CPU seconds (best of `repeats`) of each prepare step over every document, in one process,
     called as the pipeline calls it (the batched steps on chunks of CHUNK_DOCS documents)."""
     texts = [normalize_text(d["text"]) for d in docs]
@@ -117,7 +126,24 @@ def step_times(docs: list[dict], cfg: PrepareConfig, repeats: int = 3) -> dict[s
         "contamination": contamination,
         "output JSON + .work pickle": output_and_work_files,
     }
-    return {name: _best(fn, repeats) for name, fn in steps.items()}
+    times = {}
+    for name, fn in steps.items():
+        times[name] = _best(fn, repeats)
+        if progress is not None:
+            progress.update(progress.done + 1, postfix=name)
+    return times
+
+
+def _command() -> str:
+    """How this run was started: `lmforge bench data ...` or `python -m lmforge.bench.data ...`."""
+    head = "lmforge" if Path(sys.argv[0]).name == "lmforge" else "python -m lmforge.bench.data"
+    return " ".join([head, *sys.argv[1:]])
+
+
+def _records(sources: list, cfg: PrepareConfig) -> list[dict]:
+    """The documents as prepare reads them (the first SHORT_DOCS in short mode)."""
+    return list(itertools.islice(_hashing_records(sources, cfg, lambda bad: None, {}, []),
+                                 SHORT_DOCS if short_mode() else None))
 
 
 def end_to_end(inputs: Sequence[str], workers: int, out: Path) -> dict[str, Any]:
@@ -136,17 +162,33 @@ def end_to_end(inputs: Sequence[str], workers: int, out: Path) -> dict[str, Any]
 def run_bench(inputs: Sequence[str] = ("python-docs",), workers: Sequence[int] = (1, 2), repeats: int = 3,
               out_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     """Measure, write `bench_data.json` and `bench_data.md` into `out_dir` (when given), return the result."""
-    machine = _machine()
+    machine, repeats = _machine(), shrink(repeats, 1)
     cfg = PrepareConfig()
     sources = resolve_inputs(list(inputs))
-    # as prepare reads: python-docs from its cache's snapshot (see sources.py), with the manifest digest
-    docs = list(_hashing_records(sources, cfg, lambda bad: None, {}, []))
-    read_s = _best(lambda: list(_hashing_records(sources, cfg, lambda bad: None, {}, [])), repeats)
-    mb = sum(len(d["text"].encode("utf-8")) for d in docs) / 1e6
-    steps = {"read": read_s, **step_times(docs, cfg, repeats)}
+    labels = ("jsonl copy",) if short_mode() else ("inputs", "jsonl copy")
+    with Progress("bench data", total=12 + len(labels) * len(workers), unit="parts", heartbeat=True) as bar:
+        # as prepare reads: python-docs from its cache's snapshot (see sources.py), with the manifest digest
+        docs = _records(sources, cfg)
+        read_s = _best(lambda: _records(sources, cfg), repeats)
+        bar.update(1, postfix="read")
+        mb = sum(len(d["text"].encode("utf-8")) for d in docs) / 1e6
+        steps = {"read": read_s, **step_times(docs, cfg, repeats, bar)}
+        result = _measure(inputs, workers, docs, mb, steps, labels, bar)
+    result["machine"] = {**machine, "load_average_1m_after": round(os.getloadavg()[0], 2)}
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_data.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        (out / "bench_data.md").write_text(to_markdown(result), encoding="utf-8")
+    return result
+
+
+def _measure(inputs: Sequence[str], workers: Sequence[int], docs: list[dict], mb: float, steps: dict[str, float],
+             labels: Sequence[str], bar: Progress) -> dict[str, Any]:
+    """The result: the per-step table, then `prepare_dataset` end to end on each label's inputs."""
     result: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python -m lmforge.bench.data", *sys.argv[1:]]),
-        "machine": machine, "inputs": list(inputs), "documents": len(docs), "mb": round(mb, 3),
+        "date": time.strftime("%Y-%m-%d"), "command": _command(),
+        "short_mode": short_mode(), "inputs": list(inputs), "documents": len(docs), "mb": round(mb, 3),
         "steps": {name: {"cpu_s": round(s, 4), "mb_per_s": round(mb / max(s, 1e-9), 2)} for name, s in steps.items()},
         "steps_total": {"cpu_s": round(sum(steps.values()), 3), "mb_per_s": round(mb / sum(steps.values()), 2)},
     }
@@ -157,20 +199,17 @@ def run_bench(inputs: Sequence[str] = ("python-docs",), workers: Sequence[int] =
         # The first run in a process pays one-off imports (record.json's provenance imports torch);
         # it is reported apart so the runs below measure the pipeline, not the start-up.
         first = end_to_end([str(jsonl)], 1, Path(tmp) / "warm-up")
+        bar.update(bar.done + 1, postfix="end to end: warm-up")
         runs = []
-        for label, run_inputs in (("inputs", list(inputs)), ("jsonl copy", [str(jsonl)])):
+        for label in labels:
             for w in workers:
+                run_inputs = list(inputs) if label == "inputs" else [str(jsonl)]
                 runs.append({"inputs": label, **end_to_end(run_inputs, w, Path(tmp) / f"out-{len(runs)}")})
+                bar.update(bar.done + 1, postfix=f"end to end: {label}, {w} worker(s)")
     result["first_run"] = {"wall_s": first["wall_s"], "cpu_s": first["cpu_s"]}
     result["end_to_end"] = runs
     result["identical_across_workers"] = all(
-        len({r["data_hash"] for r in runs if r["inputs"] == label}) == 1 for label in ("inputs", "jsonl copy"))
-    result["machine"]["load_average_1m_after"] = round(os.getloadavg()[0], 2)
-    if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench_data.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-        (out / "bench_data.md").write_text(to_markdown(result), encoding="utf-8")
+        len({r["data_hash"] for r in runs if r["inputs"] == label}) == 1 for label in labels)
     return result
 
 
@@ -181,6 +220,8 @@ def to_markdown(result: dict[str, Any]) -> str:
              f"{result['mb']} MB; {m['cpu']} x {m['cpu_count']}, load average {m['load_average_1m_before']} "
              f"before / {m['load_average_1m_after']} after; " +
              ", ".join(f"{k} {v}" for k, v in m["versions"].items()), "",
+             *(["**Short mode** (LMFORGE_SHORT): a slice measured once; not figures to quote.", ""]
+               if result.get("short_mode") else []),
              "| step (1 core, all documents) | CPU s | MB/s |", "| --- | ---: | ---: |"]
     for name, s in result["steps"].items():
         lines.append(f"| {name} | {s['cpu_s']:.3f} | {s['mb_per_s']:.1f} |")
