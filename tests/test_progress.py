@@ -105,3 +105,15 @@ def test_generate_reports_records_written_of_the_input(tmp_path, monkeypatch):
     src.write_text(src.read_text() + "".join(json.dumps({"prompt": [9, 9 + i]}) + "\n" for i in range(2)))
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0 and "generate: 5/5 records (100%)" in r.stderr and "3 resumed" in r.output
+
+
+def test_step_clock_counts_only_the_steps_this_run_made(monkeypatch):
+    from lmforge.track import progress
+
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    clock = progress.StepClock(step=40, max_steps=100)  # resumed at step 40
+    now[0] += 30.0  # 10 steps in 30 s: 50 steps left, 3 s each
+    assert clock.eta(50) == "ETA 2m30s"
+    now[0] += 150.0
+    assert clock.eta(100) == "done in 3m00s"

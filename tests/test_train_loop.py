@@ -122,6 +122,9 @@ def test_exact_resume_after_sigkill(packed, home, run_a, tmp_path):
     resumed = lmforge_train(*args, "--resume", env=env)
     assert "skipping checkpoint" in resumed.stderr and "does not match" in resumed.stderr
     assert "resumed from" in resumed.stderr and f"step {N})" in resumed.stderr
+    logged = [ln for ln in resumed.stdout.splitlines() if ln.startswith("step ")]
+    assert all("| ETA " in ln for ln in logged[:-1]) and f"step {2 * N}/{2 * N}" in logged[-1]
+    assert "| done in " in logged[-1]  # the step lines carry the time left, the last the time taken
 
     a, b = metrics(run_a), metrics(out)
     assert [m["step"] for m in b] == list(range(1, 2 * N + 1))

@@ -45,6 +45,22 @@ def eta_s(done: float, total: float | None, elapsed: float) -> float | None:
     return max(0.0, (total - done) * elapsed / done)
 
 
+class StepClock:
+    """The ETA of a loop of steps (training): from the steps this process ran (a resumed run's earlier
+    steps are not in its rate), evaluation and checkpoint time included, as a person waits for them."""
+
+    def __init__(self, step: int, max_steps: int):
+        self.t0, self.step0, self.max_steps = time.monotonic(), step, max_steps
+
+    def eta(self, step: int) -> str:
+        """`ETA 3m05s` (`done in ...` at the last step), for the step log line."""
+        elapsed = time.monotonic() - self.t0
+        if step >= self.max_steps:
+            return f"done in {fmt_duration(elapsed)}"
+        left = eta_s(step - self.step0, self.max_steps - self.step0, elapsed)
+        return f"ETA {fmt_duration(left)}" if left is not None else "ETA ?"
+
+
 class Progress:
     def __init__(self, desc: str, total: float | None = None, unit: str = "it", *, stream: TextIO | None = None,
                  every_s: float | None = None, enabled: bool = True, heartbeat: bool = False, initial: float = 0):

@@ -52,6 +52,7 @@ from lmforge.perf.hardware import NoPeakError, peak_flops
 from lmforge.perf.mfu import mfu, model_flops_per_token
 from lmforge.tokenizer.load import load_tokenizer, tokenizer_hash
 from lmforge.track.plots import plot_loss_curve
+from lmforge.track.progress import StepClock
 from lmforge.track.provenance import git_info
 from lmforge.track.run import RunDir, peak_memory
 from lmforge.track.runs import read_metrics, truncate_metrics
@@ -435,6 +436,7 @@ class Trainer:
         if d.main:
             self.run.write_record(self._static_record())
         last_train_loss, last_eval = None, None
+        clock = StepClock(self.step, t.max_steps)
         while self.step < t.max_steps:
             try:
                 row = pipeline_step(self) if self.par.pipelined else self.train_step()
@@ -464,7 +466,7 @@ class Trainer:
             if d.main:
                 self.run.log_metrics(row)
                 if t.log_every and (self.step % t.log_every == 0 or done or "val_loss" in row):
-                    print(_format_row(row, t.max_steps), flush=True)
+                    print(f"{_format_row(row, t.max_steps)} | {clock.eta(self.step)}", flush=True)
                 if t.target_val_loss is not None and val_loss is not None and val_loss <= t.target_val_loss:
                     hit = target_reached(read_metrics(self.out), t.target_val_loss)
                     if hit["step"] == self.step:  # the first evaluation at or below it, also after a resume

@@ -48,6 +48,7 @@ from lmforge.quant import load_pretrained
 from lmforge.tokenizer.load import tokenizer_hash
 from lmforge.track.io import sha256_file
 from lmforge.track.plots import _pyplot
+from lmforge.track.progress import StepClock
 from lmforge.track.provenance import git_info
 from lmforge.track.run import RunDir, peak_memory
 from lmforge.track.runs import read_metrics, truncate_metrics
@@ -241,6 +242,7 @@ class GRPOTrainer:
     def fit(self) -> dict[str, Any]:
         t = self.cfg.train
         self.run.write_record(self._static_record())
+        clock = StepClock(self.progress.step, t.max_steps)
         while self.progress.step < t.max_steps:
             row = self.step()
             self.run.log_metrics(row)
@@ -248,7 +250,7 @@ class GRPOTrainer:
             if self.checkpointer.due(self.progress.step, done):
                 self.checkpointer.save(self.progress.step, lambda: self.meta)
             if t.log_every and (self.progress.step % t.log_every == 0 or done):
-                print(_format_row(row, t.max_steps), flush=True)
+                print(f"{_format_row(row, t.max_steps)} | {clock.eta(self.progress.step)}", flush=True)
         return self._finish()
 
     def _static_record(self) -> dict[str, Any]:
