@@ -120,3 +120,14 @@ def test_responses_text_in_and_out(client):
 def test_responses_refuses_what_it_does_not_serve(server, extra, param):
     body = {"model": MODEL, "input": "hi", **extra}
     assert error(httpx.post(server.url + "/v1/responses", json=body), 400) == param
+
+
+def test_malformed_bodies_are_400s_and_the_server_stays_healthy(server):
+    for path, body in [("/v1/responses", {"input": []}), ("/v1/responses", {"input": "x", "text": {"format": "json"}}),
+                       ("/v1/embeddings", {"input": []}), ("/v1/embeddings", {"input": [[]]}),
+                       ("/tokenize", {"messages": [{"role": "assistant", "content": None,
+                                                    "tool_calls": [{"id": "1", "function": {"name": "f",
+                                                                                            "arguments": ""}}]}]})]:
+        r = httpx.post(server.url + path, json=body)
+        assert r.status_code == 400, (path, body, r.text)
+    assert httpx.get(server.url + "/health").status_code == 200

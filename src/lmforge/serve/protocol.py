@@ -1,7 +1,10 @@
-"""Request bodies of OpenAI's `/v1/completions` and `/v1/chat/completions`, as pydantic models.
+"""Request bodies of OpenAI's `/v1/completions`, `/v1/chat/completions`, `/v1/responses` and `/v1/embeddings`
+and vLLM's `/tokenize` and `/detokenize`, as pydantic models.
 
 Field names, defaults and ranges are OpenAI's (vLLM's extras `top_k`, `min_tokens`,
-`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens` too). Integers are
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `prompt_logprobs`,
+`allowed_token_ids`, `bad_words`, `include_stop_str_in_output`, `truncate_prompt_tokens` too, each becoming
+the `SamplingParams` field of the same name; chat's template options go to `apply_chat_template`). Integers are
 strict and 64-bit, so `true` is never token id 1 and no value overflows the engine's tensors. Type and range
 errors become 400s through FastAPI's validation (see `errors.py`); the rest is checked once, by
 `SamplingParams`. A field that would change what the answer means if it were ignored
@@ -447,7 +450,7 @@ class ResponsesRequest(BaseModel):
         if self.tool_choice not in (None, "none", "auto"):
             return "tool_choice", "tools are not served on /v1/responses"
         fmt = (self.text or {}).get("format") or {"type": "text"}
-        if fmt.get("type") != "text":
+        if not isinstance(fmt, dict) or fmt.get("type") != "text":
             return "text.format", "structured output is not served on /v1/responses; use /v1/chat/completions " \
                                   "with response_format"
         for name in ("previous_response_id", "conversation", "background", "prompt", "reasoning"):
@@ -465,7 +468,8 @@ class ResponsesRequest(BaseModel):
         return None
 
     def chat_request(self) -> ChatCompletionRequest:
-        """The same conversation as a chat request (instructions first, as a system message)."""
+        """The same conversation as a chat request (instructions first, as a system message); ValueError
+        (pydantic's) when it is not one (no message at all)."""
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})

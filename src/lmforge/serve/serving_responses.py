@@ -14,6 +14,8 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 
+from pydantic import ValidationError
+
 from .errors import bad_request
 from .protocol import ResponsesRequest
 from .serving_chat import OpenAIServingChat
@@ -25,7 +27,11 @@ class OpenAIServingResponses(OpenAIServingChat):
         refused = req.unsupported()
         if refused is not None:
             raise bad_request(f"{refused[0]}: {refused[1]}", refused[0], "unsupported_parameter")
-        return await super().__call__(req.chat_request(), raw)
+        try:
+            chat = req.chat_request()
+        except ValidationError as e:  # e.g. an empty `input` list: no message to answer
+            raise bad_request(f"input: not a conversation ({e.errors()[0]['msg']})", "input") from None
+        return await super().__call__(chat, raw)
 
     async def complete(self, job: Job) -> dict:
         trackers = [Tracker(job.n)]

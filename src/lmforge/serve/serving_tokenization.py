@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
+from pydantic import ValidationError
+
 from .errors import bad_request
 from .guard import check_text
 from .protocol import DetokenizeRequest, TokenizeRequest
@@ -31,18 +33,28 @@ class OpenAIServingTokenization:
         sv = self._served(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("send exactly one of `prompt` and `messages`", "prompt" if req.prompt else "messages")
+        chat = None
         if req.prompt is not None:
             check_text(req.prompt, "prompt")
-        ids = await asyncio.get_running_loop().run_in_executor(self.st.tokenize_pool, self._ids, sv, req)
+        else:  # the chat endpoint's own checks, in its order
+            try:
+                chat = req.chat_request()
+            except ValidationError as e:
+                raise bad_request(f"messages: {e.errors()[0]['msg']}", "messages") from None
+            refused = chat.unsupported()
+            if refused is not None:
+                raise bad_request(f"{refused[0]}: {refused[1]}", refused[0], "unsupported_parameter")
+            self.chat.precheck(sv, chat)
+        ids = await asyncio.get_running_loop().run_in_executor(self.st.tokenize_pool, self._ids, sv, req, chat)
         out = {"count": len(ids), "max_model_len": sv.max_model_len, "tokens": ids}
         if req.return_token_strs:
             out["token_strs"] = sv.tokenizer.convert_ids_to_tokens(ids)
         return out
 
-    def _ids(self, sv: Served, req: TokenizeRequest) -> list[int]:
-        if req.prompt is not None:
+    def _ids(self, sv: Served, req: TokenizeRequest, chat) -> list[int]:
+        if chat is None:
             return encode(sv, req.prompt, "prompt", add_special_tokens=req.add_special_tokens is not False)
-        ids = self.chat.build_job(sv, req.chat_request()).prompts[0]
+        ids = self.chat.build_job(sv, chat).prompts[0]
         if req.add_special_tokens and sv.tokenizer.bos_token_id is not None and ids[:1] != [sv.tokenizer.bos_token_id]:
             ids = [sv.tokenizer.bos_token_id] + ids
         return ids
