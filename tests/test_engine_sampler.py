@@ -280,3 +280,28 @@ def test_token_mask_applies_before_everything_and_keeps_logprobs_raw():
         assert results[0].token_id in (10, 20) and results[2].token_id == 30
     assert results[0].logprob == pytest.approx(torch.log_softmax(logits_SV[0], -1)[results[0].token_id].item(),
                                                abs=1e-6)
+
+
+@dataclass
+class WordsSeq(Seq):
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # what the engine encodes at admission
+
+
+def test_allowed_token_ids_and_bad_words_mask_per_row():
+    g = torch.Generator().manual_seed(11)
+    logits_SV = torch.randn(4, V, generator=g) * 5
+    best = logits_SV.argmax(-1).tolist()
+    seqs = [WordsSeq(SamplingParams(temperature=0.0, allowed_token_ids=[7, 9])),
+            WordsSeq(SamplingParams(temperature=0.0), bad_words_token_ids=[[best[1]]]),  # one token: always banned
+            # two tokens: the second is banned only after the first
+            WordsSeq(SamplingParams(temperature=0.0), output_token_ids=[5], bad_words_token_ids=[[5, best[2]]]),
+            WordsSeq(SamplingParams(temperature=0.0), output_token_ids=[6], bad_words_token_ids=[[5, best[3]]])]
+    tokens = [r.token_id for r in Sampler()(logits_SV, seqs)]
+    assert tokens[0] == (7 if logits_SV[0, 7] >= logits_SV[0, 9] else 9)
+    assert tokens[1] != best[1] and tokens[2] != best[2] and tokens[3] == best[3]
+    sampled = [WordsSeq(SamplingParams(temperature=1.0, allowed_token_ids=[7, 9]))] * 2
+    assert {r.token_id for _ in range(20) for r in Sampler()(logits_SV[:2], sampled)} <= {7, 9}
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=["  "])

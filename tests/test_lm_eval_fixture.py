@@ -76,3 +76,16 @@ def test_echo_alone_with_max_tokens_0(server):
     assert sum(choice["logprobs"]["token_logprobs"][r["ctxlen"]:]) == pytest.approx(r["expected"][0], abs=1e-4)
     bad = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+
+
+def test_streamed_echo_carries_the_prompt_logprobs_first(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    kw = dict(model="tiny", prompt=FIXTURE["requests"][0]["payload"]["prompt"][0], max_tokens=3, temperature=0,
+              logprobs=1, echo=True)
+    whole = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True)]
+    assert "".join(c.text for c in chunks) == whole.text
+    assert [t for c in chunks for t in c.logprobs.token_logprobs] == whole.logprobs.token_logprobs
+    assert [o for c in chunks for o in c.logprobs.text_offset] == whole.logprobs.text_offset

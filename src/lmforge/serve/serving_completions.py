@@ -54,6 +54,8 @@ class OpenAIServingCompletion(OpenAIServing):
             check_prompt(sv, tokens, max_tokens, "prompt")
             ids.append(tokens)
             texts.append(p if isinstance(p, str) and len(tokens) == len(full) else None)  # truncated: decoded
+        if req.echo and sv.tokenizer is not None:  # decoded once here, on the tokenize worker
+            texts = [t if t is not None else sv.tokenizer.decode(i) for t, i in zip(texts, ids)]
         job = Job(sv, req, ids, params, "cmpl")
         job.texts = texts
         job.echo_only = req.max_tokens == 0
@@ -79,7 +81,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if first and job.req.echo:
             echo = self._prompt_text(job, p)
         if lps is not None:
-            lp = _logprobs(job, ids, lps, len(echo) + text_start if job.req.echo else text_start)
+            lp = _logprobs(job, ids, lps, text_start + (len(self._prompt_text(job, p)) if job.req.echo else 0))
             if first and job.req.echo:
                 lp = _join(_echo_logprobs(job, job.prompts[p], job.prompt_logprobs[p]), lp)
         choice = {"index": p * job.n + c.index, "text": echo + text, "logprobs": lp, "finish_reason": c.finish_reason}
