@@ -68,7 +68,8 @@ def _store(tmp: Path) -> Path:
     store.close()
     # a row stored before masking existed: the flywheel's own scrub must catch it
     con = sqlite3.connect(path)
-    con.execute("INSERT INTO exchanges VALUES ('old', 't', 'tiny', '1', NULL, 'completion', "
+    con.execute("INSERT INTO exchanges (id, created, model, model_version, user, kind, prompt, response, pii) "
+                "VALUES ('old', 't', 'tiny', '1', NULL, 'completion', "
                 "'Ping me at old.user@example.net about sets', 'No.', '{}')")
     con.execute("INSERT INTO feedback (exchange_id, created, score, scale, normalized, correction) "
                 "VALUES ('old', 't', -1, 'thumbs', 0, 'A set holds unique items; mail old.user@example.net')")

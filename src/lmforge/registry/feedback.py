@@ -3,12 +3,15 @@
 Its own SQLite file (WAL, so the server writes while `lmforge flywheel build` reads), apart from
 the registry: exchanges arrive at serving rate and are not registry state. Two tables:
 
-    exchanges (id, created, model, model_version, user, kind, prompt, response, pii)
+    exchanges (id, created, model, model_version, user, kind, prompt, messages, response, pii)
     feedback  (seq, exchange_id, created, score, scale, normalized, comment, correction)
 
-`log_exchanges` masks the prompt, the response and the `user` field with the data package's
-scrubber (`lmforge.data.pii.mask_pii_many`, every PII type on) inside the call, before the
-transaction starts; `pii` keeps the per-type counts. One transaction per call: the server batches.
+A chat's prompt may be logged as its message list (`prompt` a list of `{role, content}` dicts, or a
+`messages` field beside the text): `messages` keeps it (JSON, every content masked on its own, roles as
+roles), and `prompt` its text (`role: content` lines) for reading; a completion (or an older row) has
+`messages` NULL. `log_exchanges` masks the prompt (each message), the response and the `user` field
+with the data package's scrubber (`lmforge.data.pii.mask_pii_many`, every PII type on) inside the call,
+before the transaction starts; `pii` keeps the per-type counts. One transaction per call: the server batches.
 `add_feedback` appends a row (a user may change their vote; the latest counts) and returns False
 for an unknown id. An exchange takes at most `MAX_FEEDBACK_PER_EXCHANGE` rows: past that
 `FeedbackLimitError` (the server's 409), so one client cannot grow the table, or weigh on anything
@@ -24,7 +27,8 @@ unless `scale="stars"` says otherwise; anything else (0, 0.5, 2.5, NaN) is refus
 
     store = FeedbackStore("runs/serve/feedback.db")
     store.log_exchanges([{"id": "cmpl-1", "created": "...", "model": "tiny", "model_version": "3",
-                          "user": "u1", "kind": "chat", "prompt": "hi", "response": "hello"}])
+                          "user": "u1", "kind": "chat", "prompt": [{"role": "user", "content": "hi"}],
+                          "response": "hello"}])
     store.add_feedback("cmpl-1", -1, correction="Hello! How can I help?")
 """
 
@@ -61,7 +65,8 @@ CREATE TABLE IF NOT EXISTS exchanges (
     kind TEXT NOT NULL,
     prompt TEXT NOT NULL,
     response TEXT NOT NULL,
-    pii TEXT NOT NULL DEFAULT '{}'
+    pii TEXT NOT NULL DEFAULT '{}',
+    messages TEXT
 );
 CREATE TABLE IF NOT EXISTS feedback (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -77,6 +82,7 @@ CREATE TABLE IF NOT EXISTS feedback (
 CREATE INDEX IF NOT EXISTS feedback_by_exchange ON feedback(exchange_id, seq);
 CREATE INDEX IF NOT EXISTS exchanges_by_version ON exchanges(model_version);
 """
+MESSAGE_KEYS = ("role", "content", "name", "tool_call_id", "tool_calls")  # what a logged message keeps
 _PII = PiiConfig()
 _OPEN_GATES = pii.Gates(*[True] * len(pii.Gates._fields))
 _FEW_CHARS = 4096
@@ -150,6 +156,8 @@ class FeedbackStore:
             refuse_foreign(db, self.path, "exchanges", "a feedback store")
             for statement in filter(str.strip, SCHEMA.split(";")):
                 db.execute(statement)
+            if "messages" not in {r[1] for r in db.execute("PRAGMA table_info(exchanges)")}:
+                db.execute("ALTER TABLE exchanges ADD COLUMN messages TEXT")  # a store from before messages
 
     def _db(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
@@ -190,39 +198,31 @@ class FeedbackStore:
 
     def log_exchanges(self, rows: list[dict]) -> None:
         """Store served exchanges, PII masked first; one transaction for the whole batch. An id already
-        stored is kept as it was (a retried batch does not duplicate)."""
+        stored is kept as it was (a retried batch does not duplicate). A row's `prompt` is its text, or a
+        chat's message list (also accepted as a `messages` field)."""
         if not rows:
             return
-        for i, row in enumerate(rows):
-            missing = [f for f in FIELDS if f not in row]
-            if missing:
-                raise RegistryError(f"log_exchanges row {i}: missing field(s) {', '.join(missing)} "
-                                    f"(need {', '.join(FIELDS)})")
-            if row["kind"] not in KINDS:
-                raise RegistryError(f"log_exchanges row {i} ({row['id']}): kind {row['kind']!r} must be "
-                                    f"'completion' or 'chat'")
-            for f in ("id", "prompt", "response"):
-                if not isinstance(row[f], str):
-                    raise RegistryError(f"log_exchanges row {i}: field {f!r} must be a string, got "
-                                        f"{type(row[f]).__name__}")
-        # a margin past MAX_USER_CHARS is masked, so a secret cut at the margin is beyond the final cut
-        users = [r["user"][:4 * MAX_USER_CHARS] if isinstance(r["user"], str) else "" for r in rows]
-        masked = mask_pii_many([r["prompt"] for r in rows] + [r["response"] for r in rows] + users, _PII)
-        n = len(rows)
+        chats = [_check_row(i, row) for i, row in enumerate(rows)]
+        texts: list[str] = []
+        plans = [_plan_texts(r, msgs, texts) for r, msgs in zip(rows, chats)]
+        masked = mask_pii_many(texts, _PII)
         values = []
-        for i, r in enumerate(rows):
-            (prompt, c1), (response, c2), (user, c3) = masked[i], masked[n + i], masked[2 * n + i]
+        for r, msgs, plan in zip(rows, chats, plans):
             counts: dict[str, int] = {}
-            for c in (c1, c2, c3):
-                for k, v in c.items():
+            for j in plan["all"]:
+                for k, v in masked[j][1].items():
                     counts[k] = counts.get(k, 0) + v
+            messages = None if msgs is None else _masked_messages(msgs, plan["messages"], masked)
+            prompt = masked[plan["prompt"]][0] if messages is None else flatten_messages(messages)
+            user = masked[plan["user"]][0]
             values.append((r["id"], str(r["created"]), str(r["model"]),
                            None if r["model_version"] is None else str(r["model_version"]),
-                           user[:MAX_USER_CHARS] if isinstance(r["user"], str) else None, r["kind"], prompt, response,
-                           json.dumps(counts, sort_keys=True)))
+                           user[:MAX_USER_CHARS] if isinstance(r["user"], str) else None, r["kind"], prompt,
+                           None if messages is None else json.dumps(messages, ensure_ascii=False),
+                           masked[plan["response"]][0], json.dumps(counts, sort_keys=True)))
         with self._tx() as db:
-            db.executemany("INSERT INTO exchanges (id, created, model, model_version, user, kind, prompt, response, "
-                           "pii) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING", values)
+            db.executemany("INSERT INTO exchanges (id, created, model, model_version, user, kind, prompt, messages, "
+                           "response, pii) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING", values)
 
     def add_feedback(self, id: str, score: float, comment: str | None = None, correction: str | None = None,
                      scale: str | None = None) -> bool:
@@ -300,5 +300,69 @@ class FeedbackStore:
                 for k in ("score", "scale", "normalized", "comment", "correction", "feedback_created"):
                     d.pop(k)
                 d["pii"] = json.loads(d["pii"])
+                d["messages"] = None if d["messages"] is None else json.loads(d["messages"])
                 d["feedback"] = fb
                 yield d
+
+
+def flatten_messages(messages: list[dict]) -> str:
+    """A chat as text, `role: content` a message (how the request log stored chats before it kept messages)."""
+    return "\n".join(f"{m['role']}: {m.get('content') or ''}" for m in messages)
+
+
+def _check_row(i: int, row: dict) -> list[dict] | None:
+    """The row's message list (None: a text prompt), after checking its fields (RegistryError naming them)."""
+    missing = [f for f in FIELDS if f not in row and not (f == "prompt" and "messages" in row)]
+    if missing:
+        raise RegistryError(f"log_exchanges row {i}: missing field(s) {', '.join(missing)} (need {', '.join(FIELDS)})")
+    if row["kind"] not in KINDS:
+        raise RegistryError(f"log_exchanges row {i} ({row['id']}): kind {row['kind']!r} must be 'completion' or 'chat'")
+    for f in ("id", "response"):
+        if not isinstance(row[f], str):
+            raise RegistryError(f"log_exchanges row {i}: field {f!r} must be a string, got {type(row[f]).__name__}")
+    msgs = row.get("messages", row.get("prompt"))
+    if isinstance(msgs, str) and "messages" not in row:
+        return None
+    if not (isinstance(msgs, list) and msgs and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), (str, type(None)))
+            for m in msgs)):
+        raise RegistryError(f"log_exchanges row {i}: 'prompt' must be a string or a non-empty list of "
+                            f"{{role, content}} messages (content a string or null)")
+    return msgs
+
+
+def _arguments(call: dict) -> str:
+    args = (call.get("function") or {}).get("arguments")
+    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
+def _plan_texts(row: dict, msgs: list[dict] | None, texts: list[str]) -> dict[str, Any]:
+    """Append the row's texts to `texts` (one masking batch for all rows); returns where each went."""
+    def put(text: str) -> int:
+        texts.append(text)
+        return len(texts) - 1
+
+    plan: dict[str, Any] = {"response": put(row["response"]),
+                            "user": put(row["user"][:4 * MAX_USER_CHARS] if isinstance(row["user"], str) else "")}
+    # (a margin past MAX_USER_CHARS is masked, so a secret cut at the margin is beyond the final cut)
+    if msgs is None:
+        plan["prompt"] = put(row["prompt"])
+        plan["all"] = [plan["prompt"], plan["response"], plan["user"]]
+        return plan
+    plan["messages"] = [(put(m.get("content") or ""), [put(_arguments(c)) for c in m.get("tool_calls") or []])
+                        for m in msgs]
+    plan["all"] = [j for c, calls in plan["messages"] for j in (c, *calls)] + [plan["response"], plan["user"]]
+    return plan
+
+
+def _masked_messages(msgs: list[dict], where: list[tuple[int, list[int]]], masked: list) -> list[dict]:
+    """Each message with its content (and tool-call arguments) masked, keeping only MESSAGE_KEYS."""
+    out = []
+    for m, (content, calls) in zip(msgs, where):
+        kept = {k: m[k] for k in MESSAGE_KEYS if k in m and m[k] is not None}
+        kept["content"] = masked[content][0]
+        if calls:
+            kept["tool_calls"] = [{**c, "function": {**(c.get("function") or {}), "arguments": masked[j][0]}}
+                                  for c, j in zip(m["tool_calls"], calls)]
+        out.append(kept)
+    return out

@@ -69,9 +69,12 @@ SFT_FILE, PREF_FILE, CONFIG_FILE, DPO_CONFIG_FILE, STATS_FILE, REJECTED_FILE = (
 
 # ---- records ------------------------------------------------------------------------------------
 
-def prompt_messages(kind: str, prompt: str) -> list[dict[str, str]]:
-    """The conversation before the answer: a chat prompt stored as a JSON list of messages or as
-    rendered ChatML is split into its messages; anything else is one user turn."""
+def prompt_messages(kind: str, prompt: str, messages: list[dict] | None = None) -> list[dict[str, Any]]:
+    """The conversation before the answer: the logged message list when the store kept one; else (older
+    logs) a chat prompt stored as a JSON list of messages, as rendered ChatML or as the request log's
+    `role: content` lines is split into its messages; anything else is one user turn."""
+    if messages:
+        return [dict(m, content=m.get("content") or "") for m in messages]
     if kind == "chat":
         try:
             value = json.loads(prompt)
@@ -84,7 +87,22 @@ def prompt_messages(kind: str, prompt: str) -> list[dict[str, str]]:
             found = [{"role": r.strip(), "content": c} for r, c in _CHATML.findall(prompt)]
             if found:
                 return found
+        if found := _role_lines(prompt):
+            return found
     return [{"role": "user", "content": prompt}]
+
+
+_ROLE_LINE = re.compile(r"^(system|developer|user|assistant|tool): ", re.M)
+
+
+def _role_lines(prompt: str) -> list[dict[str, str]] | None:
+    """The request log's old flattened chat (`role: content` per message, joined by newlines) back into
+    messages; None when the text does not open with a role."""
+    starts = list(_ROLE_LINE.finditer(prompt))
+    if not starts or starts[0].start() != 0:
+        return None
+    ends = [m.start() - 1 for m in starts[1:]] + [len(prompt)]  # each message ends before the newline
+    return [{"role": m.group(1), "content": prompt[m.end():end]} for m, end in zip(starts, ends)]
 
 
 def flat(messages: list[dict[str, str]]) -> str:
@@ -132,7 +150,8 @@ def select(rows: Iterable[dict], model: str, acc: Accounts) -> list[dict]:
             acc.drop(ex, "neutral_score", score=fb["score"], scale=fb["scale"])
         else:
             out.append({"id": ex["id"], "kind": ex["kind"], "model_version": ex["model_version"],
-                        "created": ex["created"], "messages": prompt_messages(ex["kind"], ex["prompt"]),
+                        "created": ex["created"],
+                        "messages": prompt_messages(ex["kind"], ex["prompt"], ex.get("messages")),
                         "response": ex["response"], "correction": fb.get("correction") or None,
                         "score": fb["score"], "scale": fb["scale"], "label": label})
     return out

@@ -9,7 +9,9 @@ child interpreter of their own, and the serving process only appends a dict to a
     wait_written(id) <-- notify <- acker: conn.recv() = ack  <--pipe--    (masks, then one transaction)
 
 Only masked text reaches the disk: the child calls `FeedbackStore.log_exchanges`, which masks
-before its transaction starts; the rows cross a pipe, never a file. A row is added before its
+before its transaction starts; the rows cross a pipe, never a file. A chat's row carries its message
+list as `prompt` (the store keeps it as messages, each masked on its own, so the flywheel trains on
+turns with their roles); a completion's, its text. A row is added before its
 response is sent, and rows go to the pipe at most `interval_s` (default `INTERVAL_S`, 50 ms) after
 they are added: at once after a quiet spell, else with the next batch (at most one batch per
 interval, or sooner when `MAX_BATCH` have collected or a waiter asks): one message per batch,
