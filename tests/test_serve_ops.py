@@ -200,16 +200,38 @@ def test_console_streams_a_reply_and_counts_a_thumbs_down(model_dir, tmp_path):
             reply = page.inner_text(".msg.assistant.done")
             assert reply.strip() and "error" not in reply
             page.wait_for_function("document.getElementById('rps').textContent !== '–'")
+            # the rate is over the last minute: the chat still counts after the polls that followed it
+            page.wait_for_function("Number(document.getElementById('rps').textContent) > 0", timeout=10_000)
             assert page.inner_text("#fb-count") == "0"
+            _thumbs_render_without_an_emoji_font(page)
             page.click(".thumb-down")
             page.wait_for_function("document.getElementById('fb-count').textContent === '1'", timeout=10_000)
             assert "version 1" in page.inner_text("#traffic")
             assert "100%" in page.inner_text("#fb-low")
+            page.wait_for_timeout(600)  # two more polls
+            assert page.inner_text("#errors") == "0"  # the browser's own requests (its icon) are no errors
             page.screenshot(path=str(tmp_path / "console.png"), full_page=True)
         finally:
             browser.close()
+        for path, kind in (("/favicon.ico", "image/svg+xml"), ("/ui/favicon.svg", "image/svg+xml"),
+                           ("/robots.txt", "text/plain")):
+            r = httpx.get(srv.url + path)
+            assert r.status_code == 200 and r.headers["content-type"].startswith(kind), path
+        assert "lmforge:http_errors_total{" not in httpx.get(srv.url + "/metrics").text
+    assert (tmp_path / "console.png").stat().st_size > 10_000
     stats = store.stats("1")
     assert stats["exchanges"] == 1 and stats["with_feedback"] == 1 and stats["low"] == 1
+
+
+def _thumbs_render_without_an_emoji_font(page) -> None:
+    """Each thumb is an inline SVG icon with a word, drawn at a real size; the page's own source holds no
+    emoji (the model's reply may: it is random)."""
+    for cls, word in (("thumb-up", "Good"), ("thumb-down", "Bad")):
+        assert page.inner_text(f".{cls}").strip() == word
+        box = page.locator(f".{cls} svg").bounding_box()
+        assert box is not None and box["width"] >= 10 and box["height"] >= 10
+    source = httpx.get(page.url).text
+    assert "thumbButton" in source and not any(0x1F300 <= ord(ch) <= 0x1FAFF for ch in source)
 
 
 @pytest.mark.slow

@@ -1,10 +1,13 @@
 """The web console at `/ui`: one static HTML page with its JavaScript inline, no build step.
 
 A chat box that streams from `/v1/chat/completions` (SSE read with `fetch`), thumbs up/down that
-post to `/v1/feedback`, and a live panel that polls `/metrics` every 2 s and derives requests/s,
+post to `/v1/feedback` (inline SVG and a word, so they render without an emoji font), and a live
+panel that polls `/metrics` every 2 s and derives requests/s and tokens/s over the last minute (from
+the counters' samples of that window, so one request still shows after the poll that saw it),
 TTFT p50/p90 (from the histogram's buckets, as Prometheus' `histogram_quantile` does), KV usage,
 queue length, the feedback histogram and traffic per version. The page knows only the public API;
-this module only serves it.
+this module only serves it, with the files a browser asks for on its own (`/favicon.ico`, the page's
+icon, `/robots.txt`), so a browser's visit never shows up as an HTTP error in `/metrics`.
 """
 
 from __future__ import annotations
@@ -12,7 +15,14 @@ from __future__ import annotations
 from importlib import resources
 
 from fastapi import FastAPI
-from fastapi.responses import HTMLResponse, RedirectResponse
+from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+
+# an anvil-grey square with a spark: the tab icon (SVG favicons: every current browser)
+FAVICON_SVG = ('<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 32 32"><rect width="32" height="32" rx="6" '
+               'fill="#1d2430"/><path d="M8 20h16l-3 5H11z M11 13h13l-2 5H11z" fill="#dde1e6"/>'
+               '<path d="M17 4l-4 7h3l-2 6 6-8h-3l2-5z" fill="#f0a030"/></svg>')
+ROBOTS_TXT = "User-agent: *\nDisallow: /\n"  # an inference API has nothing to index
+STATIC_CACHE = {"Cache-Control": "public, max-age=86400"}
 
 
 def mount_console(app: FastAPI) -> None:
@@ -25,3 +35,12 @@ def mount_console(app: FastAPI) -> None:
     @app.get("/ui/", include_in_schema=False)
     async def ui() -> HTMLResponse:
         return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+
+    @app.get("/ui/favicon.svg", include_in_schema=False)
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> Response:
+        return Response(FAVICON_SVG, media_type="image/svg+xml", headers=STATIC_CACHE)
+
+    @app.get("/robots.txt", include_in_schema=False)
+    async def robots() -> PlainTextResponse:
+        return PlainTextResponse(ROBOTS_TXT, headers=STATIC_CACHE)
