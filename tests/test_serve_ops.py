@@ -217,6 +217,7 @@ def test_console_streams_a_reply_and_counts_a_thumbs_down(model_dir, tmp_path):
                            ("/robots.txt", "text/plain")):
             r = httpx.get(srv.url + path)
             assert r.status_code == 200 and r.headers["content-type"].startswith(kind), path
+        assert httpx.get(srv.url + "/apple-touch-icon.png").status_code == 204
         assert "lmforge:http_errors_total{" not in httpx.get(srv.url + "/metrics").text
     assert (tmp_path / "console.png").stat().st_size > 10_000
     stats = store.stats("1")

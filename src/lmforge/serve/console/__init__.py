@@ -7,7 +7,8 @@ the counters' samples of that window, so one request still shows after the poll 
 TTFT p50/p90 (from the histogram's buckets, as Prometheus' `histogram_quantile` does), KV usage,
 queue length, the feedback histogram and traffic per version. The page knows only the public API;
 this module only serves it, with the files a browser asks for on its own (`/favicon.ico`, the page's
-icon, `/robots.txt`), so a browser's visit never shows up as an HTTP error in `/metrics`.
+icon, `/robots.txt`, Safari's touch icons: 204), so a browser's visit never shows up as an HTTP error
+in `/metrics` (`lmforge:http_errors_total`).
 """
 
 from __future__ import annotations
@@ -44,3 +45,8 @@ def mount_console(app: FastAPI) -> None:
     @app.get("/robots.txt", include_in_schema=False)
     async def robots() -> PlainTextResponse:
         return PlainTextResponse(ROBOTS_TXT, headers=STATIC_CACHE)
+
+    @app.get("/apple-touch-icon.png", include_in_schema=False)
+    @app.get("/apple-touch-icon-precomposed.png", include_in_schema=False)
+    async def touch_icon() -> Response:  # Safari asks for these on its own; no icon is no error
+        return Response(status_code=204, headers=STATIC_CACHE)
