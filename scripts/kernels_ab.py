@@ -8,14 +8,23 @@ in one process, so that the machine's drift between sittings cancels out. Best o
                `lmf_qmm_a8`), distinct weights streamed from memory, at `--rows` activation rows; outputs equal
     stack      a real engine on MODEL: one C call a decode step for the whole decoder stack against a call a
                layer (`lmf_decode_stack_q` / `lmf_decode_layer_q`), the same engine toggled between steps
+    bits       no timing: every exported entry point of both libraries on the same random inputs (shapes,
+               thread counts, every A8 body, act / kv dtypes), outputs and return codes equal bit for bit: the
+               check for a refactor of the kernels that must not change a number
 
     python scripts/kernels_ab.py attention --old-rev 1455d4a --contexts 200,700,1400 [--kv bfloat16] [--seqs 16]
     python scripts/kernels_ab.py matmuls --old-rev efd2024 --rows 1,4,16
     python scripts/kernels_ab.py stack runs/vs-llamacpp/random-llama-300m/model-q4_0.gguf
+    python scripts/kernels_ab.py bits --old-rev HEAD~1 [--flags=-DLMF_PORTABLE]
+
+`--old-rev` takes any revision whose kernels `kernels._bind` can load: from 4301085 (`lmf_qmm_f32`)
+on for `attention`, from bb9321e (`lmf_qmm_a8`) on for `matmuls` and `bits`; its `engine/kernels/*.c` files
+are built together, so both the single-file layout (`cpu_ops.c`, up to the split) and the split one work.
 """
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import tempfile
 import time
@@ -33,17 +42,25 @@ LAYERS, BLOCK, KV_HEADS, HEAD, HEADS, BLOCKS = 24, 16, 8, 64, 16, 4096
 LINEARS = [(HEADS * HEAD + 2 * KV_HEADS * HEAD, 1024), (1024, HEADS * HEAD), (2 * 2816, 1024), (1024, 2816)]
 
 
-def _library_at(rev: str) -> kernels.CpuKernels:
+KERNELS_DIR = "src/lmforge/engine/kernels"
+
+
+def _library_at(rev: str, flags: tuple[str, ...] = ()) -> kernels.CpuKernels:
+    """`rev`'s kernels, built: its C sources and headers (one `cpu_ops.c` before the split, one file a concern
+    after it) written to a temporary folder and compiled together."""
     out = Path(tempfile.mkdtemp(prefix="kernels-ab-"))
-    src = out / "cpu_ops.c"
-    src.write_text(subprocess.run(["git", "show", f"{rev}:src/lmforge/engine/kernels/cpu_ops.c"], check=True,
-                                  capture_output=True, text=True).stdout)
-    here = kernels.SOURCE
-    kernels.SOURCE = src
+    src = out / "src"
+    src.mkdir()
+    git = ["git", "-C", str(Path(__file__).resolve().parents[1])]
+    names = subprocess.run([*git, "ls-tree", "--name-only", f"{rev}:{KERNELS_DIR}"], check=True, capture_output=True,
+                           text=True).stdout.split()
+    for name in (n for n in names if n.endswith((".c", ".h"))):
+        (src / name).write_bytes(subprocess.run([*git, "show", f"{rev}:{KERNELS_DIR}/{name}"], check=True,
+                                                capture_output=True).stdout)
     try:
-        return kernels._bind(kernels.build(out_dir=out))
-    finally:
-        kernels.SOURCE = here
+        return kernels._bind(kernels.build(flags, out_dir=out, src_dir=src))
+    except AttributeError as e:  # a symbol _bind needs is missing: a revision older than this script takes
+        raise typer.BadParameter(f"--old-rev {rev}: its kernels lack {e} (see this script's docstring)") from e
 
 
 def _libraries(old_rev: str, threads: int) -> dict[str, kernels.CpuKernels]:
@@ -150,6 +167,216 @@ def stack(model: str, steps: int = 64, repeats: int = 12, threads: int = 2,
     _alternate(["a call a layer", "one call a step"], run, repeats)
     assert tokens["a call a layer"] == tokens["one call a step"], "the two forms' tokens differ"
     print(", ".join(f"{name} {t * 1e3:.2f} ms a step" for name, t in times.items()))
+
+
+def _bf16(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    """Random bfloat16 bit patterns (uint16), from float32 normals times `scale`."""
+    return ((rng.standard_normal(shape, dtype=np.float32) * scale).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+class _Compare:
+    """`compare(name, call, bufs)`: `call(lib, bufs)` on each of two libraries, each with its own copy of `bufs`
+    (inputs and outputs, some written in place); the return codes and every buffer's bytes must be equal. The call
+    runs at once, so closures over loop variables are safe."""
+
+    def __init__(self, libs: list[kernels.CpuKernels]):
+        self.libs, self.calls, self.differ = libs, 0, []
+
+    def __call__(self, name: str, call, bufs: dict[str, np.ndarray]) -> None:
+        runs = []
+        for lib in self.libs:
+            b = {k: v.copy() for k, v in bufs.items()}
+            runs.append((call(lib, b), b))
+        (rc0, b0), (rc1, b1) = runs
+        self.calls += 1
+        if rc0 != rc1 or any(b0[k].tobytes() != b1[k].tobytes() for k in b0):
+            self.differ.append(name)
+
+
+def _attention_cases(compare: _Compare, rng: np.random.Generator) -> None:
+    """Both decode attentions: head layouts (one the bf16 AVX-512 body refuses), one sequence and several, fewer
+    sequences than threads (context partitions, or kv heads split), every act / kv dtype pair."""
+    B, P, W = 16, 64, 64  # block size, pool blocks, block-table width (up to 1,024 tokens a sequence)
+    for N, K, H in ((16, 8, 64), (8, 2, 128), (4, 4, 32), (12, 4, 64), (4, 2, 48)):
+        for S, threads in ((1, 1), (1, 2), (2, 4), (8, 3)):
+            lens = rng.integers(1, 300 if S >= threads else 1000, S).astype(np.int32)
+            common = {"t": rng.integers(0, P, (S, W)).astype(np.int32), "lens": lens,
+                      "rows": rng.permutation(S).astype(np.int64)}
+            bufs = {"q": _bf16(rng, S, N, H), "k": _bf16(rng, P * B, K, H), "v": _bf16(rng, P * B, K, H),
+                    "out": np.zeros((S, N, H), np.uint16), **common}
+            compare(f"paged_decode_bf16 N{N} K{K} H{H} S{S}", lambda lib, b: lib.decode(
+                _ptr(b["q"]), _ptr(b["k"]), _ptr(b["v"]), _ptr(b["t"]), W, _ptr(b["lens"]), _ptr(b["rows"]), S, N, K,
+                H, B, H ** -0.5, _ptr(b["out"]), threads), bufs)
+            for act in (0, 1):
+                q = _bf16(rng, S, N, H) if act == 0 else rng.standard_normal((S, N, H), np.float32)
+                for kv in (0, 1, 2):
+                    pools = [_bf16(rng, P * B, K, H), rng.standard_normal((P * B, K, H), np.float32),
+                             rng.integers(-127, 128, (P * B, K, H)).astype(np.int8)]
+                    positive = lambda a: np.abs(a.view(np.int16)).view(np.uint16)  # noqa: E731
+                    bufs = {"q": q, "k": pools[kv], "v": pools[kv][::-1].copy(), "out": np.zeros_like(q), **common,
+                            "ks": positive(_bf16(rng, P * B * K, scale=0.01)),
+                            "vs": positive(_bf16(rng, P * B * K, scale=0.01))}
+                    compare(f"paged_decode_any N{N} K{K} H{H} S{S} threads{threads} act{act} kv{kv}",
+                            lambda lib, b: lib.decode_any(
+                                _ptr(b["q"]), _ptr(b["k"]), _ptr(b["v"]), *(
+                                    (_ptr(b["ks"]), _ptr(b["vs"])) if kv == 2 else (None, None)),
+                                _ptr(b["t"]), W, _ptr(b["lens"]), _ptr(b["rows"]), S, N, K, H, B, H ** -0.5,
+                                _ptr(b["out"]), threads, act, kv), bufs)
+
+
+def _small_cases(compare: _Compare, rng: np.random.Generator) -> None:
+    """The K/V writes and the elementwise ops, bf16 and float32."""
+    T, K, H, rows = 5, 4, 32, 40
+    s = rng.permutation(rows)[:T].astype(np.int64)
+
+    def write(fn: str, k: np.ndarray, pool_dtype, row: int):
+        bufs = {"k": k, "v": k[::-1].copy(), "s": s, "kp": np.zeros((rows, K * H), pool_dtype),
+                "vp": np.zeros((rows, K * H), pool_dtype)}
+        compare(fn, lambda lib, b: getattr(lib, fn)(_ptr(b["k"]), _ptr(b["v"]), _ptr(b["s"]), T, row,
+                                                    _ptr(b["kp"]), _ptr(b["vp"])), bufs)
+    write("write_kv", _bf16(rng, T, K * H), np.uint16, K * H)
+    write("write_kv_bytes", rng.standard_normal((T, K * H), np.float32), np.float32, K * H * 4)
+    write("write_kv_f32_bf16", rng.standard_normal((T, K * H), np.float32), np.uint16, K * H)
+    for act in (0, 1):
+        k = _bf16(rng, T, K, H) if act == 0 else rng.standard_normal((T, K, H), np.float32) * 3
+        bufs = {"k": k, "v": k[::-1].copy(), "s": s, "kp": np.zeros((rows, K, H), np.int8),
+                "vp": np.zeros((rows, K, H), np.int8), "ksc": np.zeros((rows, K), np.uint16),
+                "vsc": np.zeros((rows, K), np.uint16)}
+        compare(f"write_kv_int8 act{act}", lambda lib, b: lib.write_kv_int8(
+            *map(_ptr, (b["k"], b["v"], b["s"])), T, K, H, act, *map(_ptr, (b["kp"], b["vp"], b["ksc"], b["vsc"]))),
+            bufs)
+    for sfx, make in (("", lambda *shape: _bf16(rng, *shape, scale=4)),
+                      ("_f32", lambda *shape: rng.standard_normal(shape, np.float32) * 4)):
+        for D in (64, 72, 1000):  # a tail past the vector width
+            bufs = {"x": make(3, D), "w": make(D), "out": make(3, D) * 0}
+            compare(f"rmsnorm{sfx} D{D}", lambda lib, b: getattr(lib, "rmsnorm" + sfx)(
+                _ptr(b["x"]), _ptr(b["w"]), _ptr(b["out"]), 3, D, 1e-6), bufs)
+            bufs = {"g": make(3, D), "u": make(3, D), "out": make(3, D) * 0}
+            compare(f"silu_mul{sfx} n{3 * D}", lambda lib, b: getattr(lib, "silu_mul" + sfx)(
+                _ptr(b["g"]), _ptr(b["u"]), _ptr(b["out"]), 3 * D), bufs)
+        for H in (32, 48, 128):
+            bufs = {"x": make(3, 4, H), "cos": make(3, H), "sin": make(3, H)}
+            compare(f"rope{sfx} H{H}", lambda lib, b: getattr(lib, "rope" + sfx)(
+                _ptr(b["x"]), _ptr(b["cos"]), _ptr(b["sin"]), 3, 4, H), bufs)
+
+
+def _weights(rng: np.random.Generator, bits: int, N: int, K: int, gs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Codes as the kernels take them (float32, bf16, int8, or int4 two a byte) and float32 scales (N, K / gs)."""
+    w = {32: lambda: rng.standard_normal((N, K), np.float32), 16: lambda: _bf16(rng, N, K),
+         8: lambda: rng.integers(-127, 128, (N, K)).astype(np.int8),
+         4: lambda: rng.integers(0, 256, (N, K // 2)).astype(np.uint8)}[bits]()
+    groups = K // gs if gs > 0 else 1
+    return w, (rng.random((N, groups), np.float32) + 0.01) * (1.0 if bits >= 16 else 0.02)
+
+
+def _matmul_cases(compare: _Compare, rng: np.random.Generator, isas: list[int]) -> None:
+    """The A16 row kernel (with and without the hand-over to the panel GEMM), the panel GEMM, the activations'
+    quantization and the A8 matmul on every body, over every weight format and group size, 1-13 rows."""
+    for K in (96, 192, 256):
+        for bits in (32, 16, 8, 4):
+            for gs in (0, 32, 64, 96):  # 0: per channel
+                if (gs and K % gs) or (bits >= 16 and gs) or (bits == 4 and not gs):
+                    continue
+                N = int(rng.choice([20, 37, 64]))
+                w, ws = _weights(rng, bits, N, K, gs)
+                for M in (1, 2, 3, 4, 5, 7, 8, 9, 13):
+                    x = rng.standard_normal((M, K), np.float32)
+                    x[0, :7] *= 50  # outliers: the int8 scale
+                    th = int(rng.integers(1, 4))
+                    bufs = {"x": x, "w": w, "ws": ws, "out": np.zeros((M, N), np.float32)}
+                    mm = (M, N, K, bits, gs, th)
+                    for gr in (0, 6):
+                        compare(f"qmm_f32 bits{bits} gs{gs} K{K} M{M} gemm_rows{gr}", lambda lib, b: lib.qmm_f32(
+                            *map(_ptr, (b["x"], b["w"], b["ws"], b["out"])), *mm, gr), bufs)
+                    no_scales = bits >= 16 and M % 2  # float weights may come without scales
+                    compare(f"gemm_f32 bits{bits} gs{gs} K{K} M{M}", lambda lib, b: lib.gemm_f32(
+                        _ptr(b["x"]), _ptr(b["w"]), None if no_scales else _ptr(b["ws"]), _ptr(b["out"]), *mm), bufs)
+                    if bits > 8:
+                        continue
+                    for act in (0, 1):
+                        xa = x if act else (x.view(np.uint32) >> 16).astype(np.uint16)
+                        q = {"x": xa, "q": np.zeros((M, K), np.int8), "s": np.zeros(M, np.float32)}
+                        compare(f"quantize_s8 act{act} K{K} M{M} nibbles{int(bits == 4)}",
+                                lambda lib, b: lib.quantize_s8(_ptr(b["x"]), act, M, K, int(bits == 4), _ptr(b["q"]),
+                                                               _ptr(b["s"])), q)
+                        for isa in (-1, *isas):
+                            compare(f"qmm_a8 isa{isa} act{act} bits{bits} gs{gs} K{K} M{M}", lambda lib, b: lib.qmm_a8(
+                                isa, _ptr(b["x"]), act, *map(_ptr, (b["w"], b["ws"], b["out"])), *mm), dict(bufs, x=xa))
+                    q = {"q": rng.integers(-127, 128, (M, K)).astype(np.int8), "s": rng.random(M, np.float32)}
+                    for isa in (-1, *isas):
+                        compare(f"qmm_s8 isa{isa} bits{bits} gs{gs} K{K} M{M}", lambda lib, b: lib.qmm_s8(
+                            *map(_ptr, (b["q"], b["s"], b["w"], b["ws"], b["out"])), *mm, isa), dict(bufs, **q))
+
+
+def _layer_cases(compare: _Compare, rng: np.random.Generator, isas: list[int]) -> None:
+    """lmf_decode_layer_q and lmf_decode_stack_q (2 layers) on a small layer (D 64, 4 query / 2 kv heads of 16,
+    F 96): A16 on every weight format, A8 on every body, float32 and bf16 pools, one sequence and three."""
+    D, N, K, H, F, B, P, L = 64, 4, 2, 16, 96, 4, 32, 2
+    shapes = {"qkv": ((N + 2 * K) * H, D), "o": (D, N * H), "gu": (2 * F, D), "down": (D, F)}
+    for bits, gs, isa in ((32, 0, -1), (16, 0, -1), (8, 0, -1), (8, 32, -1), (4, 32, -1),
+                          *((b, 32, i) for b in (8, 4) for i in isas)):
+        for kv in (0, 1):
+            for S, th in ((1, 1), (1, 2), (3, 2)):
+                bufs = {"x": rng.standard_normal((S, D), np.float32), "cos": rng.standard_normal((S, H), np.float32),
+                        "sin": rng.standard_normal((S, H), np.float32),
+                        "slots": rng.permutation(P * B)[:S].astype(np.int64),
+                        "t": rng.permutation(P)[: S * 8].reshape(S, 8).astype(np.int32),
+                        "lens": rng.integers(1, 30, S).astype(np.int32), "rows": np.arange(S, dtype=np.int64)}
+                for layer in range(L):
+                    for name, (n, k) in shapes.items():
+                        bufs[f"{layer}{name}"], bufs[f"{layer}{name}s"] = _weights(rng, bits, n, k, gs)
+                    bufs[f"{layer}in"], bufs[f"{layer}post"] = rng.random((2, D), np.float32) + 0.5
+                    for pool in ("kp", "vp"):
+                        bufs[f"{layer}{pool}"] = (_bf16(rng, P * B, K, H) if kv == 0 else
+                                                  rng.standard_normal((P * B, K, H), np.float32))
+
+                def params(b: dict[str, np.ndarray], layer: int) -> np.ndarray:  # lmf_decode_layer_q's p
+                    w = [_ptr(b[f"{layer}{n}{s}"]) for n in shapes for s in ("", "s")]
+                    return np.array([_ptr(b[f"{layer}in"]), _ptr(b[f"{layer}post"]), D, N, K, H, F, B, *w, bits, gs,
+                                     _ptr(b[f"{layer}kp"]), _ptr(b[f"{layer}vp"]), th, th, 2, kv], dtype=np.int64)
+
+                def run(lib: kernels.CpuKernels, b: dict[str, np.ndarray], stack: bool) -> int:
+                    ps = [params(b, layer) for layer in range(L if stack else 1)]
+                    addrs = np.array([_ptr(a) for a in ps], dtype=np.int64)
+                    step = (_ptr(b["x"]), S, *map(_ptr, (b["cos"], b["sin"], b["slots"], b["t"])), 8,
+                            _ptr(b["lens"]), _ptr(b["rows"]), S, 1e-5, H ** -0.5)
+                    if stack:
+                        return lib.decode_stack_q(isa, L, _ptr(addrs), *step)
+                    return lib.decode_layer_q(isa, _ptr(ps[0]), *step)
+                for stack in (False, True):
+                    compare(f"decode_{'stack' if stack else 'layer'}_q isa{isa} bits{bits} gs{gs} kv{kv} S{S} "
+                            f"threads{th}", lambda lib, b: run(lib, b, stack), bufs)
+
+
+@app.command()
+def bits(old_rev: str = typer.Option(..., help="The revision to compare against (its kernels' C sources)."),
+         flags: str = typer.Option("", help="Extra compiler flags for both builds, e.g. -DLMF_PORTABLE."),
+         seed: int = 0) -> None:
+    """Every entry point of this checkout's kernels and OLD_REV's on the same random inputs: equal bit for bit."""
+    extra = tuple(flags.split())
+    here = kernels._bind(kernels.build(extra)) if extra else kernels.load()
+    if here is None:
+        raise typer.BadParameter("lmforge's CPU kernels did not build here (`lmforge doctor`)")
+    libs = [here, _library_at(old_rev, extra)]
+    runs = [[lib.a8_isa_supported(i) for i in range(-1, 7)] for lib in libs]
+    best = [ctypes.CDLL(str(lib.path)).lmf_a8_best_isa() for lib in libs]
+    if runs[0] != runs[1] or best[0] != best[1]:
+        raise SystemExit(f"the two libraries disagree on the A8 bodies this CPU runs: {runs}, default {best}")
+    isas = [i for i in kernels.A8_ISAS.values() if here.a8_isa_supported(i)]
+    compare, rng = _Compare(libs), np.random.default_rng(seed)
+    _attention_cases(compare, rng)
+    _small_cases(compare, rng)
+    _matmul_cases(compare, rng, isas)
+    _layer_cases(compare, rng, isas)
+    names = ", ".join(k for k, v in kernels.A8_ISAS.items() if v in isas)
+    print(f"{compare.calls} calls, A8 bodies {names}, flags {' '.join(kernels.FLAGS + list(extra))}: "
+          f"{compare.calls - len(compare.differ)} equal" + "".join(f"\n  differs: {n}" for n in compare.differ))
+    if compare.differ:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

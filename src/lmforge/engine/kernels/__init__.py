@@ -1,33 +1,41 @@
 """Native CPU kernels for the engine's hot path, compiled on first use and called through ctypes.
 
-`cpu_ops.c` holds, on bfloat16 (and, `*_any` / `*_f32` / `*_int8`, on float32 activations and an int8
-KV cache, for CPUs without native bf16 and for `kv_cache_dtype=int8`):
-  * `lmf_paged_decode_bf16`: decode attention for every one-token query of a step in one call,
-    reading each sequence's blocks in place (no gather, no padding, no per-sequence Python);
-  * `lmf_write_kv_bf16`: this step's K/V rows into their pool slots (vLLM's `reshape_and_cache`);
-  * `lmf_rmsnorm_bf16`, `lmf_rope_bf16`, `lmf_silu_mul_bf16`: a Llama layer's elementwise ops, one
-    call each instead of 5-14 torch ops (`lmforge.engine.fused` puts them in the model);
-  * `lmf_qmm_f32`: weight-only int8 (per channel) / int4 (packed, per group) matmul on float32
-    activations for a decode step's few rows (`lmforge.quant.linear.QmmLinear`), and bf16 (bits 16) or
-    float32 (bits 32) weights; from the caller's `gemm_rows` rows it hands over to `lmf_gemm_f32`, a
-    register-tiled GEMM that widens or dequantizes the weight a (K, 16) panel at a time in L2 (prefill
-    chunks and big batches; AVX2 + FMA);
-  * `lmf_qmm_a8`: the same weights on int8 activations (dynamic, per token) with int32 integer dot
-    products, one body per ISA chosen at run time from the CPU's flags (`A8_ISAS`: AVX-512 VNNI
-    in 256-bit and 512-bit forms, AVX-VNNI, AVX2, portable C); `LMFORGE_A8_ISA=<name>` forces one,
-    `a8_isa()` says which runs.
+The C sources sit beside this file, one concern a file behind one header (`common.h`), the way ggml splits
+`ggml-cpu/` (docs/engine.md, "Where the kernels live"):
+
+  * `attention.c` (+ `attention_avx512.c`, `attention_avx2.c`, its SIMD bodies): paged decode attention for
+    every one-token query of a step in one call, reading each sequence's blocks in place (no gather, no
+    padding, no per-sequence Python): `lmf_paged_decode_bf16` on bfloat16, `lmf_paged_decode_any` on float32
+    activations and a float32, bf16 or int8 KV cache (CPUs without native bf16, `kv_cache_dtype=int8`);
+  * `kv_write.c`: this step's K/V rows into their pool slots (vLLM's `reshape_and_cache`): `lmf_write_kv_*`;
+  * `elementwise.c`: a Llama layer's `lmf_rmsnorm_*`, `lmf_rope_*`, `lmf_silu_mul_*` (bf16 and f32), one call
+    each instead of 5-14 torch ops (`lmforge.engine.fused` puts them in the model);
+  * `qmm_f32.c`: `lmf_qmm_f32`, weight-only int8 (per channel) / int4 (packed, per group) matmul on float32
+    activations for a decode step's few rows (`lmforge.quant.linear.QmmLinear`), and bf16 (bits 16) or float32
+    (bits 32) weights; from the caller's `gemm_rows` rows it hands over to `gemm_f32.c`'s `lmf_gemm_f32`, a
+    register-tiled GEMM that widens or dequantizes the weight a (K, 16) panel at a time in L2 (prefill chunks
+    and big batches; AVX2 + FMA);
+  * `qmm_a8.c` (+ `qmm_a8_avx256.c`, `qmm_a8_avx512.c`, its x86 bodies): `lmf_qmm_a8`, the same weights on
+    int8 activations (dynamic, per token) with int32 integer dot products, one body per ISA (`A8_ISAS`:
+    AVX-512 VNNI in 256-bit and 512-bit forms, AVX-VNNI, AVX2, portable C); `LMFORGE_A8_ISA=<name>` forces
+    one, `a8_isa()` says which runs;
+  * `decode_layer.c`: `lmf_decode_layer_q` / `lmf_decode_stack_q`, a whole decoder layer (or every layer) of a
+    decode step in one call;
+  * `dispatch.c`: the one place that decides which body of each kernel runs, once at load, from the CPU's
+    flags and what the build compiled; `lmf_kernels_chosen` names them (`CpuKernels.bodies`, `status()`).
 
 Why native code: on CPU the per-sequence `scaled_dot_product_attention` loop spent ~30 us of
 dispatch per sequence per layer on top of reading the K/V, and a padded batched SDPA must first
 copy every sequence's blocks. `python -m lmforge.bench.attention` measures the difference.
 
-The file is plain C (no Python or torch headers), so building it takes one compiler call and well
-under a second. It is built with the system C compiler (`$CC`, else `cc`, `gcc`, `clang`) with
-`-O3 -march=native`, into `$LMFORGE_CACHE/kernels` (default `~/.cache/lmforge/kernels`), keyed by
-the source, the flags, the compiler and this CPU's feature flags; the build writes a temporary file
-and renames it, so concurrent first uses are safe. With no compiler, a failed build or
-`LMFORGE_KERNELS=0`, `load()` returns None and the engine keeps its torch path (same contract; the
-tests check both). `status()` says which and why.
+The files are plain C (no Python or torch headers), so building them takes one compiler call. Every
+`*.c` here is built, with the system C compiler (`$CC`, else `cc`, `gcc`, `clang`) and
+`-O3 -march=native`, into one shared object in `$LMFORGE_CACHE/kernels` (default
+`~/.cache/lmforge/kernels`), keyed by every source and header, the flags, the compiler and this CPU's
+feature flags; the build writes a temporary file and renames it, so concurrent first uses are safe. With
+no compiler, a failed build or `LMFORGE_KERNELS=0`, `load()` returns None and the engine keeps its torch
+path (same contract; the tests check both). `status()` says which and why. `-DLMF_PORTABLE` (the tests'
+`load(("-DLMF_PORTABLE",))`) builds plain C bodies only.
 """
 
 from __future__ import annotations
@@ -41,13 +49,14 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("cpu_ops.c")
-MAX_H = 256  # head size limit of the attention and RoPE kernels (cpu_ops.c's MAX_H)
+SOURCE_DIR = Path(__file__).parent  # the C sources: every *.c here, and the headers they include
+MAX_H = 256  # head size limit of the attention and RoPE kernels (common.h's MAX_H)
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-pthread"]
-# numbered in order of preference (cpu_ops.c's enum): with none forced, the highest this CPU runs; on an
+# numbered in order of preference (common.h's enum): with none forced, the highest this CPU runs; on an
 # AVX-512 VNNI CPU that is the 256-bit body on the EVEX vpdpbusd (faster than the 512-bit body on Zen 4; it
 # hands int8 weights at 8 rows or more to the 512-bit body, which wins there)
 A8_ISAS = {"portable": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3, "avx512_vnni_256": 4}
@@ -89,6 +98,8 @@ class CpuKernels:
     #                                                  tables_M, lens, rows, S, eps, scale): a whole decoder layer
     decode_stack_q: ctypes._CFuncPtr | None = None  # lmf_decode_stack_q(isa, n_layers, layer_params, x, M, ...):
     #                                                  every decoder layer of a decode step in one call
+    bodies: dict[str, str] = field(default_factory=dict)  # lmf_kernels_chosen: kernel -> the body dispatch.c
+    #                                                      chose at load ({} for an older revision's build)
 
     def a8_isas(self) -> list[str]:
         """The A8 bodies this CPU runs, the default first (`A8_ISAS` names, in order of preference)."""
@@ -144,18 +155,24 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def build(extra_flags: tuple[str, ...] = (), out_dir: Path | None = None) -> Path:
-    """Compile `cpu_ops.c` (or reuse the cached build) and return the shared object's path.
-    Raises RuntimeError with the compiler's message when it cannot."""
+def sources(src_dir: Path = SOURCE_DIR) -> tuple[list[Path], list[Path]]:
+    """(the C files, the headers) of `src_dir`, sorted: every `*.c` is compiled, every `*.h` keys the cache."""
+    return sorted(src_dir.glob("*.c")), sorted(src_dir.glob("*.h"))
+
+
+def build(extra_flags: tuple[str, ...] = (), out_dir: Path | None = None, src_dir: Path = SOURCE_DIR) -> Path:
+    """Compile the `*.c` files of `src_dir` (this package's, or an older revision's for an A/B run) into one
+    shared object, or reuse the cached build, and return its path. Raises RuntimeError with the compiler's
+    message when it cannot."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
-    src = SOURCE.read_bytes()
+    c_files, headers = sources(src_dir)
+    if not c_files:
+        raise RuntimeError(f"no C sources in {src_dir}")
     flags = FLAGS + list(extra_flags)
-    key = hashlib.sha256(b"\0".join([src, " ".join(flags + [OPENMP]).encode(), cc.encode(), _cpu_flags().encode(),
-                                     platform.machine().encode()])).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
-    target = out_dir / f"cpu_ops-{key}.so"
+    target = out_dir / f"lmf_kernels-{_key(cc, flags, c_files + headers)}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -163,16 +180,37 @@ def build(extra_flags: tuple[str, ...] = (), out_dir: Path | None = None) -> Pat
     os.close(fd)
     try:
         for attempt in ([OPENMP], []):  # without OpenMP (e.g. clang without libomp): pthreads
-            proc = subprocess.run([cc, *flags, *attempt, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+            proc = _compile(cc, flags + attempt, c_files, tmp)
             if proc.returncode == 0:
                 break
         else:
-            raise RuntimeError(f"{Path(cc).name} failed on {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{Path(cc).name} failed on {src_dir}: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _key(cc: str, flags: list[str], files: list[Path]) -> str:
+    """The build's cache key: every file's name and bytes, the flags, the compiler, this CPU's flags."""
+    parts = [b"%s\0%s" % (f.name.encode(), f.read_bytes()) for f in files]
+    return hashlib.sha256(b"\0".join([*parts, " ".join(flags + [OPENMP]).encode(), cc.encode(), _cpu_flags().encode(),
+                                       platform.machine().encode()])).hexdigest()[:16]
+
+
+def _compile(cc: str, flags: list[str], c_files: list[Path], out: str) -> subprocess.CompletedProcess:
+    """Each C file to an object, all at once (one compiler process a file, as `make -j`), then one link: the
+    files compile as they would in one call, and with free cores in about the time of the slowest of them."""
+    with tempfile.TemporaryDirectory(dir=Path(out).parent, prefix="objs-") as objs:
+        cmds = [[cc, *flags, "-c", str(f), "-o", os.path.join(objs, f"{f.stem}.o")] for f in c_files]
+        with ThreadPoolExecutor(min(len(cmds), os.cpu_count() or 1)) as pool:
+            procs = list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), cmds))
+        failed = [p for p in procs if p.returncode != 0]
+        if failed:
+            return failed[0]
+        objects = [cmd[-1] for cmd in cmds]
+        return subprocess.run([cc, *flags, *objects, "-o", out, "-lm"], capture_output=True, text=True)
 
 
 def _bind(path: Path) -> CpuKernels:
@@ -219,9 +257,15 @@ def _bind(path: Path) -> CpuKernels:
         fn.restype, fn.argtypes = ctypes.c_int, argtypes
         fns[field] = fn
     one = (ctypes.c_float * 1)(1.0)
-    gemm_ok = fns["gemm_f32"](one, one, None, one, 1, 1, 1, 32, 0, 1) == 0  # -1: no AVX2 + FMA body in this build
+    # -1: no AVX2 + FMA body in this build (and no lmf_gemm_f32 at all in an older revision's)
+    gemm_ok = "gemm_f32" in fns and fns["gemm_f32"](one, one, None, one, 1, 1, 1, 32, 0, 1) == 0
+    chosen = getattr(lib, "lmf_kernels_chosen", None)  # None: an older revision's build (the A/B scripts)
+    bodies = {}
+    if chosen is not None:
+        chosen.restype, chosen.argtypes = ctypes.c_char_p, []
+        bodies = dict(item.split("=", 1) for item in chosen().decode().split())
     return CpuKernels(path, decode, decode_any=decode_any, write_kv_bytes=write_bytes, write_kv_int8=write_int8,
-                      write_kv_f32_bf16=to_bf16, qmm_f32=qmm, gemm_ok=gemm_ok, **fns)
+                      write_kv_f32_bf16=to_bf16, qmm_f32=qmm, gemm_ok=gemm_ok, bodies=bodies, **fns)
 
 
 def load(extra_flags: tuple[str, ...] = ()) -> CpuKernels | None:
@@ -245,10 +289,10 @@ def load(extra_flags: tuple[str, ...] = ()) -> CpuKernels | None:
 
 def a8_isa(lib: CpuKernels) -> str:
     """The A8 body `lib` runs: `LMFORGE_A8_ISA` when set (a ValueError if unknown or not on this CPU),
-    else the first this CPU has in order of preference."""
+    else the one the library's dispatch table chose at load (the first this CPU has in order of preference)."""
     forced = os.environ.get("LMFORGE_A8_ISA", "").strip().lower()
     if not forced:
-        return lib.a8_isas()[0]
+        return lib.bodies.get("qmm_a8") or lib.a8_isas()[0]
     if forced not in A8_ISAS:
         raise ValueError(f"LMFORGE_A8_ISA={forced!r}: not one of {', '.join(A8_ISAS)}")
     if not lib.a8_isa_supported(A8_ISAS[forced]):
@@ -257,8 +301,9 @@ def a8_isa(lib: CpuKernels) -> str:
 
 
 def status() -> str:
-    """'on (int8-activation matmul: <body>; path)' or 'off (why)' for the default build; builds it if
-    nobody asked yet."""
+    """'on (int8-activation matmul: <body>; <kernel> <body>, ...; path)' or 'off (why)' for the default build
+    (the bodies as the dispatch table chose them, the A8 one after LMFORGE_A8_ISA); builds it if nobody asked
+    yet."""
     lib = load()
     if lib is None:
         return _status[()]
@@ -266,7 +311,8 @@ def status() -> str:
         isa = a8_isa(lib)
     except ValueError as e:
         isa = f"error: {e}"
-    return f"on (int8-activation matmul: {isa}; {lib.path})"
+    others = ", ".join(f"{name} {body}" for name, body in lib.bodies.items() if name != "qmm_a8")
+    return f"on (int8-activation matmul: {isa}; {others}; {lib.path})"
 
 
 def cpu_has_bf16() -> bool:

@@ -1,0 +1,312 @@
+/* The one header of lmforge's CPU kernels: what every kernel file shares (limits, bf16 conversion, the
+ * thread helpers, the A8 job and the dispatch table), and the prototypes of every function the library
+ * exports (the ctypes bindings in `__init__.py` call exactly these).
+ *
+ * Files, one concern each (docs/engine.md, "Where the kernels live"):
+ *   attention.c         paged decode attention: entry points, threads, context partitions, portable body
+ *   attention_avx512.c  its bf16 body (AVX-512, AVX512-BF16 dot products when targeted)
+ *   attention_avx2.c    its float32-query body over float32 / bf16 pools (AVX2 + FMA)
+ *   kv_write.c          K/V rows into their pool slots (bf16, any bytes, float32 -> bf16, int8 + scales)
+ *   elementwise.c       RMSNorm, RoPE, silu * up, bf16 and float32
+ *   qmm_f32.c           the A16 row kernel: int8 / int4 / bf16 / float32 weights, float32 activations
+ *   gemm_f32.c          the panel GEMM the row kernel hands big row counts to (AVX2 + FMA)
+ *   qmm_a8.c            int8 activations: quantization, entry points, threads, the portable body
+ *   qmm_a8_avx256.c     its 256-bit bodies: avx2, avx_vnni, avx512_vnni_256
+ *   qmm_a8_avx512.c     its 512-bit body: avx512_vnni
+ *   decode_layer.c      a whole decoder layer (and the stack of them) of a decode step in one call
+ *   dispatch.c          which body runs, decided once at load from the CPU's flags; `lmf_kernels_chosen`
+ *
+ * No Python or torch headers: every file is plain C, compiled together with the system C compiler at first
+ * use (`lmforge.engine.kernels.build`).
+ */
+#ifndef LMF_COMMON_H
+#define LMF_COMMON_H
+
+#include <math.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* What this build compiles. The compiler's target (`-march=native` at first use) decides the bodies
+ * compiled for the whole file; x86 bodies with their own `__attribute__((target))` are compiled on every
+ * x86 build and chosen at run time (dispatch.c). -DLMF_PORTABLE (which the tests build) leaves plain C only. */
+#if defined(__AVX512F__) && !defined(LMF_PORTABLE)
+#define LMF_AVX512 1  /* bf16 attention and the bf16 elementwise ops in AVX-512 */
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(LMF_PORTABLE)
+#define LMF_AVX2 1  /* the A16 row kernel in AVX2 + FMA, and the panel GEMM (which has no other body) */
+#endif
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(LMF_PORTABLE)
+#define LMF_X86 1  /* the float32 attention body and the A8 bodies: own target attributes, chosen at run time */
+#if defined(__clang__) ? (__clang_major__ >= 12) : (__GNUC__ >= 11)
+#define LMF_AVXVNNI 1  /* a compiler that knows AVX-VNNI */
+#endif
+#endif
+#if defined(LMF_AVX512) || defined(LMF_AVX2) || defined(LMF_X86)
+#include <immintrin.h>
+#endif
+
+/* Internal to the library: shared between its files, not exported (ctypes sees only the lmf_* API). */
+#define LMF_HIDDEN __attribute__((visibility("hidden")))
+
+#define TILE 16          /* attention: tokens a tile of the online softmax */
+#define MAX_H 256        /* head size limit of the attention and RoPE kernels (`kernels.MAX_H`) */
+#define MAX_G 16         /* query heads per kv head */
+#define MAX_N 64         /* query heads, AVX-512 and AVX2 attention bodies */
+#define MAX_THREADS 64
+
+/* ---- bfloat16 <-> float32 ----------------------------------------------------------------------------- */
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)x << 16;
+    return c.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch's .to(torch.bfloat16) */
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    uint32_t u = c.u;
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Element i of an activation tensor, act: 0 bfloat16, 1 float32. */
+static inline float load_act(const void *p, int act, int64_t i) {
+    return act ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+static inline void store_act(void *p, int act, int64_t i, float x) {
+    if (act) ((float *)p)[i] = x;
+    else ((uint16_t *)p)[i] = f32_to_bf16(x);
+}
+
+#ifdef LMF_AVX512
+/* ---- AVX-512 helpers of the bf16 attention and elementwise bodies --------------------------------------- */
+
+static inline __m512 load_bf16(const uint16_t *p) {  /* 16 bfloat16 -> 16 float32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* exp(x): 2^n * p(f), f in [-ln2/2, ln2/2], rel. error ~2e-7; x below -87 gives exp(-87) ~1.6e-38
+ * (so -inf gives that too: callers mask), above 88.7 inf. */
+static inline __m512 exp_ps(__m512 x) {
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), ln2 = _mm512_set1_ps(0.693147180559945309f);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(n, ln2, x);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* ---- threads ------------------------------------------------------------------------------------------ */
+
+/* Run fn on jobs[0 .. threads) (each `size` bytes), this thread taking job 0: OpenMP when built with it
+ * (torch's own runtime: libgomp.so.1 is loaded once per process, and its worker threads, already
+ * spinning after the last matmul, take the jobs; no second pool fights them for cores), else pthreads,
+ * doing here any job that gets no thread. */
+static inline void run_jobs(void *(*fn)(void *), void *jobs, size_t size, int64_t threads) {
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int64_t t = 0; t < threads; t++) fn((char *)jobs + t * size);
+#else
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int64_t t = 1; t < threads; t++)
+        started[t] = pthread_create(&tids[t], NULL, fn, (char *)jobs + t * size) == 0;
+    fn(jobs);
+    for (int64_t t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(tids[t], NULL);
+        else
+            fn((char *)jobs + t * size);  /* no thread to be had: do it here */
+    }
+#endif
+}
+
+/* Work handed out in chunks from a shared counter (`next`), ~16 chunks a thread and at least 8 rows
+ * each, so that a thread that starts late or runs slower (a busy sibling core) takes fewer and none
+ * waits long for it (matmul rows: after a contiguous 7/8 of each share, `take_rows`). */
+static inline int64_t chunk_rows(int64_t N, int64_t threads) {
+    const int64_t chunk = (N / (16 * threads) + 7) / 8 * 8;
+    return chunk < 8 ? 8 : chunk;
+}
+
+/* The next chunk [*n0, *n1) of rows [0, N), or 0 when none is left. */
+static inline int take_chunk(int64_t *next, int64_t chunk, int64_t N, int64_t *n0, int64_t *n1) {
+    *n0 = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED) * chunk;
+    if (*n0 >= N) return 0;
+    *n1 = *n0 + chunk < N ? *n0 + chunk : N;
+    return 1;
+}
+
+/* As take_chunk, for a matmul's weight rows, guided: the first `threads` chunks are each 7/8 of a thread's
+ * share of the rows, one contiguous run, and the last eighth goes in chunks of `chunk` rows to whichever
+ * thread is free (a late or slowed thread still takes less). Chunks of 1/16 of a share throughout cost a
+ * batch-1 step ~20%: each chunk is a new stream the hardware prefetcher must pick up again, 16 a thread in
+ * each of a step's 96 matmuls (the 300M's int4 g32 layer shapes, 2 threads, Zen 4: 7.65 -> 6.09 ms at 1 row,
+ * 11.2 -> 9.9 at 4; `python scripts/kernels_ab.py matmuls --old-rev efd2024`; a fully static split, a
+ * throwaway variant, 0.96x of this, with nothing left to balance a slowed thread). */
+#define GUIDED_NUM 7
+#define GUIDED_DEN 8
+static inline int take_rows(int64_t *next, int64_t chunk, int64_t N, int64_t threads, int64_t *n0, int64_t *n1) {
+    const int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+    const int64_t big = N * GUIDED_NUM / GUIDED_DEN / threads / 8 * 8;
+    if (i < threads && big > 0) {
+        *n0 = i * big;
+        *n1 = *n0 + big;
+        return 1;
+    }
+    *n0 = big > 0 ? threads * big + (i - threads) * chunk : i * chunk;  /* too few rows for a share: chunks only */
+    if (*n0 >= N) return 0;
+    *n1 = *n0 + chunk < N ? *n0 + chunk : N;
+    return 1;
+}
+
+/* ---- attention: shared by its files --------------------------------------------------------------------- */
+
+/* The pool row (an index into P * B * K head rows) of kv head g for a tile's tokens [t0, t0 + nt). */
+static inline void tile_rows(const int32_t *table, int64_t t0, int64_t nt, int64_t B, int64_t K, int64_t g,
+                             int64_t *row) {
+    for (int64_t i = 0; i < nt; i++) {
+        const int64_t j = t0 + i;
+        row[i] = ((int64_t)table[j / B] * B + j % B) * K + g;
+    }
+}
+
+#ifdef LMF_AVX512
+/* One sequence, all heads, bf16 q / pools / out (attention_avx512.c). */
+LMF_HIDDEN void decode_seq(const uint16_t *q, const uint16_t *k_pool, const uint16_t *v_pool, const int32_t *table,
+                           int64_t len, int64_t N, int64_t K, int64_t H, int64_t B, float scale, uint16_t *out);
+#endif
+
+#ifdef LMF_X86
+/* Float32 q over a float32 / bf16 pool, kv heads [g0, g1) of one sequence, tokens [t_begin, t_begin + len);
+ * `part` NULL: the normalized output into out, else the unnormalized state (attention_avx2.c). */
+typedef void (*decode_heads_fn)(const float *, const void *, const void *, const int32_t *, int64_t, int64_t, int64_t,
+                                int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float *, float *);
+LMF_HIDDEN void decode_heads_f32_avx2(const float *q, const void *k_pool, const void *v_pool, const int32_t *table,
+                                      int64_t t_begin, int64_t len, int64_t pf_len, int64_t g0, int64_t g1, int64_t G,
+                                      int64_t K, int64_t H, int64_t B, float scale, float *out, float *part);
+LMF_HIDDEN void decode_heads_bf16kv_avx2(const float *q, const void *k_pool, const void *v_pool, const int32_t *table,
+                                         int64_t t_begin, int64_t len, int64_t pf_len, int64_t g0, int64_t g1,
+                                         int64_t G, int64_t K, int64_t H, int64_t B, float scale, float *out,
+                                         float *part);
+#endif
+
+/* ---- int8-activation (A8) matmul: shared by qmm_a8*.c and dispatch.c ------------------------------------ */
+
+/* The bodies, numbered in order of preference (`kernels.A8_ISAS`): with none asked for, the highest this
+ * CPU runs (dispatch.c). */
+enum { A8_PORTABLE = 0, A8_AVX2 = 1, A8_AVX_VNNI = 2, A8_AVX512_VNNI = 3, A8_AVX512_VNNI_256 = 4, A8_ISAS = 5 };
+
+#define A8_MAX_R 4  /* activation rows a pass over a weight row */
+
+typedef struct {
+    const int8_t *q; const float *xs; const void *w; const float *ws; float *out;
+    const float *qs;  /* int4 on the 256-bit bodies: 8 * sum(q) of each group, (M, G); else NULL */
+    int64_t M, N, K, gs, bits, n0, n1, isa, G;  /* G = K / gs groups a row */
+    int64_t *next, chunk, threads;  /* shared by the threads: the next chunk of weight rows (a8_range, take_rows) */
+} a8_job;
+
+/* One body: weight rows [j->n0, j->n1) for all j->M activation rows. */
+typedef void (*a8_body_fn)(const a8_job *);
+LMF_HIDDEN void a8_range_portable(const a8_job *j);
+#ifdef LMF_X86
+LMF_HIDDEN void a8_range_avx2(const a8_job *j);
+#ifdef LMF_AVXVNNI
+LMF_HIDDEN void a8_range_avxvnni(const a8_job *j);
+#endif
+LMF_HIDDEN void a8_range_avx512vnni256(const a8_job *j);
+LMF_HIDDEN void a8_range_avx512vnni(const a8_job *j);
+
+/* R (rows, 1..4) and BITS (8 or 4) as compile-time constants of an always-inline row function FN, so
+ * its accumulators stay in registers and no branch on the weight format runs inside its loops. */
+#define A8_ROWS_SWITCH(FN, R, ...) do {                                              \
+        if (j->bits == 8) switch (R) {                                                \
+            case 1: FN(__VA_ARGS__, 1, 8); break;                                     \
+            case 2: FN(__VA_ARGS__, 2, 8); break;                                     \
+            case 3: FN(__VA_ARGS__, 3, 8); break;                                     \
+            default: FN(__VA_ARGS__, 4, 8); break;                                    \
+        } else switch (R) {                                                           \
+            case 1: FN(__VA_ARGS__, 1, 4); break;                                     \
+            case 2: FN(__VA_ARGS__, 2, 4); break;                                     \
+            case 3: FN(__VA_ARGS__, 3, 4); break;                                     \
+            default: FN(__VA_ARGS__, 4, 4); break;                                    \
+        }                                                                             \
+    } while (0)
+#endif
+
+/* ---- the dispatch table (dispatch.c) ------------------------------------------------------------------- */
+
+/* Filled once when the library is loaded, from the CPU's flags and what this build compiled; read by every
+ * file that has more than one body for a CPU to choose from. */
+typedef struct {
+    int attn_avx2;                 /* float32-query attention: the AVX2 + FMA body runs on this CPU */
+    a8_body_fn a8_body[A8_ISAS];   /* each A8 body, NULL where this build or this CPU lacks it */
+    int64_t a8_best;               /* the A8 body `lmf_qmm_a8` runs when not told */
+} lmf_dispatch_table;
+
+LMF_HIDDEN extern lmf_dispatch_table lmf_dispatch;
+
+/* ---- the exported API (ctypes: `kernels._bind`) --------------------------------------------------------- */
+
+/* attention.c */
+int lmf_paged_decode_bf16(const uint16_t *q, const uint16_t *k_pool, const uint16_t *v_pool,
+                          const int32_t *block_tables, int64_t M, const int32_t *lens, const int64_t *rows,
+                          int64_t S, int64_t N, int64_t K, int64_t H, int64_t B, float scale, uint16_t *out,
+                          int64_t threads);
+int lmf_paged_decode_any(const void *q, const void *k_pool, const void *v_pool, const uint16_t *k_scales,
+                         const uint16_t *v_scales, const int32_t *block_tables, int64_t M, const int32_t *lens,
+                         const int64_t *rows, int64_t S, int64_t N, int64_t K, int64_t H, int64_t B, float scale,
+                         void *out, int64_t threads, int64_t act, int64_t kv);
+/* kv_write.c */
+void lmf_write_kv_bf16(const uint16_t *k, const uint16_t *v, const int64_t *slots, int64_t T, int64_t row_len,
+                       uint16_t *k_pool, uint16_t *v_pool);
+void lmf_write_kv_bytes(const void *k, const void *v, const int64_t *slots, int64_t T, int64_t row_bytes,
+                        void *k_pool, void *v_pool);
+void lmf_write_kv_f32_bf16(const float *k, const float *v, const int64_t *slots, int64_t T, int64_t row_len,
+                           uint16_t *k_pool, uint16_t *v_pool);
+int lmf_write_kv_int8(const void *k, const void *v, const int64_t *slots, int64_t T, int64_t K, int64_t H,
+                      int64_t act, int8_t *k_pool, int8_t *v_pool, uint16_t *k_scales, uint16_t *v_scales);
+/* elementwise.c */
+void lmf_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t rows, int64_t D, float eps);
+void lmf_rope_bf16(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t T, int64_t heads, int64_t H);
+void lmf_silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, int64_t n);
+void lmf_rmsnorm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t D, float eps);
+void lmf_rope_f32(float *x, const float *cos, const float *sin, int64_t T, int64_t heads, int64_t H);
+void lmf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n);
+/* qmm_f32.c, gemm_f32.c */
+int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
+                int64_t bits, int64_t gs, int64_t threads, int64_t gemm_rows);
+int lmf_gemm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
+                 int64_t bits, int64_t gs, int64_t threads);
+/* qmm_a8.c */
+int lmf_quantize_s8(const void *x, int64_t act, int64_t M, int64_t K, int64_t nibble_order, int8_t *q, float *s);
+int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws, float *out, int64_t M, int64_t N,
+               int64_t K, int64_t bits, int64_t gs, int64_t threads, int64_t isa);
+int lmf_qmm_a8(int64_t isa, const void *x, int64_t act, const void *w, const float *ws, float *out, int64_t M,
+               int64_t N, int64_t K, int64_t bits, int64_t gs, int64_t threads);
+/* decode_layer.c */
+int lmf_decode_layer_q(int64_t isa, const int64_t *p, float *x, int64_t M, const float *cos, const float *sin,
+                       const int64_t *slots, const int32_t *tables, int64_t tables_M, const int32_t *lens,
+                       const int64_t *rows, int64_t S, float eps, float scale);
+int lmf_decode_stack_q(int64_t isa, int64_t n_layers, const int64_t *layers, float *x, int64_t M, const float *cos,
+                       const float *sin, const int64_t *slots, const int32_t *tables, int64_t tables_M,
+                       const int32_t *lens, const int64_t *rows, int64_t S, float eps, float scale);
+/* dispatch.c */
+int lmf_a8_isa_supported(int64_t isa);
+int64_t lmf_a8_best_isa(void);
+const char *lmf_kernels_chosen(void);
+
+#endif

@@ -1,0 +1,106 @@
+/* The dispatch table: which body of each kernel runs, decided once, when the library is loaded, from the CPU's
+ * flags (`__builtin_cpu_supports`) and what this build compiled (common.h's LMF_* macros). Every other file
+ * reads `lmf_dispatch` and decides nothing about the CPU itself.
+ *
+ * Two kinds of choice:
+ *   - at build time, by the compiler's target (-march=native at first use, so this CPU's): the bf16 attention
+ *     and elementwise bodies (AVX-512 or portable C), the A16 row kernel and the panel GEMM (AVX2 + FMA or
+ *     portable / none);
+ *   - at load, by the CPU's flags, among bodies compiled with their own target attributes (so one x86 build
+ *     runs anywhere and a test can force each): the float32-query attention body (AVX2 + FMA) and the
+ *     int8-activation bodies (avx512_vnni_256, avx512_vnni, avx_vnni, avx2, portable).
+ * `lmf_kernels_chosen` names them all in one line, for `kernels.status()` and the startup line.
+ */
+#include "common.h"
+
+#include <stdio.h>
+
+LMF_HIDDEN lmf_dispatch_table lmf_dispatch;
+
+/* 1 if this CPU has body `isa`'s instructions (whether the build has it is the table's NULL). */
+static int a8_cpu_runs(int64_t isa) {
+    if (isa == A8_PORTABLE) return 1;
+#ifdef LMF_X86
+    if (isa == A8_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#if defined(LMF_AVXVNNI)
+    if (isa == A8_AVX_VNNI) return __builtin_cpu_supports("avxvnni") && __builtin_cpu_supports("avx2");
+#endif
+    if (isa == A8_AVX512_VNNI_256)
+        return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (isa == A8_AVX512_VNNI)
+        return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl");
+#endif
+    return 0;
+}
+
+/* The bodies the compiler's target chose for whole files (common.h's LMF_AVX512, LMF_AVX2), by name. */
+#if defined(LMF_AVX512) && defined(__AVX512BF16__)
+#define ATTN_BF16 "avx512_bf16"
+#elif defined(LMF_AVX512)
+#define ATTN_BF16 "avx512"
+#else
+#define ATTN_BF16 "portable"
+#endif
+#ifdef LMF_AVX512
+#define ELEMENTWISE_BF16 "avx512"
+#else
+#define ELEMENTWISE_BF16 "portable"
+#endif
+#ifdef LMF_AVX2
+#define QMM_F32 "avx2"
+#define GEMM_F32 "avx2"
+#else
+#define QMM_F32 "portable"
+#define GEMM_F32 "none"
+#endif
+
+static const char *const a8_names[A8_ISAS] = {"portable", "avx2", "avx_vnni", "avx512_vnni", "avx512_vnni_256"};
+static char chosen[256];  /* lmf_kernels_chosen's line, written with the table */
+
+__attribute__((constructor)) static void lmf_dispatch_init(void) {
+#ifdef LMF_X86
+    __builtin_cpu_init();  /* required before __builtin_cpu_supports in a constructor */
+    lmf_dispatch.attn_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+    const a8_body_fn built[A8_ISAS] = {
+        [A8_PORTABLE] = a8_range_portable,
+#ifdef LMF_X86
+        [A8_AVX2] = a8_range_avx2,
+#ifdef LMF_AVXVNNI
+        [A8_AVX_VNNI] = a8_range_avxvnni,
+#endif
+        [A8_AVX512_VNNI] = a8_range_avx512vnni,
+        [A8_AVX512_VNNI_256] = a8_range_avx512vnni256,
+#endif
+    };
+    lmf_dispatch.a8_best = A8_PORTABLE;
+    for (int64_t isa = 0; isa < A8_ISAS; isa++) {
+        lmf_dispatch.a8_body[isa] = built[isa] != NULL && a8_cpu_runs(isa) ? built[isa] : NULL;
+        if (lmf_dispatch.a8_body[isa] != NULL) lmf_dispatch.a8_best = isa;  /* numbered in order of preference */
+    }
+    snprintf(chosen, sizeof chosen,
+             "attention_bf16=" ATTN_BF16 " attention_f32=%s elementwise_bf16=" ELEMENTWISE_BF16 " qmm_f32=" QMM_F32
+             " gemm_f32=" GEMM_F32 " qmm_a8=%s", lmf_dispatch.attn_avx2 ? "avx2" : "portable",
+             a8_names[lmf_dispatch.a8_best]);
+}
+
+/* 1 if this CPU (and this build) runs A8 body `isa`, else 0. */
+int lmf_a8_isa_supported(int64_t isa) {
+    return isa >= 0 && isa < A8_ISAS && lmf_dispatch.a8_body[isa] != NULL;
+}
+
+/* The A8 body `lmf_qmm_a8` runs when not told: the most preferred this CPU runs. */
+int64_t lmf_a8_best_isa(void) {
+    return lmf_dispatch.a8_best;
+}
+
+/* "concern=body ..." for every kernel with more than one body, as this CPU and build run them: attention_bf16
+ * (avx512_bf16 | avx512 | portable), attention_f32 (float32 queries over float32 / bf16 pools: avx2 | portable;
+ * int8 pools always portable), elementwise_bf16 (avx512 | portable), qmm_f32 (avx2 | portable), gemm_f32
+ * (avx2 | none: the caller widens and runs sgemm), qmm_a8 (the default A8 body, `kernels.A8_ISAS` names).
+ * K/V writes and the float32 elementwise ops are plain C everywhere. */
+const char *lmf_kernels_chosen(void) {
+    return chosen;
+}

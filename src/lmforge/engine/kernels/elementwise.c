@@ -1,0 +1,136 @@
+/* The elementwise ops of a Llama layer, one call each instead of 5-14 torch ops (`lmforge.engine.fused` puts
+ * them in the model): RMSNorm, RoPE and SwiGLU's silu * up, on bfloat16 (AVX-512 where the compiler targets
+ * it, else portable C) and on float32 (plain loops the compiler vectorizes).
+ */
+#include "common.h"
+
+/* ---- bfloat16 in and out ------------------------------------------------------------------------------
+ * Each follows the rounding of the torch ops it replaces (every torch bf16 op computes in float32
+ * and rounds its result to bfloat16), so outputs match torch's bit for bit except where a float32
+ * reduction (RMSNorm's mean) or exp (SiLU) is summed or approximated differently. */
+
+#ifdef LMF_AVX512
+/* x rounded to the nearest bfloat16 (ties to even), kept as float32; NaN stays NaN */
+static inline __m512 round_bf16_ps(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+                                       _mm512_set1_epi32((int)0xffff0000u));
+    return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
+
+static inline void store_bf16(uint16_t *p, __m512 x) {  /* x must already be a bfloat16 value */
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
+}
+#endif
+
+/* RMSNorm as transformers computes it: y = bf16(x * rsqrt(mean(x^2) + eps)); out = bf16(w * y). */
+void lmf_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t rows, int64_t D, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * D;
+        uint16_t *o = out + r * D;
+        int64_t h = 0;
+        float ss = 0.0f;
+#ifdef LMF_AVX512
+        __m512 acc = _mm512_setzero_ps();
+        for (; h + 16 <= D; h += 16) {
+            const __m512 v = load_bf16(xr + h);
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        ss = _mm512_reduce_add_ps(acc);
+#endif
+        for (; h < D; h++) ss += bf16_to_f32(xr[h]) * bf16_to_f32(xr[h]);
+        const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+        h = 0;
+#ifdef LMF_AVX512
+        const __m512 vinv = _mm512_set1_ps(inv);
+        for (; h + 16 <= D; h += 16)
+            store_bf16(o + h, round_bf16_ps(_mm512_mul_ps(load_bf16(w + h),
+                                                          round_bf16_ps(_mm512_mul_ps(load_bf16(xr + h), vinv)))));
+#endif
+        for (; h < D; h++)
+            o[h] = f32_to_bf16(bf16_to_f32(w[h]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[h]) * inv)));
+    }
+}
+
+/* Rotary embedding in place on x (T, heads, H) with cos/sin (T, H): x*cos + rotate_half(x)*sin,
+ * rotate_half(x) = (-x2, x1); both products and the sum rounded as torch rounds them. */
+void lmf_rope_bf16(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t T, int64_t heads, int64_t H) {
+    const int64_t half = H / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *c = cos + t * H, *s = sin + t * H;
+        for (int64_t n = 0; n < heads; n++) {
+            uint16_t *lo = x + (t * heads + n) * H, *hi = lo + half;
+            int64_t h = 0;
+#ifdef LMF_AVX512
+            for (; h + 16 <= half; h += 16) {
+                const __m512 l = load_bf16(lo + h), u = load_bf16(hi + h);
+                const __m512 a = round_bf16_ps(_mm512_mul_ps(l, load_bf16(c + h)));
+                const __m512 b = round_bf16_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), u), load_bf16(s + h)));
+                const __m512 a2 = round_bf16_ps(_mm512_mul_ps(u, load_bf16(c + half + h)));
+                const __m512 b2 = round_bf16_ps(_mm512_mul_ps(l, load_bf16(s + half + h)));
+                store_bf16(lo + h, round_bf16_ps(_mm512_add_ps(a, b)));
+                store_bf16(hi + h, round_bf16_ps(_mm512_add_ps(a2, b2)));
+            }
+#endif
+            for (; h < half; h++) {
+                const float l = bf16_to_f32(lo[h]), u = bf16_to_f32(hi[h]);
+                const float a = bf16_to_f32(f32_to_bf16(l * bf16_to_f32(c[h])));
+                const float b = bf16_to_f32(f32_to_bf16(-u * bf16_to_f32(s[h])));
+                const float a2 = bf16_to_f32(f32_to_bf16(u * bf16_to_f32(c[h + half])));
+                const float b2 = bf16_to_f32(f32_to_bf16(l * bf16_to_f32(s[h + half])));
+                lo[h] = f32_to_bf16(a + b);
+                hi[h] = f32_to_bf16(a2 + b2);
+            }
+        }
+    }
+}
+
+/* SwiGLU's middle: out = bf16(bf16(silu(g)) * u), silu(g) = g / (1 + exp(-g)). */
+void lmf_silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, int64_t n) {
+    int64_t i = 0;
+#ifdef LMF_AVX512
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 gv = load_bf16(g + i);
+        /* exp(-g) overflows to inf for g < -88.7 (silu -> -0; torch gives a denormal) */
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 sv = round_bf16_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)));
+        store_bf16(out + i, round_bf16_ps(_mm512_mul_ps(sv, load_bf16(u + i))));
+    }
+#endif
+    for (; i < n; i++) {
+        const float gv = bf16_to_f32(g[i]);
+        out[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(gv / (1.0f + expf(-gv)))) * bf16_to_f32(u[i]));
+    }
+}
+
+/* Float32 bodies of the elementwise ops, in torch's float32 order (plain loops; -O3 vectorizes them). */
+void lmf_rmsnorm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t D, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * D;
+        float ss = 0.0f;
+        for (int64_t h = 0; h < D; h++) ss += xr[h] * xr[h];
+        const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+        for (int64_t h = 0; h < D; h++) out[r * D + h] = w[h] * (xr[h] * inv);
+    }
+}
+
+void lmf_rope_f32(float *x, const float *cos, const float *sin, int64_t T, int64_t heads, int64_t H) {
+    const int64_t half = H / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * H, *s = sin + t * H;
+        for (int64_t n = 0; n < heads; n++) {
+            float *lo = x + (t * heads + n) * H, *hi = lo + half;
+            for (int64_t h = 0; h < half; h++) {
+                const float l = lo[h], u = hi[h];
+                lo[h] = l * c[h] + (-u) * s[h];
+                hi[h] = u * c[h + half] + l * s[h + half];
+            }
+        }
+    }
+}
+
+void lmf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}

@@ -1,0 +1,199 @@
+/* The int8-activation (A8) matmul: int8 activations x int8 / int4 weights, integer dot products. This file: the
+ * activations' quantization, the entry points, their threads, and the portable body; the x86 bodies are
+ * qmm_a8_avx256.c (avx2, avx_vnni, avx512_vnni_256) and qmm_a8_avx512.c (avx512_vnni), and which runs is
+ * dispatch.c's table.
+ *
+ * x (M, K) float32 or bfloat16 is quantized per row (token), dynamically: s[m] = absmax / 127,
+ * q = rint(x / s) (ties to even, as torch.round), |q| <= 127 (vLLM's dynamic per-token W8A8 int8).
+ * For every weight group (int8: the whole row, per channel, or `gs` inputs; int4: `gs` inputs) the products q * code
+ * accumulate exactly in int32 (K < 65536: |dot| <= 128 * 127 * K, and the 512-bit body's
+ * offset sums (qmm_a8_avx512.c) stay exact), and
+ *     out[m, n] = s[m] * sum_g scale[n, g] * float(dot_g[m, n])          (float32)
+ * Weights are the A16 kernel's (`lmf_qmm_f32`): int8 (N, K); int4 two a byte, low nibble = even k,
+ * stored code + 8. For int4 the quantized activations keep each block of 32 as (its 16 even k, its 16
+ * odd k), so that a block's 16 bytes unpack into low nibbles then high nibbles with no interleave.
+ *
+ * Bodies, chosen at load from the CPU's flags (dispatch.c), each compiled for its own ISA with
+ * `__attribute__((target))` so one build runs on any x86-64 and a test can force each:
+ *   4 avx512_vnni_256  _mm256_dpbusd_epi32 (EVEX), the 256-bit body on an AVX-512 VNNI CPU (the default there;
+ *                      int8 weights from 8 rows go to the 512-bit body)
+ *   3 avx512_vnni  _mm512_dpbusd_epi32, 64 codes an instruction (Ice Lake, Sapphire Rapids, Zen 4)
+ *   2 avx_vnni     _mm256_dpbusd_avx_epi32, VEX (Alder Lake and later without AVX-512)
+ *   1 avx2         _mm256_maddubs_epi16 + _mm256_madd_epi16 (Haswell, Zen 1-3)
+ *   0 portable     plain C (every CPU; the reference the others must equal bit for bit)
+ * dpbusd and maddubs multiply unsigned by signed bytes. int8 weights: the weight's magnitude |c| is the
+ * unsigned operand and the activation takes the weight's sign (llama.cpp's trick; |q| <= 127 so negating
+ * it cannot overflow, and maddubs's int16 pair sums stay within 2 * 128 * 127 = 32512: no saturation).
+ * int4 weights on the 256-bit bodies: the stored nibble c + 8 (0..15) is the unsigned operand as it is
+ * and q the signed one (pairs within 2 * 15 * 127), so dot(q, c) = dot(q, c + 8) - 8 * sum(q): 8 * sum(q)
+ * of each group is computed once a call (`qs`) and taken back, scaled, at a row's end. No abs, sign
+ * or subtract a block.
+ * Rows: each weight row is read from memory once and used for all M activation rows, 4 at a time.
+ */
+#include "common.h"
+
+/* int4 codes of a row as int8, in the order the quantized activations use: for each block of 32,
+ * byte i's low nibble (k = 2i) at i, its high nibble (k = 2i + 1) at 16 + i. */
+static void a8_unpack4(const uint8_t *w, int64_t K, int8_t *out) {
+    for (int64_t b = 0; b < K / 32; b++)
+        for (int i = 0; i < 16; i++) {
+            out[b * 32 + i] = (int8_t)((w[b * 16 + i] & 0x0F) - 8);
+            out[b * 32 + 16 + i] = (int8_t)((w[b * 16 + i] >> 4) - 8);
+        }
+}
+
+/* Plain C: int4 rows are unpacked once a weight row, then every group is one loop the compiler
+ * vectorizes for the target, as for int8. */
+LMF_HIDDEN void a8_range_portable(const a8_job *j) {
+    const int64_t K = j->K, gs = j->gs, G = K / gs, row_bytes = j->bits == 8 ? K : K / 2;
+    int8_t unpacked[j->bits == 4 ? K : 1];
+    for (int64_t n = j->n0; n < j->n1; n++) {
+        const int8_t *c = (const int8_t *)j->w + n * row_bytes;
+        if (j->bits == 4) {
+            a8_unpack4((const uint8_t *)c, K, unpacked);
+            c = unpacked;
+        }
+        for (int64_t m = 0; m < j->M; m++) {
+            const int8_t *q = j->q + m * K;
+            float total = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                int32_t dot = 0;
+                for (int64_t k = g * gs; k < (g + 1) * gs; k++) dot += (int32_t)q[k] * c[k];
+                total += (float)dot * j->ws[n * G + g];
+            }
+            j->out[m * j->N + n] = total * j->xs[m];
+        }
+    }
+}
+
+static void *a8_range(void *arg) {  /* a thread's share: chunks of weight rows (`take_rows`), on body j->isa */
+    a8_job j = *(const a8_job *)arg;
+    const a8_body_fn body = lmf_dispatch.a8_body[j.isa];  /* lmf_qmm_s8 checked that this CPU runs it */
+    while (take_rows(j.next, j.chunk, j.N, j.threads, &j.n0, &j.n1)) body(&j);
+    return NULL;
+}
+
+/* absmax / 127 of one row. The absolute values are compared as bit patterns (for finite floats the
+ * order is the same), so the loop is an integer max the compiler vectorizes without fast-math. */
+static float a8_row_scale(const void *x, int act, int64_t K) {
+    uint32_t amax = 0;
+    if (act) {
+        const uint32_t *u = (const uint32_t *)x;
+        for (int64_t k = 0; k < K; k++) {
+            const uint32_t a = u[k] & 0x7fffffffu;
+            amax = a > amax ? a : amax;
+        }
+    } else {
+        const uint16_t *h = (const uint16_t *)x;
+        for (int64_t k = 0; k < K; k++) {
+            const uint32_t a = ((uint32_t)h[k] << 16) & 0x7fffffffu;
+            amax = a > amax ? a : amax;
+        }
+    }
+    union { uint32_t u; float f; } c = {amax};
+    return c.f / 127.0f;
+}
+
+/* codes = clamp(rint(x / s), -127, 127), ties to even (torch.round); one plain loop per dtype. */
+static void a8_row_codes(const void *x, int act, int64_t K, float sc, int8_t *q) {
+    if (!(sc > 0.0f)) {  /* an all-zero row */
+        for (int64_t k = 0; k < K; k++) q[k] = 0;
+        return;
+    }
+    if (act) {
+        const float *f = (const float *)x;
+        for (int64_t k = 0; k < K; k++) {
+            const float v = nearbyintf(f[k] / sc);
+            q[k] = (int8_t)(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+        }
+    } else {
+        const uint16_t *h = (const uint16_t *)x;
+        for (int64_t k = 0; k < K; k++) {
+            const float v = nearbyintf(bf16_to_f32(h[k]) / sc);
+            q[k] = (int8_t)(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+        }
+    }
+}
+
+/* Per-row dynamic int8 quantization of x (M, K) (act: 0 bf16, 1 f32) into q (M, K) and scales s (M);
+ * nibble_order 1 (int4 weights): each block of 32 stored as its even k, then its odd k. */
+int lmf_quantize_s8(const void *x, int64_t act, int64_t M, int64_t K, int64_t nibble_order, int8_t *q, float *s) {
+    if (act < 0 || act > 1 || M < 0 || K < 0 || (nibble_order && K % 32)) return -1;
+    const size_t es = act ? 4 : 2;
+    for (int64_t m = 0; m < M; m++) {
+        const void *xr = (const char *)x + (size_t)(m * K) * es;
+        int8_t *qr = q + m * K;
+        s[m] = a8_row_scale(xr, (int)act, K);
+        a8_row_codes(xr, (int)act, K, s[m], qr);
+        if (nibble_order)
+            for (int64_t b = 0; b < K; b += 32) {
+                int8_t t[32];
+                memcpy(t, qr + b, 32);
+                for (int i = 0; i < 16; i++) {
+                    qr[b + i] = t[2 * i];
+                    qr[b + 16 + i] = t[2 * i + 1];
+                }
+            }
+    }
+    return 0;
+}
+
+/* out (M, N) float32 = the A8 product of quantized rows (q, xs) and int8 / int4 weights (w, ws (N, K / gs)).
+ * isa: a body (0..4, `A8_ISAS`) or -1 for the best. Returns 0; -1 for a shape it does not take (K % 32, int4 gs
+ * not a multiple of 32 dividing K, K >= 65536); -2 for a body this CPU or build does not have. */
+int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws, float *out, int64_t M, int64_t N,
+               int64_t K, int64_t bits, int64_t gs, int64_t threads, int64_t isa) {
+    if ((bits != 8 && bits != 4) || K % 32 || K >= 65536 || M < 1 || N < 1) return -1;
+    if (bits == 8 && gs <= 0) gs = K;  /* per channel; int8 groups of 32 or more (GGUF's Q8_0) as for int4 */
+    if (gs <= 0 || gs % 32 || K % gs) return -1;
+    if (isa < 0) isa = lmf_a8_best_isa();
+    if (isa >= A8_ISAS || !lmf_a8_isa_supported(isa)) return -2;
+    /* the 256-bit VNNI body hands int8 weights at 8 rows or more to the 512-bit one, which wins there (Zen 4,
+     * 2 threads: int8 g32 on the 300M's shapes, 4 rows 0.47 against 0.50 ms, 16 rows 1.78 against 1.87; a
+     * Q8_0 prompt of 100 tokens 308-329 against 360-617 ms); int4 stays on it at every batch */
+    if (isa == A8_AVX512_VNNI_256 && bits == 8 && M >= 8 && lmf_a8_isa_supported(A8_AVX512_VNNI)) isa = A8_AVX512_VNNI;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > N) threads = N;
+    int8_t *u = NULL;  /* the 512-bit body reads q + 128 (unsigned): converted once here */
+    if (isa == A8_AVX512_VNNI) {
+        if ((u = (int8_t *)malloc((size_t)(M * K))) == NULL) return -1;
+        for (int64_t i = 0; i < M * K; i++) u[i] = (int8_t)((uint8_t)q[i] ^ 0x80u);
+    }
+    float *qs = NULL;  /* the 256-bit int4 bodies multiply the stored nibbles (c + 8): 8 * sum(q) a group */
+    if (bits == 4 && (isa == A8_AVX2 || isa == A8_AVX_VNNI || isa == A8_AVX512_VNNI_256)) {
+        if ((qs = (float *)malloc((size_t)(M * (K / gs)) * sizeof(float))) == NULL) {
+            free(u);
+            return -1;
+        }
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t g = 0; g < K / gs; g++) {
+                int32_t sum = 0;
+                for (int64_t k = g * gs; k < (g + 1) * gs; k++) sum += q[m * K + k];
+                qs[m * (K / gs) + g] = 8.0f * (float)sum;
+            }
+    }
+    int64_t next = 0;
+    const int64_t chunk = chunk_rows(N, threads);
+    a8_job jobs[MAX_THREADS];
+    for (int64_t t = 0; t < threads; t++)
+        jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, qs, M, N, K, gs, bits, 0, 0, isa, K / gs, &next, chunk, threads};
+    run_jobs(a8_range, jobs, sizeof jobs[0], threads);
+    free(qs);
+    free(u);
+    return 0;
+}
+
+/* Quantize x (act: 0 bf16, 1 f32) and multiply: `lmf_quantize_s8` then `lmf_qmm_s8`, one call (the body
+ * first, so that Python binds it once with functools.partial). */
+int lmf_qmm_a8(int64_t isa, const void *x, int64_t act, const void *w, const float *ws, float *out, int64_t M,
+               int64_t N, int64_t K, int64_t bits, int64_t gs, int64_t threads) {
+    if (K % 32 || M < 1) return -1;
+    int8_t *q = (int8_t *)malloc((size_t)(M * K) + (size_t)M * sizeof(float));
+    if (q == NULL) return -1;
+    float *xs = (float *)(q + M * K);  /* M * K is a multiple of 32: aligned for float */
+    int rc = lmf_quantize_s8(x, act, M, K, bits == 4, q, xs);
+    if (rc == 0) rc = lmf_qmm_s8(q, xs, w, ws, out, M, N, K, bits, gs, threads, isa);
+    free(q);
+    return rc;
+}

@@ -1,0 +1,132 @@
+/* The 256-bit bodies of the int8-activation matmul (qmm_a8.c): one template, three instantiations, which differ
+ * only in their dot-product step:
+ *   avx2             _mm256_maddubs_epi16 + _mm256_madd_epi16 (Haswell, Zen 1-3)
+ *   avx_vnni         _mm256_dpbusd_avx_epi32, VEX (Alder Lake and later without AVX-512; compilers that know it)
+ *   avx512_vnni_256  _mm256_dpbusd_epi32, EVEX (AVX-512 VNNI + VL: the default on such a CPU)
+ * Each is compiled with its own target attribute on every x86 build; dispatch.c decides which this CPU runs.
+ */
+#include "common.h"
+
+#ifdef LMF_X86
+
+
+/* 256-bit bodies: one block of 32 codes a step, two steps (two dot chains a row) at a time. A macro,
+ * instantiated per ISA: the dot-product step DOT(acc, |c|, signed q) is the only difference. */
+#define A8_YMM_BODY(NAME, TARGET, DOT)                                                                      \
+__attribute__((target(TARGET), always_inline)) static inline __m256i NAME##_codes(const void *w, const int bits, \
+                                                                                 int64_t k) {               \
+    if (bits == 8) return _mm256_loadu_si256((const __m256i *)((const int8_t *)w + k));                     \
+    /* the block's 16 bytes in both halves (one load), the upper half shifted to its high nibbles */      \
+    const __m256i y = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((const uint8_t *)w + (k >> 1)))); \
+    return _mm256_and_si256(_mm256_srlv_epi64(y, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0F));    \
+}                                                                                                           \
+/* the dot step's unsigned operand: |c| (int8), or the stored nibble c + 8 itself (int4) */                 \
+__attribute__((target(TARGET), always_inline)) static inline __m256i NAME##_lhs(__m256i c, const int bits) { \
+    return bits == 8 ? _mm256_abs_epi8(c) : c;                                                              \
+}                                                                                                           \
+/* its signed operand: the activations with the weight's sign (int8), or as they are (int4) */              \
+__attribute__((target(TARGET), always_inline)) static inline __m256i NAME##_rhs(const int8_t *q, __m256i c,  \
+                                                                               const int bits) {            \
+    const __m256i x = _mm256_loadu_si256((const __m256i *)q);                                               \
+    return bits == 8 ? _mm256_sign_epi8(x, c) : x;                                                          \
+}                                                                                                           \
+__attribute__((target(TARGET), always_inline)) static inline __m256i NAME##_dot(__m256i acc, __m256i a, __m256i x) { \
+    DOT;                                                                                                    \
+}                                                                                                           \
+__attribute__((target(TARGET))) static inline float NAME##_hsum(__m256 v) {                                 \
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));                          \
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                                                 \
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));                                           \
+}                                                                                                           \
+__attribute__((target(TARGET), always_inline)) static inline void NAME##_rows(                              \
+        const a8_job *j, const void *w, const float *ws, const int8_t *q, const float *qs, float *total,       \
+        const int R, const int bits) {                                                                      \
+    const int64_t K = j->K, gs = j->gs, G = j->G;                                                           \
+    __m256 tf[A8_MAX_R];                                                                                    \
+    for (int r = 0; r < R; r++) tf[r] = _mm256_setzero_ps();                                                \
+    if (gs == 32) {  /* GGUF's Q8_0 / Q4_0: a scale a block; two blocks a step on two float chains a row */ \
+        __m256 tf2[A8_MAX_R];                                                                               \
+        for (int r = 0; r < R; r++) tf2[r] = _mm256_setzero_ps();                                           \
+        int64_t g = 0;                                                                                      \
+        for (; g + 2 <= G; g += 2) {                                                                        \
+            const int64_t k = g * 32;                                                                       \
+            const __m256i c = NAME##_codes(w, bits, k), a = NAME##_lhs(c, bits);                            \
+            const __m256i c2 = NAME##_codes(w, bits, k + 32), a2 = NAME##_lhs(c2, bits);                    \
+            const __m256 s = _mm256_set1_ps(ws[g]), s2 = _mm256_set1_ps(ws[g + 1]);                         \
+            for (int r = 0; r < R; r++) {                                                                   \
+                const __m256i d = NAME##_dot(_mm256_setzero_si256(), a, NAME##_rhs(q + r * K + k, c, bits));  \
+                const __m256i d2 = NAME##_dot(_mm256_setzero_si256(), a2,                                   \
+                                              NAME##_rhs(q + r * K + k + 32, c2, bits));                    \
+                tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, tf[r]);                                   \
+                tf2[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d2), s2, tf2[r]);                               \
+            }                                                                                               \
+        }                                                                                                   \
+        if (g < G) {                                                                                        \
+            const int64_t k = g * 32;                                                                       \
+            const __m256i c = NAME##_codes(w, bits, k), a = NAME##_lhs(c, bits);                            \
+            const __m256 s = _mm256_set1_ps(ws[g]);                                                         \
+            for (int r = 0; r < R; r++)                                                                     \
+                tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(NAME##_dot(_mm256_setzero_si256(), a,            \
+                                                                      NAME##_rhs(q + r * K + k, c, bits))), \
+                                        s, tf[r]);                                                          \
+        }                                                                                                   \
+        for (int r = 0; r < R; r++) tf[r] = _mm256_add_ps(tf[r], tf2[r]);                                   \
+    } else                                                                                                  \
+    for (int64_t g = 0; g < G; g++) {                                                                       \
+        __m256i acc[A8_MAX_R], acc2[A8_MAX_R];  /* two dot chains a row: even and odd blocks */            \
+        for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_si256();                              \
+        int64_t k = g * gs;                                                                                 \
+        const int64_t end = k + gs;                                                                         \
+        for (; k + 64 <= end; k += 64) {                                                                    \
+            const __m256i c = NAME##_codes(w, bits, k), a = NAME##_lhs(c, bits);                            \
+            const __m256i c2 = NAME##_codes(w, bits, k + 32), a2 = NAME##_lhs(c2, bits);                    \
+            for (int r = 0; r < R; r++) {                                                                   \
+                acc[r] = NAME##_dot(acc[r], a, NAME##_rhs(q + r * K + k, c, bits));                         \
+                acc2[r] = NAME##_dot(acc2[r], a2, NAME##_rhs(q + r * K + k + 32, c2, bits));                \
+            }                                                                                               \
+        }                                                                                                   \
+        if (k < end) {  /* an odd block left */                                                             \
+            const __m256i c = NAME##_codes(w, bits, k), a = NAME##_lhs(c, bits);                            \
+            for (int r = 0; r < R; r++) acc[r] = NAME##_dot(acc[r], a, NAME##_rhs(q + r * K + k, c, bits));  \
+        }                                                                                                   \
+        const __m256 sg = _mm256_set1_ps(ws[g]);                                                            \
+        for (int r = 0; r < R; r++)                                                                         \
+            tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[r], acc2[r])), sg, tf[r]);      \
+    }                                                                                                       \
+    float tail[A8_MAX_R] = {0};                                                                             \
+    if (bits == 4) {  /* the nibbles were c + 8: take 8 * sum(q) of each group back, scaled (qs = 8 sum q) */ \
+        int64_t g = 0;                                                                                      \
+        for (; g + 8 <= G; g += 8) {                                                                        \
+            const __m256 sv = _mm256_loadu_ps(ws + g);                                                      \
+            for (int r = 0; r < R; r++) tf[r] = _mm256_fnmadd_ps(sv, _mm256_loadu_ps(qs + r * G + g), tf[r]); \
+        }                                                                                                   \
+        for (; g < G; g++)                                                                                  \
+            for (int r = 0; r < R; r++) tail[r] += ws[g] * qs[r * G + g];                                   \
+    }                                                                                                       \
+    for (int r = 0; r < R; r++) total[r] = NAME##_hsum(tf[r]) - tail[r];                                    \
+}                                                                                                           \
+__attribute__((target(TARGET))) LMF_HIDDEN void a8_range_##NAME(const a8_job *j) {                          \
+    const int64_t K = j->K, G = j->G, row_bytes = j->bits == 8 ? K : K / 2;                                 \
+    for (int64_t n = j->n0; n < j->n1; n++) {                                                               \
+        const void *w = (const uint8_t *)j->w + n * row_bytes;                                              \
+        for (int64_t m0 = 0; m0 < j->M; m0 += A8_MAX_R) {                                                   \
+            const int R = j->M - m0 < A8_MAX_R ? (int)(j->M - m0) : A8_MAX_R;                               \
+            float total[A8_MAX_R];                                                                          \
+            A8_ROWS_SWITCH(NAME##_rows, R, j, w, j->ws + n * G, j->q + m0 * K, j->qs ? j->qs + m0 * G : NULL, total); \
+            for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r] * j->xs[m0 + r];             \
+        }                                                                                                   \
+    }                                                                                                       \
+}
+
+A8_YMM_BODY(avx2, "avx2,fma",
+            return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), _mm256_set1_epi16(1))))
+#if defined(LMF_AVXVNNI)
+A8_YMM_BODY(avxvnni, "avx2,fma,avxvnni", return _mm256_dpbusd_avx_epi32(acc, a, x))
+#endif
+/* The same 256-bit body on the EVEX form of vpdpbusd (AVX-512 VNNI + VL): on Zen 4, whose 512-bit
+ * operations are two 256-bit halves, it beats the 512-bit body (qmm_a8_avx512.c) at every batch for int4 and at
+ * batch 1-4 for int8 (the 300M's layer shapes, 2 threads: int4 g32 batch 1 0.21 against 0.39 ms,
+ * batch 64 6.4 against 7.8; int8 g32 batch 1 0.22 against 0.36, batch 16 1.87 against 1.78), so it is
+ * the default there; the 512-bit body stays for `LMFORGE_A8_ISA=avx512_vnni`. */
+A8_YMM_BODY(avx512vnni256, "avx2,fma,avx512vl,avx512vnni", return _mm256_dpbusd_epi32(acc, a, x))
+#endif
