@@ -25,7 +25,7 @@ from lmforge.bench import lora as bench_lora
 from lmforge.bench import parallel as pipeline_bench
 from lmforge.bench import quant as bench_quant
 from lmforge.bench import spec_decode as bench_spec_decode
-from lmforge.bench.short import shrink
+from lmforge.track.short import shrink
 from lmforge.config import ConfigError
 from lmforge.parallel.plots import plot_timeline
 from lmforge.parallel.simulate import simulate
@@ -188,6 +188,27 @@ def bench_data_cmd(
     result = run_bench(inputs=tuple(inputs or ["python-docs"]), workers=tuple(workers), repeats=repeats, out_dir=out)
     typer.echo(to_markdown(result))
     typer.echo(f"wrote {out / 'bench_data.json'} and bench_data.md")
+
+
+@app.command("load")
+def bench_load_cmd(
+    model: Annotated[str, typer.Argument(help="A .gguf file or a model folder, served as `lmforge serve MODEL`.")],
+    against: Annotated[Optional[str], typer.Option(help="A llama-server binary: the same file through it, "
+                                                        "alternating repeats.")] = None,
+    repeats: Annotated[int, typer.Option(help="Starts of each server (the median is reported).")] = 3,
+    threads: Annotated[Optional[int], typer.Option(help="llama-server -t (default: all cores).")] = None,
+    flag: Annotated[Optional[list[str]], typer.Option("--flag", help="Extra `lmforge serve` flag (repeat; "
+                                                                     "default: none, as a user runs it).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Folder for load.json and load.md.")] = None,
+) -> None:
+    """Seconds from exec to the first answered request, and peak resident memory, for `lmforge serve MODEL`
+    (and llama-server on the same file with --against)."""
+    from lmforge.bench.load import run  # deferred: psutil and the server helpers, for this verb
+
+    try:
+        run(model, against, repeats, threads, flag or [], out)
+    except (RuntimeError, FileNotFoundError) as e:
+        _exit(1, str(e))
 
 
 @app.command("scale")

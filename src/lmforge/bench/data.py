@@ -39,7 +39,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from lmforge.bench.short import short_mode, shrink
+from lmforge.track.short import short_mode, shrink
 from lmforge.data.boilerplate import line_keys, strip_boilerplate
 from lmforge.data.config import PrepareConfig
 from lmforge.data.contamination import ContaminationIndex

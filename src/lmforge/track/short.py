@@ -5,6 +5,8 @@ sequences), so a test can run what the README documents, as written, in seconds;
 short run prints are not figures to quote. Each runner shrinks its own sizes through `shrink`.
 
     LMFORGE_SHORT=1 lmforge bench spec-decode --out runs/spec
+
+In `track`, the bottom layer, so that any stage (training, eval, the benchmarks) can read it.
 """
 
 from __future__ import annotations
