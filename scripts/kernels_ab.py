@@ -82,7 +82,7 @@ def _alternate(names: list[str], run, repeats: int) -> dict[str, float]:
 
 
 @app.command()
-def attention(old_rev: str = typer.Option(..., help="The revision to compare against (its cpu_ops.c)."),
+def attention(old_rev: str = typer.Option(..., help="The revision to compare against (its kernels' C sources)."),
               contexts: str = "200,700,1400", repeats: int = 40, threads: int = 2,
               kv: str = typer.Option("float32", help="The pool's dtype: float32 or bfloat16."),
               seqs: int = 1) -> None:
@@ -116,7 +116,7 @@ def attention(old_rev: str = typer.Option(..., help="The revision to compare aga
 
 
 @app.command()
-def matmuls(old_rev: str = typer.Option(..., help="The revision to compare against (its cpu_ops.c)."),
+def matmuls(old_rev: str = typer.Option(..., help="The revision to compare against (its kernels' C sources)."),
             rows: str = "1,4,16", repeats: int = 12, threads: int = 2) -> None:
     """A decode step's 96 int4 g32 matmuls on int8 activations, ms and weight GB/s."""
     libs = _libraries(old_rev, threads)
