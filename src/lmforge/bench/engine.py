@@ -50,6 +50,7 @@ from lmforge.model.reference import save_hf_model
 from lmforge.perf.estimate import decode_ceiling
 from lmforge.quant import load_pretrained
 from lmforge.track.io import atomic_write_json, atomic_write_text
+from lmforge.track.short import short_mode, shrink
 
 from .report import loadavg, provenance
 
@@ -125,7 +126,14 @@ def _make_requests(workload: str, n: int, seed: int, vocab_size: int) -> list[Re
 
 
 def random_model(out: Path) -> Path:
-    """A random Llama, hidden 512, 8 layers, 8 heads, vocab 8192 (~29M parameters), built once."""
+    """A random Llama, hidden 512, 8 layers, 8 heads, vocab 8192 (~29M parameters), built once; under
+    LMFORGE_SHORT (CI) a ~0.3M one of the same shape family (hidden 64, 2 layers, vocab 512)."""
+    if short_mode():
+        path = out / "random-llama-short"
+        if not (path / "config.json").exists():
+            save_hf_model("llama", path, vocab_size=512, hidden_size=64, layers=2, num_attention_heads=4,
+                          num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=False)
+        return path
     path = out / "random-llama-30m"
     if not (path / "config.json").exists():
         save_hf_model("llama", path, vocab_size=8192, hidden_size=512, layers=8, num_attention_heads=8,
@@ -311,7 +319,11 @@ def run_hf_cb(model_dir: Path, dtype, reqs: list[Request], max_num_seqs: int) ->
     if not hasattr(model, "init_continuous_batching"):
         return {"system": "hf-cb", "skipped": f"transformers {transformers.__version__} has no continuous batching"}
     gen = transformers.GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=512)
-    cb = transformers.ContinuousBatchingConfig(max_requests_per_batch=max_num_seqs, auto_switch_to_flash=False)
+    # its cache is sized from free memory by default (22 s of zeroing on a 2-core box before the first token);
+    # a short run (LMFORGE_SHORT, CI) gives it the pages this workload needs
+    pages = {"num_blocks": sum(-(-(len(r.prompt) + r.output_len) // 256) for r in reqs) + 4} if short_mode() else {}
+    cb = transformers.ContinuousBatchingConfig(max_requests_per_batch=max_num_seqs, auto_switch_to_flash=False,
+                                               **pages)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     manager.start()
     try:
@@ -533,10 +545,12 @@ def bench_engine(
 ) -> None:
     """Engine throughput and latency against transformers (one at a time, continuous batching) and
     static batching, on the same requests; KV utilization; prefix-cache TTFT. Writes bench.json, bench.md."""
-    try:
-        cfg = BenchEngineConfig(model=str(model) if model else None, workload=workload, num_requests=num_requests,
-                                dtype=dtype, baselines=tuple(b.strip() for b in baselines.split(",") if b.strip()),
-                                hf_sequential_requests=hf_sequential_requests, static_batch_size=static_batch_size,
+    try:  # LMFORGE_SHORT (CI): 8 requests on the short random model, 2 of them through transformers
+        cfg = BenchEngineConfig(model=str(model) if model else None, workload=workload,
+                                num_requests=shrink(num_requests, 8), dtype=dtype,
+                                baselines=tuple(b.strip() for b in baselines.split(",") if b.strip()),
+                                hf_sequential_requests=shrink(hf_sequential_requests, 2),
+                                static_batch_size=static_batch_size,
                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 threads=threads, seed=seed, out=str(out), kv_cache_dtype=kv_cache_dtype,
                                 kv_cache_memory_bytes=kv_cache_memory_bytes, quant_activations=quant_activations)

@@ -35,6 +35,7 @@ from lmforge.engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
 from lmforge.model import Transformer
 from lmforge.train.lora import LoraConfig, apply_lora, merge_lora
 from lmforge.train.lora_adapter import save_adapter
+from lmforge.track.short import shrink
 
 from .engine import random_model
 from .report import emit, loadavg, provenance
@@ -141,6 +142,9 @@ def main(
     work = out or Path("runs/bench-lora")
     work.mkdir(parents=True, exist_ok=True)
     base = model or random_model(work)
+    # LMFORGE_SHORT (CI): 4 requests of 16 + 8 tokens, 2 at once, on the short random model
+    num_requests, prompt_len, max_tokens = shrink(num_requests, 4), shrink(prompt_len, 16), shrink(max_tokens, 8)
+    concurrency = shrink(concurrency, 2)
     paths = make_adapters(base, work, adapters, rank)
     report = dict(provenance=provenance(dtype), rank=rank)
     report.update(bench_run(base, paths, work / f"merged-r{rank}-0", rank, dtype, num_requests, prompt_len,

@@ -35,6 +35,8 @@ import typer
 
 from lmforge.engine import EngineConfig, LLMEngine, SamplingParams
 from lmforge.quant.quantize import QuantizeConfig, quantize_model
+from lmforge.track.progress import Progress
+from lmforge.track.short import shrink
 
 from .engine import random_model
 from .report import emit, loadavg, provenance
@@ -101,10 +103,14 @@ def bench_run(model: Path, draft: Path, dtype: str, k: int, num_requests: int, c
     for e in engines.values():  # warm-up: first-call costs (kernel loads, allocator) out of the timings
         run_system(e, make_prompts(WORKLOADS[0], 1, -1, vocab), 8, 1)
     rows = []
+    bar = Progress("bench spec-decode", total=len(WORKLOADS) * 2 * len(engines), unit="runs", heartbeat=True)
     for workload in WORKLOADS:
         for c, n in ((1, num_requests), (concurrency, concurrency)):
             prompts = make_prompts(workload, n, seed + c, vocab)
-            results = {name: run_system(e, prompts, max_tokens, c) for name, e in engines.items()}
+            results = {}
+            for name, e in engines.items():
+                results[name] = run_system(e, prompts, max_tokens, c)
+                bar.update(bar.done + 1, postfix=f"{workload}, concurrency {c}, {name}")
             base = results["plain"]
             for name, r in results.items():
                 r.update(workload=workload, concurrency=c, system=name, speedup=round(r["tok_s"] / base["tok_s"], 3),
@@ -112,6 +118,7 @@ def bench_run(model: Path, draft: Path, dtype: str, k: int, num_requests: int, c
             for r in results.values():
                 del r["outputs"]
                 rows.append(r)
+    bar.close()
     return dict(rows=rows, model=str(model), draft_model=str(draft), num_speculative_tokens=k, dtype=dtype,
                 max_tokens=max_tokens, num_requests_batch1=num_requests, concurrency=concurrency)
 
@@ -150,6 +157,8 @@ def main(
     target = model or random_model(work)
     draft = draft_model or default_draft(target, work)
     report = dict(provenance=provenance(dtype))
+    # LMFORGE_SHORT (CI): one request at batch 1, two at once, 16 tokens each, on the short random model
+    num_requests, concurrency, max_tokens = shrink(num_requests, 1), shrink(concurrency, 2), shrink(max_tokens, 16)
     report.update(bench_run(target, draft, dtype, num_speculative_tokens, num_requests, concurrency, max_tokens, seed))
     report["load_average_after"] = loadavg()
     report["command"] = "python -m lmforge.bench.spec_decode " + " ".join(sys.argv[1:])

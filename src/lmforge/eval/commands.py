@@ -29,6 +29,7 @@ from lmforge.eval.suites import make_perplexity_suite
 from lmforge.eval.user_tasks import load_any_suite, make_task_suite
 from lmforge.tasks.suite import SuiteError, builtin_names, load_suite, verify_builtin_suites
 from lmforge.track.run import RunExistsError
+from lmforge.track.short import shrink
 
 
 class _DefaultRun(TyperGroup):
@@ -88,8 +89,8 @@ def run(
     from rich.console import Console  # deferred: rich (~0.15 s) loads only when a verb prints
     from rich.table import Table
 
-
     refs = [r.strip() for s in (suite or []) for r in s.split(",") if r.strip()] or builtin_names()
+    limit = shrink(limit, 4)  # LMFORGE_SHORT (CI runs the documented commands): 4 items a suite
     out = out or Path("runs") / f"eval-{model_dir.resolve().name}"
     console = Console(stderr=True)
     try:

@@ -22,6 +22,7 @@ from typing import Any
 import typer
 
 from lmforge.config import ConfigError, load_config
+from lmforge.track.short import short_mode
 
 from .config import TrainConfig
 from .guards import TrainingDiverged
@@ -48,9 +49,18 @@ def run(cfg: Any, out: str | Path, resume: bool = False, overwrite: bool = False
 def main(config: str | None, overrides: list[str], out: str | None, resume: bool = False,
          overwrite: bool = False) -> dict[str, Any]:
     """`lmforge train CONFIG [KEY=VALUE ...]`: load and override the config, then `run` it."""
-    cfg = load_config(TrainConfig, config, overrides)
+    cfg = load_config(TrainConfig, config, [*overrides, *_short_overrides()])
     out = out or cfg.run.out or str(Path("runs") / Path(config).stem)
     return run(cfg, out, resume=resume, overwrite=overwrite)
+
+
+def _short_overrides() -> list[str]:
+    """LMFORGE_SHORT=1 (CI runs the documented commands): two steps, one evaluation batch, a checkpoint at
+    the end only; the config's model and data as given."""
+    if not short_mode():
+        return []
+    return ["train.max_steps=2", "train.warmup_steps=0", "train.eval_every=0", "train.eval_batches=1",
+            "train.ckpt_every=0"]
 
 
 _TRAIN_HELP = (
