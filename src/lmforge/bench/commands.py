@@ -25,7 +25,7 @@ from lmforge.bench import lora as bench_lora
 from lmforge.bench import parallel as pipeline_bench
 from lmforge.bench import quant as bench_quant
 from lmforge.bench import spec_decode as bench_spec_decode
-from lmforge.track.short import shrink
+from lmforge.track.short import short_mode, shrink
 from lmforge.config import ConfigError
 from lmforge.parallel.plots import plot_timeline
 from lmforge.parallel.simulate import simulate
@@ -168,8 +168,9 @@ def bench_soak(
 ) -> None:
     from lmforge.bench.soak import SoakConfig, run_soak  # deferred: httpx, psutil and the registry, for this verb
 
-    report = run_soak(SoakConfig(minutes, idle_minutes, concurrency, hostile, max_tokens,
-                                 str(model) if model else None, faults=faults), out)
+    # LMFORGE_SHORT (CI): 30 s under load with the same three faults (7.5 s apart), 3 s idle, 4 clients
+    report = run_soak(SoakConfig(shrink(minutes, 0.5), shrink(idle_minutes, 0.05), shrink(concurrency, 4), hostile,
+                                 shrink(max_tokens, 8), str(model) if model else None, faults=faults), out)
     ok = report["exchange_log"]["lost_outside_drop_counter"] == 0 and report["healthy_after"]
     raise typer.Exit(0 if ok else 1)
 
@@ -279,6 +280,8 @@ def bench_parallel(
     print, per cell, the formula's bubble, the simulator's (fed with each stage's measured times) and
     the measured one (idle / stage time from every action's timestamps), with the errors; then the
     all-reduce bytes per layer of tensor parallelism at each --tp degree."""
+    if short_mode():  # CI: two stages, one and two micro-batches, one timed step a cell
+        stages, microbatches, steps, tp = [min(stages)], [m for m in microbatches if m <= 2] or [1], 1, tp[:2]
     spec = pipeline_bench.BenchSpec(stages=tuple(stages), microbatches=tuple(microbatches),
                                      schedules=tuple(schedule), steps=steps, threads=threads)
     rd = RunDir(out, overwrite=overwrite)

@@ -41,6 +41,7 @@ from lmforge.engine.model_runner import PackedLinear, can_pack_linear
 from lmforge.perf.hardware import default_profile_path, load_profile
 from lmforge.quant import QuantScheme, quantize_rtn
 from lmforge.quant.linear import Int4Linear, Int8Linear, QmmLinear, QuantizedLinear
+from lmforge.track.short import short_mode, shrink
 
 SHAPES = ((512, 512), (512, 1376), (1376, 512), (512, 8192))  # (in, out), packed section
 ROWS = (1, 8, 32, 128)
@@ -49,7 +50,9 @@ BATCHES = (1, 4, 16, 64)
 
 
 def best_seconds(fn, calls: int = 50, repeats: int = 5) -> float:
-    """Seconds per call of `fn`: one warm-up call, then the best of `repeats` timings of `calls` calls."""
+    """Seconds per call of `fn`: one warm-up call, then the best of `repeats` timings of `calls` calls
+    (under LMFORGE_SHORT, CI: 2 calls once; the code runs, the figure is not one to quote)."""
+    calls, repeats = shrink(calls, 2), shrink(repeats, 1)
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -260,6 +263,8 @@ def main(
         raise typer.BadParameter(f"--batches {batches!r}: comma-separated integers, e.g. 1,4,16,64") from None
     if group_size <= 0 or group_size % 32:
         raise typer.BadParameter(f"--group-size {group_size}: a positive multiple of 32")
+    if short_mode():  # CI: the two smallest batches, a working set of 8 MB
+        rows, working_set_mb = tuple(sorted(rows)[:2]), min(working_set_mb, 8)
     run(out, quant, packed, rows, group_size, threads, working_set_mb)
 
 

@@ -42,6 +42,7 @@ import typer
 from lmforge.model.reference import save_hf_model
 from lmforge.quant import QuantScheme, quantize_rtn
 from lmforge.quant.linear import Int4Linear, Int8Linear, QmmLinear, QuantizedLinear
+from lmforge.track.short import shrink
 
 from .engine import make_requests
 from .linear import best_seconds
@@ -495,10 +496,13 @@ def bench_quant(
 ) -> None:
     """Dense vs W8A16 vs W4A16 (weight bytes, batch-1 and batch-32 decode, greedy agreement) and KV int8
     at a fixed budget, one run, same weights. Writes bench_quant.json and bench_quant.md."""
+    # LMFORGE_SHORT (CI): the same sections on a random model of hidden 128, 2 layers, 8 decode tokens, one repeat
     bench_quant_run(BenchQuantConfig(
-        model=str(model) if model else None, out=str(out), hidden=hidden, layers=layers, intermediate=intermediate,
-        vocab=vocab, group_size=group_size, decode_tokens=decode_tokens, repeats=repeats,
-        kv_budget_tokens=kv_budget_tokens, kv_requests=kv_requests, threads=threads, dtype=dtype, linears=linears,
+        model=str(model) if model else None, out=str(out), hidden=shrink(hidden, 128), layers=shrink(layers, 2),
+        intermediate=shrink(intermediate, 256), vocab=shrink(vocab, 512), group_size=shrink(group_size, 64),
+        decode_tokens=shrink(decode_tokens, 8), repeats=shrink(repeats, 1),
+        kv_budget_tokens=shrink(kv_budget_tokens, 512), kv_requests=shrink(kv_requests, 4), threads=threads,
+        dtype=dtype, linears=linears,
         lora_memory=lora_memory, inference=inference, lora_batch=lora_batch, lora_seq=lora_seq,
         lora_checkpointing=lora_checkpointing))
 

@@ -38,6 +38,7 @@ import psutil
 from lmforge.bench.report import emit, loadavg, provenance
 from lmforge.registry import Registry
 from lmforge.serve.testing import free_port, make_model_with_tokenizer, spawn_server, stop_server
+from lmforge.track.short import shrink
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 KEY, ADMIN_KEY = "soak-key", "soak-admin-key"
@@ -290,7 +291,7 @@ def run_soak(cfg: SoakConfig, out: Path | None) -> dict:
     events: list[dict] = []
     try:
         server = psutil.Process(proc.pid)
-        asyncio.run(_phase(url, 10, cfg, 0.0))  # warm-up: allocator, caches, kernels
+        asyncio.run(_phase(url, shrink(10, 2), cfg, 0.0))  # warm-up: allocator, caches, kernels
         rss_before, before = server.memory_info().rss, _metrics(url)
         stored_before = len(_stored_ids(db))
         idle = asyncio.run(_phase(url, 60 * cfg.idle_minutes, cfg, 0.0))
