@@ -31,6 +31,7 @@ import torch
 from lmforge.engine import LLM, SamplingParams
 from lmforge.engine.sampling_params import StructuredOutputsParams
 from lmforge.track.io import atomic_write_json, atomic_write_text
+from lmforge.track.short import shrink
 
 SCHEMA = {"type": "array", "items": {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12}, "count": {"type": "integer", "minimum": 0, "maximum": 9999},
@@ -109,6 +110,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     a = ap.parse_args()
+    # LMFORGE_SHORT (CI): 16 tokens, one round, batches of at most 4: the same arms, not figures to quote
+    a.tokens, a.rounds = shrink(a.tokens, 16), shrink(a.rounds, 1)
+    a.batch = ",".join(str(shrink(int(b), 4)) for b in a.batch.split(","))
     if a.threads:
         torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory() as tmp:

@@ -31,6 +31,7 @@ from pathlib import Path
 from lmforge.config import load_config
 from lmforge.engine import LLM, SamplingParams
 from lmforge.track.io import atomic_write_json, atomic_write_text
+from lmforge.track.short import shrink
 from lmforge.train.config import TrainConfig
 from lmforge.train.dpo import train_dpo
 from lmforge.train.export import export_run
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--beta", type=float, default=0.1)
     args = ap.parse_args(argv)
+    # LMFORGE_SHORT (CI): 16 pairs, 2 steps, 8 held-out prompts: the same run, not figures to quote
+    args.pairs, args.eval, args.steps = shrink(args.pairs, 16), shrink(args.eval, 8), shrink(args.steps, 2)
     args.out.mkdir(parents=True, exist_ok=True)
     model = args.model
     if model is None:
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     before = rule_rate(model, prompts)
     overrides = [f"model.init={model}", f"data.path={data}", f"train.max_steps={args.steps}", f"train.lr={args.lr}",
-                 "train.batch_size=8", "train.seq_len=64", "train.warmup_steps=5", "train.eval_every=0",
+                 "train.batch_size=8", "train.seq_len=64", f"train.warmup_steps={min(5, args.steps - 1)}", "train.eval_every=0",
                  "train.ckpt_every=0", "train.log_every=10", f"dpo.beta={args.beta}"]
     cfg = load_config(TrainConfig, ROOT / "configs" / "dpo.yaml", overrides)
     record = train_dpo(cfg, args.out / "run", overwrite=True)
