@@ -501,7 +501,7 @@ def bench_quant(
         model=str(model) if model else None, out=str(out), hidden=shrink(hidden, 128), layers=shrink(layers, 2),
         intermediate=shrink(intermediate, 256), vocab=shrink(vocab, 512), group_size=shrink(group_size, 64),
         decode_tokens=shrink(decode_tokens, 8), repeats=shrink(repeats, 1),
-        kv_budget_tokens=shrink(kv_budget_tokens, 512), kv_requests=shrink(kv_requests, 4), threads=threads,
+        kv_budget_tokens=shrink(kv_budget_tokens, 1024), kv_requests=shrink(kv_requests, 4), threads=threads,
         dtype=dtype, linears=linears,
         lora_memory=lora_memory, inference=inference, lora_batch=lora_batch, lora_seq=lora_seq,
         lora_checkpointing=lora_checkpointing))
