@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict
 
 from lmforge.parallel.launch import run_local
-from lmforge.parallel.parity import reference, tp_worker
+from lmforge.parallel.parity import Spec, reference, tp_worker
 from lmforge.parallel.probes import BenchSpec, bench_worker
 
 
