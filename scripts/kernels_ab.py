@@ -291,10 +291,10 @@ def _matmul_cases(compare: _Compare, rng: np.random.Generator, isas: list[int]) 
                     mm = (M, N, K, bits, gs, th)
                     for gr in (0, 6):
                         compare(f"qmm_f32 bits{bits} gs{gs} K{K} M{M} gemm_rows{gr}", lambda lib, b: lib.qmm_f32(
-                            *map(_ptr, (b["x"], b["w"], b["ws"], b["out"])), *mm, gr), bufs)
+                            *map(_ptr, (b["x"], b["w"], b["ws"], b["out"])), *mm, gr, None), bufs)
                     no_scales = bits >= 16 and M % 2  # float weights may come without scales
                     compare(f"gemm_f32 bits{bits} gs{gs} K{K} M{M}", lambda lib, b: lib.gemm_f32(
-                        _ptr(b["x"]), _ptr(b["w"]), None if no_scales else _ptr(b["ws"]), _ptr(b["out"]), *mm), bufs)
+                        _ptr(b["x"]), _ptr(b["w"]), None if no_scales else _ptr(b["ws"]), _ptr(b["out"]), *mm, None), bufs)
                     if bits > 8:
                         continue
                     for act in (0, 1):
@@ -305,11 +305,11 @@ def _matmul_cases(compare: _Compare, rng: np.random.Generator, isas: list[int]) 
                                                                _ptr(b["s"])), q)
                         for isa in (-1, *isas):
                             compare(f"qmm_a8 isa{isa} act{act} bits{bits} gs{gs} K{K} M{M}", lambda lib, b: lib.qmm_a8(
-                                isa, _ptr(b["x"]), act, *map(_ptr, (b["w"], b["ws"], b["out"])), *mm), dict(bufs, x=xa))
+                                isa, _ptr(b["x"]), act, *map(_ptr, (b["w"], b["ws"], b["out"])), *mm, None), dict(bufs, x=xa))
                     q = {"q": rng.integers(-127, 128, (M, K)).astype(np.int8), "s": rng.random(M, np.float32)}
                     for isa in (-1, *isas):
                         compare(f"qmm_s8 isa{isa} bits{bits} gs{gs} K{K} M{M}", lambda lib, b: lib.qmm_s8(
-                            *map(_ptr, (b["q"], b["s"], b["w"], b["ws"], b["out"])), *mm, isa), dict(bufs, **q))
+                            *map(_ptr, (b["q"], b["s"], b["w"], b["ws"], b["out"])), *mm, isa, None), dict(bufs, **q))
 
 
 def _layer_cases(compare: _Compare, rng: np.random.Generator, isas: list[int]) -> None:
@@ -334,10 +334,11 @@ def _layer_cases(compare: _Compare, rng: np.random.Generator, isas: list[int]) -
                         bufs[f"{layer}{pool}"] = (_bf16(rng, P * B, K, H) if kv == 0 else
                                                   rng.standard_normal((P * B, K, H), np.float32))
 
-                def params(b: dict[str, np.ndarray], layer: int) -> np.ndarray:  # lmf_decode_layer_q's p
-                    w = [_ptr(b[f"{layer}{n}{s}"]) for n in shapes for s in ("", "s")]
-                    return np.array([_ptr(b[f"{layer}in"]), _ptr(b[f"{layer}post"]), D, N, K, H, F, B, *w, bits, gs,
-                                     _ptr(b[f"{layer}kp"]), _ptr(b[f"{layer}vp"]), th, th, 2, kv], dtype=np.int64)
+                def params(b: dict[str, np.ndarray], layer: int) -> np.ndarray:  # lmf_decode_layer_q's p (since the
+                    # GGUF block types: per-linear formats; revisions before it read another layout)
+                    w = [v for n in shapes for v in (_ptr(b[f"{layer}{n}"]), _ptr(b[f"{layer}{n}s"]), 0, bits, gs, 2)]
+                    return np.array([_ptr(b[f"{layer}in"]), _ptr(b[f"{layer}post"]), D, N, K, H, F, B,
+                                     _ptr(b[f"{layer}kp"]), _ptr(b[f"{layer}vp"]), th, th, kv, 0, 0, *w], dtype=np.int64)
 
                 def run(lib: kernels.CpuKernels, b: dict[str, np.ndarray], stack: bool) -> int:
                     ps = [params(b, layer) for layer in range(L if stack else 1)]

@@ -191,10 +191,10 @@ def test_panel_gemm_is_the_float64_product_at_every_tail(bits):
         want = x.double() @ w.double().T
         for threads in (1, 2):
             out = torch.full((M, N), float("nan"))
-            assert lib.gemm_f32(x.data_ptr(), w.data_ptr(), None, out.data_ptr(), M, N, K, bits, 0, threads) == 0
+            assert lib.gemm_f32(x.data_ptr(), w.data_ptr(), None, out.data_ptr(), M, N, K, bits, 0, threads, None) == 0
             err = (out.double() - want).abs().max().item()
             assert err <= 1e-5 * max(want.abs().max().item(), 1.0), (M, N, K, threads, err)
     x, out = torch.randn(2, 8), torch.empty(2, 4)
     assert lib.gemm_f32(x.data_ptr(), torch.zeros(4, 8, dtype=torch.int8).data_ptr(), None, out.data_ptr(), 2, 4, 8, 8,
-                        0, 1) == -1  # int8 codes need their scales
-    assert lib.gemm_f32(x.data_ptr(), x.data_ptr(), None, out.data_ptr(), 2, 4, 8, 12, 0, 1) == -1  # no such bits
+                        0, 1, None) == -1  # int8 codes need their scales
+    assert lib.gemm_f32(x.data_ptr(), x.data_ptr(), None, out.data_ptr(), 2, 4, 8, 12, 0, 1, None) == -1  # no such bits

@@ -73,7 +73,7 @@ def test_c_layer_step_is_the_module_path_bit_for_bit(models, name, qa, kv, monke
     bf16_kv = qa == "int8" or name == "bf16" or kv == "bfloat16"
     assert runner.attn.kv.store_dtype == (torch.bfloat16 if bf16_kv else torch.float32)
     assert llm.llm_engine.config.kv_cache_dtype == ("bfloat16" if bf16_kv else "float32")
-    assert int(runner.model.model.layers[0].params[23]) == int(not bf16_kv)
+    assert int(runner.model.model.layers[0].params[12]) == int(not bf16_kv)  # the pool kind
     # the float32 model: its layers' linears are the weights themselves on lmf_qmm_f32 (bits 32), the head packed
     assert runner.f32_layer_linears == (3 * 4 if name == "src" else 0)
     if name == "src":
@@ -122,7 +122,7 @@ def test_c_layer_batch_on_the_panel_gemm_is_the_module_path_bit_for_bit(models, 
     layer = runner.model.model.layers[0]
     qkv = layer.layer.self_attn.qkv_proj
     want = QmmLinear.GEMM_MIN_ROWS[qkv.bits] if LIB.gemm_ok else 0
-    assert qkv.gemm_rows == want and int(layer.params[22]) == want
+    assert qkv.gemm_rows == want and int(layer.params[15 + 5]) == want  # the first linear's gemm_rows
     prompts = [[1, 2 + i, 7, 3 * i + 1] for i in range(14)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     calls = []

@@ -215,3 +215,37 @@ def test_corrupt_files_are_one_clear_error_naming_the_file(files, tmp_path):
             load_pretrained(bad, dtype="float32", device="cpu")
         assert str(bad) in str(e.value) and "\n" not in str(e.value), (what, str(e.value))
         assert "GGUF" in str(e.value), (what, str(e.value))
+
+
+@pytest.mark.skipif(LIB is None, reason="no C compiler: lmforge's CPU kernels are absent")
+@pytest.mark.parametrize("name", ["Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_block_types_run_on_every_kernel_body(name):
+    """Each block type on lmforge's kernels as the loader installs it: the A16 row kernel and the panel GEMM
+    equal a float64 matmul of the dequantized weight (float32 rounding only), and every int8-activation body
+    equals the portable one, which is within int8 activation error of the reference."""
+    qtype = gguf.GGMLQuantizationType[name]
+    N, K = 40, 512
+    g = UNPACK[qtype](_random_blocks(qtype, N, K, seed=1))
+    q = QuantizedLinear(K, N, g.scheme, scale_dtype=torch.float32)
+    q.qweight.copy_(torch.from_numpy(g.codes))
+    q.weight_scale.copy_(torch.from_numpy(g.scale))
+    if g.zero is not None:
+        q.weight_zero.copy_(torch.from_numpy(g.zero))
+    assert QmmLinear.supports(q, torch.device("cpu"), torch.float32)
+    torch.manual_seed(0)
+    w64 = torch.from_numpy(g.dequantize()).double()
+    for M in (1, 3, 24):  # decode rows on the row kernel; 24 rows on the panel GEMM (c_gemm)
+        x = torch.randn(M, K)
+        want = x.double() @ w64.T
+        tol = 1e-5 * want.abs().max().item()
+        for c_gemm in (False, True):
+            got = QmmLinear(q, torch.float32, qmm=LIB.qmm_f32, c_gemm=c_gemm)(x)
+            assert (got.double() - want).abs().max().item() <= tol, (M, c_gemm)
+        portable = QmmLinear(q, torch.float32, a8=LIB.a8("portable")).forward_a8(x)
+        assert (portable.double() - want).abs().max() < 0.03 * want.abs().max(), M  # int8 activations
+        for isa in LIB.a8_isas():
+            got = QmmLinear(q, torch.float32, a8=LIB.a8(isa)).forward_a8(x)
+            torch.testing.assert_close(got, portable, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    # the dequantized weight the bf16 prefill and the fallback use is the file's, up to the zero's rounding
+    layer = QmmLinear(q, torch.float32, qmm=LIB.qmm_f32)
+    assert (layer.dequantized().double() - w64).abs().max() <= 1e-6 * w64.abs().max()

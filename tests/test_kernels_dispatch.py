@@ -54,7 +54,8 @@ def test_portable_build_loads_and_names_plain_c():
     outs = []
     for matmul in (lib.a8(), LIB.a8("portable")):  # the same C body in both builds
         out = torch.empty(M, N)
-        assert matmul(x.data_ptr(), 1, codes.data_ptr(), scales.data_ptr(), out.data_ptr(), M, N, K, 8, 32, 2) == 0
+        assert matmul(x.data_ptr(), 1, codes.data_ptr(), scales.data_ptr(), out.data_ptr(), M, N, K, 8, 32, 2,
+                      None) == 0
         outs.append(out)
     assert torch.equal(*outs)
 

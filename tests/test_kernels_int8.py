@@ -46,7 +46,7 @@ def _qmm_s8(isa, q_MK, xs_M, w, ws_NG, N, bits, gs, threads=2) -> tuple[int, np.
     M, K = q_MK.shape
     out = np.full((M, N), np.nan, np.float32)
     rc = LIB.qmm_s8(q_MK.ctypes.data, xs_M.ctypes.data, w.ctypes.data, ws_NG.ctypes.data, out.ctypes.data,
-                    M, N, K, bits, gs, threads, kernels.A8_ISAS[isa])
+                    M, N, K, bits, gs, threads, kernels.A8_ISAS[isa], None)
     return rc, out
 
 
@@ -96,7 +96,7 @@ def test_every_weight_row_is_computed_once_whatever_the_split(threads):
         y = torch.full((M, N), float("nan"))
         w = torch.from_numpy(c.copy())
         assert LIB.qmm_f32(x.data_ptr(), w.data_ptr(), torch.ones(N).data_ptr(), y.data_ptr(), M, N, K, 8, 0,
-                           threads, 0) == 0
+                           threads, 0, None) == 0
         torch.testing.assert_close(y, x @ w.float().T, rtol=1e-4, atol=1e-3)  # outputs ~100: float32 sums
 
 
@@ -315,7 +315,7 @@ def test_bodies_are_chosen_at_run_time_not_compile_time(flags, tmp_path):
         out = np.zeros((3, 5), np.float32)
         assert lib.qmm_s8(_nibble_order(q).ctypes.data, np.ones(3, np.float32).ctypes.data, _pack4(c).ctypes.data,
                           np.ones((5, 8), np.float32).ctypes.data, out.ctypes.data, 3, 5, 256, 4, 32, 1,
-                          kernels.A8_ISAS[isa]) == 0
+                          kernels.A8_ISAS[isa], None) == 0
         assert np.array_equal(out.astype(np.int64), want), isa
 
 

@@ -1,5 +1,6 @@
 """A decoder layer of a decode step as one C call (`lmf_decode_layer_q`), for int8/int4-weight models on
-float32 activations (the GGUF Q8_0 / Q4_0 and w8a16 / w4a16 checkpoints a CPU user serves) and bf16
+float32 activations (the GGUF block types and w8a16 / w4a16 checkpoints a CPU user serves; each linear in its
+own format, so a Q4_K_M file's layers, which mix Q4_K and Q6_K, keep q, k and v apart) and bf16
 checkpoints in their float32-activation form on CPUs without bf16 units (`QmmLinear.from_bf16`, bits 16),
 and float32 models (`QmmLinear.from_f32`, bits 32: the weights as they are, up to 16 rows a step).
 
@@ -39,21 +40,35 @@ def _why_not(layer: DecoderLayer, backend) -> str | None:
         return "attention is not the C kernels on a float K/V pool"
     if backend.kv.store_dtype not in (torch.float32, torch.bfloat16):
         return "the K/V pool is neither float32 nor bfloat16"
-    if not (isinstance(attn, FusedAttention) and "qkv_proj" in attn._modules and attn.q_norm is None):
-        return "q/k/v are not one projection (or the model has q/k norms)"
-    if not (isinstance(mlp, FusedMLP) and "gate_up_proj" in mlp._modules):
-        return "gate/up are not one projection"
+    if not (isinstance(attn, FusedAttention) and attn.q_norm is None):
+        return "the attention block is not the fused one (or the model has q/k norms)"
+    if not isinstance(mlp, FusedMLP):
+        return "the MLP is not the fused one"
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if not all(isinstance(n, FusedRMSNorm) and n.weight.dtype == torch.float32 for n in norms):
         return "the norms are not the float32 C kernel"
     if norms[0].variance_epsilon != norms[1].variance_epsilon:
         return "the two norms differ in eps"
-    lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    lins = _linears(layer)
     if not all(isinstance(m, QmmLinear) and m.bias is None and (m.a8 is not None or m.qmm is not None) for m in lins):
         return "the linears are not lmforge's int8/int4/bf16/float32-weight kernels without bias"
-    if len({(m.bits, _kernel_gs(m), m.threads, m.a8 is None) for m in lins}) > 1:
-        return "the four linears differ in bits, groups, threads or activation kind"
+    if len({(m.threads, m.a8 is None, m.a8.isa if m.a8 is not None else None) for m in lins}) > 1:
+        return "the linears differ in threads or activation kind"
     return None
+
+
+def _linears(layer: DecoderLayer) -> list[nn.Module]:
+    """The layer's matmuls in `lmf_decode_layer_q`'s order: qkv (or q, k, v), o, gate_up (or gate, up), down. A
+    GGUF file may give a layer's projections different formats (a Q4_K_M file's v in Q6_K), so they stay apart."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = [attn.qkv_proj] if "qkv_proj" in attn._modules else [attn.q_proj, attn.k_proj, attn.v_proj]
+    gu = [mlp.gate_up_proj] if "gate_up_proj" in mlp._modules else [mlp.gate_proj, mlp.up_proj]
+    return [*qkv, attn.o_proj, *gu, mlp.down_proj]
+
+
+def _linear_params(m: QmmLinear) -> list[int]:
+    """A linear's LIN values of the parameter array: codes, scales, zero offsets (0: none), bits, gs, gemm_rows."""
+    return [m.codes.data_ptr(), m.scale.data_ptr(), m.zero_ptr or 0, m.bits, _kernel_gs(m), m.gemm_rows]
 
 
 def _kernel_gs(m: QmmLinear) -> int:
@@ -73,19 +88,22 @@ class CDecodeLayer(nn.Module):
         super().__init__()
         self.layer, self.backend, self.lib = layer, backend, lib
         attn, mlp = layer.self_attn, layer.mlp
-        qkv, o, gu, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
-        self.isa = A8_ISAS[qkv.a8.isa] if qkv.a8 is not None else -1
-        self.max_rows = QmmLinear.A8_MAX_ROWS if qkv.a8 is not None else qkv.MAX_ROWS  # bits 32: its own
-        if qkv.bf16_rows:  # steps that reach oneDNN's bf16 GEMM take the module path
-            self.max_rows = min(self.max_rows, qkv.bf16_rows - 1)
+        lins = _linears(layer)
+        first, down = lins[0], lins[-1]
+        self.isa = A8_ISAS[first.a8.isa] if first.a8 is not None else -1
+        # the most rows every linear takes on its C kernel (A8's cap, or each A16 layer's own; bits 32: its own);
+        # steps that would reach oneDNN's bf16 GEMM take the module path
+        self.max_rows = min(QmmLinear.A8_MAX_ROWS if m.a8 is not None else m.MAX_ROWS for m in lins)
+        self.max_rows = min([self.max_rows] + [m.bf16_rows - 1 for m in lins if m.bf16_rows])
         k_pool, v_pool = backend.kv.rows(attn.layer_idx)
         self.layer_idx, self.eps, self.scale = attn.layer_idx, layer.input_layernorm.variance_epsilon, attn.head_dim ** -0.5
-        p = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), o.N,
+        p = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), attn.o_proj.N,
              attn.n_heads, attn.n_kv_heads, attn.head_dim, down.K, backend.kv.block_size,
-             qkv.codes.data_ptr(), qkv.scale.data_ptr(), o.codes.data_ptr(), o.scale.data_ptr(),
-             gu.codes.data_ptr(), gu.scale.data_ptr(), down.codes.data_ptr(), down.scale.data_ptr(),
-             qkv.bits, _kernel_gs(qkv), k_pool.data_ptr(), v_pool.data_ptr(), qkv.threads, torch.get_num_threads(),
-             qkv.gemm_rows, int(k_pool.dtype == torch.float32)]
+             k_pool.data_ptr(), v_pool.data_ptr(), first.threads, torch.get_num_threads(),
+             int(k_pool.dtype == torch.float32), int("qkv_proj" not in attn._modules),
+             int("gate_up_proj" not in mlp._modules)]
+        for m in lins:
+            p += _linear_params(m)
         self.params = torch.tensor(p, dtype=torch.int64)  # kept alive: the C call reads it every step
 
     def forward(self, x_BTD: torch.Tensor, cos_BTH, sin_BTH, attn) -> torch.Tensor:

@@ -207,9 +207,12 @@ class ModelRunner:
                                    p.dtype, p.device, reference, lib, kv_cache_dtype)
         self.attention_backend = self.attn.name
         # all-decode steps on float32 activations (int8/int4, bf16 or float32 weights): a layer a C call
-        # (engine.decode_layer)
-        self.decode_layers, self.decode_layers_why = decode_layer.install(model, self.attn, lib) if not reference \
-            else (0, "reference mode")
+        # (engine.decode_layer); not where the linears are wrapped later (LoRA) or sharded (tensor parallel): the
+        # same cases that keep q/k/v and gate/up apart (`fuse_projections` False)
+        self.decode_layers, self.decode_layers_why = (
+            (0, "reference mode") if reference else
+            (0, "LoRA or tensor parallelism wraps the linears") if not fuse_projections else
+            decode_layer.install(model, self.attn, lib))
         self.timings = {"prepare": 0.0, "forward": 0.0}  # seconds, cumulative
 
     def _swap_modules(self, lib: kernels.CpuKernels | None, reference: bool, pack_weights: bool,

@@ -132,13 +132,15 @@ class Int4Linear(_Bf16Kernel):
 
 
 def _kernel_layout(q: QuantizedLinear) -> bool:
-    """Whether lmforge's kernels take the layer's codes: int8 per channel, or int8 (5- and 6-bit codes held
-    in int8 too) / int4 in groups that are a multiple of 32; symmetric."""
-    gs = q.scheme.group_size
-    if q.scheme.zero_point:
+    """Whether lmforge's kernels take the layer's codes: int8 per channel; int8 (5- and 6-bit codes held in
+    int8 too) or int4 in groups that are a multiple of 32, with or without zero offsets; int8 in symmetric
+    groups of 16 (GGUF's Q6_K)."""
+    gs, zp, bits = q.scheme.group_size, q.scheme.zero_point, q.scheme.storage_bits
+    if gs is None:
+        return bits == 8 and not zp
+    if q.in_features % gs:
         return False
-    return (q.scheme.storage_bits == 8 and gs is None or
-            gs is not None and gs % 32 == 0 and q.in_features % gs == 0)
+    return gs % 32 == 0 or (gs == 16 and bits == 8 and not zp and q.in_features % 32 == 0)
 
 
 def _kernel_threads() -> int:
@@ -196,12 +198,17 @@ class QmmLinear(nn.Module):
         self.prefill_bf16 = prefill_bf16 and a8 is not None
         self.N, self.K = q.out_features, q.in_features
         self.gs = q.scheme.group_size or q.in_features
-        codes = q.qweight.contiguous()
-        if self.bits == 4:  # two codes a byte, low nibble = even k, unsigned (code + 8)
-            u = (codes.to(torch.int16) + 8).to(torch.uint8)
+        codes, zero = q.qweight.contiguous(), getattr(q, "weight_zero", None)
+        if self.bits == 4:  # two codes a byte, low nibble = even k, unsigned: code + 8 (a zero-point code as it is)
+            u = codes.to(torch.uint8) if zero is not None else (codes.to(torch.int16) + 8).to(torch.uint8)
             codes = (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
         self.register_buffer("codes", codes, persistent=False)
         self.register_buffer("scale", q.weight_scale.float().contiguous(), persistent=False)  # (N, G)
+        # zero offsets in the kernels' terms, w = scale * code + zero, where the kernels read an int4 code as
+        # nibble - 8: a zero-point nibble u gives scale * u + zero = scale * (u - 8) + (zero + 8 * scale)
+        if zero is not None:
+            zero = (zero.float() + 8 * self.scale if self.bits == 4 else zero.float()).contiguous()
+        self.register_buffer("zero", zero, persistent=False)  # (N, G) or None
         self.bias = None if q.bias is None else q.bias.detach().float()
         self.threads = _kernel_threads()
         self.c_gemm = c_gemm and qmm is not None
@@ -223,6 +230,7 @@ class QmmLinear(nn.Module):
         codes = w.contiguous()  # bf16: its bits as int16; float32: the weight itself, no copy
         self.register_buffer("codes", codes.view(torch.int16) if bits == 16 else codes, persistent=False)
         self.register_buffer("scale", torch.ones(self.N, 1), persistent=False)
+        self.register_buffer("zero", None, persistent=False)
         self.bias = None if linear.bias is None else linear.bias.detach().float()
         self.threads = _kernel_threads()
         return self
@@ -271,7 +279,8 @@ class QmmLinear(nn.Module):
         if K % 32 or K >= 65536:
             return f"needs in_features a multiple of 32 below 65536, not {K}"
         if not _kernel_layout(q):
-            return f"takes int8 per channel or int8/int4 with groups a multiple of 32, not {q.scheme.name} group {gs}"
+            return (f"takes int8 per channel, int8/int4 in groups a multiple of 32, or int8 in groups of 16, not "
+                    f"{q.scheme.name} group {gs}")
         return None
 
     @property
@@ -301,7 +310,15 @@ class QmmLinear(nn.Module):
             pairs[..., 0].copy_(self.codes & 0x0F)
             pairs[..., 1].copy_(self.codes >> 4)
             w_NK.sub_(8)
-        return scale_groups_(w_NK, self.scale)
+        scale_groups_(w_NK, self.scale)
+        if self.zero is not None:
+            w_NK.view(self.N, self.zero.shape[1], -1).add_(self.zero[..., None])
+        return w_NK
+
+    @property
+    def zero_ptr(self) -> int | None:
+        """The zero offsets' address for the kernels' trailing argument (None: NULL, symmetric codes)."""
+        return None if self.zero is None else self.zero.data_ptr()
 
     def forward_a8(self, x_MK: torch.Tensor, a8=None) -> torch.Tensor:
         """(M, N) float32 from (M, K) float32 or bfloat16 rows, int8 activations (M <= A8_MAX_ROWS);
@@ -309,7 +326,7 @@ class QmmLinear(nn.Module):
         M, a8 = x_MK.shape[0], a8 or self.a8
         out_MN = torch.empty(M, self.N)
         rc = a8(x_MK.data_ptr(), int(x_MK.dtype == torch.float32), self.codes.data_ptr(), self.scale.data_ptr(),
-                out_MN.data_ptr(), M, self.N, self.K, self.bits, self.gs, self.threads)
+                out_MN.data_ptr(), M, self.N, self.K, self.bits, self.gs, self.threads, self.zero_ptr)
         if rc != 0:
             raise RuntimeError(f"lmf_qmm_a8 ({a8.isa}) refused {self.N}x{self.K} int{self.bits} group {self.gs}")
         return out_MN
@@ -344,7 +361,7 @@ class QmmLinear(nn.Module):
         else:
             out_MN = torch.empty(M, self.N)
             rc = self.qmm(x_MK.data_ptr(), self.codes.data_ptr(), self.scale.data_ptr(), out_MN.data_ptr(),
-                          M, self.N, self.K, self.bits, self.gs, self.threads, self.gemm_rows)
+                          M, self.N, self.K, self.bits, self.gs, self.threads, self.gemm_rows, self.zero_ptr)
             if rc != 0:
                 raise RuntimeError(f"lmf_qmm_f32 refused {self.N}x{self.K} int{self.bits} group {self.gs}")
             if self.bias is not None:

@@ -240,12 +240,13 @@ def _bind(path: Path) -> CpuKernels:
     write_int8 = lib.lmf_write_kv_int8
     write_int8.restype, write_int8.argtypes = ctypes.c_int, [P, P, P, I64, I64, I64, I64, P, P, P, P]
     qmm = lib.lmf_qmm_f32
-    qmm.restype, qmm.argtypes = ctypes.c_int, [P, P, P, P, I64, I64, I64, I64, I64, I64, I64]
-    a8 = {"qmm_a8": ("lmf_qmm_a8", [I64, P, I64, P, P, P, I64, I64, I64, I64, I64, I64]),
-          "qmm_s8": ("lmf_qmm_s8", [P, P, P, P, P, I64, I64, I64, I64, I64, I64, I64]),
+    # the trailing pointer of the matmuls: zero offsets (N, G) or None (NULL); a library older than them ignores it
+    qmm.restype, qmm.argtypes = ctypes.c_int, [P, P, P, P, I64, I64, I64, I64, I64, I64, I64, P]
+    a8 = {"qmm_a8": ("lmf_qmm_a8", [I64, P, I64, P, P, P, I64, I64, I64, I64, I64, I64, P]),
+          "qmm_s8": ("lmf_qmm_s8", [P, P, P, P, P, I64, I64, I64, I64, I64, I64, I64, P]),
           "quantize_s8": ("lmf_quantize_s8", [P, I64, I64, I64, I64, P, P]),
           "a8_isa_supported": ("lmf_a8_isa_supported", [I64]),
-          "gemm_f32": ("lmf_gemm_f32", [P, P, P, P, I64, I64, I64, I64, I64, I64]),
+          "gemm_f32": ("lmf_gemm_f32", [P, P, P, P, I64, I64, I64, I64, I64, I64, P]),
           "decode_layer_q": ("lmf_decode_layer_q", [I64, P, P, I64, P, P, P, P, I64, P, P, I64, ctypes.c_float,
                                                     ctypes.c_float]),
           "decode_stack_q": ("lmf_decode_stack_q", [I64, I64, P, P, I64, P, P, P, P, I64, P, P, I64, ctypes.c_float,
@@ -258,7 +259,7 @@ def _bind(path: Path) -> CpuKernels:
         fns[field] = fn
     one = (ctypes.c_float * 1)(1.0)
     # -1: no AVX2 + FMA body in this build (and no lmf_gemm_f32 at all in an older revision's)
-    gemm_ok = "gemm_f32" in fns and fns["gemm_f32"](one, one, None, one, 1, 1, 1, 32, 0, 1) == 0
+    gemm_ok = "gemm_f32" in fns and fns["gemm_f32"](one, one, None, one, 1, 1, 1, 32, 0, 1, None) == 0
     chosen = getattr(lib, "lmf_kernels_chosen", None)  # None: an older revision's build (the A/B scripts)
     bodies = {}
     if chosen is not None:

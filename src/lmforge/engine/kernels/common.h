@@ -214,7 +214,8 @@ enum { A8_PORTABLE = 0, A8_AVX2 = 1, A8_AVX_VNNI = 2, A8_AVX512_VNNI = 3, A8_AVX
 
 typedef struct {
     const int8_t *q; const float *xs; const void *w; const float *ws; float *out;
-    const float *qs;  /* int4 on the 256-bit bodies: 8 * sum(q) of each group, (M, G); else NULL */
+    const float *qs;  /* sum(q) of each group, (M, G): int4 on the 256-bit bodies, and with `wz`; else NULL */
+    const float *wz;  /* zero offsets (N, G): w = scale * code + zero (GGUF's Q4_1, Q5_1, Q4_K, Q5_K); or NULL */
     int64_t M, N, K, gs, bits, n0, n1, isa, G;  /* G = K / gs groups a row */
     int64_t *next, chunk, threads;  /* shared by the threads: the next chunk of weight rows (a8_range, take_rows) */
 } a8_job;
@@ -288,15 +289,15 @@ void lmf_rope_f32(float *x, const float *cos, const float *sin, int64_t T, int64
 void lmf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n);
 /* qmm_f32.c, gemm_f32.c */
 int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
-                int64_t bits, int64_t gs, int64_t threads, int64_t gemm_rows);
+                int64_t bits, int64_t gs, int64_t threads, int64_t gemm_rows, const float *zero);
 int lmf_gemm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
-                 int64_t bits, int64_t gs, int64_t threads);
+                 int64_t bits, int64_t gs, int64_t threads, const float *zero);
 /* qmm_a8.c */
 int lmf_quantize_s8(const void *x, int64_t act, int64_t M, int64_t K, int64_t nibble_order, int8_t *q, float *s);
 int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws, float *out, int64_t M, int64_t N,
-               int64_t K, int64_t bits, int64_t gs, int64_t threads, int64_t isa);
+               int64_t K, int64_t bits, int64_t gs, int64_t threads, int64_t isa, const float *zero);
 int lmf_qmm_a8(int64_t isa, const void *x, int64_t act, const void *w, const float *ws, float *out, int64_t M,
-               int64_t N, int64_t K, int64_t bits, int64_t gs, int64_t threads);
+               int64_t N, int64_t K, int64_t bits, int64_t gs, int64_t threads, const float *zero);
 /* decode_layer.c */
 int lmf_decode_layer_q(int64_t isa, const int64_t *p, float *x, int64_t M, const float *cos, const float *sin,
                        const int64_t *slots, const int32_t *tables, int64_t tables_M, const int32_t *lens,

@@ -29,6 +29,13 @@
  * of each group is computed once a call (`qs`) and taken back, scaled, at a row's end. No abs, sign
  * or subtract a block.
  * Rows: each weight row is read from memory once and used for all M activation rows, 4 at a time.
+ *
+ * GGUF's block types (`lmforge.quant.gguf_types`) add two forms. Zero offsets `zero` (N, G), w = scale * code + zero
+ * (Q4_1, Q5_1, Q4_K, Q5_K): out gains s[m] * sum_g zero[n, g] * sum(q in g), llama.cpp's q8_1 precedent (its
+ * blocks carry the activations' sum for the minimum's term); the sums are `qs`, one per group, and the 256-bit
+ * int4 bodies fold their own - 8 * scale into the same term. Groups of 16 for int8 codes (Q6_K): a block of 32
+ * codes takes two scales, one per half of the dot product's lanes (256-bit bodies; the 512-bit body hands them
+ * to the 256-bit one).
  */
 #include "common.h"
 
@@ -43,8 +50,15 @@ static void a8_unpack4(const uint8_t *w, int64_t K, int8_t *out) {
 }
 
 /* Plain C: int4 rows are unpacked once a weight row, then every group is one loop the compiler
- * vectorizes for the target, as for int8. */
-LMF_HIDDEN void a8_range_portable(const a8_job *j) {
+ * vectorizes for the target, as for int8. Its float arithmetic is never contracted into fused multiply-adds,
+ * so the reference gives the same bits whatever else the file holds (GCC contracts across statements, and
+ * whether it does changed with the zero offsets' branch). */
+#if defined(__GNUC__) && !defined(__clang__)
+#define LMF_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define LMF_NO_CONTRACT
+#endif
+LMF_NO_CONTRACT LMF_HIDDEN void a8_range_portable(const a8_job *j) {
     const int64_t K = j->K, gs = j->gs, G = K / gs, row_bytes = j->bits == 8 ? K : K / 2;
     int8_t unpacked[j->bits == 4 ? K : 1];
     for (int64_t n = j->n0; n < j->n1; n++) {
@@ -57,9 +71,18 @@ LMF_HIDDEN void a8_range_portable(const a8_job *j) {
             const int8_t *q = j->q + m * K;
             float total = 0.0f;
             for (int64_t g = 0; g < G; g++) {
-                int32_t dot = 0;
-                for (int64_t k = g * gs; k < (g + 1) * gs; k++) dot += (int32_t)q[k] * c[k];
-                total += (float)dot * j->ws[n * G + g];
+                int32_t dot = 0, sum = 0;
+                for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
+                    dot += (int32_t)q[k] * c[k];
+                    sum += q[k];
+                }
+                /* a product, then a sum, each rounded (no fused multiply-add: see LMF_NO_CONTRACT) */
+                const float scaled = (float)dot * j->ws[n * G + g];
+                total += scaled;
+                if (j->wz) {  /* zero offsets: + zero * sum(q) */
+                    const float shifted = j->wz[n * G + g] * (float)sum;
+                    total += shifted;
+                }
             }
             j->out[m * j->N + n] = total * j->xs[m];
         }
@@ -142,16 +165,20 @@ int lmf_quantize_s8(const void *x, int64_t act, int64_t M, int64_t K, int64_t ni
  * isa: a body (0..4, `A8_ISAS`) or -1 for the best. Returns 0; -1 for a shape it does not take (K % 32, int4 gs
  * not a multiple of 32 dividing K, K >= 65536); -2 for a body this CPU or build does not have. */
 int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws, float *out, int64_t M, int64_t N,
-               int64_t K, int64_t bits, int64_t gs, int64_t threads, int64_t isa) {
+               int64_t K, int64_t bits, int64_t gs, int64_t threads, int64_t isa, const float *zero) {
     if ((bits != 8 && bits != 4) || K % 32 || K >= 65536 || M < 1 || N < 1) return -1;
     if (bits == 8 && gs <= 0) gs = K;  /* per channel; int8 groups of 32 or more (GGUF's Q8_0) as for int4 */
-    if (gs <= 0 || gs % 32 || K % gs) return -1;
+    const int g16 = bits == 8 && gs == 16 && zero == NULL;  /* GGUF's Q6_K: int8 codes, a scale per 16 */
+    if (gs <= 0 || (gs % 32 && !g16) || K % gs) return -1;
     if (isa < 0) isa = lmf_a8_best_isa();
     if (isa >= A8_ISAS || !lmf_a8_isa_supported(isa)) return -2;
+    if (isa == A8_AVX512_VNNI && g16)  /* its steps are 64 codes: groups of 16 run on the 256-bit body */
+        isa = lmf_a8_isa_supported(A8_AVX512_VNNI_256) ? A8_AVX512_VNNI_256 : A8_PORTABLE;
     /* the 256-bit VNNI body hands int8 weights at 8 rows or more to the 512-bit one, which wins there (Zen 4,
      * 2 threads: int8 g32 on the 300M's shapes, 4 rows 0.47 against 0.50 ms, 16 rows 1.78 against 1.87; a
      * Q8_0 prompt of 100 tokens 308-329 against 360-617 ms); int4 stays on it at every batch */
-    if (isa == A8_AVX512_VNNI_256 && bits == 8 && M >= 8 && lmf_a8_isa_supported(A8_AVX512_VNNI)) isa = A8_AVX512_VNNI;
+    if (isa == A8_AVX512_VNNI_256 && bits == 8 && M >= 8 && !g16 && lmf_a8_isa_supported(A8_AVX512_VNNI))
+        isa = A8_AVX512_VNNI;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > N) threads = N;
@@ -160,8 +187,11 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
         if ((u = (int8_t *)malloc((size_t)(M * K))) == NULL) return -1;
         for (int64_t i = 0; i < M * K; i++) u[i] = (int8_t)((uint8_t)q[i] ^ 0x80u);
     }
-    float *qs = NULL;  /* the 256-bit int4 bodies multiply the stored nibbles (c + 8): 8 * sum(q) a group */
-    if (bits == 4 && (isa == A8_AVX2 || isa == A8_AVX_VNNI || isa == A8_AVX512_VNNI_256)) {
+    /* sum(q) a group: the 256-bit int4 bodies multiply the stored nibbles (c + 8) and take 8 * sum(q) back; zero
+     * offsets add zero * sum(q) (the portable body sums as it goes) */
+    float *qs = NULL;
+    if ((bits == 4 && (isa == A8_AVX2 || isa == A8_AVX_VNNI || isa == A8_AVX512_VNNI_256))
+        || (zero != NULL && isa != A8_PORTABLE)) {
         if ((qs = (float *)malloc((size_t)(M * (K / gs)) * sizeof(float))) == NULL) {
             free(u);
             return -1;
@@ -170,14 +200,15 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
             for (int64_t g = 0; g < K / gs; g++) {
                 int32_t sum = 0;
                 for (int64_t k = g * gs; k < (g + 1) * gs; k++) sum += q[m * K + k];
-                qs[m * (K / gs) + g] = 8.0f * (float)sum;
+                qs[m * (K / gs) + g] = (float)sum;
             }
     }
     int64_t next = 0;
     const int64_t chunk = chunk_rows(N, threads);
     a8_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, qs, M, N, K, gs, bits, 0, 0, isa, K / gs, &next, chunk, threads};
+        jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, qs, zero, M, N, K, gs, bits, 0, 0, isa, K / gs, &next, chunk,
+                           threads};
     run_jobs(a8_range, jobs, sizeof jobs[0], threads);
     free(qs);
     free(u);
@@ -187,13 +218,13 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
 /* Quantize x (act: 0 bf16, 1 f32) and multiply: `lmf_quantize_s8` then `lmf_qmm_s8`, one call (the body
  * first, so that Python binds it once with functools.partial). */
 int lmf_qmm_a8(int64_t isa, const void *x, int64_t act, const void *w, const float *ws, float *out, int64_t M,
-               int64_t N, int64_t K, int64_t bits, int64_t gs, int64_t threads) {
+               int64_t N, int64_t K, int64_t bits, int64_t gs, int64_t threads, const float *zero) {
     if (K % 32 || M < 1) return -1;
     int8_t *q = (int8_t *)malloc((size_t)(M * K) + (size_t)M * sizeof(float));
     if (q == NULL) return -1;
     float *xs = (float *)(q + M * K);  /* M * K is a multiple of 32: aligned for float */
     int rc = lmf_quantize_s8(x, act, M, K, bits == 4, q, xs);
-    if (rc == 0) rc = lmf_qmm_s8(q, xs, w, ws, out, M, N, K, bits, gs, threads, isa);
+    if (rc == 0) rc = lmf_qmm_s8(q, xs, w, ws, out, M, N, K, bits, gs, threads, isa, zero);
     free(q);
     return rc;
 }

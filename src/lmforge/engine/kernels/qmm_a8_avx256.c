@@ -38,21 +38,29 @@ __attribute__((target(TARGET))) static inline float NAME##_hsum(__m256 v) {     
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                                                 \
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));                                           \
 }                                                                                                           \
+/* the scales of block b (32 codes): one group of 32, or two of 16 (GGUF's Q6_K: dot lanes 0-3 are codes   \
+ * 0-15, lanes 4-7 codes 16-31) */                                                                          \
+__attribute__((target(TARGET), always_inline)) static inline __m256 NAME##_bscale(const float *ws, int64_t b, \
+                                                                                 const int64_t gs) {        \
+    if (gs == 32) return _mm256_set1_ps(ws[b]);                                                             \
+    return _mm256_set_m128(_mm_set1_ps(ws[2 * b + 1]), _mm_set1_ps(ws[2 * b]));                             \
+}                                                                                                           \
 __attribute__((target(TARGET), always_inline)) static inline void NAME##_rows(                              \
-        const a8_job *j, const void *w, const float *ws, const int8_t *q, const float *qs, float *total,       \
-        const int R, const int bits) {                                                                      \
+        const a8_job *j, const void *w, const float *ws, const float *wz, const int8_t *q, const float *qs,   \
+        float *total, const int R, const int bits) {                                                        \
     const int64_t K = j->K, gs = j->gs, G = j->G;                                                           \
     __m256 tf[A8_MAX_R];                                                                                    \
     for (int r = 0; r < R; r++) tf[r] = _mm256_setzero_ps();                                                \
-    if (gs == 32) {  /* GGUF's Q8_0 / Q4_0: a scale a block; two blocks a step on two float chains a row */ \
+    if (gs == 32 || gs == 16) {  /* GGUF's blocks: scales a block; two blocks a step on two float chains */ \
         __m256 tf2[A8_MAX_R];                                                                               \
         for (int r = 0; r < R; r++) tf2[r] = _mm256_setzero_ps();                                           \
+        const int64_t nb = K / 32;                                                                          \
         int64_t g = 0;                                                                                      \
-        for (; g + 2 <= G; g += 2) {                                                                        \
+        for (; g + 2 <= nb; g += 2) {                                                                       \
             const int64_t k = g * 32;                                                                       \
             const __m256i c = NAME##_codes(w, bits, k), a = NAME##_lhs(c, bits);                            \
             const __m256i c2 = NAME##_codes(w, bits, k + 32), a2 = NAME##_lhs(c2, bits);                    \
-            const __m256 s = _mm256_set1_ps(ws[g]), s2 = _mm256_set1_ps(ws[g + 1]);                         \
+            const __m256 s = NAME##_bscale(ws, g, gs), s2 = NAME##_bscale(ws, g + 1, gs);                   \
             for (int r = 0; r < R; r++) {                                                                   \
                 const __m256i d = NAME##_dot(_mm256_setzero_si256(), a, NAME##_rhs(q + r * K + k, c, bits));  \
                 const __m256i d2 = NAME##_dot(_mm256_setzero_si256(), a2,                                   \
@@ -61,10 +69,10 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME##_rows(  
                 tf2[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d2), s2, tf2[r]);                               \
             }                                                                                               \
         }                                                                                                   \
-        if (g < G) {                                                                                        \
+        if (g < nb) {                                                                                       \
             const int64_t k = g * 32;                                                                       \
             const __m256i c = NAME##_codes(w, bits, k), a = NAME##_lhs(c, bits);                            \
-            const __m256 s = _mm256_set1_ps(ws[g]);                                                         \
+            const __m256 s = NAME##_bscale(ws, g, gs);                                                      \
             for (int r = 0; r < R; r++)                                                                     \
                 tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(NAME##_dot(_mm256_setzero_si256(), a,            \
                                                                       NAME##_rhs(q + r * K + k, c, bits))), \
@@ -93,17 +101,22 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME##_rows(  
         for (int r = 0; r < R; r++)                                                                         \
             tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[r], acc2[r])), sg, tf[r]);      \
     }                                                                                                       \
+    /* per group, (zero - 8 * scale for int4, whose nibbles were c + 8) * sum(q) (qs = sum q a group) */    \
     float tail[A8_MAX_R] = {0};                                                                             \
-    if (bits == 4) {  /* the nibbles were c + 8: take 8 * sum(q) of each group back, scaled (qs = 8 sum q) */ \
+    if (bits == 4 || wz != NULL) {                                                                          \
         int64_t g = 0;                                                                                      \
+        const __m256 eight = _mm256_set1_ps(bits == 4 ? 8.0f : 0.0f);                                       \
         for (; g + 8 <= G; g += 8) {                                                                        \
-            const __m256 sv = _mm256_loadu_ps(ws + g);                                                      \
-            for (int r = 0; r < R; r++) tf[r] = _mm256_fnmadd_ps(sv, _mm256_loadu_ps(qs + r * G + g), tf[r]); \
+            const __m256 cv = _mm256_fnmadd_ps(eight, _mm256_loadu_ps(ws + g),                             \
+                                               wz ? _mm256_loadu_ps(wz + g) : _mm256_setzero_ps());         \
+            for (int r = 0; r < R; r++) tf[r] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(qs + r * G + g), tf[r]); \
         }                                                                                                   \
-        for (; g < G; g++)                                                                                  \
-            for (int r = 0; r < R; r++) tail[r] += ws[g] * qs[r * G + g];                                   \
+        for (; g < G; g++) {                                                                                \
+            const float cg = (wz ? wz[g] : 0.0f) - (bits == 4 ? 8.0f * ws[g] : 0.0f);                       \
+            for (int r = 0; r < R; r++) tail[r] += cg * qs[r * G + g];                                      \
+        }                                                                                                   \
     }                                                                                                       \
-    for (int r = 0; r < R; r++) total[r] = NAME##_hsum(tf[r]) - tail[r];                                    \
+    for (int r = 0; r < R; r++) total[r] = NAME##_hsum(tf[r]) + tail[r];                                    \
 }                                                                                                           \
 __attribute__((target(TARGET))) LMF_HIDDEN void a8_range_##NAME(const a8_job *j) {                          \
     const int64_t K = j->K, G = j->G, row_bytes = j->bits == 8 ? K : K / 2;                                 \
@@ -112,7 +125,8 @@ __attribute__((target(TARGET))) LMF_HIDDEN void a8_range_##NAME(const a8_job *j)
         for (int64_t m0 = 0; m0 < j->M; m0 += A8_MAX_R) {                                                   \
             const int R = j->M - m0 < A8_MAX_R ? (int)(j->M - m0) : A8_MAX_R;                               \
             float total[A8_MAX_R];                                                                          \
-            A8_ROWS_SWITCH(NAME##_rows, R, j, w, j->ws + n * G, j->q + m0 * K, j->qs ? j->qs + m0 * G : NULL, total); \
+            A8_ROWS_SWITCH(NAME##_rows, R, j, w, j->ws + n * G, j->wz ? j->wz + n * G : NULL, j->q + m0 * K,   \
+                           j->qs ? j->qs + m0 * G : NULL, total);                                           \
             for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r] * j->xs[m0 + r];             \
         }                                                                                                   \
     }                                                                                                       \

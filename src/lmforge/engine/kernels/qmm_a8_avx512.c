@@ -80,13 +80,16 @@ __attribute__((target(T512), always_inline)) static inline void a8_steps512(
 }
 
 __attribute__((target(T512), always_inline)) static inline void a8_rows512(
-        const a8_job *j, const void *w, const float *ws, const float *wsb, const uint8_t *u, float *total,
-        const int R, const int bits) {
+        const a8_job *j, const void *w, const float *ws, const float *wsb, const float *wz, const uint8_t *u,
+        const float *qs, float *total, const int R, const int bits) {
     __m512 tf[A8_MAX_R];
     for (int r = 0; r < R; r++) tf[r] = _mm512_setzero_ps();
     if (wsb == NULL) a8_groups512(j, w, ws, u, tf, R, bits);
     else a8_steps512(j, w, wsb, u, tf, R, bits);
     for (int r = 0; r < R; r++) total[r] = _mm512_reduce_add_ps(tf[r]);
+    if (wz != NULL)  /* zero offsets: + zero * sum(q) a group (qs) */
+        for (int r = 0; r < R; r++)
+            for (int64_t g = 0; g < j->G; g++) total[r] += wz[g] * qs[r * j->G + g];
 }
 
 __attribute__((target(T512))) LMF_HIDDEN void a8_range_avx512vnni(const a8_job *j) {
@@ -105,7 +108,8 @@ __attribute__((target(T512))) LMF_HIDDEN void a8_range_avx512vnni(const a8_job *
         for (int64_t m0 = 0; m0 < j->M; m0 += A8_MAX_R) {
             const int R = j->M - m0 < A8_MAX_R ? (int)(j->M - m0) : A8_MAX_R;
             float total[A8_MAX_R];
-            A8_ROWS_SWITCH(a8_rows512, R, j, w, ws, steps ? wsb : NULL, u + m0 * K, total);
+            A8_ROWS_SWITCH(a8_rows512, R, j, w, ws, steps ? wsb : NULL, j->wz ? j->wz + n * G : NULL, u + m0 * K,
+                           j->qs ? j->qs + m0 * G : NULL, total);
             for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r] * j->xs[m0 + r];
         }
     }

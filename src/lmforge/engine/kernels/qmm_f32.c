@@ -16,6 +16,11 @@
  * or plain C (the portable body, also what LMF_PORTABLE builds). Output rows n are split over threads.
  * Decode is bound by the bytes it reads, so 1 (int8) or 0.5 (int4) bytes a weight instead of 4 is the
  * point; float32 rounding differs from dequantize + matmul only in summation order.
+ *
+ * GGUF's block types add two forms (`lmforge.quant.gguf_types`): int8 codes with a scale per 16 inputs
+ * (Q6_K; `gs` 16, two groups a block of 32), and zero offsets `zero` (N, G): w = code * scale + zero (Q4_1,
+ * Q5_1, Q4_K, Q5_K; int4 codes as above, so zero here is the file's minimum + 8 * scale), computed as
+ * sum_g zero[g] * sum_{k in g} x[k] from the activations' group sums, once a call.
  */
 #include "common.h"
 
@@ -73,6 +78,23 @@ static inline __attribute__((always_inline)) void qmm_row(const float *x, int64_
     __m256 t[4][2];
     for (int r = 0; r < R; r++) t[r][0] = t[r][1] = _mm256_setzero_ps();
     int64_t done = 0;  /* inputs covered by the vector loop, the same in every group */
+    if (gs == 16 && K % 32 == 0) {  /* two groups a block of 32: codes 0-15 on chain 0, 16-31 on chain 1 */
+        for (int64_t k = 0; k < K; k += 32) {
+            __m256 w[4];
+            widen32(wrow, bits, k, w);
+            const __m256 s0 = _mm256_set1_ps(scale[k / 16]), s1 = _mm256_set1_ps(scale[k / 16 + 1]);
+            for (int r = 0; r < R; r++) {
+                const float *xr = x + r * K + k;
+                const __m256 a0 = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), _mm256_mul_ps(w[0], _mm256_loadu_ps(xr)));
+                const __m256 a1 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24),
+                                                  _mm256_mul_ps(w[2], _mm256_loadu_ps(xr + 16)));
+                t[r][0] = _mm256_fmadd_ps(a0, s0, t[r][0]);
+                t[r][1] = _mm256_fmadd_ps(a1, s1, t[r][1]);
+            }
+        }
+        for (int r = 0; r < R; r++) total[r] = hsum8(_mm256_add_ps(t[r][0], t[r][1]));
+        return;
+    }
     for (int64_t g = 0; g < G; g++) {
         __m256 a[4][2];
         for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
@@ -146,9 +168,23 @@ static inline __attribute__((always_inline)) void f32_row8(const float *x, int64
 
 typedef struct {
     const float *x; const void *w; const float *scale; float *out;
+    const float *zero, *xsum;  /* zero offsets (N, G) and the activations' group sums (M, G), or NULL */
     int64_t M, N, K, gs, bits, n0, n1;
     int64_t *next, chunk, threads;  /* shared by the threads: the next chunk of weight rows (qmm_range, take_rows) */
 } qmm_job;
+
+/* sum_g a[g] * b[g] (the zero offsets' term of one output). */
+static inline float dot_groups(const float *a, const float *b, int64_t G) {
+    int64_t g = 0;
+    float s = 0.0f;
+#ifdef LMF_AVX2
+    __m256 v = _mm256_setzero_ps();
+    for (; g + 8 <= G; g += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(a + g), _mm256_loadu_ps(b + g), v);
+    s = hsum8(v);
+#endif
+    for (; g < G; g++) s += a[g] * b[g];
+    return s;
+}
 
 static void qmm_rows_of(const qmm_job *j) {  /* weight rows [j->n0, j->n1) */
     const int64_t K = j->K, gs = j->gs, G = K / gs;
@@ -179,6 +215,8 @@ static void qmm_rows_of(const qmm_job *j) {  /* weight rows [j->n0, j->n1) */
             else if (j->bits == 32) QMM_ROWS(32) else if (j->bits == 16) QMM_ROWS(16)
             else if (j->bits == 8) QMM_ROWS(8) else QMM_ROWS(4)
 #undef QMM_ROWS
+            if (j->zero != NULL)
+                for (int r = 0; r < R; r++) total[r] += dot_groups(j->zero + n * G, j->xsum + (m0 + r) * G, G);
             for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r];
         }
     }
@@ -190,24 +228,43 @@ static void *qmm_range(void *arg) {  /* a thread's share: chunks of weight rows 
     return NULL;
 }
 
+/* The activations' sum over each group, (M, G), for the zero offsets' term; NULL when out of memory. */
+static float *group_sums(const float *x, int64_t M, int64_t K, int64_t gs) {
+    const int64_t G = K / gs;
+    float *xsum = (float *)malloc((size_t)(M * G) * sizeof(float));
+    if (xsum == NULL) return NULL;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            float s = 0.0f;
+            for (int64_t k = g * gs; k < (g + 1) * gs; k++) s += x[m * K + k];
+            xsum[m * G + g] = s;
+        }
+    return xsum;
+}
+
 /* bits 32, 16, 8 or 4; float32, bf16 and int8 with gs <= 0 or gs = K are per channel (any K), else gs is a group as for
- * int4 (GGUF's Q8_0: groups of 32). From `gemm_rows` rows on (> 0; 0: never) the call goes to the panel GEMM
- * (gemm_f32.c) when this build has it: the caller's choice, per weight, since where the GEMM starts to win depends
- * on the bits (`QmmLinear.GEMM_MIN_ROWS`, measured). Returns -1 for shapes it does not take (a group not a multiple
- * of 32 dividing K). */
+ * int4 (GGUF's Q8_0: groups of 32; int8 also 16, Q6_K). `zero` (N, G) or NULL: zero offsets (groups of 32 or more).
+ * From `gemm_rows` rows on (> 0; 0: never) the call goes to the panel GEMM (gemm_f32.c) when this build has it: the
+ * caller's choice, per weight, since where the GEMM starts to win depends on the bits (`QmmLinear.GEMM_MIN_ROWS`,
+ * measured). Returns -1 for shapes it does not take (a group not a multiple of 32 dividing K). */
 int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
-                int64_t bits, int64_t gs, int64_t threads, int64_t gemm_rows) {
+                int64_t bits, int64_t gs, int64_t threads, int64_t gemm_rows, const float *zero) {
     if (bits != 32 && bits != 16 && bits != 8 && bits != 4) return -1;
-    if (bits >= 8 && (gs <= 0 || gs == K)) gs = K;
-    else if (gs <= 0 || gs % 32 || K % gs) return -1;
-    if (gemm_rows > 0 && M >= gemm_rows && lmf_gemm_f32(x, w, scale, out, M, N, K, bits, gs, threads) == 0) return 0;
+    if (bits >= 8 && (gs <= 0 || gs == K) && zero == NULL) gs = K;
+    else if (gs <= 0 || (gs % 32 && !(gs == 16 && bits == 8 && zero == NULL)) || K % gs) return -1;
+    if (gemm_rows > 0 && M >= gemm_rows && lmf_gemm_f32(x, w, scale, out, M, N, K, bits, gs, threads, zero) == 0)
+        return 0;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > N) threads = N;
+    float *xsum = NULL;
+    if (zero != NULL && (xsum = group_sums(x, M, K, gs)) == NULL) return -1;
     int64_t next = 0;
     const int64_t chunk = chunk_rows(N, threads);
     qmm_job jobs[MAX_THREADS];
-    for (int64_t t = 0; t < threads; t++) jobs[t] = (qmm_job){x, w, scale, out, M, N, K, gs, bits, 0, 0, &next, chunk, threads};
+    for (int64_t t = 0; t < threads; t++)
+        jobs[t] = (qmm_job){x, w, scale, out, zero, xsum, M, N, K, gs, bits, 0, 0, &next, chunk, threads};
     run_jobs(qmm_range, jobs, sizeof jobs[0], threads);
+    free(xsum);
     return 0;
 }
