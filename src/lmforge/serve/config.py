@@ -108,6 +108,10 @@ class ServerConfig:
                              "otherwise")
         if self.chat_template is not None and not self.chat_template.strip():
             raise ValueError("chat_template is empty (--chat-template: a file holding a Jinja template)")
+        for name, flag in (("api_key", "--api-key"), ("admin_api_key", "--admin-api-key")):
+            key = getattr(self, name)
+            if key is not None and not key.strip():  # an empty key would be matched by an empty `Bearer `
+                raise ValueError(f"{name} is empty ({flag} ''): pass a key, or leave the flag out to turn it off")
         if self.admin_api_key is not None and self.admin_api_key == self.api_key:
             raise ValueError("admin_api_key must differ from api_key (--admin-api-key, --api-key): an inference "
                              "client must not administer")

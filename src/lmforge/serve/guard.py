@@ -142,8 +142,9 @@ class GuardMiddleware:
 def _bearer_matches(scope, key: str) -> bool:
     auth = (_header(scope, b"authorization") or "").strip()
     scheme, _, token = auth.partition(" ")
-    # constant time: the comparison must not tell an attacker how much of a guess was right
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    # constant time: the comparison must not tell an attacker how much of a guess was right; an empty key
+    # (refused by ServerConfig) never matches, so `Bearer ` with nothing after it opens nothing
+    return bool(key) and scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
 class RateLimiter:
