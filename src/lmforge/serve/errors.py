@@ -93,8 +93,11 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        response = answer(OpenAIError(exc.status_code, str(exc.detail), None, code))
+        code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        detail = str(exc.detail)
+        if exc.status_code == 400:  # FastAPI's only 400: a body json.loads raised on (bad UTF-8, nested too deep)
+            detail = "the request body is not valid JSON (not UTF-8, or nested too deeply to parse)"
+        response = answer(OpenAIError(exc.status_code, detail, None, code))
         response.headers.update(exc.headers or {})  # 405 carries `Allow`
         return response
 
