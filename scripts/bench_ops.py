@@ -22,7 +22,7 @@ Builds two tiny random models (same shapes, different weights) and a registry in
 unless `--model-a/--model-b` are given. Writes bench_ops.json and bench_ops.md with machine,
 versions and load average. Loopback only (free ports unless `--port`); every loop bounded; a line on
 stderr as each phase starts and ends. `LMFORGE_SHORT=1` (CI) runs every phase small (8 requests at
-concurrency 4, 100 canary requests, one logging round): the statistical targets (canary share,
+concurrency 4, 40 canary requests, one logging round): the statistical targets (canary share,
 logging cost) are then printed, not judged.
 """
 
@@ -102,7 +102,7 @@ def phase_reload(reg_path: Path, name: str, port: int, n: int, c: int) -> dict:
 
 def phase_canary(reg_path: Path, name: str, port: int) -> dict:
     url = f"http://127.0.0.1:{port}"
-    requests, users = shrink(1000, 100), shrink(50, 10)
+    requests, users = shrink(1000, 40), shrink(50, 5)
     reg = Registry(reg_path)
     reg.set_alias(name, "challenger", 2)
     proc = start(["--registry", str(reg_path), "--model", name, "--canary", "50"], port)
@@ -153,7 +153,7 @@ def phase_logging(model: str, n: int, c: int, tmp: Path, rounds: int, baseline_s
             procs[label] = spawn_server([model, *extra, "--log-level", "warning", "--api-key", KEY,
                                          "--max-model-len", "512"], variant_port, env=env)
             urls[label] = f"http://127.0.0.1:{variant_port}"
-            bench(urls[label], max(c, 16), c, seed=1)  # warm-up
+            bench(urls[label], shrink(max(c, 16), 4), c, seed=1)  # warm-up
         labels = list(variants)
         tput: dict[str, list[float]] = {k: [] for k in labels}
         cpu_ms: dict[str, list[float]] = {k: [] for k in labels}

@@ -168,8 +168,8 @@ def bench_soak(
 ) -> None:
     from lmforge.bench.soak import SoakConfig, run_soak  # deferred: httpx, psutil and the registry, for this verb
 
-    # LMFORGE_SHORT (CI): 30 s under load with the same three faults (7.5 s apart), 3 s idle, 4 clients
-    report = run_soak(SoakConfig(shrink(minutes, 0.5), shrink(idle_minutes, 0.05), shrink(concurrency, 4), hostile,
+    # LMFORGE_SHORT (CI): 15 s under load with the same three faults, 3 s idle, 4 clients
+    report = run_soak(SoakConfig(shrink(minutes, 0.25), shrink(idle_minutes, 0.05), shrink(concurrency, 4), hostile,
                                  shrink(max_tokens, 8), str(model) if model else None, faults=faults), out)
     ok = report["exchange_log"]["lost_outside_drop_counter"] == 0 and report["healthy_after"]
     raise typer.Exit(0 if ok else 1)
