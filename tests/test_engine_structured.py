@@ -115,6 +115,8 @@ def test_prefix_cache_and_preemption_keep_the_grammar_consistent(chat_model_dir,
     (SO(json='{"type": "object"'), "structured_outputs.json: not valid JSON"),
     (SO(regex="(unclosed"), "unclosed group"),
     (SO(grammar="start: foo"), "unknown name"),
+    (SO(json={"$ref": "#"}), "cannot run: it matches no text"),  # issue 43: compiled, then aborted at token 1
+    (SO(choice=[f"c{i}" for i in range(3000)]), "cannot run: .*2,000 alternatives"),
 ])
 def test_a_spec_that_cannot_compile_is_refused_naming_the_problem(llm, so, match):
     with pytest.raises(ValueError, match=match):

@@ -116,6 +116,31 @@ def test_bad_constraints_are_400s_naming_the_field(client, extra, param):
     assert e.value.body["param"] == param, e.value.body
 
 
+CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+
+
+def _schema_format(schema: dict) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"guided_choice": [f"choice {i} 123-45-6789 a@b.example" for i in range(3000)]}, "guided_choice"),
+    ({"guided_grammar": "start: " + " | ".join(f'"w{i}x"' for i in range(5000))}, "guided_grammar"),
+    ({"guided_regex": "((a{100}){100}){100}"}, "guided_regex"),
+    (_schema_format({"$ref": "#"}), "response_format"),
+    (_schema_format(CYCLE), "response_format"),
+], ids=["choice-3000", "lark-5000", "regex-nested", "ref-self", "ref-cycle"])
+def test_grammars_that_cannot_run_are_refused_at_admission(client, caplog, extra, param):
+    """Issue 43: each compiled, then died at its first token (llguidance's limits: 2,000 items a row, the
+    lexer's fuel; an empty recursion): a 200 with finish_reason "abort" and the grammar in the log."""
+    for stream in (True, False):
+        with caplog.at_level("DEBUG"), pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                           stream=stream, extra_body=extra)
+        assert e.value.body["param"] == param and "cannot run" in e.value.body["message"], e.value.body
+    assert "123-45-6789" not in caplog.text and "w4999x" not in caplog.text and "a{100}" not in caplog.text
+
+
 def test_logit_bias_forces_a_token_and_bans_another(client, chat_model_dir):
     tok = load_tokenizer(chat_model_dir)
     forced = client.completions.create(model=MODEL, prompt="The city of", max_tokens=5, temperature=0,

@@ -10,6 +10,12 @@ all-ones words, so they are left alone. After sampling, each matcher consumes it
 matcher is stopped (nothing but EOS could follow) the engine finishes the sequence with reason "stop"
 without spending a step on EOS.
 
+A spec is admitted only if it can run: it compiles, and a dry run of its first `DRY_RUN_TOKENS` tokens
+(each step the first token its mask allows) hits none of llguidance's limits (2,000 Earley items in a row,
+the lexer's fuel) and no dead end (a `$ref` that only refers back to itself): those used to compile, then
+end the request at its first token with finish_reason "abort". llguidance's errors are non-verbose here
+(`verbose_errors=False`), so no message of ours carries a piece of a request's grammar into a log.
+
 The matcher's state is a function of the sequence's output tokens only, so the paged prefix cache
 (which shares prompt K/V) and preemption by recompute (which keeps the output tokens and recomputes
 their K/V) leave it valid: nothing to reset or replay.
@@ -38,6 +44,8 @@ from .sampling_params import JSON_WHITESPACE, StructuredOutputsParams
 
 GRAMMAR_CACHE_SIZE = 256  # distinct specs kept compiled; a compile is ~0.1-1 ms for typical schemas
 PARALLEL_MIN_ROWS, PARALLEL_MIN_CPUS = 8, 8  # when llguidance's thread pool fills the masks
+DRY_RUN_TOKENS = 8  # tokens walked at admission: the issue-43 grammars (3,000 choices, a 5,000-way rule, a
+# nested counted regex, a $ref cycle) all fail at the first; an ordinary schema's walk costs well under 1 ms
 
 
 @functools.cache
@@ -46,6 +54,12 @@ def _llguidance() -> Any:
     import llguidance.hf  # deferred: optional heavy dependency, loaded only for constrained requests
     import llguidance.torch  # noqa: F401  (registers llguidance.torch)
     return llguidance
+
+
+@functools.cache
+def _limits() -> Any:
+    """llguidance's default limits, with errors that never quote the grammar or the parser's state."""
+    return _llguidance().LLParserLimits(verbose_errors=False)
 
 
 class Grammar:
@@ -106,11 +120,14 @@ class StructuredOutputManager:
         llguidance = _llguidance()
         grammar = _serialize(llguidance, kind, spec, whitespace)
         try:
-            matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+            matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=_limits())
         except (ValueError, RuntimeError) as e:  # documented as "never raises", but be safe
             raise ValueError(f"structured_outputs.{kind}: {_describe(kind, str(e))}") from None
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{kind}: {_describe(kind, matcher.get_error())}")
+        error = dry_run(matcher.deep_copy(), self.eos_token_ids)
+        if error:
+            raise ValueError(f"structured_outputs.{kind}: this grammar cannot run: {_describe(kind, error)}")
         return matcher
 
     def banned_tokens(self, seqs: Sequence[Any], device: torch.device) -> torch.Tensor | None:
@@ -174,19 +191,45 @@ def _bit_values(device: torch.device) -> torch.Tensor:
     return torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32, device=device)
 
 
+def dry_run(matcher: Any, eos_token_ids: Sequence[int], steps: int = DRY_RUN_TOKENS) -> str:
+    """llguidance's error after walking `matcher` (a copy: it is consumed) for up to `steps` tokens, each
+    the first its mask allows other than EOS; "" when the walk ends cleanly (or the grammar is complete)."""
+    for _ in range(steps):
+        if matcher.is_stopped():
+            break
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        if matcher.is_error():
+            break
+        allowed = np.flatnonzero(bits)
+        allowed = allowed[~np.isin(allowed, eos_token_ids)]
+        if not len(allowed):
+            break
+        matcher.consume_token(int(allowed[0]))
+    return matcher.get_error() if matcher.is_error() else ""
+
+
 @functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
 def _check_key(kind: str, spec: str, whitespace: bool | str) -> None:
     llguidance = _llguidance()
-    error = llguidance.LLMatcher.validate_grammar(_serialize(llguidance, kind, spec, whitespace))
+    error = llguidance.LLMatcher.validate_grammar(_serialize(llguidance, kind, spec, whitespace), limits=_limits())
     if error:
         raise ValueError(f"structured_outputs.{kind}: {_describe(kind, error)}")
 
 
-def check_spec(params: StructuredOutputsParams) -> None:
-    """ValueError naming the problem when `params` cannot compile, without a tokenizer or an engine: what
-    a server checks before it answers 200 (a stream's status cannot change once its headers are out),
-    as vLLM's front end does. Cached per spec, like the compile."""
+@functools.lru_cache(maxsize=4)  # one per served tokenizer (a reload brings a new one)
+def _manager_for(tokenizer: Any, vocab_size: int) -> StructuredOutputManager:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return StructuredOutputManager(tokenizer, vocab_size, [] if eos is None else [eos])
+
+
+def check_spec(params: StructuredOutputsParams, tokenizer: Any = None, vocab_size: int | None = None) -> None:
+    """ValueError naming the problem when `params` cannot compile or, given the model's tokenizer, cannot
+    run (the engine's own compile and dry run): what a server checks before it answers 200 (a stream's
+    status cannot change once its headers are out), as vLLM's front end does. Cached per spec, like the
+    compile; call it from one thread per tokenizer (the server's tokenize worker)."""
     _check_key(*_cache_key(params))
+    if tokenizer is not None:
+        _manager_for(tokenizer, vocab_size or len(tokenizer)).check(params)
 
 
 def _cpus() -> int:
@@ -230,7 +273,12 @@ def _serialize(llguidance: Any, kind: str, spec: str, whitespace: bool | str) ->
 
 def _describe(kind: str, error: str) -> str:
     """llguidance's message, with the fix for the common case: a JSON-schema keyword it does not implement."""
-    error = error.strip()
+    error = error.replace("<non-verbose/>", "").strip()
+    if error == "NoExtensionBias":  # llguidance's word for a grammar that can produce no text at all
+        return ("it matches no text at all (e.g. a $ref that refers only back to itself); give every "
+                "recursion something to match")
+    if error.startswith("Parser Error: Current row has"):
+        return f"{error} (llguidance's limit: at most 2,000 alternatives at one point of the grammar)"
     if kind == "json" and error.startswith("Unimplemented keys"):
         return f"unsupported JSON schema feature: {error}; remove these keywords from the schema"
     return error

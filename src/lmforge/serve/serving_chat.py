@@ -89,7 +89,7 @@ class OpenAIServingChat(OpenAIServing):
         if specials and choice != "none":
             req.skip_special_tokens = False  # the call markers are special tokens (Qwen's <tool_call>): keep them
         max_tokens = req.resolved_max_tokens()
-        params = check_params(req, max_tokens, req.resolved_logprobs())
+        params = check_params(req, max_tokens, req.resolved_logprobs(), sv=sv)
         check_prompt(sv, ids, max_tokens, "messages")
         job = ChatJob(sv, req, [ids], params, "chatcmpl")
         job.messages = messages

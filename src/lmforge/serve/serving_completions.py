@@ -42,7 +42,7 @@ class OpenAIServingCompletion(OpenAIServing):
                               "logprobs)", "max_tokens")
         max_tokens = 1 if req.max_tokens == 0 else req.max_tokens  # echo alone: one token, generated and dropped
         # echo + logprobs: the prompt's tokens get logprobs too (prompt logprobs, computed in the prefill)
-        params = check_params(req, max_tokens, req.logprobs, req.logprobs if req.echo else None)
+        params = check_params(req, max_tokens, req.logprobs, req.logprobs if req.echo else None, sv=sv)
         ids, texts = [], []
         for p in prompts:
             full = p

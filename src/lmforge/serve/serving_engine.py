@@ -352,16 +352,17 @@ def check_prompt(sv: Served, ids: list[int], max_tokens: int | None, param: str)
 
 
 def check_params(req, max_tokens: int | None, logprobs: int | None,
-                 prompt_logprobs: int | None = None) -> SamplingParams:
-    """The request's SamplingParams, its structured-output spec checked to compile (on the tokenize
-    worker: a spec that fails in the engine would surface in-band, after a stream's 200)."""
+                 prompt_logprobs: int | None = None, sv: Served | None = None) -> SamplingParams:
+    """The request's SamplingParams, its structured-output spec checked to compile and, with the version's
+    tokenizer, to run its first tokens (on the tokenize worker: a spec that fails in the engine would
+    surface in-band, after a stream's 200, or as finish_reason "abort")."""
     if req.stream and req.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs is not available with stream: true (as in vLLM); send the request "
                           "without stream", "prompt_logprobs")
     try:
         params = req.sampling_params(max_tokens, logprobs, prompt_logprobs)
         if params.structured_outputs is not None:
-            check_spec(params.structured_outputs)
+            check_spec(params.structured_outputs, *((sv.tokenizer, sv.vocab_size) if sv is not None else ()))
         return params
     except ValueError as e:
         err = from_value_error(e)
