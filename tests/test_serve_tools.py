@@ -235,6 +235,30 @@ def test_bad_tool_messages_are_refused_by_name(client, message, param):
     assert e.value.body["param"] == param, e.value.body
 
 
+CALLED = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]}
+
+
+@pytest.mark.parametrize("messages, extra, param", [
+    ([*ASK, CALLED, {"role": "tool", "tool_call_id": "call_9", "content": "12:00"}], {}, "messages[2].tool_call_id"),
+    ([{"role": "tool", "tool_call_id": "call_1", "content": "12:00"}, *ASK], {}, "messages[0].tool_call_id"),
+    ([*ASK, CALLED, *ASK, {"role": "tool", "tool_call_id": "call_1", "content": "late"}], {},
+     "messages[3].tool_call_id"),  # a result answers the assistant message just before it
+    ([*ASK, {**CALLED, "tool_calls": CALLED["tool_calls"] * 2}], {}, "messages[1].tool_calls[1].id"),
+    (ASK, {"tools": [TOOLS[0], TOOLS[1], TOOLS[0]]}, "tools[2].function.name"),
+    (ASK, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]},
+     "tools[0].function.parameters"),  # tool_choice auto: the schema is never compiled, but still must be one
+    (ASK, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": "x"}}}],
+           "tool_choice": "none"}, "tools[0].function.parameters"),
+], ids=["unknown-call-id", "tool-first", "tool-after-user", "duplicate-call-id", "duplicate-tool",
+        "bad-schema-auto", "bad-schema-none"])
+def test_inconsistent_tools_and_tool_messages_are_refused_by_name(client, messages, extra, param):
+    """Issue 43: each was a 200."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, extra_body=extra)
+    assert e.value.body["param"] == param, e.value.body
+
+
 # ---- the parsers alone -------------------------------------------------------------------------------------------
 
 def _stream(parser_name: str, text: str, step: int = 1):

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 import jinja2
+import jsonschema
 
 from lmforge.engine.sampling_params import JSON_WHITESPACE
 
@@ -77,6 +78,7 @@ class OpenAIServingChat(OpenAIServing):
         choice = _tool_choice(req)
         renders_tools, renders_calls = template_features(tok, template)
         tools = _tools(sv, req)
+        check_tool_consistency(req)
         messages = template_messages(req, parser, renders_calls)
         if tools and not renders_tools:
             messages = with_tools_prompt(messages, parser.system_prompt(tools))
@@ -206,6 +208,53 @@ def _tools(sv: Served, req: ChatCompletionRequest) -> list[dict]:
         if special is not None:
             raise bad_request(f"{where}: contains the control token {special!r}; remove it", where)
     return tools
+
+
+def check_tool_consistency(req: ChatCompletionRequest) -> None:
+    """400 naming the field for tools and tool messages that contradict each other (OpenAI refuses them as
+    well): two tools of one name, a `parameters` that is no JSON schema (whatever `tool_choice` says), two
+    calls of one id, or a tool message that answers no call of the assistant message it follows (only tool
+    messages may come between them)."""
+    names: set[str] = set()
+    for i, t in enumerate(req.tools or ()):
+        if t.function.name in names:
+            raise bad_request(f"tools[{i}].function.name: {t.function.name!r} names an earlier tool too; give each "
+                              "tool a name of its own", f"tools[{i}].function.name")
+        names.add(t.function.name)
+        error = _json_schema_error(t.function.parameters)
+        if error:
+            raise bad_request(f"tools[{i}].function.parameters: not a JSON schema: {error}",
+                              f"tools[{i}].function.parameters")
+    open_calls: set[str] | None = None  # the call ids of the assistant message the next tool message may answer
+    for i, m in enumerate(req.messages):
+        if m.role == "tool":
+            if open_calls is None or m.tool_call_id not in open_calls:
+                where = ("no assistant message with tool_calls comes right before it" if open_calls is None else
+                         "the assistant message before it made no call of this id")
+                raise bad_request(f"messages[{i}].tool_call_id: this tool message answers no call: {where}",
+                                  f"messages[{i}].tool_call_id")
+        elif m.role == "assistant" and m.tool_calls:
+            open_calls = set()
+            for j, call in enumerate(m.tool_calls):
+                if call.id in open_calls:
+                    raise bad_request(f"messages[{i}].tool_calls[{j}].id: an earlier call of this message has the "
+                                      "same id; each call needs its own", f"messages[{i}].tool_calls[{j}].id")
+                open_calls.add(call.id)
+        else:
+            open_calls = None
+
+
+def _json_schema_error(schema: dict | None) -> str:
+    """Why `schema` is not a JSON schema (by its own `$schema`'s metaschema, else draft 2020-12), or ""."""
+    if schema is None:
+        return ""
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path)
+        return f"{e.message[:200]}" + (f" (at {where})" if where else "")
+    return ""
 
 
 def template_features(tok, template: str | None = None) -> tuple[bool, bool]:
