@@ -96,6 +96,61 @@ def test_forms_missed_before_are_masked(text, want, counts):
     assert mask_pii(text, PiiConfig()) == (want, counts)
 
 
+# Issue 43: forms a hostile re-test found unmasked (or mislabelled), as a user would type them. The AWS
+# secret is detect-secrets' shape (40 base64 characters, near an access key id or an AWS word); the PEM
+# block is its PrivateKeyDetector's headers, masked with the body; SSNs keep python-stdnum's area, group
+# and serial rules (its three publicly known numbers included: they are typed as SSNs too).
+AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+PEM = ("-----BEGIN RSA PRIVATE KEY-----\nMIIEpAIBAAKCAQEA7Yq1sRZh3Tfc+0h4vKp9QyB2xM5aXoWwq1TnRr\n"
+       "ZmF1bHR5S2V5Qm9keUxpbmVUd28=\n-----END RSA PRIVATE KEY-----")
+ROUND4_FORMS = [
+    (f"AKIAIOSFODNN7EXAMPLE {AWS_SECRET}", "<API_KEY> <SECRET>", {"api_key": 1, "secret": 1}),
+    (f"Access key ID,Secret access key\nAKIAIOSFODNN7EXAMPLE,{AWS_SECRET}\n",
+     "Access key ID,Secret access key\n<API_KEY>,<SECRET>\n", {"api_key": 1, "secret": 1}),
+    (f'{{"SecretAccessKey": "{AWS_SECRET}"}}', '{"SecretAccessKey": "<SECRET>"}', {"secret": 1}),
+    (f"export AWS_SECRET_ACCESS_KEY={AWS_SECRET}", "export AWS_SECRET_ACCESS_KEY=<SECRET>", {"secret": 1}),
+    (f"my key:\n{PEM}\nthanks", "my key:\n<PRIVATE_KEY>\nthanks", {"private_key": 1}),
+    ("-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQ\nAAAAAAABAAAAMwAAAAtzc2gtZW\n\nbye",
+     "<PRIVATE_KEY>\n\nbye", {"private_key": 1}),  # cut off before its END line: masked to the body's end
+    ("-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC\n-----END PRIVATE KEY-----", "<PRIVATE_KEY>",
+     {"private_key": 1}),
+    ("ssn 123456789", "ssn <SSN>", {"ssn": 1}),
+    ("My SSN is 536221234.", "My SSN is <SSN>.", {"ssn": 1}),
+    ("my ssn is 123 45 6789", "my ssn is <SSN>", {"ssn": 1}),
+    ("my social security number is 078-05-1120", "my social security number is <SSN>", {"ssn": 1}),  # was <PHONE>
+    ("Your answer leaked my SSN 219-09-9999!", "Your answer leaked my SSN <SSN>!", {"ssn": 1}),
+]
+
+
+@pytest.mark.parametrize("text,want,counts", ROUND4_FORMS)
+def test_round4_forms_are_masked_with_their_label(text, want, counts):
+    assert mask_pii(text, PiiConfig()) == (want, counts)
+
+
+@pytest.mark.parametrize("text", [
+    "order 123456789 shipped; invoice 536221234",  # 9 digits without an SSN word
+    "base64 QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo0NTY3 and a path a/B/c/D/e/F/g/H/i/J/k/L/m/N/o/P/q/R/s/1",
+    "-----BEGIN PUBLIC KEY-----\nMFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAE\n-----END PUBLIC KEY-----",
+    "-----BEGIN CERTIFICATE-----\nMIIBszCCAVmgAwIBAgIUEXAMPLE\n-----END CERTIFICATE-----",
+])
+def test_round4_look_alikes_survive(text):
+    assert mask_pii(text, PiiConfig()) == (text, {})
+
+
+def test_a_feedback_comment_holding_an_ssn_is_labelled_ssn(tmp_path):
+    from lmforge.registry.feedback import FeedbackStore
+
+    store = FeedbackStore(tmp_path / "fb.db")
+    store.log_exchanges([{"id": "cmpl-1", "created": "2026-12-05T00:00:00Z", "model": "tiny", "model_version": "1",
+                          "user": "u", "kind": "completion", "prompt": "p", "response": "r"}])
+    assert store.add_feedback("cmpl-1", -1, comment="it printed my social security number is 078-05-1120 and "
+                              f"ssn 123456789 and my AWS key {AWS_SECRET}")
+    row = store._db().execute("SELECT comment, pii FROM feedback").fetchone()
+    store.close()
+    assert row[0] == "it printed my social security number is <SSN> and ssn <SSN> and my AWS key <SECRET>"
+    assert json.loads(row[1]) == {"ssn": 2, "secret": 1}
+
+
 def test_every_form_in_one_text_counts_each():
     text = ("Name J. Roe, +44 20 7946 0958 or (415) 555-0132, j.roe@example.com, SSN 536-22-1234, IBAN "
             "FR14 2004 1010 0505 0001 3M02 606, card 4111 1111 1111 1111, DB_PASSWORD=Winter2024! "
@@ -176,6 +231,23 @@ def test_gates_and_windows_change_nothing_for_the_new_rules():
     kinds = Counter(kind for _, counts in expected for kind in counts)
     new_kinds = ("secret", "ssn", "iban", "url_credentials", "phone", "credit_card", "email")
     assert min(kinds[k] for k in new_kinds) > 20, kinds
+
+
+def test_gates_change_nothing_for_the_round4_rules():
+    """The same contract for issue 43's rules (PEM blocks, AWS secrets, 9-digit SSNs after an SSN word)."""
+    rng = random.Random(1)
+    pieces = ["-----BEGIN RSA PRIVATE KEY-----", "-----END RSA PRIVATE KEY-----", "-----BEGIN PRIVATE KEY-----",
+              "\n", "MIIEpAIBAAKCAQEA7Yq1", "abc+/=", " ", ":", "Proc-Type: 4,ENCRYPTED", AWS_SECRET, AWS_SECRET[:39],
+              "AKIAIOSFODNN7EXAMPLE", "ASIA", "aws", "AWS_", "secret_access_key", "SecretAccessKey", "x", "/", "+",
+              "ssn ", "SSN is ", "social security number: ", "536221234", "123456789", "1234567890", "078-05-1120",
+              "212 67 1234", ",", '"', "é", "٣"]
+    texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 10))) for _ in range(2000)]
+    expected = [_reference(t) for t in texts]
+    assert mask_pii_many(texts, PiiConfig()) == expected
+    open_gates = pii.Gates(*[True] * len(pii.Gates._fields))
+    assert [pii._mask(t, PiiConfig(), open_gates) for t in texts[:500]] == expected[:500]
+    kinds = Counter(kind for _, counts in expected for kind in counts)
+    assert min(kinds[k] for k in ("private_key", "secret", "ssn")) > 20, kinds
 
 
 def test_logged_exchanges_keep_none_of_the_missed_forms_on_disk(tmp_path):

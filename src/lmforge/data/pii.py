@@ -2,11 +2,13 @@
 
 | type | placeholder | rule |
 | --- | --- | --- |
-| api_key | `<API_KEY>` | known token shapes: OpenAI `sk-...`, GitHub `ghp_/gho_/ghu_/ghs_/ghr_...`, `github_pat_...`, AWS `AKIA...`, Slack `xox?-...`, Google `AIza...`, Hugging Face `hf_...`, Stripe `sk_live_/pk_live_...`, JWTs, `Bearer <token>` |
+| private_key | `<PRIVATE_KEY>` | a PEM private key block (detect-secrets' `PrivateKeyDetector` headers: `-----BEGIN [RSA / EC / DSA / OPENSSH / ENCRYPTED / PGP] PRIVATE KEY[ BLOCK]-----`), header to `END` line, or to the end of its body when the `END` line is missing |
+| secret (AWS) | `<SECRET>` | an AWS secret access key (detect-secrets' `AWSKeyDetector` shape): 40 characters of `[A-Za-z0-9/+]` holding a lower-case letter, a capital and a digit, within 100 characters after an access key id (`AKIA...`, `ASIA...`) or an AWS word (`aws`, `secret access key`, `SecretAccessKey`) |
+| api_key | `<API_KEY>` | known token shapes: OpenAI `sk-...`, GitHub `ghp_/gho_/ghu_/ghs_/ghr_...`, `github_pat_...`, AWS access key ids (`AKIA...`, `ASIA...`, detect-secrets' prefixes), Slack `xox?-...`, Google `AIza...`, Hugging Face `hf_...`, Stripe `sk_live_/pk_live_...`, JWTs, `Bearer <token>` |
 | url_credentials | `<CREDENTIALS>` | the `user:password` of `scheme://user:password@host` (the scheme and host stay) |
 | email | `<EMAIL>` | `local@domain.tld` |
 | secret | `<SECRET>` | the value of a `password` / `passwd` / `pwd` / `secret` / `api_key` / `token` / `access_key` ... pair (`=`, `:` or ` is `; quoted or bare; values that read as code, prose, templates or `None` stay), and runs of 32+ hex digits holding a letter and a digit unless a hash word (`sha256`, `md5`, `commit`, `checksum` ...) is just before |
-| ssn | `<SSN>` | US social security number `123-45-6789` (`python-stdnum`'s `us.ssn` rules: no area 000/666/9xx, group 00, serial 0000); `123 45 6789` only after "ssn" or "social security" |
+| ssn | `<SSN>` | US social security number `123-45-6789` (`python-stdnum`'s `us.ssn` rules: no area 000/666/9xx, group 00, serial 0000; its three publicly known numbers, such as 078-05-1120, count: people type them as their SSN); `123 45 6789` and `123456789` only right after "ssn" or "social security (number)" (and an optional `is` / `was` / `:`) |
 | iban | `<IBAN>` | `CC00 ...` in groups of 4 or unspaced, valid by `python-stdnum`'s `iban` (the country's length and format, ISO 7064 mod 97-10), any country |
 | cn_id | `<CN_ID>` | 18-character Chinese resident ID: area code, a valid birth date, checksum (GB 11643-1999, ISO 7064 MOD 11-2) |
 | credit_card | `<CREDIT_CARD>` | 13-19 digits (spaces or dashes allowed) starting 3-6, or 16 starting 2221-2720 (Mastercard's 2-series), passing the Luhn check (`stdnum.luhn`) |
@@ -14,7 +16,8 @@
 | ipv4 | `<IP_ADDRESS>` | four dotted octets 0-255, not part of a longer dotted number |
 | phone | `<PHONE>` | a digit run with separators, validated by Google's libphonenumber (`phonenumbers.PhoneNumberMatcher`, `STRICT_GROUPING`): `+CC` or `00CC` from any country; a national number with trunk `0` for the first of GB, DE, FR, NL, IT, AU, IN, JP, BR, CN that validates it; US (or Chinese mobile) otherwise. Digits and spaces alone (`4155550132`, `415 555 0132`, no `+`, `0`, dash, dot or bracket) count only after a phone word (phone, tel, call, mobile, cell, contact, fax, sms, whatsapp, 电话, 手机 ...), except an 11-digit Chinese mobile |
 
-Patterns run in that order, each over the text the previous ones left, so a card number is
+Patterns run in that order (the PEM block and the AWS secret first, before their pieces look like other
+secrets and while the access key id beside a secret is still there to see), each over the text the previous ones left, so a card number is
 never also counted as a phone, and an IBAN never as a card. Most documents hold no PII, so each
 pattern first checks a cheap necessary condition (`_gate`) and runs only when it holds; the output
 is the same as running every pattern (tests/test_data_prepare.py and tests/test_pii.py compare both
@@ -57,14 +60,14 @@ from stdnum.us import ssn as stdnum_ssn
 from lmforge.data.config import PiiConfig
 from lmforge.data.words import DIGIT, char_classes, code_points
 
-PLACEHOLDERS = {"api_key": "<API_KEY>", "url_credentials": "<CREDENTIALS>", "email": "<EMAIL>",
+PLACEHOLDERS = {"private_key": "<PRIVATE_KEY>", "api_key": "<API_KEY>", "url_credentials": "<CREDENTIALS>", "email": "<EMAIL>",
                 "secret": "<SECRET>", "ssn": "<SSN>", "iban": "<IBAN>", "cn_id": "<CN_ID>",
                 "credit_card": "<CREDIT_CARD>", "ipv6": "<IP_ADDRESS>", "ipv4": "<IP_ADDRESS>",
                 "phone": "<PHONE>"}
 
 _API_KEY = re.compile(
     r"\b(?:sk-(?:proj-)?[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{36,}|github_pat_[A-Za-z0-9_]{40,}"
-    r"|AKIA[0-9A-Z]{16}|xox[abposr]-[A-Za-z0-9-]{10,}|AIza[0-9A-Za-z_-]{35}|hf_[A-Za-z0-9]{30,}"
+    r"|(?:A3T[A-Z0-9]|ABIA|ACCA|AKIA|ASIA)[0-9A-Z]{16}|xox[abposr]-[A-Za-z0-9-]{10,}|AIza[0-9A-Za-z_-]{35}|hf_[A-Za-z0-9]{30,}"
     r"|[sr]k_live_[A-Za-z0-9]{20,}|pk_live_[A-Za-z0-9]{20,}"
     r"|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,})"
     r"|(?<=Bearer )[A-Za-z0-9._~+/-]{20,}=*")
@@ -90,8 +93,18 @@ _SECRET_REACH = (16, 8 + 202)  # a key starts <= 16 characters before its word; 
 _LOWER = np.array([c + 32 if 65 <= c <= 90 else c for c in range(256)], dtype=np.uint8)  # ASCII lower case
 _HEX_SECRET = re.compile(r"[0-9A-Fa-f](?<![0-9A-Za-z_-][0-9A-Fa-f])[0-9A-Fa-f]{31,}(?![0-9A-Za-z_-])")
 _HASH_WORD = re.compile(r"(?i)(?:sha-?\d*|md5|hash|digest|checksum|commit|etag|sum)\W{0,3}\Z")
-_SSN = re.compile(r"\d(?<![\w-]\d)\d{2}(?P<sep>[- ])\d{2}(?P=sep)\d{4}(?![\w-])")
-_SSN_WORDS = re.compile(r"(?i)(?:ssn|social security(?: number| no\.?)?)\W{0,4}\Z")
+_SSN = re.compile(r"\d(?<![\w-]\d)\d{2}(?:(?P<sep>[- ])\d{2}(?P=sep)\d{4}|\d{6})(?![\w-])")
+_SSN_WORDS = re.compile(r"(?i)(?:ssn|social security(?: number| no\.?)?)(?:\W{0,3}(?:is|was)\W{1,3}|\W{0,4})\Z")
+# detect-secrets' PrivateKeyDetector headers; the body is masked with them, to the END line or, when a paste
+# was cut off, to the body's last base64 (or `Proc-Type:` style header) line
+_PRIVATE_KEY = re.compile(
+    r"-----BEGIN (?:(?:RSA|EC|DSA|OPENSSH|ENCRYPTED|PGP) )?PRIVATE KEY(?: BLOCK)?-----"
+    r"(?:[\s\S]{0,20000}?-----END (?:(?:RSA|EC|DSA|OPENSSH|ENCRYPTED|PGP) )?PRIVATE KEY(?: BLOCK)?-----"
+    r"|(?:\n[ \t]*[A-Za-z0-9+/=:, -]+)*)")
+# detect-secrets' AWS secret access key: 40 of [A-Za-z0-9/+], near an access key id or an AWS word
+_AWS_SECRET = re.compile(r"[A-Za-z0-9/+](?<![A-Za-z0-9/+=][A-Za-z0-9/+])[A-Za-z0-9/+]{39}(?![A-Za-z0-9/+=])")
+_AWS_CONTEXT = re.compile(r"(?:AKIA|ASIA)[0-9A-Z]{16}|(?i:aws|secret[ _-]?access[ _-]?key)")
+_AWS_REACH = 100  # characters before a secret where its id or an AWS word may be
 _IBAN = re.compile(r"[A-Z](?<![0-9A-Za-z][A-Z])[A-Z][0-9]{2}(?: ?[0-9A-Z]{4}){2,7}(?: ?[0-9A-Z]{1,4})?(?![0-9A-Za-z])")
 # A pattern that starts with a character set lets sre skip to candidate characters in C; the
 # lookbehind comes after that first character: `[1-9](?<![0-9A-Za-z][1-9])` == `(?<![0-9A-Za-z])[1-9]`.
@@ -127,14 +140,17 @@ _PLUS_DIGIT = re.compile(r"\+\d")
 # or after "-", the one such character that is not a word character): its first characters and
 # the least length of that run from there.
 _KEY_STARTS = (("sk-", 23), ("ghp_", 40), ("gho_", 40), ("ghu_", 40), ("ghs_", 40), ("ghr_", 40),
-               ("gith", 51), ("AKIA", 20), ("xox", 15), ("AIza", 39), ("hf_", 33), ("sk_l", 28),
+               ("gith", 51), ("AKIA", 20), ("ASIA", 20), ("ABIA", 20), ("ACCA", 20), ("A3T", 20), ("xox", 15), ("AIza", 39), ("hf_", 33), ("sk_l", 28),
                ("rk_l", 28), ("pk_l", 28), ("eyJ", 11))
 _KEY_WINDOW = 52  # longer than the longest least length above
 _KEY_CHARS = "0123456789_-ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
-# by code point: bit 1 an ASCII digit, 2 [A-Za-z0-9_-], 4 [A-Z], 8 [0-9A-Fa-f], 16 [0-9A-Z ], 32 ":" or "=", 64 i or I
+_B64_CHARS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz/+"
+# by code point: bit 1 an ASCII digit, 2 [A-Za-z0-9_-], 4 [A-Z], 8 [0-9A-Fa-f], 16 [0-9A-Z ], 32 ":" or "=", 64 i or I,
+# 128 [A-Za-z0-9/+]
 _FLAGS = bytes(1 * (chr(c) in "0123456789") | 2 * (chr(c) in _KEY_CHARS) | 4 * ("A" <= chr(c) <= "Z")
                | 8 * (chr(c) in "0123456789ABCDEFabcdef") | 16 * (chr(c) in "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ ")
-               | 32 * (chr(c) in ":=") | 64 * (chr(c) in "iI") for c in range(256))
+               | 32 * (chr(c) in ":=") | 64 * (chr(c) in "iI") | 128 * (chr(c) in _B64_CHARS)
+               for c in range(256))
 _COLON_PAIR = re.compile(r":(?=[0-9A-Fa-f]{0,4}:)")  # two colons of an IPv6 match, one group apart
 _HEX_COLONS_BEFORE = re.compile(r"[0-9A-Fa-f:]*\Z")
 _HEX_COLONS = re.compile(r"[0-9A-Fa-f:]*")
@@ -147,12 +163,13 @@ class Gates(NamedTuple):
     api_key: bool  # a key shape's first characters at a word boundary, with a long enough run
     secret: bool  # a key word's end (`_SECRET_ENDS`), a quote, 8 blanks, then `:`, `=` or `is` and a blank
     hex_secret: bool  # a run of 32 hex digits
-    ssn: bool  # digit runs of 3, 2 and 4, each a dash or space from the next
+    ssn: bool  # digit runs of 3, 2 and 4, each a dash or space from the next, or a run of 9 digits
     iban: bool  # [A-Z][A-Z][0-9][0-9], then 8 of [0-9A-Z ]
     cn_id: bool  # a run of 17 digits
     credit_card: bool  # 13 digits, each run one space or dash from the next
     ipv4: bool  # 4 runs of digits, each a dot from the next
     phone: bool  # `\\d{3}[ .-]\\d{4}` or 8 digits in runs one space, dot or dash apart (`+CC` is checked on the text)
+    aws_secret: bool  # a run of 40 of [A-Za-z0-9/+] (its context is checked on the text)
 
 
 def gates(texts: list[str]) -> list[Gates]:
@@ -170,11 +187,14 @@ def gates(texts: list[str]) -> list[Gates]:
         return out
 
     flags = np.frombuffer(low.tobytes().translate(_FLAGS), dtype=np.uint8)  # C-level, faster than numpy ops
-    digit, key, upper, hexd, iban_char = ((flags & bit).astype(bool) for bit in (1, 2, 4, 8, 16))
+    digit, key, upper, hexd, iban_char, b64 = ((flags & bit).astype(bool) for bit in (1, 2, 4, 8, 16, 128))
     secret = _secret_hits(low, flags)
     hex32 = hexd  # hex32[p]: hexd[p:p + 32] all true
     for shift in (1, 2, 4, 8, 16):
         hex32 = hex32[:-shift] & hex32[shift:]
+    run40 = b64  # run40[p]: b64[p:p + 40] all true
+    for shift in (1, 2, 4, 8, 16, 8):
+        run40 = run40[:-shift] & run40[shift:]
     run8 = iban_char  # run8[p]: iban_char[p:p + 8] all true
     for shift in (1, 2, 4):
         run8 = run8[:-shift] & run8[shift:]
@@ -188,7 +208,8 @@ def gates(texts: list[str]) -> list[Gates]:
     ssn, *rest = digits
     return list(map(Gates, texts_of(_key_hits(low, key)).tolist(), texts_of(secret).tolist(),
                     texts_of(np.flatnonzero(hex32)).tolist(),
-                    ssn.tolist(), texts_of(np.flatnonzero(iban)).tolist(), *(d.tolist() for d in rest)))
+                    ssn.tolist(), texts_of(np.flatnonzero(iban)).tolist(), *(d.tolist() for d in rest),
+                    texts_of(np.flatnonzero(run40)).tolist()))
 
 
 def _key_hits(low: np.ndarray, key: np.ndarray) -> np.ndarray:
@@ -241,6 +262,7 @@ def _digit_gates(low: np.ndarray, digit: np.ndarray) -> list[np.ndarray]:
     gap = np.where(d_start[1:] == d_end[:-1] + 1, low[d_end[:-1]], 0)  # (runs - 1,) the one character between
     space_dash = (gap == 32) | (gap == 45)
     ssn = (d_len[:-2] == 3) & (d_len[1:-1] == 2) & (d_len[2:] == 4) & space_dash[:-1] & space_dash[1:]
+    ssn_starts = np.concatenate([d_start[:-2][ssn], d_start[d_len == 9]])  # 3-2-4, or 9 digits in a row
     us = (d_len[:-1] >= 3) & (d_len[1:] >= 4) & (space_dash | (gap == 46))
 
     def chained(joined: np.ndarray, least: int) -> np.ndarray:  # runs in a chain of `least` digits, links `joined`
@@ -249,7 +271,7 @@ def _digit_gates(low: np.ndarray, digit: np.ndarray) -> list[np.ndarray]:
 
     dot = gap == 46
     ipv4 = dot[:-2] & dot[1:-1] & dot[2:]
-    return [d_start[:-2][ssn], d_start[d_len >= 17], d_start[chained(space_dash, 13)], d_start[:-3][ipv4],
+    return [ssn_starts, d_start[d_len >= 17], d_start[chained(space_dash, 13)], d_start[:-3][ipv4],
             np.concatenate([d_start[:-1][us], d_start[chained(space_dash | dot, 8)]])]
 
 
@@ -278,6 +300,11 @@ def _gate(name: str, text: str, g: Gates) -> bool:
         return _ipv6_possible(text)
     if name == "phone":
         return g.phone or _PLUS_DIGIT.search(text) is not None
+    if name == "private_key":
+        return "PRIVATE KEY" in text
+    if name == "aws_secret":  # a 40-character run, and somewhere an id or an AWS word (the regex checks where)
+        return g.aws_secret and ("AKIA" in text or "ASIA" in text or "aws" in text or "AWS" in text or "Aws" in text
+                                 or (("ccess" in text or "CCESS" in text) and ("ecret" in text or "ECRET" in text)))
     return getattr(g, name)
 
 
@@ -352,9 +379,23 @@ def _hex_secret_ok(m: re.Match) -> bool:
 
 
 def _ssn_ok(m: re.Match) -> bool:
-    if m["sep"] == " " and not _before(m, _SSN_WORDS):
+    """python-stdnum's rules, its blacklist of publicly known numbers aside; spaced or unseparated digits only
+    right after an SSN word."""
+    if m["sep"] != "-" and not _before(m, _SSN_WORDS):
         return False
-    return stdnum_ssn.is_valid(m.group(0).replace(" ", "-"))
+    digits = m.group(0).replace(" ", "").replace("-", "")
+    return stdnum_ssn.is_valid(digits) or digits in _KNOWN_SSNS
+
+
+_KNOWN_SSNS = frozenset(("078051120", "457555462", "219099999"))  # stdnum refuses them as never someone's own
+
+
+def _aws_secret_ok(m: re.Match) -> bool:
+    value = m.group(0)
+    if value.isalpha() or value.isdigit() or value.islower() or value.isupper() or not any(c.isdigit() for c in value):
+        return False
+    start = m.start()
+    return _AWS_CONTEXT.search(m.string, max(0, start - _AWS_REACH), start) is not None
 
 
 def _iban_mask(m: re.Match) -> str:
@@ -444,6 +485,8 @@ class _Rule(NamedTuple):
 
 
 _RULES = (
+    _Rule("private_key", "private_key", _PRIVATE_KEY, _whole("private_key")),
+    _Rule("aws_secret", "secret", _AWS_SECRET, lambda m: PLACEHOLDERS["secret"] if _aws_secret_ok(m) else m.group(0)),
     _Rule("api_key", "api_key", _API_KEY, _whole("api_key")),
     _Rule("url_credentials", "url_credentials", _URL_CREDENTIALS, lambda m: "://" + PLACEHOLDERS["url_credentials"]),
     _Rule("email", "email", _EMAIL, _whole("email")),
@@ -457,7 +500,8 @@ _RULES = (
     _Rule("ipv4", "ipv4", _IPV4, _whole("ipv4")),
     _Rule("phone", "phone", _PHONE, _phone_mask))
 # PiiConfig's switch of each rule; `ssn`, `iban` and `secret` are on where PiiConfig has no such field
-_SWITCH = {"ipv4": "ip_address", "ipv6": "ip_address", "url_credentials": "secret", "hex_secret": "secret"}
+_SWITCH = {"ipv4": "ip_address", "ipv6": "ip_address", "url_credentials": "secret", "hex_secret": "secret",
+           "private_key": "secret", "aws_secret": "secret"}
 
 
 def mask_pii(text: str, cfg: PiiConfig) -> tuple[str, dict[str, int]]:
