@@ -96,7 +96,7 @@ def model_source(model_dir: Path | None, registry: Path | None, model: str | Non
     path = Path(model)
     if not path.exists():
         raise ValueError(f"--model {model}: no such folder or .gguf file; lmforge serves local model folders "
-                         "(download a hub model first, e.g. with huggingface-cli download)")
+                         f"(a Hugging Face Hub id: `lmforge pull {model}` prints the folder to pass)")
     return path
 
 
