@@ -70,9 +70,17 @@ def test_engine_reports_the_choice(folders, monkeypatch, caplog):
 @pytest.mark.skipif(kernels.load() is None, reason="no C compiler: lmforge's CPU kernels are absent")
 def test_quantized_checkpoint_runs_integer_kernels_and_metrics_say_so(folders):
     """A w8a16 folder saved in bf16 used to run torch's bf16 int8 kernel under auto; now float32
-    activations on lmf_qmm_f32, and `/metrics` carries it in `lmforge:kernel_info`."""
-    stats = LLM(str(folders["w8"]), device="cpu").llm_engine.stats()
+    activations on lmforge's integer kernels: by default (`--quant-activations auto`) int8 activations on the
+    A8 body where the CPU has VNNI or AVX2, the exact lmf_qmm_f32 when asked (`none`), and `/metrics` carries
+    it in `lmforge:kernel_info`."""
+    default = LLM(str(folders["w8"]), device="cpu").llm_engine.stats()
+    lib = kernels.load()
+    a8 = lib is not None and kernels.a8_isa(lib) != "portable"
+    assert default["quant_activations"] == ("int8" if a8 else "none")
+    assert ("lmf_qmm_a8" if a8 else "lmf_qmm_f32") in default["linear_backend"]
+    stats = LLM(str(folders["w8"]), device="cpu", quant_activations="none").llm_engine.stats()
     assert stats["dtype"] == "float32" and "lmf_qmm_f32" in stats["linear_backend"]
+    assert stats["quant_activations_choice"] == "set by --quant-activations"
     registry = CollectorRegistry()
     registry.register(EngineCollector(lambda: {"v1": {**stats, "num_requests_running": 0, "num_requests_waiting": 0,
                                                       "kv_blocks_in_use": 0, "kv_blocks_total": 1, "preemptions": 0,

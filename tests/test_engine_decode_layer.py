@@ -117,7 +117,7 @@ def test_c_layer_batch_on_the_panel_gemm_is_the_module_path_bit_for_bit(models, 
     GEMM inside `lmf_qmm_f32`, passed to the C layer as its `gemm_rows`): still the module path's bits."""
     from lmforge.quant.linear import QmmLinear
 
-    llm = LLM(str(models[name]), dtype="float32", device="cpu", enable_prefix_caching=False)
+    llm = LLM(str(models[name]), dtype="float32", device="cpu", enable_prefix_caching=False, quant_activations="none")
     runner = llm.llm_engine.model_runner
     layer = runner.model.model.layers[0]
     qkv = layer.layer.self_attn.qkv_proj

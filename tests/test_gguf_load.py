@@ -79,7 +79,7 @@ def test_codes_are_the_files(files, gguf_type, bits):
 def test_greedy_on_integer_kernels_equals_dequantized_reference(files, gguf_type):
     """dtype auto: float32 activations on `lmf_qmm_f32` over the file's codes; the reference engine
     dequantizes them into a dense weight (A16): same greedy tokens."""
-    fast, backend = _greedy(files[gguf_type])
+    fast, backend = _greedy(files[gguf_type], quant_activations="none")
     ref, ref_backend = _greedy(files[gguf_type], attention="reference")
     assert "lmf_qmm_f32" in backend and ref_backend == "dequantize + matmul"
     assert fast == ref

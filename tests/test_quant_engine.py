@@ -165,7 +165,7 @@ def test_fast_engine_picks_the_cpu_kernel_and_agrees(models, name, backend, cpu_
     packed int8/int4 kernels (bf16 activations around the call)."""
     if backend is QmmLinear and kernels.load() is None:
         backend = Int8Linear if name == "w8" else Int4Linear  # no compiler here: torch's kernels
-    llm = LLM(str(models[name]), dtype="float32", device="cpu", cpu_kernels=cpu_kernels)
+    llm = LLM(str(models[name]), dtype="float32", device="cpu", cpu_kernels=cpu_kernels, quant_activations="none")
     st = llm.stats()
     assert st["linear_backend"].removesuffix("; prefill on lmforge lmf_gemm_f32") == backend.name
     assert st["linear_backend"].endswith("lmf_gemm_f32") is bool(backend is QmmLinear and kernels.load().gemm_ok)

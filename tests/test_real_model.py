@@ -35,7 +35,7 @@ FACTS = {
     "What is the chemical symbol for gold?": "au",
     "What is the boiling point of water in Celsius?": "100",
     "Which ocean is the largest?": "pacific",
-    "What color is the sky on a clear day?": "blue",
+    "What is the opposite of hot?": "cold",
     "How many days are in a week?": "7",
     "Who wrote Romeo and Juliet?": "shakespeare",
     "What is the tallest mountain in the world?": "everest",
@@ -66,8 +66,11 @@ def test_chat_answers_hold_the_facts(llm):
     assert all(o.outputs[0].finish_reason == "stop" or len(o.outputs[0].token_ids) == 48 for o in outs)
 
 
-def test_generate_on_the_rendered_template_equals_chat(llm):
-    """`LLM.generate` over the template rendered by hand gives the same tokens as `LLM.chat`."""
+def test_generate_on_the_rendered_template_equals_chat(gguf_path):
+    """`LLM.generate` over the template rendered by hand gives the same tokens as `LLM.chat` (prefix cache off:
+    with int8 activations a prompt whose prefix is cached runs fewer prefill rows, on another kernel, and greedy
+    may part on a near tie)."""
+    llm = LLM(str(gguf_path), enable_prefix_caching=False)
     tok = llm.get_tokenizer()
     texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
              for q in FACTS]

@@ -85,8 +85,8 @@ class BenchEngineConfig:
             raise ValueError(f"--baselines: unknown {sorted(bad)}; choose from {', '.join(SYSTEMS)}")
         if min(self.num_requests, self.hf_sequential_requests, self.static_batch_size, self.threads) < 1:
             raise ValueError("--num-requests, --hf-sequential-requests, --static-batch-size, --threads must be >= 1")
-        if self.quant_activations not in ("none", "int8"):
-            raise ValueError(f"--quant-activations {self.quant_activations!r}: choose none or int8")
+        if self.quant_activations not in ("auto", "none", "int8"):
+            raise ValueError(f"--quant-activations {self.quant_activations!r}: choose auto, none or int8")
 
 
 @dataclass

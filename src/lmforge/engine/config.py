@@ -30,7 +30,9 @@ class EngineConfig:
     # auto (the model's dtype; on CPU float32 activations over bf16 or int8-activation weights: bfloat16, see
     # LLMEngine._resolve_kv_dtype) | bfloat16 | float32 | int8 (codes + a bf16 scale per token per head)
     kv_cache_dtype: str = "auto"
-    quant_activations: str = "none"  # w8/w4 checkpoints on CPU: none (exact) | int8 (per-token int8, integer dots)
+    # int-weight checkpoints on CPU: auto (int8 where the CPU has VNNI or AVX2 integer dots, as llama.cpp) |
+    # none (exact float32 activations) | int8 (per-token int8 activations, integer dot products)
+    quant_activations: str = "auto"
     tensor_parallel_size: int = 1  # processes (ranks) the model's layers are split over (engine/executor.py)
     # speculative decoding (engine/spec_decode.py): a draft model, or ngram prompt lookup, proposes K tokens
     speculative_model: str | None = None  # the draft model's directory (same tokenizer); implies method "draft"
@@ -62,7 +64,7 @@ class EngineConfig:
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 1, "must be >= 1"),
             ("attention", self.attention in ("fast", "reference"), "must be 'fast' or 'reference'"),
             ("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"must be one of {', '.join(KV_CACHE_DTYPES)}"),
-            ("quant_activations", self.quant_activations in ("none", "int8"), "must be 'none' or 'int8'"),
+            ("quant_activations", self.quant_activations in ("auto", "none", "int8"), "must be 'auto', 'none' or 'int8'"),
             ("tensor_parallel_size", isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
              "must be an integer >= 1"),
         ]

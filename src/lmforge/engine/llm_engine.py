@@ -30,6 +30,7 @@ from lmforge.model.checkpoint import resolve_device
 from lmforge.quant import load_pretrained
 from lmforge.quant.load import checkpoint_info, is_gguf
 from lmforge.tokenizer.load import load_tokenizer
+from lmforge.tools.redact import describe
 
 from . import kernels
 from .block_manager import BlockManager
@@ -95,6 +96,7 @@ class LLMEngine:
                                     "or a .gguf file")
         info = checkpoint_info(model_dir)  # (saved dtype, int weights), from the header: before any worker starts
         bf16_weights = self._resolve_dtype(config, info)
+        self.quant_activations_choice = self._resolve_quant_activations(config, info[1])
         self.kv_choice = self._resolve_kv_dtype(config, info[1], bf16_weights)
         torch.manual_seed(config.seed)
         # tensor parallelism: the workers start loading now, beside rank 0 (this process)
@@ -138,13 +140,15 @@ class LLMEngine:
         self.counters = dict(steps=0, tokens_processed=0, kv_util_sum=0.0)
         self.timings = dict.fromkeys(("propose", "schedule", "sample", "postprocess", "detokenize"), 0.0)  # seconds
         r = self.model_runner
-        log.info("engine ready: %s, %s (%s) on %s; weights %.1f MiB (linear: %s); %d KV blocks of %d tokens "
-                 "(%.1f MiB, %d B/token, %s K/V: %s, %d tokens); attention: %s; %d packed linears, %d fused modules",
-                 model_dir, r.dtype, self.dtype_choice, r.device, r.weight_bytes / 2**20, r.linear_backend, num_blocks,
+        log.info("engine ready: %s, %s (%s) on %s; weights %.1f MiB (linear: %s; activations: %s, %s); %d KV blocks "
+                 "of %d tokens (%.1f MiB, %d B/token, %s K/V: %s, %d tokens); attention: %s; %d packed linears, %d fused "
+                 "modules; kernels: %s",
+                 model_dir, r.dtype, self.dtype_choice, r.device, r.weight_bytes / 2**20, r.linear_backend,
+                 config.quant_activations, self.quant_activations_choice, num_blocks,
                  config.block_size,
                  num_blocks * r.attn.bytes_per_block / 2**20, r.attn.bytes_per_block // config.block_size,
                  config.kv_cache_dtype, self.kv_choice, num_blocks * config.block_size, r.attention_backend,
-                 r.packed_linears, r.fused_modules)
+                 r.packed_linears, r.fused_modules, kernels.status() if config.cpu_kernels else "off")
 
     def _resolve_dtype(self, config: EngineConfig, info: tuple[str | None, bool]) -> bool:
         """`--dtype auto` on CPU: what is fast here (`kernels.auto_dtype`), written into `config.dtype` and
@@ -157,6 +161,18 @@ class LLMEngine:
                 config.dtype, bf16_weights = "bfloat16", False
                 self.dtype_choice = "bfloat16 checkpoint, CPU without bf16 units: bf16 (tensor parallel, LoRA or reference)"
         return bf16_weights
+
+    @staticmethod
+    def _resolve_quant_activations(config: EngineConfig, quantized: bool) -> str:
+        """`--quant-activations auto`: int8 where integer dot products run (`kernels.auto_quant_activations`),
+        written into `config.quant_activations`; returns why, for the log and `/metrics`."""
+        if config.quant_activations != "auto":
+            return "set by --quant-activations"
+        dtype = config.dtype if config.dtype != "auto" else "float32"
+        config.quant_activations, why = kernels.auto_quant_activations(
+            quantized, dtype, resolve_device(config.device).type, config.attention == "fast" and config.cpu_kernels,
+            config.tensor_parallel_size > 1)
+        return why
 
     @staticmethod
     def _resolve_kv_dtype(config: EngineConfig, quantized: bool, bf16_weights: bool) -> str:
@@ -435,8 +451,8 @@ class LLMEngine:
         """Append one token and apply the end conditions; True when it finished the sequence."""
         seq.append_token(r.token_id, now)
         if seq.grammar is not None and not seq.grammar.accept(r.token_id):  # a bug: the mask allowed it
-            log.error("request %s: grammar refused sampled token %d: %s", seq.request_id, r.token_id,
-                      seq.grammar.error)
+            log.error("request %s: grammar refused sampled token %d (%s; message %s)", seq.request_id, r.token_id,
+                      seq.grammar.error.split(":", 1)[0], describe(seq.grammar.error))  # it quotes the output
         if r.logprob is not None:
             seq.cumulative_logprob += r.logprob
             seq.logprobs.append({r.token_id: r.logprob, **(r.top_logprobs or {})})
@@ -533,6 +549,8 @@ class LLMEngine:
         r, bs = self.model_runner, self.config.block_size
         return dict(weight_bytes=r.weight_bytes, linear_backend=r.linear_backend, attention_backend=r.attention_backend,
                     dtype=str(r.dtype).removeprefix("torch."), dtype_choice=self.dtype_choice,
+                    quant_activations=self.config.quant_activations,
+                    quant_activations_choice=self.quant_activations_choice,
                     kv_cache_dtype=self.config.kv_cache_dtype, kv_cache_dtype_choice=self.kv_choice,
                     kv_bytes_per_token=r.attn.bytes_per_block // bs,
                     kv_pool_tokens=self.block_manager.num_blocks * bs)

@@ -58,8 +58,9 @@ MaxWaitingOpt = Annotated[Optional[int], typer.Option(
     help="Answer 429 while this many requests wait for their first token (default: unbounded).")]
 NumKvBlocksOpt = Annotated[Optional[int], typer.Option(help="KV pool size in blocks (default: from memory).")]
 QuantActivationsOpt = Annotated[str, typer.Option(
-    help="none: quantized weights run on the exact A16 kernels | int8: activations quantized per token and "
-    "integer dot products (VNNI / AVX2), faster, within ~1% of exact.")]
+    help="auto: int8 for int-weight checkpoints where the CPU has VNNI or AVX2 integer dot products, else none | "
+    "none: quantized weights run on the exact A16 kernels | int8: activations quantized per token and integer dot "
+    "products, faster, within ~1% of exact.")]
 KvCacheDtypeOpt = Annotated[str, typer.Option(
     help="auto (the model's dtype; bfloat16 under float32 activations over a bf16 checkpoint or with "
          "--quant-activations int8) | bfloat16 | float32 | int8 (a scale per token per head: ~2x the tokens per "
@@ -174,7 +175,7 @@ def serve(
     speculative_model: SpeculativeModelOpt = None,
     speculative_method: SpeculativeMethodOpt = None,
     num_speculative_tokens: NumSpeculativeTokensOpt = 0,
-    quant_activations: QuantActivationsOpt = "none",
+    quant_activations: QuantActivationsOpt = "auto",
     replicas: ReplicasOpt = 1,
     ray_address: RayAddressOpt = None,
     lora_modules: LoraModulesOpt = None,

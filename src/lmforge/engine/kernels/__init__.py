@@ -326,6 +326,25 @@ def cpu_has_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
+def auto_quant_activations(quantized: bool, dtype: str, device_type: str, fast_attention: bool,
+                           tensor_parallel: bool) -> tuple[str, str]:
+    """`--quant-activations auto`: ("int8" | "none", why). int8 where it runs on integer dot products: int8/int4
+    weights, a CPU model in float32 or bfloat16, lmforge's kernels built with a VNNI or AVX2 body (llama.cpp
+    quantizes activations to 8 bits for every weight type too; greedy agreement with the exact path on the frozen
+    quant-check suite: w8 0.959, w4 0.986, perplexity +0.00%, docs/quantization.md). Elsewhere the exact path."""
+    if not quantized:
+        return "none", "float weights"
+    if device_type != "cpu" or dtype not in ("float32", "bfloat16") or not fast_attention or tensor_parallel:
+        return "none", "int weights outside the CPU kernels' reach (device, dtype, reference mode or tensor parallel)"
+    lib = load()
+    if lib is None or lib.qmm_a8 is None:
+        return "none", "no compiled kernels: the exact path"
+    isa = a8_isa(lib)
+    if isa == "portable":
+        return "none", "this CPU has neither VNNI nor AVX2 integer dot products: the exact path"
+    return "int8", f"int weights, {isa} integer dot products: int8 activations (as llama.cpp's)"
+
+
 def auto_dtype(checkpoint_dtype: str | None, quantized: bool) -> tuple[str, str, bool]:
     """`--dtype auto` on CPU: (dtype of the activations, why, whether linear weights stay bfloat16).
     int8/int4 weights: float32 activations, so the weights stay codes and lmforge's integer kernels run
