@@ -277,7 +277,8 @@ class Transformer(nn.Module):
 
     def num_parameters(self, embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
-        return n if embedding else n - self.model.embed_tokens.weight.numel()
+        table = self.model.embed_tokens
+        return n if embedding or not hasattr(table, "weight") else n - table.weight.numel()
 
     @classmethod
     def on_meta(cls, config: ModelConfig) -> Transformer:

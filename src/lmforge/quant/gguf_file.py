@@ -24,7 +24,6 @@ uint64 offset), padding to `general.alignment` (32), then the tensor data.
 
 from __future__ import annotations
 
-import functools
 import mmap
 import os
 import struct
@@ -244,9 +243,16 @@ class GGUFFile:
         return self.value_types.get(key, ())
 
 
-@functools.lru_cache(maxsize=2)
-def _open_cached(path: str, size: int, mtime_ns: int) -> GGUFFile:
-    return GGUFFile(path)
+_CACHE: dict[tuple[str, int, int], GGUFFile] = {}  # the last files opened, by (path, size, mtime)
+_CACHE_SIZE = 2
+
+
+def release_gguf() -> None:
+    """Forget the parsed files and unmap them: a loader calls it once it holds its own copies (the map's touched
+    pages otherwise stay resident, about the file's size)."""
+    for f in _CACHE.values():
+        f.close()
+    _CACHE.clear()
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
@@ -256,4 +262,9 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         st = path.stat()
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such GGUF file") from None
-    return _open_cached(str(path.resolve()), st.st_size, st.st_mtime_ns)
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _CACHE:
+        while len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = GGUFFile(path)
+    return _CACHE[key]

@@ -40,7 +40,7 @@ from lmforge.model import checkpoint
 
 from .gguf_file import GGUFError, GGUFFile, TensorInfo, open_gguf
 from .gguf_types import UNPACK, GroupCodes
-from .linear import QuantizedLinear
+from .linear import QuantizedEmbedding, QuantizedLinear
 
 Q = gguf.GGMLQuantizationType
 log = logging.getLogger("lmforge.quant")
@@ -237,6 +237,11 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", device: str |
         state.update(_codes_state(g, "lm_head", None))
         counts[f"{embd.type.name} codes (lm_head, tied)"] = 1
     device = checkpoint.resolve_device(device)
+    if keep_codes and embd is not None and embd.type in UNPACK:  # the lookup table stays codes too
+        state.pop("model.embed_tokens.weight")
+        g = UNPACK[embd.type](f.tensor_data(embd.name))
+        model.model.embed_tokens = QuantizedEmbedding(*(None if a is None else torch.from_numpy(a).to(device)
+                                                        for a in (g.codes, g.scale, g.zero)), torch_dtype)
     state = {k: v.to(device) for k, v in state.items()}
     model = checkpoint.assign_weights(model, state, f.path)
     model.gguf_summary = {"file": str(f.path), "architecture": meta["general.architecture"],
