@@ -49,7 +49,20 @@ def test_every_page_has_its_example_or_says_why_not():
     assert set(PRELUDE) <= found
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if p.name not in NO_EXAMPLE], ids=lambda p: p.name)
+# A page whose first example fails here for a reason its owner has to settle; strict: once it runs, drop the entry.
+KNOWN_FAILING = {
+    "structured-outputs.md": "on the tests' random model the sampled JSON can reach max_tokens=200 inside a "
+                             "string (finish_reason 'length'), and the example calls json.loads without looking",
+}
+
+
+def _page_param(page):
+    reason = KNOWN_FAILING.get(page.name)
+    return pytest.param(page, marks=pytest.mark.xfail(strict=True, reason=reason)) if reason else page
+
+
+@pytest.mark.parametrize("page", [_page_param(p) for p in PAGES if p.name not in NO_EXAMPLE],
+                         ids=lambda p: p.name)
 def test_first_example_runs(page, tmp_path, chat_model_dir, packed):
     from lmforge.serve.testing import free_port
 

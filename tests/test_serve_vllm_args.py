@@ -119,8 +119,10 @@ def test_a_vllm_launch_script_runs_with_lmforge_serve_swapped_in(model_dir, tmp_
     """The flags of a typical `vllm serve` launch script, unchanged; then the openai client, tools included."""
     from openai import OpenAI
 
-    template = tmp_path / "template.jinja"
-    template.write_text(json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"])
+    from lmforge.tokenizer import load_tokenizer
+
+    template = tmp_path / "template.jinja"  # only the contents: no role headers, no generation prompt
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     port = free_port()
     cmd = [sys.executable, "-m", "lmforge.cli", "serve", "--model", str(model_dir), "--served-model-name", "tiny",
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
@@ -138,6 +140,9 @@ def test_a_vllm_launch_script_runs_with_lmforge_serve_swapped_in(model_dir, tmp_
         r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "call f"}],
                                            tools=tools, tool_choice="auto", max_tokens=8)
         assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello there"}],
+                                           max_tokens=2)
+        assert r.usage.prompt_tokens == len(load_tokenizer(model_dir).encode("Hello there", add_special_tokens=False))
         c = client.completions.create(model="tiny", prompt="a b a b a b a b", max_tokens=12, temperature=0)
         assert c.usage.completion_tokens >= 1
         metrics = httpx.get(url + "/metrics").text
