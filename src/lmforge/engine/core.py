@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from lmforge.tools.procs import Status, StatusKind, ignore_sigint
+from lmforge.tools.redact import redacted_traceback
 
 from .executor import WorkerDiedError
 from .llm_engine import LLMEngine
@@ -64,8 +65,9 @@ class EngineCore:
             outputs = self.engine.step()
         except fatal:
             raise
-        except Exception:
-            log.exception("engine step failed; aborting the %d requests in flight", len(self.engine.requests))
+        except Exception as e:  # the messages may quote a request: logged as a length and a hash
+            log.error("engine step failed; aborting the %d requests in flight:\n%s", len(self.engine.requests),
+                      redacted_traceback(e))
             ids = list(self.engine.requests)
             self.abort_all()
             return EngineCoreOutputs(failure=StepFailure(ids, EngineStepError()), stats=self.engine.stats())
@@ -150,7 +152,7 @@ def _drain(cmd_conn: Connection) -> list[EngineCoreRequest]:
 def _step(core: EngineCore) -> EngineCoreOutputs:
     try:
         return core.step(fatal=(WorkerDiedError,))
-    except WorkerDiedError:  # tensor parallelism lost a rank: no later step can run; exiting lets the
-        log.exception("a tensor-parallel worker died")  # parent fail the requests in flight and restart
+    except WorkerDiedError as e:  # tensor parallelism lost a rank: no later step can run; exiting lets the
+        log.error("a tensor-parallel worker died:\n%s", redacted_traceback(e))  # parent fail the requests and restart
         core.engine.shutdown()
         sys.exit(1)

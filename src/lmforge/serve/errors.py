@@ -18,6 +18,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lmforge.tools.redact import describe, redact_exceptions, redacted_traceback
+
 # status -> OpenAI's error `type` for that status
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                403: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
@@ -76,7 +78,10 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
 
 
 def install_error_handlers(app: FastAPI, on_error=None) -> None:
-    """Turn every exception into OpenAI's error JSON; `on_error(status)` counts it."""
+    """Turn every exception into OpenAI's error JSON; `on_error(status)` counts it. An exception that reaches
+    a log (Starlette re-raises a 500's to uvicorn, which logs "Exception in ASGI application") is logged with
+    its messages redacted: they may quote the request."""
+    redact_exceptions("uvicorn.error")  # the request paths of lmforge.serve and .engine redact at each call
 
     def answer(err: OpenAIError) -> JSONResponse:
         if on_error is not None:
@@ -103,8 +108,11 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # a bug: the traceback goes to the log, the client learns nothing about the internals
-        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        # a bug: the traceback goes to the log (its messages redacted: they may quote the request), the client
+        # learns nothing about the internals
+        route = getattr(request.scope.get("route"), "path", None)  # the template: `/v1/models/{model_id:path}`
+        log.error("unhandled error on %s %s:\n%s", request.method, route or f"<path: {describe(request.url.path)}>",
+                  redacted_traceback(exc))
         return answer(OpenAIError(500, "internal error; the server log has the details", None, "internal_error"))
 
 

@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from lmforge.engine import EngineDeadError, EngineStepError, RequestOutput, SamplingParams
 from lmforge.engine.sampling_params import truncate_prompt
 from lmforge.engine.structured import check_spec
+from lmforge.tools.redact import redacted_traceback
 
 from .engine_client import EngineRequest, not_ready
 from .errors import OpenAIError, bad_request, from_value_error
@@ -94,7 +95,7 @@ def engine_error(e: Exception) -> OpenAIError:
         return OpenAIError(500, str(e), None, "engine_error")
     if isinstance(e, EngineDeadError):
         return OpenAIError(503, f"the engine stopped while serving this request: {e}", None, "engine_not_ready")
-    log.error("request failed", exc_info=e)
+    log.error("request failed:\n%s", redacted_traceback(e))  # messages may quote the request: never logged
     return OpenAIError(500, "internal error; the server log has the details", None, "internal_error")
 
 
