@@ -129,6 +129,65 @@ def test_runtime_load_refuses_a_bad_folder(server, tmp_path):
     assert r.json()["error"]["param"] == "lora_path"
 
 
+def _corrupt_copies(good, tmp_path) -> dict:
+    """Copies of a valid adapter with a broken weights file, as a hostile tester made them (issue 43)."""
+    import struct
+
+    data = (good / "adapter_model.safetensors").read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    blobs = {"zero": b"", "truncated": data[:len(data) // 2], "huge-header": struct.pack("<Q", 2**40) + data[8:],
+             "bad-json": data[:8] + b"x" * n + data[8 + n:]}
+    out = {}
+    for name, blob in blobs.items():
+        out[name] = tmp_path / name
+        shutil.copytree(good, out[name])
+        (out[name] / "adapter_model.safetensors").write_bytes(blob)
+    (tmp_path / "zero" / "adapter_config.json").write_bytes(b"\xff\xfe[1, 2]")  # and a config that is no JSON text
+    out["list-config"] = tmp_path / "list-config"
+    shutil.copytree(good, out["list-config"])
+    (out["list-config"] / "adapter_config.json").write_text("[1, 2]")
+    return out
+
+
+def test_runtime_load_refuses_corrupt_adapters_with_one_line_naming_the_file(server, folders, tmp_path, caplog):
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    for name, path in _corrupt_copies(folders["c"], tmp_path).items():
+        with caplog.at_level("DEBUG"):
+            r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": f"bad-{name}",
+                                                                       "lora_path": str(path)}, headers=admin)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "lora_path", (name, r.text)
+        assert str(path) in error["message"] and "\n" not in error["message"], error
+    assert "Traceback" not in caplog.text and str(tmp_path) not in caplog.text  # nothing logged, no path
+
+
+@pytest.mark.parametrize("name", ["x" * 1000, "../evil", "a/b", "nul\x00byte", "", " ", ".."])
+def test_runtime_load_refuses_bad_adapter_names(server, folders, name):
+    r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folders["c"])},
+                   headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
+    assert name not in {m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]}
+
+
+def test_loaded_adapters_are_capped_and_a_404_lists_none_of_them(chat_model_dir, folders, server):
+    app = build_app(server.engine, ServerConfig(MODEL, admin_api_key=ADMIN, allow_runtime_lora_updating=True,
+                                                limits=ServerLimits(admin_requests_per_minute=1000),
+                                                max_loaded_loras=3, lora_modules={"a": str(folders["a"])}))
+    with ServerThread(app) as srv:
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        codes = [httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": f"c{i}", "lora_path": str(
+            folders["c"])}, headers=admin) for i in range(4)]
+        assert [r.status_code for r in codes] == [200, 200, 400, 400]
+        assert codes[2].json()["error"]["param"] == "lora_name" and "--max-loaded-loras 3" in codes[2].text
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "nope", "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 404 and "'nope' does not exist" in r.text
+        assert not any(n in r.text for n in ("'a'", "c0", "c1", MODEL)), r.text  # GET /v1/models lists them
+    with pytest.raises(ValueError, match="max_loaded_loras"):
+        ServerConfig(MODEL, max_loaded_loras=1, lora_modules={"a": "A", "b": "B"})
+    with pytest.raises(ValueError, match="lora_name"):
+        ServerConfig(MODEL, lora_modules={"../evil": str(folders["a"])})
+
+
 def test_runtime_endpoints_are_off_unless_allowed(server, folders):
     app = build_app(server.engine, ServerConfig(MODEL, admin_api_key=ADMIN, lora_modules={"a": str(folders["a"])}))
     paths = {r.path for r in app.routes}
@@ -172,11 +231,18 @@ def test_cli_serves_adapters_from_its_engine_process(chat_model_dir, folders, wa
 @pytest.mark.parametrize("flags, message", [
     (["--lora-modules", "a=A,b=/nowhere"], "--lora-modules b: /nowhere/adapter_config.json: not found"),
     (["--lora-modules", "a=A", "--max-lora-rank", "2"], "r=4 is above --max-lora-rank 2"),
+    (["--lora-modules", "a=A,c=TRUNCATED"], "--lora-modules c: TRUNCATED/adapter_model.safetensors: not a readable"),
+    (["--lora-modules", "a=A,b=A", "--max-loaded-loras", "1"], "--max-loaded-loras 1"),
+    (["--lora-modules", "../evil=A"], "--lora-modules"),
 ])
-def test_cli_refuses_bad_lora_modules_naming_them(chat_model_dir, folders, flags, message):
-    flags = [f.replace("a=A", f"a={folders['a']}") for f in flags]
-    proc = subprocess.run(serve_cmd(str(chat_model_dir), *flags), capture_output=True, text=True, timeout=120)
+def test_cli_refuses_bad_lora_modules_naming_them(chat_model_dir, folders, flags, message, tmp_path):
+    truncated = _corrupt_copies(folders["c"], tmp_path)["truncated"]
+    flags = [f.replace("=A", f"={folders['a']}").replace("TRUNCATED", str(truncated)) for f in flags]
+    message = message.replace("TRUNCATED", str(truncated))
+    proc = subprocess.run(serve_cmd(str(chat_model_dir), *flags, "--port", str(free_port())), capture_output=True,
+                          text=True, timeout=60)
     assert proc.returncode == 2 and message in " ".join(proc.stderr.split()), proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def test_schemathesis_on_the_lora_endpoints_finds_no_5xx_and_no_undocumented_status(server, folders):

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from lmforge.model.checkpoint import read_hf_config
@@ -48,6 +48,7 @@ from lmforge.model.config import ModelConfig
 LORA_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                 "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 2**20  # peft's adapter_config.json is a few hundred bytes
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 
@@ -86,9 +87,13 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> dict:
         raise ValueError(f"{file}: not found; a LoRA adapter is a peft folder with {ADAPTER_CONFIG} and "
                          f"{ADAPTER_WEIGHTS} (`lmforge.train.lora_adapter.save_adapter`, or peft's save_pretrained)")
     try:
-        cfg = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from None
+        if file.stat().st_size > MAX_CONFIG_BYTES:
+            raise ValueError(f"{file.stat().st_size} bytes, more than an adapter config ever needs ({MAX_CONFIG_BYTES})")
+        cfg = json.loads(file.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ValueError(f"{file}: not valid JSON ({_first_line(e)})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{file}: not a JSON object (peft writes {{\"r\": ..., \"target_modules\": ...}})")
     bad = {"peft_type": cfg.get("peft_type", "LORA") != "LORA", "use_dora": bool(cfg.get("use_dora")),
            "bias": cfg.get("bias", "none") != "none", "fan_in_fan_out": bool(cfg.get("fan_in_fan_out")),
            "rank_pattern": bool(cfg.get("rank_pattern")), "alpha_pattern": bool(cfg.get("alpha_pattern")),
@@ -106,6 +111,9 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> dict:
     targets = cfg.get("target_modules")
     # a string is peft's regex over module paths, or "all-linear": what it matched shows in the tensor names,
     # which read_adapter checks one by one
+    if targets is not None and not isinstance(targets, (str, list)):
+        raise ValueError(f"{file}: target_modules must be a list of module names or a string, not "
+                         f"{type(targets).__name__}")
     names = [targets] if isinstance(targets, str) else list(targets or [])
     unknown = [] if isinstance(targets, str) else [t for t in names if t not in LORA_MODULES]
     if not names or unknown:
@@ -125,15 +133,40 @@ def read_adapter(path: str | Path, model_cfg: ModelConfig, max_lora_rank: int, n
         raise ValueError(f"{file}: not found (only safetensors adapters are served; re-save with peft's "
                          f"save_pretrained(safe_serialization=True))")
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    with safe_open(str(file), framework="pt") as f:
-        for key in f.keys():
-            m = _KEY.search(key)
-            if m is None or m.group(2) not in LORA_MODULES:
-                raise ValueError(f"{file}: tensor {key!r} is not a LoRA A/B weight of "
-                                 f"{', '.join(LORA_MODULES)}; it cannot be served")
-            parts.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = f.get_tensor(key).float()
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            keys = list(f.keys())
+            _check_shapes(file, {k: tuple(f.get_slice(k).get_shape()) for k in keys}, model_cfg, r)  # before loading
+            for key in keys:
+                m = _KEY.search(key)
+                parts.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = f.get_tensor(key).float()
+    except SafetensorError as e:  # zero bytes, truncated, a huge or garbled header: one line naming the file
+        raise ValueError(f"{file}: not a readable safetensors file ({_first_line(e)}); re-save the adapter with "
+                         "peft's save_pretrained") from None
+    except OSError as e:
+        raise ValueError(f"{file}: cannot be read ({type(e).__name__}: {e.strerror or e})") from None
     return Adapter(name or path.name, r, scale, tuple(sorted({m for _, m in parts})),
                    _checked_weights(file, parts, model_cfg, r, scale))
+
+
+def _check_shapes(file: Path, shapes: dict[str, tuple[int, ...]], model_cfg: ModelConfig, r: int) -> None:
+    """Every tensor's name and shape from the file's header, before a byte of weights is read: an adapter
+    claiming huge tensors is refused without allocating them."""
+    expected = module_shapes(model_cfg)
+    for key, shape in shapes.items():
+        m = _KEY.search(key)
+        if m is None or m.group(2) not in LORA_MODULES:
+            raise ValueError(f"{file}: tensor {key!r} is not a LoRA A/B weight of "
+                             f"{', '.join(LORA_MODULES)}; it cannot be served")
+        n_in, n_out = expected[m.group(2)]
+        want = (r, n_in) if m.group(3) == "A" else (n_out, r)
+        if shape != want:
+            raise ValueError(f"{file}: layers.{m.group(1)}.{m.group(2)}: lora_{m.group(3)} is {shape}, not {want}: the "
+                             f"tensors do not fit rank {r} over this base; another base model?")
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def check_adapter(path: str | Path, model_dir: str | Path, max_lora_rank: int, name: str = "") -> Adapter:

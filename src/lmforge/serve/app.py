@@ -152,7 +152,7 @@ def build_app(engine: EngineOrLoader, config: ServerConfig) -> FastAPI:
     state = ServerState(config.served_model_name, config.api_key, config.limits, config.versions.on_rollback)
     state.reloader, state.feedback = config.versions.reloader, config.feedback
     state.tool_call_parser, state.chat_template = config.tool_call_parser, config.chat_template
-    state.loras = LoRAAdapters(config.served_model_name, config.max_lora_rank)
+    state.loras = LoRAAdapters(config.served_model_name, config.max_lora_rank, config.max_loaded_loras)
     base_dir = engine.model_path if isinstance(engine, AsyncLLMEngine) else None  # a loader: not known yet
     for name, path in config.lora_modules.items():  # checked (against the base's shapes when known) up front
         state.loras.add(name, path, base_dir)

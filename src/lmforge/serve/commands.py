@@ -104,6 +104,9 @@ LoraModulesOpt = Annotated[Optional[list[str]], typer.Option(help=(
     "a request's model picks one (docs/serving.md)."))]
 MaxLorasOpt = Annotated[int, typer.Option(min=1, help="LoRA adapters resident at once; more are swapped in LRU.")]
 MaxLoraRankOpt = Annotated[int, typer.Option(min=1, help="The largest LoRA rank accepted (every slot is this wide).")]
+MaxLoadedLorasOpt = Annotated[int, typer.Option(help=(
+    "LoRA adapters served at once, --lora-modules and runtime loads together; a load past it is a 400 (as vLLM's "
+    "--max-cpu-loras bounds what it keeps)."))]
 # vLLM's launch names (serve/vllm_args.py): aliases of the settings above, so a vLLM launch script runs as it is
 ModelOpt = Annotated[Optional[str], typer.Option(
     help="The model folder or .gguf file, as vLLM's --model (= MODEL_DIR); with --registry: the registered name.")]
@@ -181,6 +184,7 @@ def serve(
     lora_modules: LoraModulesOpt = None,
     max_loras: MaxLorasOpt = 1,
     max_lora_rank: MaxLoraRankOpt = 16,
+    max_loaded_loras: MaxLoadedLorasOpt = ServerConfig.max_loaded_loras,
     allow_runtime_lora_updating: AllowRuntimeLoraOpt = False,
     gpu_memory_utilization: GpuMemoryUtilizationOpt = None,
     chat_template: ChatTemplateOpt = None,
@@ -227,7 +231,7 @@ def serve(
     server = _server_config(served_model_name or model or model_dir.name, log_requests, feedback_db,
                             registry is not None, api_key=api_key, admin_api_key=admin_api_key, limits=limits,
                             tool_call_parser=tool_call_parser, lora_modules=loras, max_lora_rank=max_lora_rank,
-                            allow_runtime_lora_updating=allow_runtime_lora_updating,
+                            allow_runtime_lora_updating=allow_runtime_lora_updating, max_loaded_loras=max_loaded_loras,
                             chat_template=_vllm(vllm_args.chat_template_text, chat_template) if chat_template else None)
     log_level = uvicorn_log_level or log_level
     raise typer.Exit(run_server(config, server, ListenConfig(host, port, shutdown_timeout, log_level), engine_process,

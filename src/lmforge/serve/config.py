@@ -13,6 +13,7 @@ with the `FeedbackStore` methods.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,16 @@ from typing import Any
 from .tool_parsers import TOOL_PARSERS
 
 Loader = Callable[[], Any]  # () -> AsyncLLMEngine: builds an engine when called (the app then owns it)
+# a LoRA adapter's served name: a model id a client sends, never a path part (no "/", "..", NUL, spaces)
+LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+
+
+def check_lora_name(name: object) -> None:
+    """ValueError naming `lora_name` for a name that cannot be an adapter's model id."""
+    if not isinstance(name, str) or not LORA_NAME.fullmatch(name) or ".." in name:
+        shown = repr(name[:40]) + ("..." if len(name) > 40 else "") if isinstance(name, str) else type(name).__name__
+        raise ValueError(f"lora_name {shown}: an adapter's name is 1 to 64 of A-Z a-z 0-9 . _ : - starting with a "
+                         "letter or digit, without '..' (it is a model id, never a path)")
 
 
 @dataclass
@@ -93,6 +104,7 @@ class ServerConfig:
     lora_modules: dict[str, str] = field(default_factory=dict)
     max_lora_rank: int = 16  # the engine's; adapters are checked against it when registered
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin key)
+    max_loaded_loras: int = 64  # adapters served at once, --lora-modules and runtime loads together (400 past it)
     # the text of a Jinja chat template (`lmforge serve --chat-template FILE`) used instead of the model's own
     # for chat requests that send no `chat_template` field of their own
     chat_template: str | None = None
@@ -103,6 +115,14 @@ class ServerConfig:
         if self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser={self.tool_call_parser!r} (--tool-call-parser "
                              f"{self.tool_call_parser}: one of {', '.join(TOOL_PARSERS)})")
+        for name in self.lora_modules:
+            try:
+                check_lora_name(name)
+            except ValueError as e:
+                raise ValueError(f"lora_modules (--lora-modules): {e}") from None
+        if self.max_loaded_loras < 1 or len(self.lora_modules) > self.max_loaded_loras:
+            raise ValueError(f"max_loaded_loras (--max-loaded-loras {self.max_loaded_loras}): must be >= 1 and hold "
+                             f"the {len(self.lora_modules)} adapters of --lora-modules")
         if self.served_model_name in self.lora_modules:
             raise ValueError(f"lora_modules: {self.served_model_name!r} is the base model's name; name the adapter "
                              "otherwise")

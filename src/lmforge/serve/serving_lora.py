@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from pathlib import Path
 
 from fastapi.responses import PlainTextResponse
@@ -25,6 +26,7 @@ from pydantic import BaseModel
 from lmforge.engine import LoRARequest
 from lmforge.engine.lora import check_adapter, read_adapter_config
 
+from .config import check_lora_name
 from .errors import OpenAIError, bad_request
 
 
@@ -47,12 +49,14 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 
 class LoRAAdapters:
-    """Served adapter names -> `LoRARequest`s, over the base named `base_name` with `max_lora_rank` slots."""
+    """Served adapter names -> `LoRARequest`s, over the base named `base_name` with `max_lora_rank` slots; at
+    most `max_loaded` of them (`--max-loaded-loras`, as vLLM's `--max-cpu-loras` bounds what it keeps)."""
 
-    def __init__(self, base_name: str, max_lora_rank: int = 16):
-        self.base_name, self.max_lora_rank = base_name, max_lora_rank
+    def __init__(self, base_name: str, max_lora_rank: int = 16, max_loaded: int = 64):
+        self.base_name, self.max_lora_rank, self.max_loaded = base_name, max_lora_rank, max_loaded
         self.by_name: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
+        self._lock = threading.Lock()
 
     def __contains__(self, name: str | None) -> bool:
         return name in self.by_name
@@ -62,17 +66,28 @@ class LoRAAdapters:
 
     def add(self, name: str, path: str, model_dir: str | Path | None) -> LoRARequest:
         """Check the folder (against the base at `model_dir`; its config alone without one: the engine
-        checks the tensors at the first request) and serve it as `name`; ValueError says why not."""
-        if not name or name == self.base_name:
-            raise ValueError(f"lora_name {name!r}: an adapter needs a name of its own, not the base model's")
-        if name in self.by_name:
-            raise ValueError(f"the LoRA adapter {name!r} has already been loaded; unload it first")
+        checks the tensors at the first request) and serve it as `name`; ValueError says why not. The name
+        and the cap are checked before the folder is read and again, under a lock, before it is served."""
+        self.check_name(name)
         if model_dir is None:
             read_adapter_config(path, self.max_lora_rank)
         else:
             check_adapter(path, model_dir, self.max_lora_rank, name)
-        self.by_name[name] = LoRARequest(name, next(self._ids), str(path))
-        return self.by_name[name]
+        with self._lock:  # two loads at once: one of them gets the name (or the last place)
+            self.check_name(name)
+            self.by_name[name] = LoRARequest(name, next(self._ids), str(path))
+            return self.by_name[name]
+
+    def check_name(self, name: str) -> None:
+        """ValueError naming `lora_name`: not a model id, the base's, already served, or no place left."""
+        check_lora_name(name)
+        if name == self.base_name:
+            raise ValueError(f"lora_name {name!r}: an adapter needs a name of its own, not the base model's")
+        if name in self.by_name:
+            raise ValueError(f"the LoRA adapter {name!r} has already been loaded; unload it first")
+        if len(self.by_name) >= self.max_loaded:
+            raise ValueError(f"lora_name {name!r}: {len(self.by_name)} adapters are loaded, the most this server "
+                             f"serves at once (--max-loaded-loras {self.max_loaded}); unload one first")
 
     def remove(self, name: str) -> LoRARequest | None:
         return self.by_name.pop(name, None)
@@ -81,9 +96,9 @@ class LoRAAdapters:
         """The adapter a request's `model` picks (None: the base); 404 for a name not served (any more)."""
         if model is None or model == self.base_name:
             return None
-        if model not in self.by_name:
-            served = ", ".join(repr(n) for n in [self.base_name, *self.by_name])
-            raise OpenAIError(404, f"the model {model!r} does not exist; this server serves {served}",
+        if model not in self.by_name:  # the list of names is GET /v1/models', not every 404's
+            shown = repr(model[:64]) + ("..." if len(model) > 64 else "")
+            raise OpenAIError(404, f"the model {shown} does not exist; GET /v1/models lists the models served here",
                               "model", "model_not_found")
         return self.by_name[model]
 
@@ -103,11 +118,17 @@ class ServingLoRA:
         st = self.st
         if not st.client.ready:
             raise OpenAIError(503, st.client.not_ready_reason(), None, "engine_not_ready")
-        name_taken = req.lora_name in st.loras or req.lora_name in ("", st.loras.base_name)
+        try:  # the name first: a bad name or a full table reads no folder
+            st.loras.check_name(req.lora_name)
+        except ValueError as e:
+            raise bad_request(str(e), "lora_name") from None
+        if "\x00" in req.lora_path:
+            raise bad_request("lora_path holds a NUL character", "lora_path")
         try:  # reads the folder: off the event loop
             await asyncio.to_thread(st.loras.add, req.lora_name, req.lora_path, st.router.champion.model_dir)
         except ValueError as e:
-            raise bad_request(str(e), "lora_name" if name_taken else "lora_path") from None
+            raise bad_request(str(e), "lora_name" if str(e).startswith(("lora_name", "the LoRA adapter")) else
+                              "lora_path") from None
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     async def unload(self, req: UnloadLoRAAdapterRequest) -> PlainTextResponse:
