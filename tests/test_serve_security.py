@@ -149,3 +149,21 @@ def test_redacted_traceback_keeps_the_frames_and_hides_every_message():
     assert "marker-7f3a" not in text and text.count("<message redacted:") == 2
     assert "int(MARK)" in text and "test_serve_security.py" in text and "builtins.ValueError" in text
     assert describe(MARK) == f"{len(MARK)} chars, sha256 {__import__('hashlib').sha256(MARK.encode()).hexdigest()[:8]}"
+
+
+# ---- a bad GGUF file is one line and exit 2, before anything is served -------------------------------------
+
+
+def test_serve_refuses_a_corrupt_gguf_with_one_line(chat_model_dir, tmp_path):
+    """Issue 43: `lmforge serve f.gguf` printed a 28-line traceback and exited 1 once the port was open."""
+    from lmforge.quant.gguf_export import export_gguf
+
+    good = export_gguf(chat_model_dir, tmp_path / "m.gguf", "q8_0")["file"]
+    data = open(good, "rb").read()
+    for name, blob in (("truncated", data[:len(data) // 2]), ("magic", b"GGUX" + data[4:])):
+        bad = tmp_path / f"{name}.gguf"
+        bad.write_bytes(blob)
+        r = subprocess.run([sys.executable, "-m", "lmforge.cli", "serve", str(bad), "--port", str(free_port())],
+                           capture_output=True, text=True, timeout=120)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and str(bad) in lines[0] and "GGUF" in lines[0], r.stderr[-3000:]

@@ -279,7 +279,22 @@ def _model_dir(model_dir: Path | None, registry: Path | None, model: str | None,
     gguf_file = model_dir.suffix.lower() == ".gguf" and model_dir.is_file()  # a llama.cpp file, served as is
     if not gguf_file and not (model_dir / "config.json").exists():  # before importing torch: fail fast on a typo
         _usage_error(f"{model_dir}: no config.json; pass a Hugging Face layout model directory or a .gguf file")
+    if gguf_file:
+        _check_gguf(model_dir)
     return model_dir
+
+
+def _check_gguf(path: Path) -> None:
+    """Parse the file's header and tensor table and read its config (cheap: nothing is loaded), so a damaged or
+    unsupported file is one line naming the file and the fault, exit 2, not a traceback after the port opened."""
+    from lmforge.quant.gguf_file import open_gguf  # deferred: numpy and gguf, only for a .gguf
+    from lmforge.quant.gguf_load import hf_config  # deferred: torch
+
+    try:
+        f = open_gguf(path)
+        hf_config(f.metadata, path, set(f.tensors))
+    except (ValueError, OSError) as e:  # GGUFError is a ValueError; hf_config's refusals name the file and the key
+        _usage_error(str(e).splitlines()[0] if str(path) in str(e) else f"{path}: {e}")
 
 
 def _lora_modules(values: list[str], model_dir: Path, max_lora_rank: int) -> dict[str, str]:
