@@ -9,6 +9,8 @@ requests that fall back to plain decoding), and the rejection rule keeps the tar
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -22,7 +24,7 @@ from lmforge.engine.spec_decode import NgramProposer, greedy_accept, rejection_s
 from lmforge.serve.app import build_app
 from lmforge.serve.config import ServerConfig
 from lmforge.serve.metrics import EngineCollector
-from lmforge.serve.testing import ServerThread
+from lmforge.serve.testing import ServerThread, free_port
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -227,6 +229,51 @@ def test_draft_with_another_vocabulary_is_refused(target, tmp_path):
     with pytest.raises(ValueError, match="vocabulary of 300 tokens"):
         LLMEngine(EngineConfig(model=str(target), num_kv_blocks=20, speculative_model=str(draft),
                                num_speculative_tokens=2))
+
+
+# ---- issue 43: the flags checked against the model before anything serves; drafts freed ---------------------
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lmforge.cli", "serve", *args, "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_serve_checks_the_speculative_flags_against_the_model(target, tmp_path):
+    """Each was an exit 1 with a traceback after the port opened, or (k = 1000 on a 512 context) accepted."""
+    other_vocab = save_hf_model("llama", tmp_path / "d", vocab_size=300)
+    for args, flag, says in (
+            (["--speculative-model", str(other_vocab), "--num-speculative-tokens", "2"], "--speculative-model",
+             "vocabulary of 300 tokens"),
+            (["--speculative-model", str(tmp_path / "missing"), "--num-speculative-tokens", "2"], "--speculative-model",
+             "no config.json"),
+            (["--speculative-method", "ngram", "--num-speculative-tokens", "1000", "--max-model-len", "512"],
+             "--num-speculative-tokens", "512-token context")):
+        r = _serve(str(target), *args)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and flag in lines[0] and says in lines[0], r.stderr[-2000:]
+
+
+def test_the_engine_refuses_more_drafts_than_its_context_holds(target):
+    with pytest.raises(ValueError, match="num_speculative_tokens=1000"):
+        LLMEngine(EngineConfig(model=str(target), num_kv_blocks=20, max_model_len=512, speculative_method="ngram",
+                               num_speculative_tokens=1000))
+
+
+def test_drafts_are_freed_when_a_request_finishes_or_is_abandoned(target, other):
+    engine = LLMEngine(EngineConfig(model=str(target), num_kv_blocks=64, speculative_model=str(other),
+                                    num_speculative_tokens=8))
+    pool = engine.spec.draft.block_manager
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine.add_request("left", list(range(3, 60)), params)
+    engine.add_request("done", list(range(3, 20)), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert pool.num_free_blocks < 64  # both are drafting
+    engine.abort_request("left")  # its client went away
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert pool.num_free_blocks == 64 and not engine.scheduler.running
 
 
 def test_metrics_export_vllm_spec_decode_names():

@@ -26,6 +26,12 @@ Sequences whose next token depends on more than the target's logits row and the 
 (repetition / presence / frequency penalties, logit_bias, allowed_token_ids, bad_words, structured outputs,
 min_tokens not yet reached, logprobs asked for) are decoded plainly, one token a step, in the same batch.
 
+`check_speculative` checks the flags against the models before anything loads (`lmforge serve` calls it
+before it opens its port, `SpecDecoder` again for offline callers): the draft folder exists, its vocabulary
+is the target's, and K proposals plus the target's own token fit both the context and one step's token
+budget (K = 1,000 on a 512-token context made every step hundreds of draft forwards long, and an
+abandoned request's abort waited for the step to end).
+
 This module knows nothing about scheduling policy, text or HTTP.
 
 Shape legend: K proposals of one sequence, V vocabulary, B sequences drafting together.
@@ -33,12 +39,15 @@ Shape legend: K proposals of one sequence, V vocabulary, B sequences drafting to
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from lmforge.model.checkpoint import read_hf_config
 from lmforge.quant import load_pretrained
+from lmforge.quant.load import is_gguf
 
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -56,6 +65,58 @@ def spec_eligible(seq: Sequence) -> bool:
             and p.allowed_token_ids is None and not seq.bad_words_token_ids
             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
             and seq.num_output_tokens >= p.min_tokens)
+
+
+def check_speculative(target: str, draft: str | None, k: int, max_model_len: int | None,
+                      max_num_batched_tokens: int) -> None:
+    """ValueError naming the flag (vLLM's names) when the speculative settings cannot run on `target`: a
+    draft folder without config.json, a draft of another vocabulary (size, or token -> id when both folders
+    hold a tokenizer.json), or K drafts + 1 target token beyond the context (less a one-token prompt) or
+    one step's token budget. Reads configs only."""
+    vocab, context = _vocab_and_context(target)
+    context = max_model_len or context
+    if k + 2 > context:
+        raise ValueError(f"--num-speculative-tokens {k}: a {context}-token context holds at most {context - 2} "
+                         "proposals (one prompt token, the proposals and the target's own token); use a few, 2 to 8")
+    if k + 1 > max_num_batched_tokens:
+        raise ValueError(f"--num-speculative-tokens {k}: a verification schedules {k + 1} tokens, more than one step "
+                         f"takes (--max-num-batched-tokens {max_num_batched_tokens})")
+    if draft is None:
+        return
+    path = Path(draft)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--speculative-model {path}: no config.json; pass a Hugging Face layout model directory "
+                         "(a small model with the target's tokenizer)")
+    draft_vocab = read_hf_config(path).get("vocab_size")
+    if draft_vocab != vocab:
+        raise ValueError(f"--speculative-model {path}: vocabulary of {draft_vocab} tokens, the target's has {vocab}; "
+                         "the draft must share the target's tokenizer")
+    ours, theirs = _tokenizer_vocab(Path(target)), _tokenizer_vocab(path)
+    if ours is not None and theirs is not None and ours != theirs:
+        raise ValueError(f"--speculative-model {path}: its tokenizer.json maps tokens to other ids than the target's; "
+                         "the draft must share the target's tokenizer")
+
+
+def _vocab_and_context(model: str) -> tuple[int | None, int]:
+    if is_gguf(model):
+        from lmforge.quant.gguf_file import open_gguf  # deferred: only a GGUF target reads its header here
+        from lmforge.quant.gguf_load import hf_config
+
+        f = open_gguf(model)
+        cfg = hf_config(f.metadata, Path(model), set(f.tensors))
+    else:
+        cfg = read_hf_config(model)
+    return cfg.get("vocab_size"), cfg.get("max_position_embeddings", 2048)
+
+
+def _tokenizer_vocab(folder: Path) -> dict | None:
+    file = folder / "tokenizer.json"
+    if folder.suffix == ".gguf" or not file.is_file():
+        return None
+    try:
+        return json.loads(file.read_text()).get("model", {}).get("vocab")
+    except (OSError, ValueError):
+        return None
 
 
 class NgramProposer:
@@ -103,9 +164,6 @@ class DraftProposer:
 
     def __init__(self, config: EngineConfig, num_blocks: int, target_vocab: int, sampler: Sampler):
         path = Path(config.speculative_model)
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"--speculative-model {path}: no config.json; pass a Hugging Face layout "
-                                    "model directory (a small model with the target's tokenizer)")
         model = load_pretrained(path, dtype=config.dtype, device=config.device)
         if model.config.vocab_size != target_vocab:
             raise ValueError(f"--speculative-model {path}: vocabulary of {model.config.vocab_size} tokens, the "
@@ -174,6 +232,12 @@ class SpecDecoder:
     def __init__(self, config: EngineConfig, num_blocks: int, target_vocab: int, sampler: Sampler,
                  max_model_len: int):
         self.k, self.sampler, self.max_model_len = config.num_speculative_tokens, sampler, max_model_len
+        try:
+            check_speculative(config.model, config.speculative_model, self.k, max_model_len,
+                              config.max_num_batched_tokens)
+        except ValueError as e:  # offline callers: the EngineConfig field
+            flag = str(e).split(" ", 1)[0].removeprefix("--").replace("-", "_")
+            raise ValueError(f"EngineConfig.{flag}={getattr(config, flag)}: {str(e).split(': ', 1)[1]}") from None
         self.method = config.speculative_method
         self.ngram = NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
         self.draft = DraftProposer(config, num_blocks, target_vocab, sampler) if self.method == "draft" else None

@@ -227,6 +227,11 @@ def serve(
                             admin_requests_per_minute=admin_rate, max_engine_restarts=max_engine_restarts)
     if shutdown_timeout < 0:
         _usage_error("--shutdown-timeout must be >= 0")
+    if config.speculative_method is not None:  # against the models' configs, before the port opens
+        from lmforge.engine.spec_decode import check_speculative  # deferred: torch, only with speculation
+
+        _vllm(check_speculative, str(model_dir), config.speculative_model, config.num_speculative_tokens,
+              max_model_len, max_num_batched_tokens)
     preflight(model_dir, dtype, device, max_num_seqs, max_model_len, kv_cache_memory_bytes)
     server = _server_config(served_model_name or model or model_dir.name, log_requests, feedback_db,
                             registry is not None, api_key=api_key, admin_api_key=admin_api_key, limits=limits,
