@@ -119,8 +119,6 @@ def test_a_served_three_turn_chat_builds_rows_that_keep_every_turn(tmp_path, cha
     assert prefs[0]["rejected"] == [{"role": "assistant", "content": served}]
 
 
-@pytest.mark.xfail(strict=True, reason="serve/serving_chat.py's exchange_prompt still joins the messages into "
-                   "'role: content' lines; once it returns job.messages (the store takes the list), drop this mark")
 def test_the_served_chat_is_logged_as_its_messages(tmp_path, chat_model_dir):
     store, _ = _serve_chat(tmp_path, chat_model_dir, TRICKY)
     (ex,) = list(FeedbackStore(store).exchanges())

@@ -126,8 +126,9 @@ class OpenAIServingChat(OpenAIServing):
             finish = "tool_calls" if stream.calls and finish == "stop" else finish
         return {"index": c.index, "delta": out, "logprobs": lp, "finish_reason": finish}
 
-    def exchange_prompt(self, job: Job) -> str:
-        return "\n".join(f"{m['role']}: {m['content']}" for m in job.messages)
+    def exchange_prompt(self, job: Job) -> list[dict]:
+        """The chat as its messages (the store masks each; the flywheel keeps the turns and their roles)."""
+        return job.messages
 
     def response_extras(self, job: Job) -> dict:
         if job.req.prompt_logprobs is None:

@@ -135,7 +135,8 @@ class OpenAIServing:
     def delta_choice(self, job: Job, prompt_index: int, c, delta: str, start: int, text_start: int) -> dict:
         raise NotImplementedError
 
-    def exchange_prompt(self, job: Job) -> str:
+    def exchange_prompt(self, job: Job) -> str | list[dict]:
+        """What the exchange log stores as the prompt: the text, or a chat's messages."""
         raise NotImplementedError
 
     def response_extras(self, job: Job) -> dict:
