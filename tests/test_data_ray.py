@@ -175,6 +175,26 @@ def test_without_ray_the_executor_says_how_to_install(monkeypatch):
         ray_executor.RayExecutor()
 
 
+def test_a_ray_address_with_nothing_listening_fails_within_seconds_naming_it(tmp_path):
+    """Issue 43: `--ray-address 127.0.0.1:6399` with nothing there printed Ray's warnings for minutes."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "a", "text": "hello world " * 20}) + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "lmforge.cli", "data", "prepare", str(src), "--out",
+                           str(tmp_path / "out"), "--executor", "ray", "--ray-address", f"127.0.0.1:{port}"],
+                          capture_output=True, text=True, timeout=90, env=env)
+    took = time.monotonic() - t0
+    assert proc.returncode == 2 and f"127.0.0.1:{port}" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and took < 30, took
+
+
 def _dedup_items(n: int, seed: int) -> list[dict]:
     """Cleaned items (one part each) whose signatures form exact copies, near copies and chains of
     copies of copies, with similarities around the confirm level (multiples of 1/128: ties happen)."""

@@ -81,7 +81,8 @@ def prepare(
         stats = prepare_dataset(paths, out, config=config, eval_sets=[str(e) for e in eval_set],
                                 overrides=overrides, workers=workers, overwrite=overwrite,
                                 show_progress=progress, executor=_executor(executor, ray_address))
-    except (FileNotFoundError, FileExistsError, ConfigError, ReaderError, ValueError, ImportError) as e:
+    except (FileNotFoundError, FileExistsError, ConfigError, ReaderError, ValueError, ImportError,
+            ConnectionError) as e:  # ConnectionError: --ray-address with no cluster there
         console.print(f"[red]error:[/red] {e}", soft_wrap=True)
         raise typer.Exit(code=2) from None
     _print_prepare(stats, out)
@@ -129,7 +130,7 @@ def pack(
         manifest = pack_dataset(prepared_dir, tokenizer, seq_len, out, workers=workers,
                                 overwrite=overwrite, show_progress=progress,
                                 executor=_executor(executor, ray_address))
-    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as e:
+    except (FileNotFoundError, FileExistsError, ValueError, ImportError, ConnectionError) as e:
         console.print(f"[red]error:[/red] {e}", soft_wrap=True)
         raise typer.Exit(code=2) from None
     table = Table(title=f"data pack -> {out} (seq_len {seq_len}, {manifest['dtype']})")

@@ -58,6 +58,7 @@ from lmforge.data.prepare import (_chunks, _hashing_records, _init_worker, _List
                                   _Writer, no_documents)
 from lmforge.data.readers import Source, byte_ranges, count_lines, iter_records
 from lmforge.data.split import SPLITS
+from lmforge.tools.cluster import connect_ray
 
 SHARD_BYTES = 32 << 20  # an uncompressed .jsonl file is read as ranges of about this size, one task each
 MAX_RETRIES = 3  # a task whose worker process dies is run again (tasks are pure: same result)
@@ -413,8 +414,7 @@ class RayExecutor:
         except ImportError:
             raise ImportError(RAY_MISSING) from None
         self.ray = ray
-        if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, logging_level="WARNING")
+        connect_ray(address)  # a HOST:PORT with nothing there: ClusterUnreachable naming it, within 30 s
         self.workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
         self.buckets = max(1, buckets or self.workers)
         self.shard_bytes = shard_bytes

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from lmforge.tools.cluster import connect_ray
+
 from .llm import LLM
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -170,8 +172,7 @@ def _ray_results(model: str, name: str, batches: list[list[BatchRequest]], repli
         import ray  # deferred: optional dependency (pip install 'lmforge[ray]')
     except ImportError:
         raise ImportError(RAY_MISSING) from None
-    if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, logging_level="WARNING")
+    connect_ray(address)  # a HOST:PORT with nothing there: ClusterUnreachable naming it, within 30 s
     cpus = int(ray.cluster_resources().get("CPU", 1))
     threads = max(1, cpus // replicas)
     actor = ray.remote(num_cpus=min(threads, cpus), max_restarts=2, max_task_retries=2)(Replica)

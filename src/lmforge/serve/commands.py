@@ -484,7 +484,10 @@ def run_server(config: EngineConfig, server: ServerConfig, listen: ListenConfig,
     if replicas[0] > 1 or replicas[1] is not None:
         from .replicas import RayReplicaEngine, init_ray  # deferred: torch and (inside) Ray, only for --replicas
 
-        init_ray(replicas[1])  # here, on the main thread, before uvicorn takes the signals
+        try:
+            init_ray(replicas[1])  # here, on the main thread, before uvicorn takes the signals
+        except ConnectionError as e:  # --ray-address with no cluster there: one line, within 30 s
+            _usage_error(str(e))
         engine_cls = functools.partial(RayReplicaEngine, replicas=replicas[0], address=replicas[1],
                                        max_restarts=server.limits.max_engine_restarts)
     loader = _engine_loader(config, engine_cls)

@@ -46,6 +46,7 @@ import torch
 
 from lmforge.engine import AsyncLLMEngine, EngineConfig, EngineDeadError, RequestOutput, SamplingParams
 from lmforge.tokenizer import load_tokenizer
+from lmforge.tools.cluster import connect_ray
 
 log = logging.getLogger("lmforge.serve")
 RAY_MISSING = "--replicas needs Ray, which is not installed: pip install 'lmforge[ray]'"
@@ -141,9 +142,8 @@ def init_ray(address: str | None = None) -> None:
     """Join (or, without an address, start) a Ray cluster unless this process already has one. A server
     calls it on its main thread before uvicorn installs its signal handlers: Ray's own SIGTERM handling,
     installed later from a loader thread, turned a clean shutdown into an abort (exit -6)."""
-    ray = _ray()
-    if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, logging_level="WARNING")
+    _ray()  # says how to install Ray when it is missing
+    connect_ray(address)  # a HOST:PORT with nothing there: ClusterUnreachable naming it, within 30 s
 
 
 class _Counters:
