@@ -127,12 +127,15 @@ def test_block_types_unpack_to_codes_that_dequantize_bit_for_bit(name):
     data = _random_blocks(qtype, N, K)
     g = UNPACK[qtype](data)
     want = gguf.quants.dequantize(data, qtype)
-    assert g.codes.shape == (N, K) and g.scale.shape == (N, K // g.scheme.group_size)
+    # 4-bit codes come packed two a byte as the kernels read them, the others one a byte
+    assert g.codes.shape == ((N, K // 2) if g.scheme.num_bits == 4 else (N, K)) and g.packed == (g.scheme.num_bits == 4)
+    assert g.scale.shape == (N, K // g.scheme.group_size)
     np.testing.assert_array_equal(g.dequantize(), want)
     lo, hi = (0, 2 ** g.scheme.num_bits - 1) if g.scheme.zero_point else (g.scheme.qmin, g.scheme.qmax)
-    assert g.codes.min() >= lo and g.codes.max() <= hi and np.abs(want).max() > 0
+    codes = g.int8_codes()
+    assert codes.shape == (N, K) and codes.min() >= lo and codes.max() <= hi and np.abs(want).max() > 0
     # the QuantizedLinear the loader installs dequantizes to the same numbers
-    q = QuantizedLinear(K, N, g.scheme, scale_dtype=torch.float32)
+    q = QuantizedLinear(K, N, g.scheme, scale_dtype=torch.float32, packed=g.packed)
     q.qweight.copy_(torch.from_numpy(g.codes))
     q.weight_scale.copy_(torch.from_numpy(g.scale))
     if g.zero is not None:
@@ -218,7 +221,7 @@ def test_corrupt_files_are_one_clear_error_naming_the_file(files, tmp_path):
 
 
 @pytest.mark.skipif(LIB is None, reason="no C compiler: lmforge's CPU kernels are absent")
-@pytest.mark.parametrize("name", ["Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_block_types_run_on_every_kernel_body(name):
     """Each block type on lmforge's kernels as the loader installs it: the A16 row kernel and the panel GEMM
     equal a float64 matmul of the dequantized weight (float32 rounding only), and every int8-activation body
@@ -226,7 +229,7 @@ def test_block_types_run_on_every_kernel_body(name):
     qtype = gguf.GGMLQuantizationType[name]
     N, K = 40, 512
     g = UNPACK[qtype](_random_blocks(qtype, N, K, seed=1))
-    q = QuantizedLinear(K, N, g.scheme, scale_dtype=torch.float32)
+    q = QuantizedLinear(K, N, g.scheme, scale_dtype=torch.float32, packed=g.packed)
     q.qweight.copy_(torch.from_numpy(g.codes))
     q.weight_scale.copy_(torch.from_numpy(g.scale))
     if g.zero is not None:

@@ -152,6 +152,8 @@ def _read_tensors(f: GGUFFile, model: Transformer, arch: str, torch_dtype: torch
         heads = {"q_proj": c.num_attention_heads, "k_proj": c.num_key_value_heads}.get(module.rpartition(".")[2]) \
             if arch in PERMUTED else None
         _check_shape(f, t, model, name)
+        if keep_codes and t.type in UNPACK and name == "model.embed_tokens.weight":
+            continue  # the lookup table stays codes (`load_gguf`)
         if keep_codes and t.type in UNPACK and module in linears:
             g = UNPACK[t.type](f.tensor_data(t.name))
             _install(model, module, g)
@@ -186,7 +188,7 @@ def _install(model: Transformer, module: str, g: GroupCodes) -> None:
     parent_name, _, child = module.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, QuantizedLinear(m.in_features, m.out_features, g.scheme, m.bias is not None,
-                                           torch.float32, device=m.weight.device))
+                                           torch.float32, device=m.weight.device, packed=g.packed))
 
 
 def file_dtype(path: str | Path) -> tuple[str | None, bool]:
@@ -238,10 +240,9 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", device: str |
         counts[f"{embd.type.name} codes (lm_head, tied)"] = 1
     device = checkpoint.resolve_device(device)
     if keep_codes and embd is not None and embd.type in UNPACK:  # the lookup table stays codes too
-        state.pop("model.embed_tokens.weight")
         g = UNPACK[embd.type](f.tensor_data(embd.name))
         model.model.embed_tokens = QuantizedEmbedding(*(None if a is None else torch.from_numpy(a).to(device)
-                                                        for a in (g.codes, g.scale, g.zero)), torch_dtype)
+                                                        for a in (g.int8_codes(), g.scale, g.zero)), torch_dtype)
     state = {k: v.to(device) for k, v in state.items()}
     model = checkpoint.assign_weights(model, state, f.path)
     model.gguf_summary = {"file": str(f.path), "architecture": meta["general.architecture"],

@@ -31,15 +31,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .scheme import QuantScheme, dequantize, scale_groups_, scratch
+from .scheme import QuantScheme, dequantize, pack_nibbles, scale_groups_, scratch, unpack_nibbles
 
 
 class QuantizedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, scheme: QuantScheme, bias: bool = False,
-                 scale_dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None):
+                 scale_dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
+                 packed: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
-        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        if packed and scheme.num_bits != 4:
+            raise ValueError(f"packed codes are 4-bit; {scheme.name} holds one code a byte")
+        shape, dtype = ((out_features, in_features // 2), torch.uint8) if packed else \
+            ((out_features, in_features), torch.int8)
+        self.register_buffer("qweight", torch.zeros(shape, dtype=dtype, device=device))
         self.register_buffer("weight_scale", torch.ones(out_features, scheme.groups(in_features),
                                                         dtype=scale_dtype, device=device))
         if scheme.zero_point:  # unsigned codes, w = scale * code + zero (GGUF's Q4_1, Q5_1, K-quants)
@@ -47,8 +52,21 @@ class QuantizedLinear(nn.Module):
                                                             dtype=scale_dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
 
+    @property
+    def packed(self) -> bool:
+        """int4 codes held as the kernels read them (`pack_nibbles`: (N, K / 2) uint8, the GGUF loader's form,
+        with no int8 copy), not one int8 code a weight."""
+        return self.qweight.dtype == torch.uint8
+
+    def codes(self) -> torch.Tensor:
+        """(N, K) int8 codes: symmetric signed codes, or a zero-point layer's unsigned ones."""
+        if not self.packed:
+            return self.qweight
+        u = unpack_nibbles(self.qweight)
+        return (u if self.scheme.zero_point else u.to(torch.int16) - 8).to(torch.int8)
+
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize(self.qweight, self.weight_scale, dtype, getattr(self, "weight_zero", None))
+        return dequantize(self.codes(), self.weight_scale, dtype, getattr(self, "weight_zero", None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = None if self.bias is None else self.bias.to(x.dtype)
@@ -118,7 +136,7 @@ class Int8Linear(_Bf16Kernel):
 
     def __init__(self, q: QuantizedLinear, dtype: torch.dtype):
         super().__init__(q)
-        self.register_buffer("qweight", q.qweight.contiguous(), persistent=False)  # (N, K) int8
+        self.register_buffer("qweight", q.codes().contiguous(), persistent=False)  # (N, K) int8
         self.register_buffer("scale", q.weight_scale[:, 0].to(torch.bfloat16).contiguous(), persistent=False)
 
     @staticmethod
@@ -138,7 +156,7 @@ class Int4Linear(_Bf16Kernel):
 
     def __init__(self, q: QuantizedLinear, dtype: torch.dtype):
         super().__init__(q)
-        u_NK = q.qweight.to(torch.int32) + 8
+        u_NK = q.codes().to(torch.int32) + 8
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(u_NK, 1), persistent=False)
         s_GN = q.weight_scale.t().to(torch.bfloat16)
         self.register_buffer("scale_zeros", torch.stack([s_GN, torch.zeros_like(s_GN)], -1).contiguous(),
@@ -223,9 +241,8 @@ class QmmLinear(nn.Module):
         self.N, self.K = q.out_features, q.in_features
         self.gs = q.scheme.group_size or q.in_features
         codes, zero = q.qweight.contiguous(), getattr(q, "weight_zero", None)
-        if self.bits == 4:  # two codes a byte, low nibble = even k, unsigned: code + 8 (a zero-point code as it is)
-            u = codes.to(torch.uint8) if zero is not None else (codes.to(torch.int16) + 8).to(torch.uint8)
-            codes = (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
+        if self.bits == 4 and not q.packed:  # two codes a byte, low nibble = even k, code + 8 (a zero-point code as is)
+            codes = pack_nibbles(codes if zero is not None else codes.to(torch.int16) + 8)
         self.register_buffer("codes", codes, persistent=False)
         self.register_buffer("scale", q.weight_scale.float().contiguous(), persistent=False)  # (N, G)
         # zero offsets in the kernels' terms, w = scale * code + zero, where the kernels read an int4 code as

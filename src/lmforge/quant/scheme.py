@@ -135,6 +135,18 @@ def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     return buf[:numel]
 
 
+def pack_nibbles(u_NK: torch.Tensor) -> torch.Tensor:
+    """lmforge's int4 kernel layout: (N, K) stored nibbles (0..15: a symmetric code + 8, or a zero-point code as it
+    is) -> (N, K / 2) uint8, byte i = nibble 2i | nibble 2i + 1 << 4."""
+    u = u_NK.to(torch.uint8)
+    return (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(p_NW: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_nibbles`: (N, K / 2) uint8 -> (N, K) uint8 stored nibbles."""
+    return torch.stack([p_NW & 0x0F, p_NW >> 4], dim=-1).reshape(p_NW.shape[0], -1)
+
+
 def pack_int32(q_NK: torch.Tensor, num_bits: int) -> torch.Tensor:
     """Dense packing along K: 32 / num_bits codes per int32 word, element i at bits i*num_bits, stored
     unsigned (q - qmin); a ragged last word is zero-padded. (N, K) int8 -> (N, W) int32."""
