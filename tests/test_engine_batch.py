@@ -98,6 +98,43 @@ def test_bad_lines_named_before_any_work(tmp_path):
     assert res.exit_code == 2 and "--executor ray" in res.output
 
 
+def test_duplicate_ids_and_every_bad_line_are_named_before_any_work(model, tmp_path):
+    """Issue 43: a duplicate custom_id gave two records with it; an empty prompt, a token id past the
+    vocabulary or a prompt longer than the context stopped the run without a line number."""
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"custom_id": "a", "prompt": "x"}\n{"prompt": "y"}\n{"custom_id": "a", "prompt": "z"}\n'
+                   '{"id": 2, "prompt": "w"}\n')
+    with pytest.raises(ValueError) as e:
+        read_requests(dup)
+    assert "dup.jsonl:3: custom_id 'a' is also line 1's" in str(e.value)
+    assert "dup.jsonl:4: custom_id '2' is also line 2's" in str(e.value)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(json.dumps(x) for x in [
+        {"prompt": "fine"}, {"prompt": ""}, {"prompt": [5, 999999]}, {"prompt": "word " * 3000},
+        {"prompt": []}, {"prompt": "also fine"}]) + "\n")
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(ValueError) as e:
+        generate_file(model, bad, out, defaults={"max_tokens": 4}, engine_kwargs={**ENGINE, "max_model_len": 256})
+    lines = str(e.value).splitlines()
+    assert [line.split(": ", 1)[0].rsplit(":", 1)[1] for line in lines[1:]] == ["2", "3", "4", "5"], str(e.value)
+    assert "empty" in lines[1] and "999999" in lines[2] and "max_model_len" in lines[3]
+    assert not out.exists()  # nothing generated, --out untouched
+
+
+def test_unseeded_sampling_resumes_to_the_uninterrupted_run(model, prompts, tmp_path):
+    """Without a seed each record draws from a seed derived from its custom_id, so a run cut after two
+    records and resumed writes what one run writes (it used to draw from the engine's one generator)."""
+    kw = dict(defaults={"temperature": 1.0, "max_tokens": 6}, batch_size=2, engine_kwargs=ENGINE)
+    whole, part = tmp_path / "whole.jsonl", tmp_path / "part.jsonl"
+    generate_file(model, prompts, whole, **kw)
+    part.write_bytes(b"".join(whole.read_bytes().splitlines(keepends=True)[:3]))
+    generate_file(model, prompts, part, **{**kw, "batch_size": 3})
+    assert part.read_bytes() == whole.read_bytes()
+    again = tmp_path / "again.jsonl"
+    generate_file(model, prompts, again, **kw)
+    assert again.read_bytes() == whole.read_bytes()
+
+
 def test_without_ray_generate_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n')

@@ -33,7 +33,8 @@ def generate(
     max_tokens: Annotated[Optional[int], typer.Option(help="Default max_tokens.")] = None,
     temperature: Annotated[Optional[float], typer.Option(help="Default temperature (0: greedy).")] = None,
     top_p: Annotated[Optional[float], typer.Option(help="Default top_p.")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Default per-request seed.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help=(
+        "Default per-request seed (without one, each line samples with a seed derived from its custom_id)."))] = None,
     executor: Annotated[str, typer.Option(help="local: one engine here; ray: --replicas engines on Ray actors "
                                                 "(pip install 'lmforge[ray]').")] = "local",
     replicas: Annotated[int, typer.Option(help="Engines (Ray actors) with --executor ray.")] = 1,
@@ -55,7 +56,7 @@ def generate(
             summary = generate_file(model, input, out, defaults=defaults, executor=executor, replicas=replicas,
                                     ray_address=ray_address, batch_size=batch_size, overwrite=overwrite,
                                     engine_kwargs={"device": device, "dtype": dtype})
-    except (FileNotFoundError, ValueError, ImportError) as e:
+    except (FileNotFoundError, ValueError, ImportError, ConnectionError) as e:  # ConnectionError: no Ray cluster there
         Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {e}")
         raise typer.Exit(code=2) from None
     Console().print(f"{summary['generated']} generated, {summary['resumed']} resumed -> {out}; "
