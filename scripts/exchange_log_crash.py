@@ -1,77 +1,47 @@
-"""How many answered exchanges a `kill -9` of `lmforge serve --log-requests` loses (issue 24, finding 9).
+"""How many answered exchanges a `kill -9` of `lmforge serve --log-requests` loses (issue 24 finding 9,
+issue 43), and what an answer costs in latency.
 
-Per trial: a fresh server on MODEL_DIR (engine in its own process, as by default), N completions
-answered 200 one after another, `--wait` seconds, SIGKILL to the server's pid only, then the
-writer process is left to read the pipe to its end and exit; the rows in the feedback store are
-counted. Prints one line per trial and a JSON summary (`lost` per trial).
+Per trial (`lmforge.serve.testing.kill9_trial`): a fresh server on MODEL_DIR (engine in its own process,
+as by default), N completions answered by C concurrent clients, SIGKILL to the server's pid the moment
+the last answer is read, its children left to finish; the answered ids found in the feedback store are
+counted. Prints one line per trial and a JSON summary: `lost` per trial, and the answers' latency
+(median and p99 over every trial, milliseconds).
 
-    python scripts/exchange_log_crash.py MODEL_DIR [--trials 5] [-n 20] [--wait 0]
+    python scripts/exchange_log_crash.py MODEL_DIR [--trials 20] [-n 60] [--concurrency 8]
 
 Run it with `PYTHONPATH=OTHER/src` to measure another checkout's serve code (the "before").
-Every wait is bounded; the server's children are killed if they outlive it by 30 s.
+Every wait is bounded; the server's children are killed if they outlive it by 60 s.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
+import statistics
 
-import httpx
-import psutil
-
-from lmforge.registry import FeedbackStore
-from lmforge.serve.testing import free_port
-
-
-def trial(model: str, n: int, wait_s: float) -> int:
-    db, port = Path(tempfile.mkdtemp()) / "fb.db", free_port()
-    log = tempfile.TemporaryFile("w+")  # never a pipe nobody reads
-    proc = subprocess.Popen([sys.executable, "-m", "lmforge.cli", "serve", model, "--port", str(port),
-                             "--log-requests", "--feedback-db", str(db), "--dtype", "float32",
-                             "--max-model-len", "256", "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while True:
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            log.seek(0)
-            raise SystemExit(f"the server did not get ready: {log.read()[-2000:]}")
-        try:
-            if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    children = psutil.Process(proc.pid).children(recursive=True)
-    with httpx.Client(base_url=url, timeout=60) as c:
-        for i in range(n):
-            c.post("/v1/completions", json={"prompt": f"request {i}", "max_tokens": 4}).raise_for_status()
-    time.sleep(wait_s)
-    proc.kill()
-    proc.wait()
-    _, alive = psutil.wait_procs(children, timeout=30)
-    for p in alive:
-        p.kill()
-    return n - len(list(FeedbackStore(db, create=False).exchanges()))
+from lmforge.serve.testing import kill9_trial
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model_dir")
-    ap.add_argument("--trials", type=int, default=5)
-    ap.add_argument("-n", type=int, default=20, help="completions answered before the kill")
-    ap.add_argument("--wait", type=float, default=0.0, help="seconds between the last answer and the kill")
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("-n", type=int, default=60, help="completions answered before the kill")
+    ap.add_argument("--concurrency", type=int, default=8, help="clients sending at once")
+    ap.add_argument("--serve-arg", action="append", default=[], help="an extra `lmforge serve` argument")
     a = ap.parse_args()
-    lost = []
+    lost, latency = [], []
     for t in range(a.trials):
-        lost.append(trial(a.model_dir, a.n, a.wait))
-        print(f"trial {t}: lost {lost[-1]} of {a.n}", flush=True)
-    print(json.dumps({"n": a.n, "trials": a.trials, "wait_s": a.wait, "lost": lost}))
+        r = kill9_trial(a.model_dir, a.n, a.concurrency, ("--dtype", "float32", "--max-model-len", "256",
+                                                          *a.serve_arg))
+        lost.append(len(r["lost"]))
+        latency += r["latency_s"]
+        print(f"trial {t}: lost {lost[-1]} of {r['answered']} answered", flush=True)
+    ms = sorted(1000 * x for x in latency)
+    print(json.dumps({"n": a.n, "trials": a.trials, "concurrency": a.concurrency, "lost": lost,
+                      "lost_total": sum(lost), "answered_total": a.n * a.trials,
+                      "latency_ms_p50": round(statistics.median(ms), 1),
+                      "latency_ms_p99": round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 1)}))
 
 
 if __name__ == "__main__":

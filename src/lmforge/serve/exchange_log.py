@@ -23,17 +23,24 @@ exchange with a 10 ms interval (one row per batch), ~140 us at 25 ms and ~80 us 
 (2026-12-02, a busy 2-core box). The writer commits each batch it reads (batches that queued while
 it was busy go in one transaction).
 
-* **What a crash can lose** (docs/operations.md, "Request logging"): a row that is in the pipe is
-  the writer's: it reads the pipe to its end and commits every row in it even after the server is
-  killed with SIGKILL, then exits. So a `kill -9` of the server loses only rows not yet handed over:
-  those added in the last `interval_s`, and rows the sender could not write because the writer is
-  more than a pipe buffer behind (the buffer is raised to `PIPE_BYTES`, 1 MiB, about 1,900 rows of
-  450 characters). A kill of the writer itself loses the batches it had read and not committed
+* **What a crash can lose** (docs/operations.md, "Request logging"): nothing answered (see "Durable
+  before answered" below), unless the writer was stuck past `DURABLE_TIMEOUT_S`. A row that is in the
+  pipe is the writer's: it reads the pipe to its end and commits every row in it even after the server
+  is killed with SIGKILL, then exits; rows not yet handed over (an answer that timed out waiting, or
+  rows the sender could not write because the writer is more than a pipe buffer behind: the buffer is
+  raised to `PIPE_BYTES`, 1 MiB, about 1,900 rows of 450 characters) die with the server. A kill of the writer itself loses the batches it had read and not committed
   (counted as dropped). Commits use SQLite's `synchronous=NORMAL` under WAL: a process crash loses
   nothing committed; a power cut can lose the last commits, never the file.
 * **Bounded**: at most `max_pending` rows added and not yet acknowledged. Past that, `add` drops the
   row and counts it (`dropped`, exported as `lmforge:exchange_log_dropped_total`): serving never
   waits for the log. A dropped exchange is not in the store, so feedback on its id is a 404.
+* **Durable before answered** (issue 43): the endpoints `await committed(id)` before the last byte of
+  an answer goes out (a JSON body; a stream's `[DONE]`): the row is sent at once (no interval wait)
+  and the answer waits for the writer's commit of its batch, so an exchange a client saw answered is
+  in the store whatever is killed afterwards (before: up to 2 of 60 lost to a `kill -9` right after
+  the answer). Concurrent answers share a batch and a commit. The wait is bounded
+  (`DURABLE_TIMEOUT_S`): a writer that is stuck or gone never holds answers longer (the row stays
+  queued, or is counted as dropped, as above).
 * **Feedback on a just-finished completion**: `wait_written(id)` has the pending rows sent at once
   (no interval wait) and blocks until the batch holding `id` is committed.
 * **Writer death** (killed, OOM): the batches it had read and not acknowledged are counted as
@@ -48,6 +55,7 @@ CMD_FD ACK_FD DB_PATH` (started by `ExchangeLog`).
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import logging
 import sys
@@ -65,6 +73,7 @@ MAX_PENDING, MAX_BATCH, RECENT = 10_000, 512, 100_000
 INTERVAL_S = 0.05  # the longest a row waits in this process before it goes to the writer (see the docstring)
 PIPE_BYTES = 1 << 20  # Linux's default cap for an unprivileged process (/proc/sys/fs/pipe-max-size)
 START_TIMEOUT_S = 60.0
+DURABLE_TIMEOUT_S = 5.0  # the longest an answer waits for its exchange's commit before it goes out anyway
 MAX_RESTARTS = 5  # writers started again after one dies (a kill, an OOM), before the log gives up
 
 
@@ -90,6 +99,7 @@ class ExchangeLog:
         self._dead: str | None = None  # why no writer will come back (restarts spent, or closed)
         self.restarts, self.max_restarts = 0, max_restarts
         self._generation = 0  # which writer the threads serve: a death report of an older one is stale
+        self._waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future]] = []  # (seq, loop, future)
         self._start_writer()
 
     def _start_writer(self) -> None:
@@ -151,6 +161,32 @@ class ExchangeLog:
             if entry is None:
                 return True
             return self._wait(entry[1], timeout)
+
+    async def committed(self, id: str, timeout: float = DURABLE_TIMEOUT_S) -> bool:
+        """On the event loop: wait until exchange `id` is committed, or known lost, or not one of ours (True);
+        False after `timeout`. Its row is sent at once, not after the interval."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            entry = self._recent.get(id)
+            if entry is None or self._written >= entry[1]:
+                return True
+            self._waiters.append((entry[1], loop, future))
+            self._urgent = True
+            self._lock.notify_all()
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            return False
+
+    def _wake_waiters(self) -> None:
+        """Under the lock: resolve the `committed` waiters whose rows are written (or lost)."""
+        if not self._waiters:
+            return
+        ready = [w for w in self._waiters if w[0] <= self._written]
+        self._waiters = [w for w in self._waiters if w[0] > self._written]
+        for _, loop, future in ready:
+            loop.call_soon_threadsafe(_resolve, future)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Block until everything added so far is committed (or lost and counted)."""
@@ -218,6 +254,7 @@ class ExchangeLog:
                     log.error("could not write %d exchanges to the feedback store: %s", n, reply.detail)
                     self.dropped += n
                 self._written = last
+                self._wake_waiters()
                 self._lock.notify_all()
 
     def _writer_died(self, gen: int, why: str) -> None:
@@ -244,6 +281,7 @@ class ExchangeLog:
                       self.restarts, self.max_restarts)
             threading.Thread(target=self._restart, args=(old,), name="lmforge-exchange-log-restart",
                              daemon=True).start()
+        self._wake_waiters()  # the rows it held are counted lost: their answers need not wait
         self._lock.notify_all()
 
     def _restart(self, old) -> None:
@@ -254,6 +292,11 @@ class ExchangeLog:
             with self._lock:
                 self.restarts = self.max_restarts
                 self._writer_died(self._generation, f"a new writer did not start: {e}")
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():  # its waiter may have timed out (then it was cancelled)
+        future.set_result(True)
 
 
 def _recv(ack: Connection, proc) -> Status:

@@ -12,7 +12,8 @@ here, once:
 * a client that goes away cancels the job, which aborts its engine requests (`_unless_disconnected`
   for JSON; Starlette cancels a stream's body iterator);
 * metrics from each output's engine timestamps, outside the step loop; the request's outcome for the
-  canary guard and its exchange for the request log (`_ended`);
+  canary guard and its exchange for the request log (`_ended`), committed before the answer's last
+  byte goes out (`_durable`: the JSON body, a stream's `[DONE]`);
 * engine errors mapped to the client's 400, a 500 without internals, or a 503 (`engine_error`).
 
 Knows nothing about how many engines there are, scheduling, sampling or KV paging.
@@ -70,6 +71,7 @@ class Job:
         self.messages: list[dict] = []  # chat: the conversation
         self.prompt_logprobs: list[list | None] = [None] * len(prompts)  # per prompt, from its first output
         self.echo_only = False  # completions' max_tokens=0 with echo: the one token generated is dropped
+        self.logged = False  # its exchange went to the request log (`_ended`), to be committed before the answer
 
 
 class Tracker:
@@ -250,6 +252,7 @@ class OpenAIServing:
             raise err from None
         choices = [self.final_choice(job, i, c) for i, t in enumerate(trackers) for c in t.last.outputs]
         self._ended(job, trackers, 200)
+        await self._durable(job)
         return {"id": job.id, "object": self.kind, "created": job.created, "model": _model_name(self.st, job),
                 "system_fingerprint": _fingerprint(job), "choices": choices, "usage": _usage(trackers, job),
                 **self.response_extras(job)}
@@ -277,7 +280,14 @@ class OpenAIServing:
             self.st.metrics.count_error(err.status)
             yield sse(err.body())
         self._ended(job, trackers, status)
+        await self._durable(job)
         yield "data: [DONE]\n\n"
+
+    async def _durable(self, job: Job) -> None:
+        """Wait (bounded) until the exchange `_ended` logged is committed: an answer a client saw end is in
+        the store, whatever is killed next (the cost: one writer round trip, shared by concurrent answers)."""
+        if job.logged and self.st.exchange_log is not None:
+            await self.st.exchange_log.committed(job.id)
 
     def _delta(self, job: Job, t: Tracker, p: int, c) -> dict:
         i, start, text_start = c.index, t.sent_tokens[c.index], t.sent_text[c.index]
@@ -296,7 +306,7 @@ class OpenAIServing:
         if st.exchange_log is None or status != 200:
             return
         response = "\n".join(c.text for t in trackers if t.last is not None for c in t.last.outputs)
-        st.exchange_log.add({"id": job.id, "created": job.created, "model": st.served_model_name,
+        job.logged = st.exchange_log.add({"id": job.id, "created": job.created, "model": st.served_model_name,
                              "model_version": job.sv.label, "user": job.req.user, "kind": self.exchange_kind,
                              "prompt": self.exchange_prompt(job), "response": response})
 

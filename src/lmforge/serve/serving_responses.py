@@ -43,6 +43,7 @@ class OpenAIServingResponses(OpenAIServingChat):
             self._ended(job, trackers, err.status)
             raise err from None
         self._ended(job, trackers, 200)
+        await self._durable(job)
         return self._response(job, trackers, "completed")
 
     async def stream(self, job: Job) -> AsyncIterator[str]:
@@ -71,6 +72,7 @@ class OpenAIServingResponses(OpenAIServingChat):
             yield event("response.failed", response=self._response(job, trackers, "failed"))
         self._ended(job, trackers, status)
         if status == 200:
+            await self._durable(job)  # before the events that end the answer
             final = self._response(job, trackers, "completed", item_id)
             yield event("response.output_text.done", **where, text=text, logprobs=[])
             yield event("response.content_part.done", **where, part=_text_part(text))

@@ -138,3 +138,46 @@ def stop_server(proc) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         return -9
+
+
+def kill9_trial(model_dir: Path, n: int, concurrency: int = 8, args: tuple[str, ...] = (),
+                env: dict | None = None) -> dict:
+    """One trial of "is every answered exchange stored?": a fresh `lmforge serve MODEL --log-requests`,
+    `n` completions answered by `concurrency` clients, SIGKILL to the server's pid the moment the last
+    answer has been read, its children (the exchange-log writer, the engine) left to finish or die, then
+    the feedback store read. Returns answered and stored counts, the ids lost, and each answer's latency.
+    For tests/test_serve_exchange_log.py and scripts/exchange_log_crash.py."""
+    import tempfile  # deferred, as the imports above
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import psutil
+
+    from lmforge.registry import FeedbackStore
+
+    db, port = Path(tempfile.mkdtemp()) / "fb.db", free_port()
+    proc = spawn_server([str(model_dir), "--log-requests", "--feedback-db", str(db), "--log-level", "warning",
+                         *args], port, env=env)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def one(i: int) -> tuple[str, float]:
+        t0 = time.perf_counter()
+        with httpx.Client(base_url=url, timeout=60) as c:
+            r = c.post("/v1/completions", json={"prompt": f"request {i} from jane.doe@example.com", "max_tokens": 4})
+        r.raise_for_status()
+        return r.json()["id"], time.perf_counter() - t0
+
+    try:
+        with ThreadPoolExecutor(concurrency) as pool:
+            answers = list(pool.map(one, range(n)))
+    finally:
+        proc.kill()  # at once: the last answer was read a moment ago
+        proc.wait(30)
+        _, alive = psutil.wait_procs(children, timeout=60)
+        for p in alive:
+            p.kill()
+    stored = {r["id"] for r in FeedbackStore(db, create=False).exchanges()}
+    answered = [a for a, _ in answers]
+    return {"answered": len(answered), "stored": len(stored & set(answered)),
+            "lost": sorted(set(answered) - stored), "latency_s": [t for _, t in answers]}
