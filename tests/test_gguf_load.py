@@ -17,7 +17,7 @@ from lmforge.model.reference import save_hf_model
 from lmforge.quant import load_pretrained
 from lmforge.quant.gguf_export import export_gguf, read_gguf
 from lmforge.quant.gguf_file import GGUFFile
-from lmforge.quant.gguf_load import unpermute_qk
+from lmforge.quant.gguf_load import quantized_linear, unpermute_qk
 from lmforge.quant.gguf_types import UNPACK
 from lmforge.quant.linear import QmmLinear, QuantizedLinear, quantized_linears
 from lmforge.quant.load import checkpoint_info
@@ -135,12 +135,7 @@ def test_block_types_unpack_to_codes_that_dequantize_bit_for_bit(name):
     codes = g.int8_codes()
     assert codes.shape == (N, K) and codes.min() >= lo and codes.max() <= hi and np.abs(want).max() > 0
     # the QuantizedLinear the loader installs dequantizes to the same numbers
-    q = QuantizedLinear(K, N, g.scheme, scale_dtype=torch.float32, packed=g.packed)
-    q.qweight.copy_(torch.from_numpy(g.codes))
-    q.weight_scale.copy_(torch.from_numpy(g.scale))
-    if g.zero is not None:
-        q.weight_zero.copy_(torch.from_numpy(g.zero))
-    assert torch.equal(q.dequantized_weight(), torch.from_numpy(want))
+    assert torch.equal(quantized_linear(g).dequantized_weight(), torch.from_numpy(want))
 
 
 @pytest.mark.skipif(LIB is None, reason="no C compiler: lmforge's CPU kernels are absent")
@@ -229,11 +224,7 @@ def test_block_types_run_on_every_kernel_body(name):
     qtype = gguf.GGMLQuantizationType[name]
     N, K = 40, 512
     g = UNPACK[qtype](_random_blocks(qtype, N, K, seed=1))
-    q = QuantizedLinear(K, N, g.scheme, scale_dtype=torch.float32, packed=g.packed)
-    q.qweight.copy_(torch.from_numpy(g.codes))
-    q.weight_scale.copy_(torch.from_numpy(g.scale))
-    if g.zero is not None:
-        q.weight_zero.copy_(torch.from_numpy(g.zero))
+    q = quantized_linear(g)
     assert QmmLinear.supports(q, torch.device("cpu"), torch.float32)
     torch.manual_seed(0)
     w64 = torch.from_numpy(g.dequantize()).double()

@@ -117,7 +117,7 @@ def _kernels(q: QuantizedLinear, lib: kernels.CpuKernels | None) -> dict[str, Ca
 def _gemm(layer: QmmLinear, gemm, x_MK: torch.Tensor) -> torch.Tensor:
     out_MN = torch.empty(x_MK.shape[0], layer.N)
     rc = gemm(x_MK.data_ptr(), layer.codes.data_ptr(), layer.scale.data_ptr(), out_MN.data_ptr(), x_MK.shape[0],
-              layer.N, layer.K, layer.bits, layer.gs, layer.threads, layer.zero_ptr)
+              layer.N, layer.K, layer.bits, layer.gs, layer.threads, layer.desc_ptr)
     if rc != 0:
         raise RuntimeError(f"lmf_gemm_f32 refused {layer.N}x{layer.K} int{layer.bits} group {layer.gs}")
     return out_MN

@@ -64,14 +64,13 @@ def concat_linears(mods: list[nn.Module]) -> nn.Module | None:
         if bias is not None:
             lin.bias = nn.Parameter(bias, requires_grad=False)
         return lin
-    if all(type(m) is QuantizedLinear and m.scheme == first.scheme
-           and m.weight_scale.dtype == first.weight_scale.dtype for m in mods):
+    same_form = lambda m: (m.scheme, m.weight_scale.dtype, m.scale_per, m.packed)  # noqa: E731
+    if all(type(m) is QuantizedLinear and same_form(m) == same_form(first) for m in mods):
         q = QuantizedLinear(first.in_features, sum(m.out_features for m in mods), first.scheme,
-                            bias=bias is not None, scale_dtype=first.weight_scale.dtype, device="meta")
-        q.qweight = torch.cat([m.qweight for m in mods])
-        q.weight_scale = torch.cat([m.weight_scale for m in mods])
-        if first.scheme.zero_point:
-            q.weight_zero = torch.cat([m.weight_zero for m in mods])
+                            bias=bias is not None, scale_dtype=first.weight_scale.dtype, device="meta",
+                            packed=first.packed, scale_per=first.scale_per)
+        for name, _ in first.named_buffers():  # codes, scales, zeros and super-block scales: rows side by side
+            setattr(q, name, torch.cat([m.get_buffer(name) for m in mods]))
         if bias is not None:
             q.bias = nn.Parameter(bias, requires_grad=False)
         return q

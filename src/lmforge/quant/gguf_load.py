@@ -129,9 +129,9 @@ def _float(f: GGUFFile, t: TensorInfo) -> torch.Tensor:
 def _codes_state(g: GroupCodes, module: str, heads: int | None) -> dict[str, torch.Tensor]:
     """A `QuantizedLinear`'s buffers from unpacked codes; q/k rows un-permuted (a group lies in one row,
     so codes, scales and zeros move with their row)."""
-    parts = {"qweight": torch.from_numpy(g.codes), "weight_scale": torch.from_numpy(g.scale)}
-    if g.zero is not None:
-        parts["weight_zero"] = torch.from_numpy(g.zero)
+    parts = {"qweight": g.codes, "weight_scale": g.scale, "weight_zero": g.zero, "weight_scale_super": g.scale_super,
+             "weight_zero_super": g.zero_super}
+    parts = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in parts.items() if v is not None}
     return {f"{module}.{k}": (unpermute_qk(v, heads) if heads else v).contiguous() for k, v in parts.items()}
 
 
@@ -181,14 +181,23 @@ def _check_shape(f: GGUFFile, t: TensorInfo, model: Transformer, name: str) -> N
         raise GGUFError(f"{f.path}: tensor {t.name} has shape {t.shape}, but the metadata's config needs {want}")
 
 
+def quantized_linear(g: GroupCodes, bias: bool = False, device: str | torch.device = "cpu") -> QuantizedLinear:
+    """A `QuantizedLinear` holding `g` as the loader installs it (tests and benchmarks build layers with it)."""
+    N, K = g.codes.shape[0], g.scale.shape[1] * g.scheme.group_size
+    q = QuantizedLinear(K, N, g.scheme, bias, torch.float16, device=device, packed=g.packed, scale_per=g.per)
+    for name, t in _codes_state(g, "", None).items():
+        getattr(q, name.lstrip(".")).copy_(t)
+    return q
+
+
 def _install(model: Transformer, module: str, g: GroupCodes) -> None:
-    """`module` (an `nn.Linear` on the meta device) replaced by a `QuantizedLinear` of `g`'s scheme with
-    float32 scales (every f16 product of a GGUF scale is exact in float32)."""
+    """`module` (an `nn.Linear` on the meta device) replaced by a `QuantizedLinear` of `g`'s scheme, holding its
+    scales as the file does (float16 a block, or int8 under float16 super-block scales)."""
     m = model.get_submodule(module)
     parent_name, _, child = module.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, QuantizedLinear(m.in_features, m.out_features, g.scheme, m.bias is not None,
-                                           torch.float32, device=m.weight.device, packed=g.packed))
+                                           torch.float16, device=m.weight.device, packed=g.packed, scale_per=g.per))
 
 
 def file_dtype(path: str | Path) -> tuple[str | None, bool]:
@@ -217,8 +226,8 @@ def _file_dtype(meta: dict) -> tuple[str | None, bool]:
 def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
               keep_codes: bool = True) -> Transformer:
     """The file's model; `dtype="auto"` is the file's float type (`file_dtype`; float32 for quantized
-    files). Matrices of a block type with an unpacker (`gguf_types`) keep their codes; a tied embedding
-    stored as codes gives the LM head its own codes (the lookup table is dequantized). `keep_codes=False`:
+    files). Matrices of a block type with an unpacker (`gguf_types`) keep their codes, the embedding too (a
+    `QuantizedEmbedding`; tied, the LM head's layer is its table). `keep_codes=False`:
     every tensor dequantized (bit for bit llama.cpp's), embeddings kept tied (`lmforge convert`).
     `model.gguf_summary` says which tensors kept their codes and which were dequantized."""
     f = open_gguf(path)
@@ -239,10 +248,11 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", device: str |
         state.update(_codes_state(g, "lm_head", None))
         counts[f"{embd.type.name} codes (lm_head, tied)"] = 1
     device = checkpoint.resolve_device(device)
-    if keep_codes and embd is not None and embd.type in UNPACK:  # the lookup table stays codes too
-        g = UNPACK[embd.type](f.tensor_data(embd.name))
-        model.model.embed_tokens = QuantizedEmbedding(*(None if a is None else torch.from_numpy(a).to(device)
-                                                        for a in (g.int8_codes(), g.scale, g.zero)), torch_dtype)
+    if keep_codes and embd is not None and embd.type in UNPACK:  # the lookup table stays codes too: the tied
+        # head's own (stored once), or its own layer's
+        table = model.lm_head if untie else quantized_linear(UNPACK[embd.type](f.tensor_data(embd.name)),
+                                                             device=device)
+        model.model.embed_tokens = QuantizedEmbedding(table, torch_dtype, owns=not untie)
     state = {k: v.to(device) for k, v in state.items()}
     model = checkpoint.assign_weights(model, state, f.path)
     model.gguf_summary = {"file": str(f.path), "architecture": meta["general.architecture"],

@@ -46,14 +46,38 @@ QK_K = 256
 
 @dataclass
 class GroupCodes:
+    """Codes, and scales and zeros as the file stores them: float16 (N, G) a block (Q8_0, Q4_*, Q5_0, Q5_1), or
+    int8 (N, G) under a float16 super-block scale (`scale_super` (N, G / per): the K-quants' 6-bit scales under d,
+    their minimums under -dmin). `scale_f32()` / `zero_f32()` are the float32 values, exact."""
+
     codes: np.ndarray  # (N, K) int8, or 4-bit codes packed (N, K / 2) uint8 (`packed`)
-    scale: np.ndarray  # (N, G) float32
-    zero: np.ndarray | None  # (N, G) float32, or None (symmetric)
+    scale: np.ndarray  # (N, G) float16, or int8 under scale_super
+    zero: np.ndarray | None  # (N, G) as scale, or None (symmetric)
     scheme: QuantScheme
+    scale_super: np.ndarray | None = None  # (N, G / per) float16
+    zero_super: np.ndarray | None = None
 
     @property
     def packed(self) -> bool:
         return self.codes.dtype == np.uint8
+
+    @property
+    def per(self) -> int | None:
+        """Groups a super-block scale covers (two-level scales), or None."""
+        return None if self.scale_super is None else self.scale.shape[1] // self.scale_super.shape[1]
+
+    def _widen(self, q: np.ndarray | None, sup: np.ndarray | None) -> np.ndarray | None:
+        if q is None:
+            return None
+        if sup is None:
+            return q.astype(np.float32)
+        return np.repeat(sup.astype(np.float32), self.per, axis=1) * q.astype(np.float32)
+
+    def scale_f32(self) -> np.ndarray:
+        return self._widen(self.scale, self.scale_super)
+
+    def zero_f32(self) -> np.ndarray | None:
+        return self._widen(self.zero, self.zero_super)
 
     def int8_codes(self) -> np.ndarray:
         """(N, K) int8: each code as a byte (a packed row's nibbles, less 8 when symmetric)."""
@@ -65,18 +89,18 @@ class GroupCodes:
 
     def dequantize(self) -> np.ndarray:
         """(N, K) float32: scale * code (+ zero), the reference the tests compare with gguf's."""
-        codes = self.int8_codes()
+        codes, scale, zero = self.int8_codes(), self.scale_f32(), self.zero_f32()
         N, K = codes.shape
-        G = self.scale.shape[1]
-        w = codes.reshape(N, G, -1).astype(np.float32) * self.scale[..., None]
-        if self.zero is not None:
-            w = w + self.zero[..., None]
+        G = scale.shape[1]
+        w = codes.reshape(N, G, -1).astype(np.float32) * scale[..., None]
+        if zero is not None:
+            w = w + zero[..., None]
         return w.reshape(N, K)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
-    """(..., 2) uint8 -> (...) float32 (every f16 is exact in float32)."""
-    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+    """(..., 2) uint8 -> (...) float16, the stored value."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
 
 
 def _blocks(data: np.ndarray, size: int) -> np.ndarray:
@@ -146,14 +170,13 @@ def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def _k_groups(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K super-blocks (N, B, bytes) -> scale, zero (N, B * 8) float32: d * sc and -(dmin * m)."""
+def _k_groups(b: np.ndarray) -> dict:
+    """Q4_K / Q5_K super-blocks (N, B, bytes) -> the scales sc (N, B * 8) int8 under d (N, B) and the zeros m under
+    -dmin: scale = d * sc, zero = -dmin * m = -(dmin * m), exact in float32 as gguf computes them."""
     N = b.shape[0]
-    d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
     sc, mn = _k_scale_min(b[..., 4:16])
-    scale = d * sc.astype(np.float32)
-    zero = -(dmin * mn.astype(np.float32))
-    return scale.reshape(N, -1), zero.reshape(N, -1)
+    return dict(scale=sc.reshape(N, -1).view(np.int8), scale_super=_f16(b[..., 0:2]),
+                zero=mn.reshape(N, -1).view(np.int8), zero_super=-_f16(b[..., 2:4]))
 
 
 def _k_low4(qs: np.ndarray) -> np.ndarray:
@@ -178,18 +201,18 @@ def _k_packed4(qs: np.ndarray) -> np.ndarray:
 def q4_k(data: np.ndarray) -> GroupCodes:
     b = _blocks(data, 144)
     N = b.shape[0]
-    scale, zero = _k_groups(b)
-    return GroupCodes(_k_packed4(b[..., 16:]).reshape(N, -1), scale, zero, QuantScheme(4, 32, zero_point=True))
+    return GroupCodes(_k_packed4(b[..., 16:]).reshape(N, -1), scheme=QuantScheme(4, 32, zero_point=True),
+                      **_k_groups(b))
 
 
 def q5_k(data: np.ndarray) -> GroupCodes:
     b = _blocks(data, 176)
     N, B = b.shape[:2]
-    scale, zero = _k_groups(b)
     u = _k_low4(b[..., 48:])  # (N, B, 8, 32)
     bits = np.unpackbits(b[..., 16:48, None], axis=-1, bitorder="little")  # (N, B, 32, 8): byte i's bit j
     u |= bits.transpose(0, 1, 3, 2) << 4  # sub-block j takes bit j of each of the 32 bytes
-    return GroupCodes(u.view(np.int8).reshape(N, -1), scale, zero, QuantScheme(5, 32, zero_point=True))
+    return GroupCodes(u.view(np.int8).reshape(N, -1), scheme=QuantScheme(5, 32, zero_point=True),
+                      **_k_groups(b))
 
 
 def q6_k(data: np.ndarray) -> GroupCodes:
@@ -206,9 +229,9 @@ def q6_k(data: np.ndarray) -> GroupCodes:
             out[:, :, :, t] &= 0x0F
         out[:, :, :, t] |= ((qh >> (2 * t)) & 3) << 4
     out -= 32  # wraps in uint8: the int8 view is the signed code
-    sc = b[..., 192:208].view(np.int8).astype(np.float32)  # (N, B, 16)
-    scale = (_f16(b[..., 208:210])[..., None] * sc).reshape(N, -1)
-    return GroupCodes(out.view(np.int8).reshape(N, -1), scale, None, QuantScheme(6, 16))
+    sc = b[..., 192:208].view(np.int8).reshape(N, -1)  # (N, B * 16) under d (N, B)
+    return GroupCodes(out.view(np.int8).reshape(N, -1), sc, None, QuantScheme(6, 16),
+                      scale_super=_f16(b[..., 208:210]))
 
 
 UNPACK = {Q.Q8_0: q8_0, Q.Q4_0: q4_0, Q.Q4_1: q4_1, Q.Q5_0: q5_0, Q.Q5_1: q5_1, Q.Q4_K: q4_k, Q.Q5_K: q5_k,

@@ -35,9 +35,14 @@ from .scheme import QuantScheme, dequantize, pack_nibbles, scale_groups_, scratc
 
 
 class QuantizedLinear(nn.Module):
+    """Codes (N, K) int8 (or 4-bit `packed` (N, K / 2) uint8) and per-group scales (N, G) in a float dtype, with
+    zeros (`scheme.zero_point`). `scale_per` (GGUF's K-quants): the scales are int8 (N, G) under a float16 per
+    `scale_per` groups (`weight_scale_super`, (N, G / scale_per)), as the file stores them; `scales()` is the
+    float32 product, exact. Zeros take the scales' form."""
+
     def __init__(self, in_features: int, out_features: int, scheme: QuantScheme, bias: bool = False,
                  scale_dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
-                 packed: bool = False):
+                 packed: bool = False, scale_per: int | None = None):
         super().__init__()
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
         if packed and scheme.num_bits != 4:
@@ -45,12 +50,36 @@ class QuantizedLinear(nn.Module):
         shape, dtype = ((out_features, in_features // 2), torch.uint8) if packed else \
             ((out_features, in_features), torch.int8)
         self.register_buffer("qweight", torch.zeros(shape, dtype=dtype, device=device))
-        self.register_buffer("weight_scale", torch.ones(out_features, scheme.groups(in_features),
-                                                        dtype=scale_dtype, device=device))
-        if scheme.zero_point:  # unsigned codes, w = scale * code + zero (GGUF's Q4_1, Q5_1, K-quants)
-            self.register_buffer("weight_zero", torch.zeros(out_features, scheme.groups(in_features),
-                                                            dtype=scale_dtype, device=device))
+        G = scheme.groups(in_features)
+        kinds = ("scale", "zero") if scheme.zero_point else ("scale",)
+        for kind in kinds:  # unsigned codes with a zero: w = scale * code + zero (GGUF's Q4_1, Q5_1, K-quants)
+            fill = torch.ones if kind == "scale" else torch.zeros
+            self.register_buffer(f"weight_{kind}", fill(out_features, G, dtype=torch.int8 if scale_per else scale_dtype,
+                                                        device=device))
+            if scale_per:
+                self.register_buffer(f"weight_{kind}_super", torch.ones(out_features, G // scale_per,
+                                                                        dtype=torch.float16, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
+
+    @property
+    def scale_per(self) -> int | None:
+        """Groups under one super-block scale (two-level scales), or None (one float scale a group)."""
+        sup = getattr(self, "weight_scale_super", None)
+        return None if sup is None else self.weight_scale.shape[1] // sup.shape[1]
+
+    def _widen(self, kind: str) -> torch.Tensor | None:
+        t = getattr(self, f"weight_{kind}", None)
+        if t is None or self.scale_per is None:
+            return t
+        sup = getattr(self, f"weight_{kind}_super").float().repeat_interleave(self.scale_per, dim=1)
+        return sup * t.float()
+
+    def scales(self) -> torch.Tensor:
+        """(N, G) per-group scales as float (two-level ones widened: exact in float32)."""
+        return self._widen("scale")
+
+    def zeros(self) -> torch.Tensor | None:
+        return self._widen("zero")
 
     @property
     def packed(self) -> bool:
@@ -66,7 +95,16 @@ class QuantizedLinear(nn.Module):
         return (u if self.scheme.zero_point else u.to(torch.int16) - 8).to(torch.int8)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize(self.codes(), self.weight_scale, dtype, getattr(self, "weight_zero", None))
+        return dequantize(self.codes(), self.scales(), dtype, self.zeros())
+
+    def rows(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(codes (R, K) int8, scales (R, G) float, zeros or None) of rows `idx` only (an embedding lookup)."""
+        sub = QuantizedLinear.__new__(QuantizedLinear)
+        nn.Module.__init__(sub)
+        sub.in_features, sub.out_features, sub.scheme = self.in_features, len(idx), self.scheme
+        for name, t in self.named_buffers():
+            sub.register_buffer(name, t[idx])
+        return sub.codes(), sub.scales(), sub.zeros()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = None if self.bias is None else self.bias.to(x.dtype)
@@ -77,24 +115,23 @@ class QuantizedLinear(nn.Module):
 
 
 class QuantizedEmbedding(nn.Module):
-    """A token embedding kept as the codes a GGUF file stores it in (`gguf_types`): a lookup dequantizes only
-    the rows it reads (scale * code + zero, the file's values bit for bit), so the table costs its file size, not
-    a float copy (SmolLM2-135M's Q8_0 table: 30 MB instead of 113 MB in float32; a 128k-token vocabulary of
-    width 2,048: 0.3 GB instead of 1 GB). Engine only: training and `lmforge convert` load the float table."""
+    """A token embedding kept as the codes a GGUF file stores it in (`gguf_types`), in a `QuantizedLinear`'s form:
+    a lookup dequantizes only the rows it reads (scale * code + zero, the file's values bit for bit), so the table
+    costs its file size, not a float copy (SmolLM2-135M's Q8_0 table: 30 MB instead of 113 MB in float32; a
+    128k-token vocabulary of width 2,048: 0.3 GB instead of 1 GB). A tied LM head is the same `QuantizedLinear`:
+    the table is stored once. Engine only: training and `lmforge convert` load the float table."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, table: QuantizedLinear, dtype: torch.dtype, owns: bool = True):
         super().__init__()
-        self.num_embeddings, self.embedding_dim = codes.shape
-        self.register_buffer("qweight", codes, persistent=False)  # (V, D) int8
-        self.register_buffer("weight_scale", scale, persistent=False)  # (V, G) float32
-        self.register_buffer("weight_zero", zero, persistent=False)  # (V, G) float32 or None
-        self.dtype = dtype
+        self.table, self.dtype = [table], dtype  # a list: a tied head owns it (`owns` False), counted there
+        if owns:  # its tensors, so that a model's bytes count them (not saved: the loader builds them)
+            for name, t in table.named_buffers():
+                self.register_buffer(name, t, persistent=False)
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        zero = None if self.weight_zero is None else self.weight_zero[flat]
-        rows = dequantize(self.qweight[flat], self.weight_scale[flat], self.dtype, zero)
-        return rows.reshape(*ids.shape, self.embedding_dim)
+        rows = self.table[0].rows(ids.reshape(-1))
+        return dequantize(*rows[:2], self.dtype, rows[2]).reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, codes"
@@ -137,7 +174,7 @@ class Int8Linear(_Bf16Kernel):
     def __init__(self, q: QuantizedLinear, dtype: torch.dtype):
         super().__init__(q)
         self.register_buffer("qweight", q.codes().contiguous(), persistent=False)  # (N, K) int8
-        self.register_buffer("scale", q.weight_scale[:, 0].to(torch.bfloat16).contiguous(), persistent=False)
+        self.register_buffer("scale", q.scales()[:, 0].to(torch.bfloat16).contiguous(), persistent=False)
 
     @staticmethod
     def supports(q: QuantizedLinear, device: torch.device) -> bool:
@@ -158,7 +195,7 @@ class Int4Linear(_Bf16Kernel):
         super().__init__(q)
         u_NK = q.codes().to(torch.int32) + 8
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(u_NK, 1), persistent=False)
-        s_GN = q.weight_scale.t().to(torch.bfloat16)
+        s_GN = q.scales().t().to(torch.bfloat16)
         self.register_buffer("scale_zeros", torch.stack([s_GN, torch.zeros_like(s_GN)], -1).contiguous(),
                              persistent=False)
         self.group_size = q.scheme.group_size
@@ -240,19 +277,45 @@ class QmmLinear(nn.Module):
         self.prefill_bf16 = prefill_bf16 and a8 is not None
         self.N, self.K = q.out_features, q.in_features
         self.gs = q.scheme.group_size or q.in_features
-        codes, zero = q.qweight.contiguous(), getattr(q, "weight_zero", None)
+        codes, zp = q.qweight.contiguous(), q.scheme.zero_point
         if self.bits == 4 and not q.packed:  # two codes a byte, low nibble = even k, code + 8 (a zero-point code as is)
-            codes = pack_nibbles(codes if zero is not None else codes.to(torch.int16) + 8)
+            codes = pack_nibbles(codes if zp else codes.to(torch.int16) + 8)
         self.register_buffer("codes", codes, persistent=False)
-        self.register_buffer("scale", q.weight_scale.float().contiguous(), persistent=False)  # (N, G)
-        # zero offsets in the kernels' terms, w = scale * code + zero, where the kernels read an int4 code as
-        # nibble - 8: a zero-point nibble u gives scale * u + zero = scale * (u - 8) + (zero + 8 * scale)
-        if zero is not None:
-            zero = (zero.float() + 8 * self.scale if self.bits == 4 else zero.float()).contiguous()
-        self.register_buffer("zero", zero, persistent=False)  # (N, G) or None
+        self._take_scales(q)
         self.bias = None if q.bias is None else q.bias.detach().float()
         self.threads = _kernel_threads()
         self.c_gemm = c_gemm and qmm is not None
+
+    def _take_scales(self, q: QuantizedLinear) -> None:
+        """The scales (and zeros) in the form the layer stores them, which the kernels read as they are (common.h's
+        `lmf_scales`): float32; float16 (a GGUF file's block scales and minimums); int8 under a float16 a super-block
+        (the K-quants'). `desc` (six int64: form, groups a super-block, four addresses) is None for float32 scales
+        without zeros: the kernels' plain float32 argument, as before these forms."""
+        per, s, z = q.scale_per, q.weight_scale, getattr(q, "weight_zero", None)
+        if per is None and s.dtype not in (torch.float32, torch.float16):  # bf16 scales: widened once (exact)
+            s, z = s.float(), None if z is None else z.float()
+        form = 2 if per else 1 if s.dtype == torch.float16 else 0
+        sup = lambda kind: getattr(q, f"weight_{kind}_super").contiguous() if per else None  # noqa: E731
+        self.register_buffer("scale", s.contiguous(), persistent=False)  # (N, G)
+        self.register_buffer("scale_super", sup("scale"), persistent=False)  # (N, G / per) float16, or None
+        self.register_buffer("zero", None if z is None else z.contiguous(), persistent=False)
+        self.register_buffer("zero_super", sup("zero") if z is not None else None, persistent=False)
+        parts = (self.scale, self.scale_super, self.zero, self.zero_super)
+        self.desc = None if form == 0 and z is None else torch.tensor(
+            [form, per or 1, *(0 if t is None else t.data_ptr() for t in parts)], dtype=torch.int64)
+
+    @property
+    def desc_ptr(self) -> int | None:
+        """The scales' descriptor for the kernels' trailing argument (None: NULL, the float32 `scale`)."""
+        return None if self.desc is None else self.desc.data_ptr()
+
+    def float_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(scales (N, G), zeros (N, G) or None) in float32, two-level ones widened (exact)."""
+        def widen(t, sup):
+            if t is None:
+                return None
+            return t.float() if sup is None else sup.float().repeat_interleave(t.shape[1] // sup.shape[1], 1) * t
+        return widen(self.scale, self.scale_super), widen(self.zero, self.zero_super)
 
     @classmethod
     def _dense(cls, linear: nn.Linear, qmm, dtype: torch.dtype, bits: int) -> "QmmLinear":
@@ -271,7 +334,7 @@ class QmmLinear(nn.Module):
         codes = w.contiguous()  # bf16: its bits as int16; float32: the weight itself, no copy
         self.register_buffer("codes", codes.view(torch.int16) if bits == 16 else codes, persistent=False)
         self.register_buffer("scale", torch.ones(self.N, 1), persistent=False)
-        self.register_buffer("zero", None, persistent=False)
+        self.scale_super = self.zero = self.zero_super = self.desc = None
         self.bias = None if linear.bias is None else linear.bias.detach().float()
         self.threads = _kernel_threads()
         return self
@@ -344,22 +407,19 @@ class QmmLinear(nn.Module):
         w_NK = scratch(self.N * self.K, torch.float32, self.codes.device).view(self.N, self.K)
         if self.bits == 16:  # bf16 weights, scale 1: widening is exact
             return w_NK.copy_(self.codes.view(torch.bfloat16))
+        scale, zero = self.float_scales()
         if self.bits == 8:
             w_NK.copy_(self.codes)  # int8 -> float32 in place
-        else:
+        else:  # nibbles; a symmetric code is nibble - 8, a zero-point code the nibble itself
             pairs = w_NK.view(self.N, -1, 2)
             pairs[..., 0].copy_(self.codes & 0x0F)
             pairs[..., 1].copy_(self.codes >> 4)
-            w_NK.sub_(8)
-        scale_groups_(w_NK, self.scale)
-        if self.zero is not None:
-            w_NK.view(self.N, self.zero.shape[1], -1).add_(self.zero[..., None])
+            if zero is None:
+                w_NK.sub_(8)
+        scale_groups_(w_NK, scale)
+        if zero is not None:
+            w_NK.view(self.N, zero.shape[1], -1).add_(zero[..., None])
         return w_NK
-
-    @property
-    def zero_ptr(self) -> int | None:
-        """The zero offsets' address for the kernels' trailing argument (None: NULL, symmetric codes)."""
-        return None if self.zero is None else self.zero.data_ptr()
 
     def forward_a8(self, x_MK: torch.Tensor, a8=None) -> torch.Tensor:
         """(M, N) float32 from (M, K) float32 or bfloat16 rows, int8 activations (M <= A8_MAX_ROWS);
@@ -367,7 +427,7 @@ class QmmLinear(nn.Module):
         M, a8 = x_MK.shape[0], a8 or self.a8
         out_MN = torch.empty(M, self.N)
         rc = a8(x_MK.data_ptr(), int(x_MK.dtype == torch.float32), self.codes.data_ptr(), self.scale.data_ptr(),
-                out_MN.data_ptr(), M, self.N, self.K, self.bits, self.gs, self.threads, self.zero_ptr)
+                out_MN.data_ptr(), M, self.N, self.K, self.bits, self.gs, self.threads, self.desc_ptr)
         if rc != 0:
             raise RuntimeError(f"lmf_qmm_a8 ({a8.isa}) refused {self.N}x{self.K} int{self.bits} group {self.gs}")
         return out_MN
@@ -402,7 +462,7 @@ class QmmLinear(nn.Module):
         else:
             out_MN = torch.empty(M, self.N)
             rc = self.qmm(x_MK.data_ptr(), self.codes.data_ptr(), self.scale.data_ptr(), out_MN.data_ptr(),
-                          M, self.N, self.K, self.bits, self.gs, self.threads, self.gemm_rows, self.zero_ptr)
+                          M, self.N, self.K, self.bits, self.gs, self.threads, self.gemm_rows, self.desc_ptr)
             if rc != 0:
                 raise RuntimeError(f"lmf_qmm_f32 refused {self.N}x{self.K} int{self.bits} group {self.gs}")
             if self.bias is not None:

@@ -109,6 +109,81 @@ static inline __m512 exp_ps(__m512 x) {
 }
 #endif
 
+/* ---- a weight's per-group scales and zero offsets, in the form its file stores them ------------------------ */
+
+/* `lmforge.quant.linear.QmmLinear` hands the matmuls a descriptor (six int64: this struct) instead of float32
+ * arrays, so that a GGUF weight keeps its file's bytes at run time:
+ *   LMF_SCALES_F32    float32 (N, G)
+ *   LMF_SCALES_F16    float16 (N, G): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 scales (and minimums) as stored
+ *   LMF_SCALES_SUPER  int8 (N, G) times a float16 per `per` groups (N, G / per): the K-quants' 6-bit scales under
+ *                     their super-block's d (Q4_K, Q5_K: 8 groups of 32; Q6_K: 16 of 16; the minimums under
+ *                     -dmin), fl(d * q) exact in float32
+ * Zero offsets `z` (absent: NULL) in the same form: w = scale * stored code + zero, the stored code an int4
+ * nibble (0..15) or an int8 byte. `row_scales` expands one weight row into float32: the scales, and the zero
+ * offsets in the kernels' terms (an int4 code is read as nibble - 8, so + 8 * scale). */
+enum { LMF_SCALES_F32 = 0, LMF_SCALES_F16 = 1, LMF_SCALES_SUPER = 2 };
+typedef struct { int64_t fmt, per; const void *s, *sd, *z, *zd; } lmf_scales;
+#define LMF_MAX_G 4096  /* groups a row: K < 65536 in groups of 16 or more */
+
+static inline float f16_to_f32(uint16_t h) {  /* exact, subnormals and infinities included */
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    union { uint32_t u; float f; } c;
+    if (exp == 0x1f) c.u = sign | 0x7f800000u | (man << 13);
+    else if (exp != 0) c.u = sign | ((exp + 112) << 23) | (man << 13);
+    else {  /* zero or subnormal: man * 2^-24 */
+        c.f = (float)man * 5.9604644775390625e-8f;
+        c.u |= sign;
+    }
+    return c.f;
+}
+
+/* Groups g0 .. g0+n of row `row` in the descriptor's form `fmt` as float32 into out. */
+static inline void expand_groups(int64_t fmt, int64_t per, const void *q, const void *d, int64_t G, int64_t row,
+                                 int64_t n, float *out) {
+    if (fmt == LMF_SCALES_F32) {
+        memcpy(out, (const float *)q + row * G, (size_t)n * sizeof(float));
+        return;
+    }
+    int64_t g = 0;
+    if (fmt == LMF_SCALES_F16) {
+        const uint16_t *h = (const uint16_t *)q + row * G;
+#if defined(LMF_AVX2) && defined(__F16C__)
+        for (; g + 8 <= n; g += 8) _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g))));
+#endif
+        for (; g < n; g++) out[g] = f16_to_f32(h[g]);
+        return;
+    }
+    const int8_t *qi = (const int8_t *)q + row * G;
+    const uint16_t *dd = (const uint16_t *)d + row * (G / per);
+#if defined(LMF_AVX2)
+    if (per % 8 == 0)
+        for (; g + 8 <= n; g += 8)
+            _mm256_storeu_ps(out + g, _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(dd[g / per])),
+                                                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                        _mm_loadl_epi64((const __m128i *)(qi + g))))));
+#endif
+    for (; g < n; g++) out[g] = f16_to_f32(dd[g / per]) * (float)qi[g];
+}
+
+/* One weight row's scales (and zero offsets in the kernels' terms) as float32: pointers into the descriptor's own
+ * float32 arrays where it holds them, else into ws_buf / wz_buf (LMF_MAX_G floats each). `sc` NULL: the plain
+ * float32 scales `ws` (N, G) and no zeros. */
+static inline void row_scales(const lmf_scales *sc, const float *ws, int64_t n, int64_t G, int64_t bits,
+                              float *ws_buf, float *wz_buf, const float **ws_row, const float **wz_row) {
+    *wz_row = NULL;
+    if (sc == NULL || (sc->fmt == LMF_SCALES_F32 && sc->z == NULL)) {
+        *ws_row = (sc == NULL ? ws : (const float *)sc->s) + n * G;
+        return;
+    }
+    expand_groups(sc->fmt, sc->per, sc->s, sc->sd, G, n, G, ws_buf);
+    *ws_row = ws_buf;
+    if (sc->z == NULL) return;
+    expand_groups(sc->fmt, sc->per, sc->z, sc->zd, G, n, G, wz_buf);
+    if (bits == 4)  /* the kernels read an int4 code as nibble - 8 */
+        for (int64_t g = 0; g < G; g++) wz_buf[g] += 8.0f * ws_buf[g];
+    *wz_row = wz_buf;
+}
+
 /* ---- threads ------------------------------------------------------------------------------------------ */
 
 /* Run fn on jobs[0 .. threads) (each `size` bytes), this thread taking job 0: OpenMP when built with it
@@ -214,8 +289,8 @@ enum { A8_PORTABLE = 0, A8_AVX2 = 1, A8_AVX_VNNI = 2, A8_AVX512_VNNI = 3, A8_AVX
 
 typedef struct {
     const int8_t *q; const float *xs; const void *w; const float *ws; float *out;
-    const float *qs;  /* sum(q) of each group, (M, G): int4 on the 256-bit bodies, and with `wz`; else NULL */
-    const float *wz;  /* zero offsets (N, G): w = scale * code + zero (GGUF's Q4_1, Q5_1, Q4_K, Q5_K); or NULL */
+    const float *qs;  /* sum(q) of each group, (M, G): int4 on the 256-bit bodies, and with zeros; else NULL */
+    const lmf_scales *sc;  /* the scales' (and zeros') form; NULL: the float32 `ws` and no zeros */
     int64_t M, N, K, gs, bits, n0, n1, isa, G;  /* G = K / gs groups a row */
     int64_t *next, chunk, threads;  /* shared by the threads: the next chunk of weight rows (a8_range, take_rows) */
 } a8_job;
@@ -289,15 +364,15 @@ void lmf_rope_f32(float *x, const float *cos, const float *sin, int64_t T, int64
 void lmf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n);
 /* qmm_f32.c, gemm_f32.c */
 int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
-                int64_t bits, int64_t gs, int64_t threads, int64_t gemm_rows, const float *zero);
+                int64_t bits, int64_t gs, int64_t threads, int64_t gemm_rows, const lmf_scales *sc);
 int lmf_gemm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
-                 int64_t bits, int64_t gs, int64_t threads, const float *zero);
+                 int64_t bits, int64_t gs, int64_t threads, const lmf_scales *sc);
 /* qmm_a8.c */
 int lmf_quantize_s8(const void *x, int64_t act, int64_t M, int64_t K, int64_t nibble_order, int8_t *q, float *s);
 int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws, float *out, int64_t M, int64_t N,
-               int64_t K, int64_t bits, int64_t gs, int64_t threads, int64_t isa, const float *zero);
+               int64_t K, int64_t bits, int64_t gs, int64_t threads, int64_t isa, const lmf_scales *sc);
 int lmf_qmm_a8(int64_t isa, const void *x, int64_t act, const void *w, const float *ws, float *out, int64_t M,
-               int64_t N, int64_t K, int64_t bits, int64_t gs, int64_t threads, const float *zero);
+               int64_t N, int64_t K, int64_t bits, int64_t gs, int64_t threads, const lmf_scales *sc);
 /* decode_layer.c */
 int lmf_decode_layer_q(int64_t isa, const int64_t *p, float *x, int64_t M, const float *cos, const float *sin,
                        const int64_t *slots, const int32_t *tables, int64_t tables_M, const int32_t *lens,

@@ -17,7 +17,8 @@
  *   12 the K/V pool's dtype: 1 float32, 0 bfloat16 (written rounded to nearest even)
  *   13 q, k, v apart (1: three matmuls, as a GGUF Q4_K_M file's layers whose v is Q6_K; 0: one fused qkv)
  *   14 gate, up apart (1: two matmuls; 0: one fused gate_up)
- *   15.. the linears, LIN values each: codes, scales, zero offsets (0: none), bits, gs (<= 0 per channel),
+ *   15.. the linears, LIN values each: codes, float32 scales (or 0), the scales' descriptor (`lmf_scales`, with the
+ *        zero offsets; 0: the float32 scales, no zeros), bits, gs (<= 0 per channel),
  *        gemm_rows (lmf_qmm_f32's: from this many rows the panel GEMM); in order qkv (or q, k, v), o, gate_up (or
  *        gate, up), down. Each linear keeps its own format: a GGUF file mixes them within a layer.
  * cos, sin: (M, H); slots (M); tables (S, tables_M) int32, lens (S) int32, rows (S) int64: as
@@ -31,9 +32,10 @@ static int linear(int64_t isa, const int64_t *p, int l, const float *x, float *o
                   int64_t n_in) {
     const int64_t *w = p + 15 + l * LIN, th = p[10];
     const void *codes = (const void *)w[0];
-    const float *scales = (const float *)w[1], *zero = (const float *)w[2];
-    if (isa >= 0) return lmf_qmm_a8(isa, x, 1, codes, scales, out, M, n_out, n_in, w[3], w[4], th, zero);
-    return lmf_qmm_f32(x, codes, scales, out, M, n_out, n_in, w[3], w[4], th, w[5], zero);
+    const float *scales = (const float *)w[1];
+    const lmf_scales *sc = (const lmf_scales *)w[2];
+    if (isa >= 0) return lmf_qmm_a8(isa, x, 1, codes, scales, out, M, n_out, n_in, w[3], w[4], th, sc);
+    return lmf_qmm_f32(x, codes, scales, out, M, n_out, n_in, w[3], w[4], th, w[5], sc);
 }
 
 /* q, k, v rows (M, NQ), (M, NK), (M, NK) from h: one fused matmul split apart, or three. */

@@ -40,7 +40,7 @@ static inline __attribute__((always_inline)) void transpose8(__m256 r[8]) {
  * `QmmLinear.dequantized` does (code * scale, one rounding; + zero, a second, with zero offsets): bf16 widened,
  * float32 as is, int8 codes, int4 two a byte (low nibble = even k, stored code + 8). */
 static inline __attribute__((always_inline)) __m256 gemm_load8(const void *w, int bits, const float *scale,
-                                                               const float *zero, int64_t G, int64_t gs, int64_t K,
+                                                               const float *zero, int64_t gs, int64_t K,
                                                                int64_t n, int64_t k) {
     const int64_t i = n * K + k;
     if (bits == 32) return _mm256_loadu_ps((const float *)w + i);
@@ -57,11 +57,11 @@ static inline __attribute__((always_inline)) __m256 gemm_load8(const void *w, in
         const __m128i c = _mm_unpacklo_epi8(_mm_and_si128(b, lo4), _mm_and_si128(_mm_srli_epi16(b, 4), lo4));
         v = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(c), _mm256_set1_epi32(8)));
     }
-    v = _mm256_mul_ps(v, _mm256_set1_ps(scale[n * G + k / gs]));
-    return zero ? _mm256_add_ps(v, _mm256_set1_ps(zero[n * G + k / gs])) : v;
+    v = _mm256_mul_ps(v, _mm256_set1_ps(scale[k / gs]));  /* the row's own scales and zeros */
+    return zero ? _mm256_add_ps(v, _mm256_set1_ps(zero[k / gs])) : v;
 }
 
-static inline float gemm_load1(const void *w, int bits, const float *scale, const float *zero, int64_t G, int64_t gs,
+static inline float gemm_load1(const void *w, int bits, const float *scale, const float *zero, int64_t gs,
                                int64_t K, int64_t n, int64_t k) {
     const int64_t i = n * K + k;
     if (bits == 32) return ((const float *)w)[i];
@@ -72,28 +72,31 @@ static inline float gemm_load1(const void *w, int bits, const float *scale, cons
         const uint8_t byte = ((const uint8_t *)w)[i / 2];
         c = (float)((int)((i & 1) ? byte >> 4 : byte & 0x0F) - 8);
     }
-    const float v = c * scale[n * G + k / gs];
-    return zero ? v + zero[n * G + k / gs] : v;
+    const float v = c * scale[k / gs];
+    return zero ? v + zero[k / gs] : v;
 }
 
 /* Weight rows n0 .. n0+nc-1 (nc <= 16) as a (K, 16) float32 panel: panel[k * 16 + j] = w[n0 + j, k],
  * zero where n0 + j >= N. 8 rows x 8 k at a time: dequantized, transposed in registers, stored as 8 rows. */
-static void gemm_pack(const void *w, int bits, const float *scale, const float *zero, int64_t gs, int64_t K,
-                      int64_t n0, int64_t nc, float *panel) {
+static void gemm_pack(const void *w, int bits, const float *scale, const lmf_scales *sc, int64_t gs, int64_t K,
+                      int64_t n0, int64_t nc, float *panel, float *ws16, float *wz16) {
     const int64_t G = K / gs;
+    const float *ws[GEMM_NR], *wz[GEMM_NR];  /* each row's scales and zeros, widened (common.h's row_scales) */
+    for (int64_t j = 0; j < nc; j++) row_scales(sc, scale, n0 + j, G, bits, ws16 + j * G, wz16 + j * G, &ws[j], &wz[j]);
     for (int64_t j0 = 0; j0 < GEMM_NR; j0 += 8) {
         int64_t k = 0;
         if (j0 + 8 <= nc) {
             for (; k + 8 <= K; k += 8) {
                 __m256 r[8];
-                for (int i = 0; i < 8; i++) r[i] = gemm_load8(w, bits, scale, zero, G, gs, K, n0 + j0 + i, k);
+                for (int i = 0; i < 8; i++)
+                    r[i] = gemm_load8(w, bits, ws[j0 + i], wz[j0 + i], gs, K, n0 + j0 + i, k);
                 transpose8(r);
                 for (int i = 0; i < 8; i++) _mm256_storeu_ps(panel + (k + i) * GEMM_NR + j0, r[i]);
             }
         }
         for (; k < K; k++)  /* the K tail, and the columns past N of the last panel */
             for (int64_t j = j0; j < j0 + 8; j++)
-                panel[k * GEMM_NR + j] = j < nc ? gemm_load1(w, bits, scale, zero, G, gs, K, n0 + j, k) : 0.0f;
+                panel[k * GEMM_NR + j] = j < nc ? gemm_load1(w, bits, ws[j], wz[j], gs, K, n0 + j, k) : 0.0f;
     }
 }
 
@@ -124,10 +127,11 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *x, int6
 }
 
 typedef struct {
-    const float *x; const void *w; const float *scale; const float *zero; float *out;
+    const float *x; const void *w; const float *scale; const lmf_scales *sc; float *out;
     int64_t M, N, K, bits, gs;
     int64_t *next, chunk;  /* panels handed out `chunk` at a time */
     float *panel;          /* this thread's (K, 16) buffer */
+    float *ws16, *wz16;    /* this thread's 16 rows of widened scales and zeros, (16, G) each */
 } gemm_job;
 
 static void *gemm_range(void *arg) {
@@ -137,7 +141,7 @@ static void *gemm_range(void *arg) {
     while (take_chunk(j->next, j->chunk, P, &p0, &p1))
         for (int64_t p = p0; p < p1; p++) {
             const int64_t n0 = p * GEMM_NR, nc = j->N - n0 < GEMM_NR ? j->N - n0 : GEMM_NR;
-            gemm_pack(j->w, (int)j->bits, j->scale, j->zero, j->gs, K, n0, nc, j->panel);
+            gemm_pack(j->w, (int)j->bits, j->scale, j->sc, j->gs, K, n0, nc, j->panel, j->ws16, j->wz16);
             int64_t m = 0;
             for (; m + GEMM_MR <= j->M; m += GEMM_MR)
                 gemm_tile(j->x + m * K, K, GEMM_MR, j->panel, j->out + m * j->N + n0, j->N, nc);
@@ -161,13 +165,14 @@ static void *gemm_range(void *arg) {
  * Returns 0, or -1 when this build has no AVX2 + FMA body, the shape is not one it takes, or memory for the
  * panels is not to be had. */
 int lmf_gemm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
-                 int64_t bits, int64_t gs, int64_t threads, const float *zero) {
+                 int64_t bits, int64_t gs, int64_t threads, const lmf_scales *sc) {
 #ifdef LMF_AVX2
     static const float one = 1.0f;
     if (M < 1 || N < 1 || K < 1) return -1;
     if (bits != 32 && bits != 16 && bits != 8 && bits != 4) return -1;
-    if (scale == NULL && bits < 16) return -1;
-    if (scale == NULL) scale = &one;  /* float weights with no scales: a row of ones, below */
+    const void *zero = sc != NULL ? sc->z : NULL;
+    if (scale == NULL && sc == NULL && bits < 16) return -1;
+    if (scale == NULL && sc == NULL) scale = &one;  /* float weights with no scales: a row of ones, below */
     if (bits != 4 && (gs <= 0 || gs == K) && zero == NULL) gs = K;
     else if (gs <= 0 || (gs % 32 && !(gs == 16 && bits == 8)) || K % gs) return -1;
     const int64_t P = (N + GEMM_NR - 1) / GEMM_NR;
@@ -181,7 +186,12 @@ int lmf_gemm_f32(const float *x, const void *w, const float *scale, float *out, 
         for (int64_t n = 0; n < N; n++) ones[n] = 1.0f;
         scale = ones;
     }
-    float *panels = (float *)aligned_alloc(64, (size_t)threads * K * GEMM_NR * sizeof(float));
+    const int64_t G = K / gs, floats = K * GEMM_NR + 2 * GEMM_NR * G;  /* a thread's panel, scales and zeros */
+    if (G > LMF_MAX_G) {
+        free(ones);
+        return -1;
+    }
+    float *panels = (float *)aligned_alloc(64, (size_t)((threads * floats * sizeof(float) + 63) / 64 * 64));
     if (panels == NULL) {
         free(ones);
         return -1;
@@ -191,14 +201,15 @@ int lmf_gemm_f32(const float *x, const void *w, const float *scale, float *out, 
     if (chunk < 1) chunk = 1;
     gemm_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (gemm_job){x, w, scale, zero, out, M, N, K, bits, gs, &next, chunk, panels + t * K * GEMM_NR};
+        jobs[t] = (gemm_job){x, w, scale, sc, out, M, N, K, bits, gs, &next, chunk, panels + t * floats,
+                             panels + t * floats + K * GEMM_NR, panels + t * floats + K * GEMM_NR + GEMM_NR * G};
     run_jobs(gemm_range, jobs, sizeof jobs[0], threads);
     free(panels);
     free(ones);
     return 0;
 #else
     (void)x; (void)w; (void)scale; (void)out; (void)M; (void)N; (void)K; (void)bits; (void)gs; (void)threads;
-    (void)zero;
+    (void)sc;
     return -1;
 #endif
 }

@@ -61,8 +61,11 @@ static void a8_unpack4(const uint8_t *w, int64_t K, int8_t *out) {
 LMF_NO_CONTRACT LMF_HIDDEN void a8_range_portable(const a8_job *j) {
     const int64_t K = j->K, gs = j->gs, G = K / gs, row_bytes = j->bits == 8 ? K : K / 2;
     int8_t unpacked[j->bits == 4 ? K : 1];
+    float ws_buf[LMF_MAX_G], wz_buf[LMF_MAX_G];
     for (int64_t n = j->n0; n < j->n1; n++) {
         const int8_t *c = (const int8_t *)j->w + n * row_bytes;
+        const float *ws, *wz;
+        row_scales(j->sc, j->ws, n, G, j->bits, ws_buf, wz_buf, &ws, &wz);
         if (j->bits == 4) {
             a8_unpack4((const uint8_t *)c, K, unpacked);
             c = unpacked;
@@ -77,10 +80,10 @@ LMF_NO_CONTRACT LMF_HIDDEN void a8_range_portable(const a8_job *j) {
                     sum += q[k];
                 }
                 /* a product, then a sum, each rounded (no fused multiply-add: see LMF_NO_CONTRACT) */
-                const float scaled = (float)dot * j->ws[n * G + g];
+                const float scaled = (float)dot * ws[g];
                 total += scaled;
-                if (j->wz) {  /* zero offsets: + zero * sum(q) */
-                    const float shifted = j->wz[n * G + g] * (float)sum;
+                if (wz) {  /* zero offsets: + zero * sum(q) */
+                    const float shifted = wz[g] * (float)sum;
                     total += shifted;
                 }
             }
@@ -165,9 +168,13 @@ int lmf_quantize_s8(const void *x, int64_t act, int64_t M, int64_t K, int64_t ni
  * isa: a body (0..4, `A8_ISAS`) or -1 for the best. Returns 0; -1 for a shape it does not take (K % 32, int4 gs
  * not a multiple of 32 dividing K, K >= 65536); -2 for a body this CPU or build does not have. */
 int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws, float *out, int64_t M, int64_t N,
-               int64_t K, int64_t bits, int64_t gs, int64_t threads, int64_t isa, const float *zero) {
+               int64_t K, int64_t bits, int64_t gs, int64_t threads, int64_t isa, const lmf_scales *sc) {
     if ((bits != 8 && bits != 4) || K % 32 || K >= 65536 || M < 1 || N < 1) return -1;
     if (bits == 8 && gs <= 0) gs = K;  /* per channel; int8 groups of 32 or more (GGUF's Q8_0) as for int4 */
+    const float *zero = sc != NULL ? (const float *)sc->z : NULL;  /* only its presence matters here */
+    if (sc != NULL && (sc->fmt < LMF_SCALES_F32 || sc->fmt > LMF_SCALES_SUPER || (sc->fmt == LMF_SCALES_SUPER &&
+                                                                                    (sc->per < 1 || (K / gs) % sc->per))))
+        return -1;
     const int g16 = bits == 8 && gs == 16 && zero == NULL;  /* GGUF's Q6_K: int8 codes, a scale per 16 */
     if (gs <= 0 || (gs % 32 && !g16) || K % gs) return -1;
     if (isa < 0) isa = lmf_a8_best_isa();
@@ -207,7 +214,7 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
     const int64_t chunk = chunk_rows(N, threads);
     a8_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, qs, zero, M, N, K, gs, bits, 0, 0, isa, K / gs, &next, chunk,
+        jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, qs, sc, M, N, K, gs, bits, 0, 0, isa, K / gs, &next, chunk,
                            threads};
     run_jobs(a8_range, jobs, sizeof jobs[0], threads);
     free(qs);
@@ -218,13 +225,13 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
 /* Quantize x (act: 0 bf16, 1 f32) and multiply: `lmf_quantize_s8` then `lmf_qmm_s8`, one call (the body
  * first, so that Python binds it once with functools.partial). */
 int lmf_qmm_a8(int64_t isa, const void *x, int64_t act, const void *w, const float *ws, float *out, int64_t M,
-               int64_t N, int64_t K, int64_t bits, int64_t gs, int64_t threads, const float *zero) {
+               int64_t N, int64_t K, int64_t bits, int64_t gs, int64_t threads, const lmf_scales *sc) {
     if (K % 32 || M < 1) return -1;
     int8_t *q = (int8_t *)malloc((size_t)(M * K) + (size_t)M * sizeof(float));
     if (q == NULL) return -1;
     float *xs = (float *)(q + M * K);  /* M * K is a multiple of 32: aligned for float */
     int rc = lmf_quantize_s8(x, act, M, K, bits == 4, q, xs);
-    if (rc == 0) rc = lmf_qmm_s8(q, xs, w, ws, out, M, N, K, bits, gs, threads, isa, zero);
+    if (rc == 0) rc = lmf_qmm_s8(q, xs, w, ws, out, M, N, K, bits, gs, threads, isa, sc);
     free(q);
     return rc;
 }

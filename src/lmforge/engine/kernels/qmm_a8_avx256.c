@@ -120,13 +120,15 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME##_rows(  
 }                                                                                                           \
 __attribute__((target(TARGET))) LMF_HIDDEN void a8_range_##NAME(const a8_job *j) {                          \
     const int64_t K = j->K, G = j->G, row_bytes = j->bits == 8 ? K : K / 2;                                 \
+    float ws_buf[LMF_MAX_G], wz_buf[LMF_MAX_G];                                                             \
     for (int64_t n = j->n0; n < j->n1; n++) {                                                               \
         const void *w = (const uint8_t *)j->w + n * row_bytes;                                              \
+        const float *ws, *wz;                                                                               \
+        row_scales(j->sc, j->ws, n, G, j->bits, ws_buf, wz_buf, &ws, &wz);                                  \
         for (int64_t m0 = 0; m0 < j->M; m0 += A8_MAX_R) {                                                   \
             const int R = j->M - m0 < A8_MAX_R ? (int)(j->M - m0) : A8_MAX_R;                               \
             float total[A8_MAX_R];                                                                          \
-            A8_ROWS_SWITCH(NAME##_rows, R, j, w, j->ws + n * G, j->wz ? j->wz + n * G : NULL, j->q + m0 * K,   \
-                           j->qs ? j->qs + m0 * G : NULL, total);                                           \
+            A8_ROWS_SWITCH(NAME##_rows, R, j, w, ws, wz, j->q + m0 * K, j->qs ? j->qs + m0 * G : NULL, total); \
             for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r] * j->xs[m0 + r];             \
         }                                                                                                   \
     }                                                                                                       \

@@ -95,11 +95,12 @@ __attribute__((target(T512), always_inline)) static inline void a8_rows512(
 __attribute__((target(T512))) LMF_HIDDEN void a8_range_avx512vnni(const a8_job *j) {
     const int64_t K = j->K, G = j->G, row_bytes = j->bits == 8 ? K : K / 2;
     const int steps = j->gs % 64 != 0 && G > 1;  /* groups of 32 (96, ...): scales change inside a step */
-    float wsb[65536 / 32];
+    float wsb[65536 / 32], ws_buf[LMF_MAX_G], wz_buf[LMF_MAX_G];
     const uint8_t *u = (const uint8_t *)j->q;  /* q + 128 here (lmf_qmm_s8) */
     for (int64_t n = j->n0; n < j->n1; n++) {
         const void *w = (const uint8_t *)j->w + n * row_bytes;
-        const float *ws = j->ws + n * G;
+        const float *ws, *wz;
+        row_scales(j->sc, j->ws, n, G, j->bits, ws_buf, wz_buf, &ws, &wz);
         if (steps)  /* the row's scale per block of 32, without a division */
             for (int64_t b = 0, g = 0, left = j->gs / 32; b < K / 32; b++) {
                 wsb[b] = ws[g];
@@ -108,7 +109,7 @@ __attribute__((target(T512))) LMF_HIDDEN void a8_range_avx512vnni(const a8_job *
         for (int64_t m0 = 0; m0 < j->M; m0 += A8_MAX_R) {
             const int R = j->M - m0 < A8_MAX_R ? (int)(j->M - m0) : A8_MAX_R;
             float total[A8_MAX_R];
-            A8_ROWS_SWITCH(a8_rows512, R, j, w, ws, steps ? wsb : NULL, j->wz ? j->wz + n * G : NULL, u + m0 * K,
+            A8_ROWS_SWITCH(a8_rows512, R, j, w, ws, steps ? wsb : NULL, wz, u + m0 * K,
                            j->qs ? j->qs + m0 * G : NULL, total);
             for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r] * j->xs[m0 + r];
         }

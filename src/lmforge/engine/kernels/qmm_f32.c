@@ -18,9 +18,10 @@
  * point; float32 rounding differs from dequantize + matmul only in summation order.
  *
  * GGUF's block types add two forms (`lmforge.quant.gguf_types`): int8 codes with a scale per 16 inputs
- * (Q6_K; `gs` 16, two groups a block of 32), and zero offsets `zero` (N, G): w = code * scale + zero (Q4_1,
- * Q5_1, Q4_K, Q5_K; int4 codes as above, so zero here is the file's minimum + 8 * scale), computed as
- * sum_g zero[g] * sum_{k in g} x[k] from the activations' group sums, once a call.
+ * (Q6_K; `gs` 16, two groups a block of 32), and zero offsets: w = code * scale + zero (Q4_1, Q5_1, Q4_K, Q5_K),
+ * computed as sum_g zero[g] * sum_{k in g} x[k] from the activations' group sums, once a call. Scales and
+ * zeros come in the file's own form (common.h's `lmf_scales`: float16, or int8 under a float16 per super-block)
+ * and are widened a weight row at a time.
  */
 #include "common.h"
 
@@ -168,7 +169,8 @@ static inline __attribute__((always_inline)) void f32_row8(const float *x, int64
 
 typedef struct {
     const float *x; const void *w; const float *scale; float *out;
-    const float *zero, *xsum;  /* zero offsets (N, G) and the activations' group sums (M, G), or NULL */
+    const lmf_scales *sc;  /* the scales' (and zeros') form; NULL: the float32 `scale` and no zeros */
+    const float *xsum;  /* with zeros: the activations' group sums (M, G) */
     int64_t M, N, K, gs, bits, n0, n1;
     int64_t *next, chunk, threads;  /* shared by the threads: the next chunk of weight rows (qmm_range, take_rows) */
 } qmm_job;
@@ -188,6 +190,7 @@ static inline float dot_groups(const float *a, const float *b, int64_t G) {
 
 static void qmm_rows_of(const qmm_job *j) {  /* weight rows [j->n0, j->n1) */
     const int64_t K = j->K, gs = j->gs, G = K / gs;
+    float ws_buf[LMF_MAX_G], wz_buf[LMF_MAX_G];
     const int64_t row_bytes = j->bits == 32 ? 4 * K : j->bits == 16 ? 2 * K : j->bits == 8 ? K : K / 2;
     const int64_t block = j->bits == 32 ? 8 : 4;  /* float32 weights: 8 rows a pass (f32_row8) */
     for (int64_t m0 = 0; m0 < j->M; m0 += block) {
@@ -196,7 +199,8 @@ static void qmm_rows_of(const qmm_job *j) {  /* weight rows [j->n0, j->n1) */
         for (int64_t n = j->n0; n < j->n1; n++) {
             float total[8];
             const void *w = (const uint8_t *)j->w + n * row_bytes;
-            const float *sc = j->scale + n * G;
+            const float *sc, *wz;
+            row_scales(j->sc, j->scale, n, G, j->bits, ws_buf, wz_buf, &sc, &wz);
             /* R and bits constant per call: the accumulators stay in registers, no branch in the loop */
 #define QMM_ROWS(BITS) switch (R) {                                     \
                 case 1: qmm_row(x, K, 1, w, BITS, sc, gs, total); break;  \
@@ -215,8 +219,8 @@ static void qmm_rows_of(const qmm_job *j) {  /* weight rows [j->n0, j->n1) */
             else if (j->bits == 32) QMM_ROWS(32) else if (j->bits == 16) QMM_ROWS(16)
             else if (j->bits == 8) QMM_ROWS(8) else QMM_ROWS(4)
 #undef QMM_ROWS
-            if (j->zero != NULL)
-                for (int r = 0; r < R; r++) total[r] += dot_groups(j->zero + n * G, j->xsum + (m0 + r) * G, G);
+            if (wz != NULL)
+                for (int r = 0; r < R; r++) total[r] += dot_groups(wz, j->xsum + (m0 + r) * G, G);
             for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r];
         }
     }
@@ -248,11 +252,16 @@ static float *group_sums(const float *x, int64_t M, int64_t K, int64_t gs) {
  * caller's choice, per weight, since where the GEMM starts to win depends on the bits (`QmmLinear.GEMM_MIN_ROWS`,
  * measured). Returns -1 for shapes it does not take (a group not a multiple of 32 dividing K). */
 int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
-                int64_t bits, int64_t gs, int64_t threads, int64_t gemm_rows, const float *zero) {
+                int64_t bits, int64_t gs, int64_t threads, int64_t gemm_rows, const lmf_scales *sc) {
     if (bits != 32 && bits != 16 && bits != 8 && bits != 4) return -1;
+    const void *zero = sc != NULL ? sc->z : NULL;
+    if (sc == NULL && scale == NULL) return -1;
     if (bits >= 8 && (gs <= 0 || gs == K) && zero == NULL) gs = K;
     else if (gs <= 0 || (gs % 32 && !(gs == 16 && bits == 8 && zero == NULL)) || K % gs) return -1;
-    if (gemm_rows > 0 && M >= gemm_rows && lmf_gemm_f32(x, w, scale, out, M, N, K, bits, gs, threads, zero) == 0)
+    if (sc != NULL && (sc->fmt < LMF_SCALES_F32 || sc->fmt > LMF_SCALES_SUPER || K / gs > LMF_MAX_G ||
+                       (sc->fmt == LMF_SCALES_SUPER && (sc->per < 1 || (K / gs) % sc->per))))
+        return -1;
+    if (gemm_rows > 0 && M >= gemm_rows && lmf_gemm_f32(x, w, scale, out, M, N, K, bits, gs, threads, sc) == 0)
         return 0;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
@@ -263,7 +272,7 @@ int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, i
     const int64_t chunk = chunk_rows(N, threads);
     qmm_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (qmm_job){x, w, scale, out, zero, xsum, M, N, K, gs, bits, 0, 0, &next, chunk, threads};
+        jobs[t] = (qmm_job){x, w, scale, out, sc, xsum, M, N, K, gs, bits, 0, 0, &next, chunk, threads};
     run_jobs(qmm_range, jobs, sizeof jobs[0], threads);
     free(xsum);
     return 0;
