@@ -12,7 +12,12 @@ One server process, started here from a registry with two versions of a model (`
    faults at 1/4, 1/2 and 3/4 of the run: the exchange-log writer process killed, the engine
    process killed, and a hot reload to the other version (`registry` alias + `POST /admin/reload`).
 
-Reported: requests served and failed (by cause), TTFT p99 against idle, the server's RSS growth,
+Reported: requests served and failed (by cause), TTFT p99 against idle, the server's RSS growth, the
+resident memory of the server, its engine process and its exchange-log writer sampled every
+`rss_every_s` (10 s) through both phases (`RssSampler`: the curve as a table in soak.md and as
+soak_rss.png; the engine's growth from the first sample `RSS_SETTLE_S` (5 min, or a third of a shorter
+run) into each engine process's life to its last sample, the one that tells a leak from a high-water
+mark),
 exchange-log rows lost (completions the clients saw finish whose row is not in the store, to be
 set against `lmforge:exchange_log_dropped_total`), and `/metrics` against the clients' own counts
 (finished requests, error replies by status). Writes soak.json + soak.md. Every request goes to
@@ -28,6 +33,7 @@ import json
 import random
 import sqlite3
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -61,6 +67,61 @@ HOSTILE = [
 RAW_HOSTILE = [b'{"prompt": "hi \\ud800", "max_tokens": 2}', b"{not json", b'{"prompt": "' + b"x" * 8_000_000 + b'"}']
 
 
+RSS_SETTLE_S = 300.0  # the engine's growth is measured from this far into its life (issue 43: flat after 5 min)
+
+
+class RssSampler:
+    """Resident memory (MiB) of the server, its engine and its exchange-log writer every `every_s`, from a
+    thread; the engine and writer are found again at each sample (a fault restarts them under new pids)."""
+
+    def __init__(self, pid: int, every_s: float):
+        self.pid, self.every_s, self.phase = pid, every_s, "warm-up"
+        self.samples: list[dict] = []
+        self._t0, self._stop = time.monotonic(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name="soak-rss", daemon=True)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while True:
+            self.sample()
+            if self._stop.wait(self.every_s):
+                return
+
+    def sample(self) -> None:
+        row = {"t_s": round(time.monotonic() - self._t0, 1), "phase": self.phase}
+        procs = {"server": psutil.Process(self.pid), **_children(self.pid)}
+        for name in ("server", "engine", "writer"):
+            try:
+                row[f"{name}_mib"] = round(procs[name].memory_info().rss / 2**20, 1)
+                row[f"{name}_pid"] = procs[name].pid
+            except (KeyError, psutil.Error):  # not there (between a kill and its restart)
+                row[f"{name}_mib"] = row[f"{name}_pid"] = None
+        self.samples.append(row)
+
+
+def engine_rss_growth(samples: list[dict], settle_s: float = RSS_SETTLE_S) -> list[dict]:
+    """Per engine process: its first, peak and last RSS, and its growth from the sample `settle_s` (at most
+    a third of its life) after its first to its last: a leak keeps growing there, a high-water mark does not."""
+    out = []
+    for pid in dict.fromkeys(s["engine_pid"] for s in samples if s["engine_pid"] is not None):
+        mine = [s for s in samples if s["engine_pid"] == pid]
+        start, end = mine[0]["t_s"], mine[-1]["t_s"]
+        settle = min(settle_s, (end - start) / 3)
+        ref = next(s for s in mine if s["t_s"] >= start + settle)
+        out.append({"pid": pid, "from_s": start, "to_s": end, "first_mib": mine[0]["engine_mib"],
+                    "peak_mib": max(s["engine_mib"] for s in mine), "last_mib": mine[-1]["engine_mib"],
+                    "settled_at_s": ref["t_s"], "settled_mib": ref["engine_mib"],
+                    "growth_after_settle": mine[-1]["engine_mib"] / ref["engine_mib"] - 1})
+    return out
+
+
 @dataclass
 class SoakConfig:
     minutes: float = 30.0
@@ -71,6 +132,7 @@ class SoakConfig:
     model: str | None = None  # a model folder; default: a tiny random Llama built here
     seed: int = 0
     faults: bool = True
+    rss_every_s: float = 10.0  # the RSS sampling period (issue 43: every 10 s)
 
 
 @dataclass
@@ -291,21 +353,58 @@ def run_soak(cfg: SoakConfig, out: Path | None) -> dict:
     events: list[dict] = []
     try:
         server = psutil.Process(proc.pid)
-        asyncio.run(_phase(url, shrink(10, 2), cfg, 0.0))  # warm-up: allocator, caches, kernels
-        rss_before, before = server.memory_info().rss, _metrics(url)
-        stored_before = len(_stored_ids(db))
-        idle = asyncio.run(_phase(url, 60 * cfg.idle_minutes, cfg, 0.0))
-        faults = _fault_runner(url, proc.pid, registry, versions, events) if cfg.faults else None
-        soak = asyncio.run(_phase(url, 60 * cfg.minutes, cfg, cfg.hostile, faults))
-        time.sleep(2.0)  # the exchange log's last batches
+        with RssSampler(proc.pid, cfg.rss_every_s) as rss:
+            asyncio.run(_phase(url, shrink(10, 2), cfg, 0.0))  # warm-up: allocator, caches, kernels
+            rss_before, before = server.memory_info().rss, _metrics(url)
+            stored_before = len(_stored_ids(db))
+            rss.phase = "idle"
+            idle = asyncio.run(_phase(url, 60 * cfg.idle_minutes, cfg, 0.0))
+            faults = _fault_runner(url, proc.pid, registry, versions, events) if cfg.faults else None
+            rss.phase = "soak"
+            soak = asyncio.run(_phase(url, 60 * cfg.minutes, cfg, cfg.hostile, faults))
+            rss.phase = "after"
+            time.sleep(2.0)  # the exchange log's last batches
+            rss.sample()
         rss_after, after = server.memory_info().rss, _metrics(url)
         healthy = httpx.get(url + "/health/ready").status_code == 200
     finally:
         exit_code = stop_server(proc)
     report = _report(cfg, idle, soak, events, (rss_before, rss_after), (before, after), _stored_ids(db),
                      stored_before, healthy, exit_code)
+    report["rss_samples"] = rss.samples
+    report["engine_rss"] = engine_rss_growth(rss.samples)
     emit(report, to_markdown, out, "soak")
+    if out is not None and rss.samples:
+        plot_rss(rss.samples, Path(out) / "soak_rss.png")
     return report
+
+
+def plot_rss(samples: list[dict], path: Path) -> Path:
+    """The three processes' RSS against time, phases shaded: soak_rss.png."""
+    import matplotlib  # deferred: only when a report is written
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # deferred: after matplotlib.use("Agg")
+
+    fig, ax = plt.subplots(figsize=(8, 4), dpi=110)
+    for name in ("server", "engine", "writer"):
+        pts = [(s["t_s"] / 60, s[f"{name}_mib"]) for s in samples if s[f"{name}_mib"] is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker=".", lw=1, label=name)
+    for phase, color in (("idle", "0.92"), ("soak", "0.85")):
+        ts = [s["t_s"] / 60 for s in samples if s["phase"] == phase]
+        if ts:
+            ax.axvspan(min(ts), max(ts), color=color, zorder=0, label=f"{phase} phase")
+    ax.set_xlabel("minutes")
+    ax.set_ylabel("RSS (MiB)")
+    ax.set_title("lmforge bench soak: resident memory, sampled every "
+                 f"{samples[1]['t_s'] - samples[0]['t_s']:.0f} s" if len(samples) > 1 else "lmforge bench soak")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def _report(cfg, idle: Tally, soak: Tally, events, rss, metrics, stored: set[str], stored_before: int,
@@ -373,4 +472,22 @@ def to_markdown(r: dict) -> str:
               f"({'equal' if mc['error_replies']['equal'] else 'DIFFER'}); engine restarts {mc['engine_restarts']:.0f}",
               f"- healthy after: {r['healthy_after']}; exit code {r['exit_code']}; machine {r['machine']}; "
               f"load {r['load_average']} -> {r['load_average_after']}"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _rss_markdown(r)) + "\n"
+
+
+def _rss_markdown(r: dict) -> list[str]:
+    """The engine's growth per process and the RSS curve (every sample) as a table."""
+    samples = r.get("rss_samples") or []
+    if not samples:
+        return []
+    lines = ["", "## Resident memory (MiB), sampled every "
+             f"{r['config']['rss_every_s']:g} s (plot: soak_rss.png)", ""]
+    for e in r.get("engine_rss", []):
+        lines.append(f"- engine pid {e['pid']} ({e['from_s']:.0f}-{e['to_s']:.0f} s): {e['first_mib']:.0f} -> peak "
+                     f"{e['peak_mib']:.0f} -> last {e['last_mib']:.0f}; from {e['settled_at_s']:.0f} s "
+                     f"({e['settled_mib']:.0f}) to the end: **{100 * e['growth_after_settle']:+.1f}%**")
+    fmt = lambda v: f"{v:.0f}" if v is not None else "-"  # noqa: E731
+    lines += ["", "| t (s) | phase | server | engine | writer |", "| ---: | --- | ---: | ---: | ---: |"]
+    lines += [f"| {s['t_s']:.0f} | {s['phase']} | {fmt(s['server_mib'])} | {fmt(s['engine_mib'])} | "
+              f"{fmt(s['writer_mib'])} |" for s in samples]
+    return lines
