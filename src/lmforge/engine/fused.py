@@ -21,6 +21,7 @@ after loading, as it swaps `PackedLinear` in for `nn.Linear`. The swapped model 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -49,6 +50,14 @@ class FusedRMSNorm(nn.Module):
         return out
 
 
+def _cat_rows(ts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat along rows, on one thread for CPU tensors (numpy): at load, torch's pool would make every small
+    copy wait for a second core a busy machine may not give (16-24 ms a cat of 1.5 MB of codes, 0.02 on one)."""
+    if ts[0].device.type != "cpu" or ts[0].dtype == torch.bfloat16:
+        return torch.cat(ts)
+    return torch.from_numpy(np.concatenate([t.numpy() for t in ts]))
+
+
 def concat_linears(mods: list[nn.Module]) -> nn.Module | None:
     """One linear computing `mods`' outputs side by side (same input), or None when they differ in kind,
     input size, quantization scheme or bias. Float: `nn.Linear`; int codes: `QuantizedLinear`."""
@@ -70,7 +79,7 @@ def concat_linears(mods: list[nn.Module]) -> nn.Module | None:
                             bias=bias is not None, scale_dtype=first.weight_scale.dtype, device="meta",
                             packed=first.packed, scale_per=first.scale_per)
         for name, _ in first.named_buffers():  # codes, scales, zeros and super-block scales: rows side by side
-            setattr(q, name, torch.cat([m.get_buffer(name) for m in mods]))
+            setattr(q, name, _cat_rows([m.get_buffer(name) for m in mods]))
         if bias is not None:
             q.bias = nn.Parameter(bias, requires_grad=False)
         return q

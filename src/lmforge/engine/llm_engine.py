@@ -16,6 +16,7 @@ about HTTP or threads (see `async_engine.py`) or about progress bars (`llm.py`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -77,6 +78,20 @@ def _eos_token_ids(model_dir: Path, model: Transformer, tokenizer) -> set[int]:
     return ids
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """torch on one thread for the block: a load is copies and reshapes of many small tensors, and torch's
+    thread pool makes each wait for a second core that a busy machine (the server's own imports, beside) has
+    not given it (torch.cat of three 0.5 MB uint8 tensors: 16-24 ms on 2 threads with the other core busy,
+    0.02 ms on one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _return_freed_memory() -> None:
     """Hand the heap's free pages back to the OS after a load: the loader's transient copies (unpacked codes,
     unpermuted rows) leave glibc's heap holding them otherwise (130 MB after SmolLM2-135M's GGUF, 40% of what
@@ -114,8 +129,9 @@ class LLMEngine:
         # tensor parallelism: the workers start loading now, beside rank 0 (this process)
         self.executor = MultiprocExecutor(config) if config.tensor_parallel_size > 1 else None
         try:
-            self.model = load_pretrained(model_dir, dtype="bfloat16" if bf16_weights else config.dtype,
-                                         device=config.device)
+            with _one_thread():
+                self.model = load_pretrained(model_dir, dtype="bfloat16" if bf16_weights else config.dtype,
+                                             device=config.device)
             if bf16_weights:  # float32 activations: all but the linear weights widened now (no float32 copy of those)
                 float32_except_linears(self.model)
             if self.executor is not None:
