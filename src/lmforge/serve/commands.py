@@ -476,7 +476,10 @@ def run_server(config: EngineConfig, server: ServerConfig, listen: ListenConfig,
     `replicas=(N, address)` with N > 1 or an address: each engine is N replicas on Ray actors
     (`replicas.RayReplicaEngine`, each its own process, so `engine_process` does not apply)."""
     from lmforge.engine import AsyncLLMEngine, ProcessAsyncLLMEngine  # deferred: torch, only when serving
+    from lmforge.engine.core_client import prespawn
 
+    if engine_process and replicas == (1, None):  # the engine child imports while this process builds the app
+        prespawn()
     from .app import build_app  # deferred: fastapi and the engine, only when serving
 
     logging.basicConfig(level=listen.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
