@@ -89,7 +89,8 @@ def lmforge_run(f: Path, threads: int, repeats: int, quant_activations: str) -> 
               max_num_batched_tokens=PREFILL)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     dec = SamplingParams(max_tokens=DECODE + 1, temperature=0.0, ignore_eos=True)
-    prompt = [3 + (i * 7919) % 8000 for i in range(PREFILL)]
+    vocab = llm.llm_engine.vocab_size
+    prompt = [3 + (i * 7919) % (min(vocab, 8192) - 3) for i in range(PREFILL)]
     llm.generate([prompt[:16]], dec, use_tqdm=False)  # warm-up: kernels packed, allocator settled
     prefill, decode = [], []
     for _ in range(repeats):
@@ -111,13 +112,16 @@ def lmforge_run(f: Path, threads: int, repeats: int, quant_activations: str) -> 
             "attention": stats.get("attention_backend"), "quant_activations": quant_activations}
 
 
-def run(out: Path, threads: int, repeats: int, exe: Path | None, tokenizer: Path) -> dict:
+def run(out: Path, threads: int, repeats: int, exe: Path | None, tokenizer: Path | None,
+        ggufs: list[Path] | None = None) -> dict:
+    """The random 300M's three files, each lmforge path (A16 and A8 for int types); or given `ggufs` (any
+    type, e.g. `scripts/gguf_files.py`'s), each with lmforge's defaults (what a user gets)."""
     out.mkdir(parents=True, exist_ok=True)
-    files = gguf_files(build_model(out, tokenizer))
+    files = {f.stem: f for f in ggufs} if ggufs else gguf_files(build_model(out, tokenizer))
     rows = []
     for t, f in files.items():
         ref = llama_bench(exe, f, threads, repeats) if exe else None
-        for qa in (("none",) if t == "bf16" else ("none", "int8")):
+        for qa in (("auto",) if ggufs else ("none",) if t == "bf16" else ("none", "int8")):
             load = loadavg()
             r = lmforge_run(f, threads, repeats, qa)
             row = {"type": t, "file": str(f), "bytes": f.stat().st_size, "load_before": load, "lmforge": r,
@@ -136,7 +140,7 @@ def run(out: Path, threads: int, repeats: int, exe: Path | None, tokenizer: Path
 
 def to_markdown(rep: dict) -> str:
     p = rep["provenance"]
-    lines = ["# lmforge vs llama.cpp, engines alone: random 300M Llama, batch 1", "",
+    lines = ["# lmforge vs llama.cpp, engines alone, batch 1", "",
              f"{p['machine']}; {p['threads']} threads; torch {p['packages'].get('torch')}; "
              f"load before first run {rep['rows'][0]['load_before'] if rep['rows'] else '?'}; {p['date']}", ""]
     ref = next((r["llama_cpp"] for r in rep["rows"] if r["llama_cpp"]), None)
@@ -149,6 +153,7 @@ def to_markdown(rep: dict) -> str:
         ms = r["lmforge"]["step_ms"]
         rest = sum(v for k, v in ms.items() if k not in ("forward", "sample"))
         path = "A8 (int8 activations)" if lm["quant_activations"] == "int8" else (
+            "defaults: " + (lm["linear"] or "")[:60] if lm["quant_activations"] == "auto" else
             "A16 exact" if r["type"] != "bf16" else f"{lm['dtype']}")
         lines.append(f"| {r['type']} | {r['bytes'] / 1e6:.0f} | {path} | {lc.get('prefill_tok_s', float('nan')):.1f} / "
                      f"{lm['prefill_tok_s']:.1f} | {r.get('prefill_ratio', float('nan')):.2f}x | "
@@ -161,12 +166,15 @@ def to_markdown(rep: dict) -> str:
 def main(out: Annotated[Path, typer.Option(help="Folder for the model, the GGUF files and the report.")],
          threads: int = 2, repeats: int = 3,
          llama_bench_exe: Annotated[Optional[Path], typer.Option("--llama-bench", help="llama-bench binary.")] = None,
-         tokenizer: Path = Path("runs/quickstart/tokenizer")) -> None:
-    if not (tokenizer / "tokenizer.json").is_file():
+         tokenizer: Path = Path("runs/quickstart/tokenizer"),
+         gguf: Annotated[Optional[list[Path]], typer.Option(help="Run on these GGUF files (any type, lmforge's "
+                                                                 "default flags) instead of the random 300M's.")] = None
+         ) -> None:
+    if not gguf and not (tokenizer / "tokenizer.json").is_file():
         raise typer.BadParameter(f"{tokenizer}/tokenizer.json missing: run `make demo` (or `lmforge tokenizer "
                                  "train ... --vocab-size 8192`) and pass --tokenizer DIR", param_hint="--tokenizer")
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    rep = run(out, threads, repeats, llama_bench_exe, tokenizer)
+    rep = run(out, threads, repeats, llama_bench_exe, tokenizer, gguf)
     emit(rep, to_markdown, out, "vs_llamacpp")
 
 

@@ -6,6 +6,8 @@
 #   e.g. scripts/vs_llamacpp_serve.sh /opt/llamacpp/.../build/bin/llama-server runs/vs-llamacpp/random-llama-300m \
 #        runs/vs-llamacpp "bf16 q8_0 q4_0" 12 32
 # Q8_0/Q4_0 run lmforge with --quant-activations int8 (llama.cpp's scheme); LMFORGE_QA=none for the exact path.
+# A TYPES entry that is a .gguf path runs that file with lmforge's default flags (what a user gets), e.g.
+#   scripts/vs_llamacpp_serve.sh LLAMA_SERVER - runs/vs-types "runs/gguf/random-1b-Q4_K_M.gguf runs/gguf/random-1b-Q8_0.gguf"
 set -euo pipefail
 LLAMA_SERVER=$1 MODEL_DIR=$2 OUT=$3 TYPES=${4:-"bf16 q8_0 q4_0"} N1=${5:-12} N16=${6:-32}
 THREADS=${THREADS:-2}
@@ -22,7 +24,9 @@ wait_up() {  # URL PID LOG
 for T in $TYPES; do
   F="$MODEL_DIR/model-$T.gguf"
   QA=none; [ "$T" != bf16 ] && QA=${LMFORGE_QA:-int8}
-  OMP_NUM_THREADS=$THREADS $LMF serve "$F" --port 8000 --dtype auto --quant-activations "$QA" \
+  FLAGS=(--dtype auto --quant-activations "$QA")
+  if [ -f "$T" ]; then F=$T; T=$(basename "$T" .gguf); FLAGS=(); fi
+  OMP_NUM_THREADS=$THREADS $LMF serve "$F" --port 8000 "${FLAGS[@]}" \
     --served-model-name m > "$OUT/lmforge-$T.log" 2>&1 & LP=$!
   "$LLAMA_SERVER" -m "$F" -t "$THREADS" --port 8080 -c 32768 -np 16 --alias m > "$OUT/llama-server-$T.log" 2>&1 & CP=$!
   trap 'kill $LP $CP 2>/dev/null || true' EXIT
