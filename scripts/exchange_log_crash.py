@@ -9,7 +9,7 @@ counted. Prints one line per trial and a JSON summary: `lost` per trial, and the
 
     python scripts/exchange_log_crash.py MODEL_DIR [--trials 20] [-n 60] [--concurrency 8]
 
-Run it with `PYTHONPATH=OTHER/src` to measure another checkout's serve code (the "before").
+`--server-src OTHER/src` serves another checkout's code (the "before"; this script's own code stays).
 Every wait is bounded; the server's children are killed if they outlive it by 60 s.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 from lmforge.serve.testing import kill9_trial
@@ -29,11 +30,13 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=60, help="completions answered before the kill")
     ap.add_argument("--concurrency", type=int, default=8, help="clients sending at once")
     ap.add_argument("--serve-arg", action="append", default=[], help="an extra `lmforge serve` argument")
+    ap.add_argument("--server-src", help="PYTHONPATH of the server (another checkout's src/)")
     a = ap.parse_args()
+    env = {**os.environ, "PYTHONPATH": a.server_src} if a.server_src else None
     lost, latency = [], []
     for t in range(a.trials):
         r = kill9_trial(a.model_dir, a.n, a.concurrency, ("--dtype", "float32", "--max-model-len", "256",
-                                                          *a.serve_arg))
+                                                          *a.serve_arg), env=env)
         lost.append(len(r["lost"]))
         latency += r["latency_s"]
         print(f"trial {t}: lost {lost[-1]} of {r['answered']} answered", flush=True)
