@@ -2,8 +2,10 @@
 
 Reads a verified checkpoint (`last`, `best` or `step-N`), rebuilds the model from the
 checkpoint's own model config, merges LoRA adapters into the base weights, and writes
-`config.json`, `model.safetensors`, `generation_config.json` (stopping on `<|end_of_text|>`
-and `<|im_end|>`: `eos_token_id: [1, 4]`) and the tokenizer files, so the folder loads in
+`config.json`, `model.safetensors`, `generation_config.json` (stopping on the tokenizer's `<|end_of_text|>`
+and `<|im_end|>`: `eos_token_id: [1, 4]` for lmforge's own tokenizers, `[2]` for SmolLM2's) and the tokenizer
+files with the chat template (`chat_template.jinja` when the tokenizer folder has one: a model converted by
+`lmforge convert` or pulled from the Hub keeps its own template), so the folder loads in
 `transformers.AutoModelForCausalLM` / `AutoTokenizer` and in the lmforge engine. It knows
 nothing about the training loop.
 
@@ -24,8 +26,10 @@ from lmforge.track.io import atomic_write_json, sha256_dir
 from . import checkpoint as ckpt
 from .lora import LoraConfig, apply_lora, merge_lora
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-STOP_IDS = [1, 4]  # <|end_of_text|>, <|im_end|>
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json")
+STOP_IDS = [1, 4]  # <|end_of_text|>, <|im_end|> in lmforge's own tokenizers (tokenizer/special.py)
+STOP_TOKENS = ("<|end_of_text|>", "<|im_end|>")
 
 
 def load_run_model(run: str | os.PathLike, checkpoint: str = "last") -> tuple[Transformer, dict]:
@@ -55,6 +59,24 @@ def _set_model_max_length(out: Path, positions: int) -> None:
         atomic_write_json(path, cfg)
 
 
+def stop_ids(tok_dir: str | os.PathLike | None) -> list[int]:
+    """The ids generation stops on: `<|end_of_text|>` and `<|im_end|>` where the tokenizer has them, else its EOS
+    token; lmforge's own ids (`STOP_IDS`) without a tokenizer. A downloaded model's vocabulary puts them
+    elsewhere (SmolLM2: 1 is `<|im_start|>`, 2 `<|im_end|>`), so they are looked up, never assumed."""
+    if not tok_dir or not (Path(tok_dir) / "tokenizer.json").is_file():
+        return list(STOP_IDS)
+    from tokenizers import Tokenizer  # deferred: only for export, and light
+
+    tok = Tokenizer.from_file(str(Path(tok_dir) / "tokenizer.json"))
+    ids = [i for i in (tok.token_to_id(t) for t in STOP_TOKENS) if i is not None]
+    if not ids:
+        cfg_path = Path(tok_dir) / "tokenizer_config.json"
+        eos = json.loads(cfg_path.read_text()).get("eos_token") if cfg_path.is_file() else None
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        ids = [tok.token_to_id(eos)] if eos and tok.token_to_id(eos) is not None else []
+    return ids or list(STOP_IDS)
+
+
 def export_run(run: str | os.PathLike, out: str | os.PathLike, checkpoint: str = "last",
                dtype: str = "float32", fmt: str = "hf", gguf_type: str = "bf16") -> Path:
     """The HF folder in `out`; with `fmt="gguf"` also `out/model-<gguf_type>.gguf` (`lmforge.quant.gguf_export`)."""
@@ -63,13 +85,14 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, checkpoint: str =
     run, out = Path(run), Path(out)
     model, meta = load_run_model(run, checkpoint)
     model = model.to(resolve_dtype(dtype))
-    model.config.eos_token_id = STOP_IDS[0]
+    tok_dir = meta.get("tokenizer_dir")
+    stops = stop_ids(tok_dir)
+    model.config.eos_token_id = stops[0]
     model.save_pretrained(out)
     gen_path = out / "generation_config.json"
     gen = json.loads(gen_path.read_text())
-    gen["eos_token_id"] = STOP_IDS  # a base model ends on EOS, a chat reply on <|im_end|>
+    gen["eos_token_id"] = stops  # a base model ends on EOS, a chat reply on <|im_end|>
     atomic_write_json(gen_path, gen)
-    tok_dir = meta.get("tokenizer_dir")
     if tok_dir and (Path(tok_dir) / "tokenizer.json").is_file():
         for name in TOKENIZER_FILES:
             if (Path(tok_dir) / name).is_file():
