@@ -13,6 +13,9 @@ model then emits the content's tokens, which is exactly the split trained on her
 ordinary text the ids equal `apply_chat_template(tokenize=True)`; they differ only when content
 starts with whitespace that BPE would merge into the header's `\\n`.) No `<|begin_of_text|>` is
 added, because the chat template adds none and the server renders prompts with the template.
+A conversation without a system turn gets the one the tokenizer's own template would add
+(`default_system_message`: SmolLM2's and Qwen2.5's templates open every chat with a default system
+prompt), so SFT trains on the tokens that eval, GRPO and the server render for the same chat.
 
 Output: the pretraining loader's contract. Batches are dicts of LongTensors `input_ids`,
 `labels` (already shifted: `labels[t]` is the target for `input_ids[t]`; -100 = no loss),
@@ -152,6 +155,20 @@ def task_messages(record: dict, where: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": task["prompt"]}, {"role": "assistant", "content": content}]
 
 
+def default_system_message(tokenizer: Any) -> dict[str, str] | None:
+    """The system turn the tokenizer's chat template puts before a chat that has none, or None. SmolLM2's template
+    adds "You are a helpful AI assistant named SmolLM, trained by Hugging Face", Qwen2.5's its own; lmforge's
+    template adds none. Read by rendering a one-message chat, so any ChatML template is covered."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    probe = "\x00probe\x00"  # cannot occur in a real system prompt
+    text = tokenizer.apply_chat_template([{"role": "user", "content": probe}], tokenize=False)
+    head, end = f"{IM_START}system\n", text.find(IM_END)
+    if not text.startswith(head) or end < 0 or probe in text[:end]:
+        return None
+    return {"role": "system", "content": text[len(head):end]}
+
+
 def _encode_conversation(messages: list[dict[str, str]], encode, im_start: int, im_end: int) -> _Conversation:
     """ChatML ids piece by piece: header | content | <|im_end|> | "\\n"; loss on the assistant's
     content and its <|im_end|> (the header is given at inference, the "\\n" is never generated)."""
@@ -230,11 +247,14 @@ class SFTLoader:
             return ids
 
         conversations: list[_Conversation] = []
+        system = default_system_message(tokenizer)  # what the template adds to a chat without a system turn
         with open(self.path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 messages = parse_messages(line, self.path, lineno)
+                if system and messages[0]["role"] != "system":
+                    messages = [system, *messages]
                 conv = _encode_conversation(messages, encode, im_start, im_end)
                 if len(conv.ids) > self.seq_len + 1:
                     self.stats.truncated += 1
