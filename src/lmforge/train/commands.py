@@ -157,7 +157,8 @@ def distill(
     ray_address: str = typer.Option(None, "--ray-address", help="Ray cluster (default: a local one)."),
 ) -> None:
     """Rejection-sample reasoning traces from TEACHER: K per task through the engine, keep the well-formed
-    ones with the right answer as SFT chat rows (then `lmforge train ... train.stage=sft data.path=OUT/sft.jsonl`)."""
+    ones with the right answer as SFT chat rows (then `lmforge train ... train.stage=sft data.path=OUT/sft.jsonl`),
+    and each task's right traces paired with its wrong ones as DPO pairs (OUT/preferences.jsonl)."""
     from .distill import distill as run_distill  # deferred: torch and the engine load only when a verb runs
 
     try:
@@ -168,4 +169,5 @@ def distill(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(code=2) from None
     typer.echo(f"teacher accuracy {res['teacher_accuracy']:.3f} (pass@{n} {res[f'teacher_pass@{n}']:.3f}); kept "
-               f"{res['kept']}/{res['samples']} traces ({res['kept_fraction']:.3f}) -> {out / 'sft.jsonl'}")
+               f"{res['kept']}/{res['samples']} traces ({res['kept_fraction']:.3f}) -> {out / 'sft.jsonl'}; "
+               f"{res['pairs']} right/wrong pairs -> {out / 'preferences.jsonl'}")

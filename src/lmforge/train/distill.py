@@ -12,7 +12,13 @@ written as chat rows `{"messages": [user, assistant], "category", "task"}`; the 
 samples = kept + wrong + malformed (a malformed trace may still hold the right answer: it counts
 in the teacher's accuracy, not in the kept data).
 
-Writes into DIR: sft.jsonl, config.yaml, metrics.jsonl (one line per category), record.json
+The same samples make preference pairs for DPO (`preferences.jsonl`, TRL's conversational format): for each
+task, its kept traces are paired in order with its rejected ones (wrong or malformed, the right-but-malformed
+ones excluded), so a task gives min(kept, rejected) pairs and a task the teacher always or never solves gives
+none. With the student as its own "teacher" these are on-policy pairs: its own right answer against its own
+wrong one on the same prompt (`lmforge train configs/dpo.yaml data.path=DIR/preferences.jsonl`).
+
+Writes into DIR: sft.jsonl, preferences.jsonl, config.yaml, metrics.jsonl (one line per category), record.json
 (teacher hash, task file hash, teacher accuracy = correct samples / samples, teacher pass@K,
 kept fraction, per-category counts). Knows nothing about training.
 """
@@ -58,13 +64,15 @@ def distill(teacher: str | os.PathLike, tasks_path: str | os.PathLike, n: int, o
                    sample_traces_batch(teacher, tasks, n, Path(out) / ".generate", executor=executor,
                                        replicas=replicas, ray_address=ray_address, **sample))
         rows, per_cat = judge_traces(tasks, outputs)
-        sft = Path(out) / "sft.jsonl"
+        sft, prefs = Path(out) / "sft.jsonl", Path(out) / "preferences.jsonl"
         atomic_write_text(sft, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        pairs = preference_pairs(tasks, outputs)
+        atomic_write_text(prefs, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in pairs))
         for cat, c in sorted(per_cat.items()):
             run.log_metrics({"event": "category", "category": cat, **c})
-        results = summarize(per_cat, n)
+        results = {**summarize(per_cat, n), "pairs": len(pairs)}
         run.write_record({"inputs": {"teacher_hash": model_hash(teacher), "tasks_sha256": sha256_file(tasks_path)},
-                          "outputs": {"sft.jsonl": sha256_file(sft)}})
+                          "outputs": {"sft.jsonl": sha256_file(sft), "preferences.jsonl": sha256_file(prefs)}})
         run.finish(**results)
     return results
 
@@ -131,6 +139,24 @@ def judge_traces(tasks: list[dict[str, Any]], outputs: list[Any]) -> tuple[list[
                              "category": task["category"], "task": i})
         c["tasks_solved"] += solved
     return rows, per_cat
+
+
+def preference_pairs(tasks: list[dict[str, Any]], outputs: list[Any]) -> list[dict[str, Any]]:
+    """DPO pairs (TRL's conversational format) from the same samples: per task, each kept trace (well-formed and
+    right) with one rejected trace (wrong, or malformed and not right), in sampling order."""
+    pairs: list[dict[str, Any]] = []
+    for i, (task, o) in enumerate(zip(tasks, outputs)):
+        good, bad = [], []
+        for comp in o.outputs:
+            right = answers_match(DEFAULT_FORMAT.extract(comp.text), task["answer"])
+            if right and DEFAULT_FORMAT.is_well_formed(comp.text):
+                good.append(comp.text.strip())
+            elif not right:
+                bad.append(comp.text.strip())
+        pairs += [{"prompt": [{"role": "user", "content": task["prompt"]}],
+                   "chosen": [{"role": "assistant", "content": g}], "rejected": [{"role": "assistant", "content": b}],
+                   "category": task["category"], "task": i} for g, b in zip(good, bad)]
+    return pairs
 
 
 def summarize(per_cat: dict[str, dict], n: int) -> dict[str, Any]:
