@@ -102,6 +102,16 @@ def _return_freed_memory() -> None:
         pass
 
 
+def _model_path(model: str) -> Path:
+    """The model folder or GGUF file, or FileNotFoundError saying what is missing."""
+    path = Path(model)
+    if is_gguf(path) and not path.is_file():
+        raise FileNotFoundError(f"{path}: no such GGUF file")
+    if not is_gguf(path) and not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path}: no config.json; pass a Hugging Face layout model directory or a .gguf file")
+    return path
+
+
 def _token_ids(prompt) -> list[int]:
     """Python ints from a list of ints (numpy's and torch's integers too); a bool or a float is refused."""
     try:
@@ -115,12 +125,7 @@ def _token_ids(prompt) -> list[int]:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        model_dir = Path(config.model)
-        if is_gguf(model_dir) and not model_dir.is_file():
-            raise FileNotFoundError(f"{model_dir}: no such GGUF file")
-        if not is_gguf(model_dir) and not (model_dir / "config.json").exists():
-            raise FileNotFoundError(f"{model_dir}: no config.json; pass a Hugging Face layout model directory "
-                                    "or a .gguf file")
+        model_dir = _model_path(config.model)
         info = checkpoint_info(model_dir)  # (saved dtype, int weights), from the header: before any worker starts
         bf16_weights = self._resolve_dtype(config, info)
         self.quant_activations_choice = self._resolve_quant_activations(config, info[1])
@@ -169,7 +174,11 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.counters = dict(steps=0, tokens_processed=0, kv_util_sum=0.0)
         self.timings = dict.fromkeys(("propose", "schedule", "sample", "postprocess", "detokenize"), 0.0)  # seconds
-        r = self.model_runner
+        self._log_ready(model_dir, num_blocks)
+
+    def _log_ready(self, model_dir: Path, num_blocks: int) -> None:
+        """One line: what was chosen (dtype, weights, activations, K/V, attention, kernels) and why."""
+        r, config = self.model_runner, self.config
         log.info("engine ready: %s, %s (%s) on %s; weights %.1f MiB (linear: %s; activations: %s, %s); %d KV blocks "
                  "of %d tokens (%.1f MiB, %d B/token, %s K/V: %s, %d tokens); attention: %s; %d packed linears, %d fused "
                  "modules; kernels: %s",
