@@ -40,7 +40,7 @@ def _timed(obj, attr: str, acc: dict, key: str) -> None:
     setattr(obj, attr, wrapper)
 
 
-def profile(model: str, quant_activations: str = "none", threads: int = 2, steps: int = 128,
+def profile(model: str, quant_activations: str = "auto", threads: int = 2, steps: int = 128,
             dtype: str = "auto", prompt_len: int = 1) -> dict:
     torch.set_num_threads(threads)
     llm = LLM(model, dtype=dtype, enable_prefix_caching=False, quant_activations=quant_activations)
@@ -95,12 +95,14 @@ def profile(model: str, quant_activations: str = "none", threads: int = 2, steps
             "linear_backend": st.get("linear_backend"), "dtype": st.get("dtype")}
 
 
-def main(models: list[str], quant_activations: str = "none", threads: int = 2, steps: int = 128,
+def main(models: list[str],
+         quant_activations: Annotated[str, typer.Option(help="auto (the engine's default), none or int8; applied to "
+                                                             "every model (float ones run float whatever it says)")] = "auto",
+         threads: int = 2, steps: int = 128,
          dtype: Annotated[str, typer.Option(help="auto, float32 or bfloat16 (LLM's dtype).")] = "auto",
          prompt_len: Annotated[int, typer.Option(help="Prompt tokens: the steps decode after this much context.")] = 1,
          out: Annotated[Optional[Path], typer.Option(help="Write decode_profile.json here.")] = None) -> None:
-    reps = [profile(m, quant_activations if m.endswith(("q8_0.gguf", "q4_0.gguf")) else "none", threads, steps, dtype,
-                    prompt_len) for m in models]
+    reps = [profile(m, quant_activations, threads, steps, dtype, prompt_len) for m in models]
     for r in reps:
         print(f"\n{r['model']} ({r['dtype']}, K/V {r['kv_cache_dtype']}, {r['linear_backend']}), {r['threads']} threads, "
               f"context {r['prompt_len']}..{r['prompt_len'] + r['steps']}: "

@@ -137,32 +137,56 @@ static inline float f16_to_f32(uint16_t h) {  /* exact, subnormals and infinitie
     return c.f;
 }
 
-/* Groups g0 .. g0+n of row `row` in the descriptor's form `fmt` as float32 into out. */
+static inline float f16_scalar(uint16_t h) {  /* one float16: F16C where the build has it */
+#if defined(__F16C__) && !defined(LMF_PORTABLE)
+    return _cvtsh_ss(h);
+#else
+    return f16_to_f32(h);
+#endif
+}
+
+/* The G groups of row `row` in the descriptor's form `fmt` (a float16 q's form, or int8 under a float16 per
+ * `per` groups) as float32 into out; with `add` (int4 zeros), plus 8 * add[g] (the kernels read an int4 code as
+ * nibble - 8). One pass: a zero row costs what a scale row costs. */
 static inline void expand_groups(int64_t fmt, int64_t per, const void *q, const void *d, int64_t G, int64_t row,
-                                 int64_t n, float *out) {
-    if (fmt == LMF_SCALES_F32) {
-        memcpy(out, (const float *)q + row * G, (size_t)n * sizeof(float));
-        return;
-    }
+                                 float *restrict out, const float *restrict add) {
     int64_t g = 0;
     if (fmt == LMF_SCALES_F16) {
         const uint16_t *h = (const uint16_t *)q + row * G;
 #if defined(LMF_AVX2) && defined(__F16C__)
-        for (; g + 8 <= n; g += 8) _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g))));
+        for (; g + 8 <= G; g += 8) {
+            __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g)));
+            if (add) v = _mm256_fmadd_ps(_mm256_set1_ps(8.0f), _mm256_loadu_ps(add + g), v);
+            _mm256_storeu_ps(out + g, v);
+        }
 #endif
-        for (; g < n; g++) out[g] = f16_to_f32(h[g]);
+        for (; g < G; g++) out[g] = f16_scalar(h[g]) + (add ? 8.0f * add[g] : 0.0f);
         return;
     }
     const int8_t *qi = (const int8_t *)q + row * G;
     const uint16_t *dd = (const uint16_t *)d + row * (G / per);
-#if defined(LMF_AVX2)
+#if defined(LMF_AVX2) && defined(__F16C__)
+    if (per == 8) {  /* the K-quants of 32: a super-block's d for each 8 groups, eight d at a time */
+        float dv[8];
+        for (; g + 64 <= G; g += 64) {
+            _mm256_storeu_ps(dv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + g / 8))));
+            for (int c = 0; c < 8; c++) {
+                __m256 v = _mm256_mul_ps(_mm256_broadcast_ss(dv + c), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(qi + g + 8 * c)))));
+                if (add) v = _mm256_fmadd_ps(_mm256_set1_ps(8.0f), _mm256_loadu_ps(add + g + 8 * c), v);
+                _mm256_storeu_ps(out + g + 8 * c, v);
+            }
+        }
+    }
     if (per % 8 == 0)
-        for (; g + 8 <= n; g += 8)
-            _mm256_storeu_ps(out + g, _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(dd[g / per])),
-                                                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                        _mm_loadl_epi64((const __m128i *)(qi + g))))));
+        for (; g + 8 <= G; g += 8) {
+            __m256 v = _mm256_mul_ps(_mm256_set1_ps(f16_scalar(dd[g / per])),
+                                     _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qi + g)))));
+            if (add) v = _mm256_fmadd_ps(_mm256_set1_ps(8.0f), _mm256_loadu_ps(add + g), v);
+            _mm256_storeu_ps(out + g, v);
+        }
 #endif
-    for (; g < n; g++) out[g] = f16_to_f32(dd[g / per]) * (float)qi[g];
+    for (; g < G; g++) out[g] = f16_scalar(dd[g / per]) * (float)qi[g] + (add ? 8.0f * add[g] : 0.0f);
 }
 
 /* One weight row's scales (and zero offsets in the kernels' terms) as float32: pointers into the descriptor's own
@@ -175,12 +199,16 @@ static inline void row_scales(const lmf_scales *sc, const float *ws, int64_t n, 
         *ws_row = (sc == NULL ? ws : (const float *)sc->s) + n * G;
         return;
     }
-    expand_groups(sc->fmt, sc->per, sc->s, sc->sd, G, n, G, ws_buf);
-    *ws_row = ws_buf;
-    if (sc->z == NULL) return;
-    expand_groups(sc->fmt, sc->per, sc->z, sc->zd, G, n, G, wz_buf);
-    if (bits == 4)  /* the kernels read an int4 code as nibble - 8 */
-        for (int64_t g = 0; g < G; g++) wz_buf[g] += 8.0f * ws_buf[g];
+    if (sc->fmt == LMF_SCALES_F32) {
+        const float *s = (const float *)sc->s + n * G, *z = (const float *)sc->z + n * G;
+        *ws_row = s;
+        for (int64_t g = 0; g < G; g++) wz_buf[g] = z[g] + (bits == 4 ? 8.0f * s[g] : 0.0f);
+    } else {
+        expand_groups(sc->fmt, sc->per, sc->s, sc->sd, G, n, ws_buf, NULL);
+        *ws_row = ws_buf;
+        if (sc->z == NULL) return;
+        expand_groups(sc->fmt, sc->per, sc->z, sc->zd, G, n, wz_buf, bits == 4 ? ws_buf : NULL);
+    }
     *wz_row = wz_buf;
 }
 
