@@ -133,12 +133,15 @@ def matmuls(old_rev: str = typer.Option(..., help="The revision to compare again
             for (c, s), out in zip(weights, outs[name]):
                 K = c.shape[1] * 2
                 rc = a8[name](x.data_ptr(), 1, c.data_ptr(), s.data_ptr(), out.data_ptr(), M, c.shape[0], K, 4, 32,
-                              threads)
+                              threads, None)
                 assert rc == 0, rc
         best = _alternate(list(libs), run, repeats)
-        assert all(torch.equal(a, b) for a, b in zip(*outs.values())), "the two libraries' outputs differ"
+        # the same integer dot products; a change of the float accumulation's order (pairs of blocks since 0419165)
+        # moves float32 rounding only
+        diff = max((a - b).abs().max().item() / max(a.abs().max().item(), 1e-30) for a, b in zip(*outs.values()))
+        assert diff < 1e-5, f"the two libraries' outputs differ beyond float32 rounding ({diff:.2e})"
         print(f"{M} rows: " + ", ".join(f"{name} {best[name] * 1e3:.2f} ms ({nbytes / best[name] / 1e9:.1f} GB/s)"
-                                        for name in libs), flush=True)
+                                        for name in libs) + f"; largest relative difference {diff:.1e}", flush=True)
 
 
 @app.command()

@@ -319,6 +319,7 @@ typedef struct {
     const int8_t *q; const float *xs; const void *w; const float *ws; float *out;
     const float *qs;  /* sum(q) of each group, (M, G): int4 on the 256-bit bodies, and with zeros; else NULL */
     const lmf_scales *sc;  /* the scales' (and zeros') form; NULL: the float32 `ws` and no zeros */
+    int pairs;  /* int4 on the 256-bit bodies: q in `pair_order` (blocks taken two at a time) */
     int64_t M, N, K, gs, bits, n0, n1, isa, G;  /* G = K / gs groups a row */
     int64_t *next, chunk, threads;  /* shared by the threads: the next chunk of weight rows (a8_range, take_rows) */
 } a8_job;

@@ -92,6 +92,25 @@ LMF_NO_CONTRACT LMF_HIDDEN void a8_range_portable(const a8_job *j) {
     }
 }
 
+/* int4 activations from the per-block order (each block of 32: its 16 even k, then its 16 odd k) to the pair
+ * order of the 256-bit bodies' int4 paths: for each two blocks A, B: A's evens, B's evens, A's odds, B's odds
+ * (a pair's 32 weight bytes then split into its low and high nibbles with no shuffle). A block left over at the
+ * row's end keeps its order. */
+static void pair_order(const int8_t *q, int64_t M, int64_t K, int8_t *out) {
+    for (int64_t m = 0; m < M; m++) {
+        const int8_t *a = q + m * K;
+        int8_t *o = out + m * K;
+        int64_t k = 0;
+        for (; k + 64 <= K; k += 64) {
+            memcpy(o + k, a + k, 16);            /* A even */
+            memcpy(o + k + 16, a + k + 32, 16);  /* B even */
+            memcpy(o + k + 32, a + k + 16, 16);  /* A odd */
+            memcpy(o + k + 48, a + k + 48, 16);  /* B odd */
+        }
+        memcpy(o + k, a + k, (size_t)(K - k));
+    }
+}
+
 static void *a8_range(void *arg) {  /* a thread's share: chunks of weight rows (`take_rows`), on body j->isa */
     a8_job j = *(const a8_job *)arg;
     const a8_body_fn body = lmf_dispatch.a8_body[j.isa];  /* lmf_qmm_s8 checked that this CPU runs it */
@@ -210,12 +229,22 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
                 qs[m * (K / gs) + g] = (float)sum;
             }
     }
+    /* int4 on the 256-bit bodies, groups of 32 or whole pairs: blocks taken two at a time (pair_order) */
+    const int pairs = bits == 4 && (isa == A8_AVX2 || isa == A8_AVX_VNNI || isa == A8_AVX512_VNNI_256) &&
+                      (gs == 32 || gs % 64 == 0);
+    if (pairs) {
+        if ((u = (int8_t *)malloc((size_t)(M * K))) == NULL) {
+            free(qs);
+            return -1;
+        }
+        pair_order(q, M, K, u);
+    }
     int64_t next = 0;
     const int64_t chunk = chunk_rows(N, threads);
     a8_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, qs, sc, M, N, K, gs, bits, 0, 0, isa, K / gs, &next, chunk,
-                           threads};
+        jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, qs, sc, pairs, M, N, K, gs, bits, 0, 0, isa, K / gs, &next,
+                           chunk, threads};
     run_jobs(a8_range, jobs, sizeof jobs[0], threads);
     free(qs);
     free(u);

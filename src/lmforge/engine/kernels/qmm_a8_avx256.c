@@ -45,12 +45,82 @@ __attribute__((target(TARGET), always_inline)) static inline __m256 NAME##_bscal
     if (gs == 32) return _mm256_set1_ps(ws[b]);                                                             \
     return _mm256_set_m128(_mm_set1_ps(ws[2 * b + 1]), _mm_set1_ps(ws[2 * b]));                             \
 }                                                                                                           \
+/* int4 codes of two blocks A, B (32 bytes, one load): low nibbles are A's and B's even codes, high nibbles   \
+ * their odd ones; the activations come as (A even, B even, A odd, B odd) (`pair_order`), so two dot steps    \
+ * cover 64 codes, lanes 0-3 summing A, 4-7 B, and one convert and multiply-add with (sA x4, sB x4) apply     \
+ * both scales (groups of 32); a group of 64 or more takes whole pairs into one integer sum. Two pairs a step \
+ * on two float chains; a block left over (K / 32 odd) is the one-block path's. */                           \
+__attribute__((target(TARGET), always_inline)) static inline void NAME##_pairs(                             \
+        const a8_job *j, const void *w, const float *ws, const int8_t *q, __m256 *tf, const int R) {         \
+    const int64_t K = j->K, gs = j->gs, np = K / 64;                                                        \
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);                                                             \
+    __m256 tf2[A8_MAX_R];                                                                                   \
+    for (int r = 0; r < R; r++) tf2[r] = _mm256_setzero_ps();                                               \
+    if (gs == 32) {                                                                                         \
+        int64_t p = 0;                                                                                      \
+        for (; p + 2 <= np; p += 2) {                                                                       \
+            const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint8_t *)w + p * 32));           \
+            const __m256i v2 = _mm256_loadu_si256((const __m256i *)((const uint8_t *)w + p * 32 + 32));     \
+            const __m256i lo = _mm256_and_si256(v, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4); \
+            const __m256i lo2 = _mm256_and_si256(v2, lo4), hi2 = _mm256_and_si256(_mm256_srli_epi16(v2, 4), lo4); \
+            const __m256 s = NAME##_bscale(ws, p, 16), s2 = NAME##_bscale(ws, p + 1, 16);                  \
+            for (int r = 0; r < R; r++) {                                                                   \
+                const int8_t *x = q + r * K + p * 64;                                                       \
+                const __m256i d = NAME##_dot(NAME##_dot(_mm256_setzero_si256(), lo,                       \
+                    _mm256_loadu_si256((const __m256i *)x)), hi, _mm256_loadu_si256((const __m256i *)(x + 32))); \
+                const __m256i d2 = NAME##_dot(NAME##_dot(_mm256_setzero_si256(), lo2,                     \
+                    _mm256_loadu_si256((const __m256i *)(x + 64))), hi2, _mm256_loadu_si256((const __m256i *)(x + 96))); \
+                tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, tf[r]);                                   \
+                tf2[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d2), s2, tf2[r]);                               \
+            }                                                                                               \
+        }                                                                                                   \
+        for (; p < np; p++) {                                                                               \
+            const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint8_t *)w + p * 32));           \
+            const __m256i lo = _mm256_and_si256(v, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4); \
+            const __m256 s = NAME##_bscale(ws, p, 16);                                                      \
+            for (int r = 0; r < R; r++) {                                                                   \
+                const int8_t *x = q + r * K + p * 64;                                                       \
+                const __m256i d = NAME##_dot(NAME##_dot(_mm256_setzero_si256(), lo,                       \
+                    _mm256_loadu_si256((const __m256i *)x)), hi, _mm256_loadu_si256((const __m256i *)(x + 32))); \
+                tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, tf[r]);                                   \
+            }                                                                                               \
+        }                                                                                                   \
+        if (np * 64 < K) {  /* the last, unpaired block: activations (even, odd) as the one-block path */   \
+            const int64_t k = np * 64;                                                                      \
+            const __m256i c = NAME##_codes(w, 4, k);                                                        \
+            const __m256 s = _mm256_set1_ps(ws[k / 32]);                                                    \
+            for (int r = 0; r < R; r++)                                                                     \
+                tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(NAME##_dot(_mm256_setzero_si256(), c,             \
+                    _mm256_loadu_si256((const __m256i *)(q + r * K + k)))), s, tf[r]);                       \
+        }                                                                                                   \
+    } else {  /* groups of 64, 128, ...: whole pairs, one integer sum a group */                           \
+        for (int64_t g = 0; g < K / gs; g++) {                                                              \
+            __m256i acc[A8_MAX_R];                                                                          \
+            for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();                                    \
+            for (int64_t k = g * gs; k < (g + 1) * gs; k += 64) {                                           \
+                const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint8_t *)w + k / 2));        \
+                const __m256i lo = _mm256_and_si256(v, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4); \
+                for (int r = 0; r < R; r++) {                                                               \
+                    const int8_t *x = q + r * K + k;                                                        \
+                    acc[r] = NAME##_dot(NAME##_dot(acc[r], lo, _mm256_loadu_si256((const __m256i *)x)),     \
+                                        hi, _mm256_loadu_si256((const __m256i *)(x + 32)));                 \
+                }                                                                                           \
+            }                                                                                               \
+            const __m256 sg = _mm256_set1_ps(ws[g]);                                                        \
+            for (int r = 0; r < R; r++) tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), sg, tf[r]);     \
+        }                                                                                                   \
+    }                                                                                                       \
+    for (int r = 0; r < R; r++) tf[r] = _mm256_add_ps(tf[r], tf2[r]);                                       \
+}                                                                                                           \
 __attribute__((target(TARGET), always_inline)) static inline void NAME##_rows(                              \
         const a8_job *j, const void *w, const float *ws, const float *wz, const int8_t *q, const float *qs,   \
         float *total, const int R, const int bits) {                                                        \
     const int64_t K = j->K, gs = j->gs, G = j->G;                                                           \
     __m256 tf[A8_MAX_R];                                                                                    \
     for (int r = 0; r < R; r++) tf[r] = _mm256_setzero_ps();                                                \
+    if (bits == 4 && j->pairs) {  /* int4, pairs of blocks in one load (activations in `pair_order`) */     \
+        NAME##_pairs(j, w, ws, q, tf, R);                                                                   \
+    } else                                                                                                  \
     if (gs == 32 || gs == 16) {  /* GGUF's blocks: scales a block; two blocks a step on two float chains */ \
         __m256 tf2[A8_MAX_R];                                                                               \
         for (int r = 0; r < R; r++) tf2[r] = _mm256_setzero_ps();                                           \
