@@ -127,8 +127,9 @@ def test_block_types_unpack_to_codes_that_dequantize_bit_for_bit(name):
     data = _random_blocks(qtype, N, K)
     g = UNPACK[qtype](data)
     want = gguf.quants.dequantize(data, qtype)
-    # 4-bit codes come packed two a byte as the kernels read them, the others one a byte
-    assert g.codes.shape == ((N, K // 2) if g.scheme.num_bits == 4 else (N, K)) and g.packed == (g.scheme.num_bits == 4)
+    # 4-, 5- and 6-bit codes come packed at their bits as the kernels read them, 8-bit ones a byte each
+    bits = g.scheme.num_bits
+    assert g.codes.shape == (N, K * bits // 8) and g.packed == (bits < 8)
     assert g.scale.shape == (N, K // g.scheme.group_size)
     np.testing.assert_array_equal(g.dequantize(), want)
     lo, hi = (0, 2 ** g.scheme.num_bits - 1) if g.scheme.zero_point else (g.scheme.qmin, g.scheme.qmax)
@@ -243,3 +244,31 @@ def test_block_types_run_on_every_kernel_body(name):
     # the dequantized weight the bf16 prefill and the fallback use is the file's, up to the zero's rounding
     layer = QmmLinear(q, torch.float32, qmm=LIB.qmm_f32)
     assert (layer.dequantized().double() - w64).abs().max() <= 1e-6 * w64.abs().max()
+
+
+@pytest.mark.parametrize("bits", [5, 6])
+def test_five_and_six_bit_codes_pack_as_the_kernels_read_them(bits):
+    """`pack_lohi` / `unpack_lohi` round trip, and a layer given one code a byte packs to the same kernel bytes
+    (and results) as the loader's packed form."""
+    from lmforge.quant.scheme import pack_lohi, unpack_lohi
+
+    rng = np.random.default_rng(bits)
+    N, K = 8, 256
+    u = rng.integers(0, 2 ** bits, (N, K), dtype=np.uint8)
+    p = pack_lohi(u, bits)
+    assert p.shape == (N, K * bits // 8) and np.array_equal(unpack_lohi(p, bits, K), u)
+    assert torch.equal(unpack_lohi(pack_lohi(torch.from_numpy(u), bits), bits, K), torch.from_numpy(u))
+    scheme = QuantScheme(bits, 32)
+    packed = QuantizedLinear(K, N, scheme, scale_dtype=torch.float32, packed=True)
+    packed.qweight.copy_(torch.from_numpy(p))
+    plain = QuantizedLinear(K, N, scheme, scale_dtype=torch.float32)
+    plain.qweight.copy_(torch.from_numpy(u.astype(np.int16) - (1 << (bits - 1))).to(torch.int8))
+    for q in (packed, plain):
+        q.weight_scale.copy_(torch.from_numpy(rng.random((N, K // 32), dtype=np.float32) * 0.01))
+    plain.weight_scale.copy_(packed.weight_scale)
+    assert torch.equal(plain.dequantized_weight(), packed.dequantized_weight())
+    if LIB is not None:
+        a, b = QmmLinear(packed, torch.float32, qmm=LIB.qmm_f32), QmmLinear(plain, torch.float32, qmm=LIB.qmm_f32)
+        assert torch.equal(a.codes, b.codes)
+        x = torch.randn(2, K)
+        torch.testing.assert_close(a(x), x @ packed.dequantized_weight().T, rtol=1e-5, atol=1e-5)

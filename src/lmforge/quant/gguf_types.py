@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf.constants import GGMLQuantizationType as Q
 
-from .scheme import QuantScheme
+from .scheme import QuantScheme, pack_lohi, unpack_lohi
 
 QK_K = 256
 
@@ -80,12 +80,15 @@ class GroupCodes:
         return self._widen(self.zero, self.zero_super)
 
     def int8_codes(self) -> np.ndarray:
-        """(N, K) int8: each code as a byte (a packed row's nibbles, less 8 when symmetric)."""
+        """(N, K) int8: each code as a byte (a packed row's codes, less the offset when symmetric)."""
         if not self.packed:
             return self.codes
-        N = self.codes.shape[0]
-        u = np.stack([self.codes & 0x0F, self.codes >> 4], axis=-1).reshape(N, -1)
-        return u.astype(np.int8) if self.scheme.zero_point else u.astype(np.int8) - 8
+        N, bits = self.codes.shape[0], self.scheme.num_bits
+        if bits == 4:
+            u = np.stack([self.codes & 0x0F, self.codes >> 4], axis=-1).reshape(N, -1)
+        else:
+            u = unpack_lohi(self.codes, bits, self.codes.shape[1] * 8 // bits)
+        return u.astype(np.int8) if self.scheme.zero_point else u.astype(np.int8) - self.scheme.code_offset
 
     def dequantize(self) -> np.ndarray:
         """(N, K) float32: scale * code (+ zero), the reference the tests compare with gguf's."""
@@ -148,16 +151,15 @@ def q4_1(data: np.ndarray) -> GroupCodes:
 def q5_0(data: np.ndarray) -> GroupCodes:
     b = _blocks(data, 22)
     N = b.shape[0]
-    u = _nibbles32(b[..., 6:]) | (_high_bits32(b[..., 2:6]) << 4)
-    u -= 16  # wraps in uint8: the int8 view is the signed code
-    return GroupCodes(u.view(np.int8).reshape(N, -1), _f16(b[..., :2]), None, QuantScheme(5, 32))
+    u = _nibbles32(b[..., 6:]) | (_high_bits32(b[..., 2:6]) << 4)  # stored u = code + 16: the kernels' own
+    return GroupCodes(pack_lohi(u.reshape(N, -1), 5), _f16(b[..., :2]), None, QuantScheme(5, 32))
 
 
 def q5_1(data: np.ndarray) -> GroupCodes:
     b = _blocks(data, 24)
     N = b.shape[0]
     u = _nibbles32(b[..., 8:]) | (_high_bits32(b[..., 4:8]) << 4)
-    return GroupCodes(u.view(np.int8).reshape(N, -1), _f16(b[..., :2]), _f16(b[..., 2:4]),
+    return GroupCodes(pack_lohi(u.reshape(N, -1), 5), _f16(b[..., :2]), _f16(b[..., 2:4]),
                       QuantScheme(5, 32, zero_point=True))
 
 
@@ -214,29 +216,25 @@ def q5_k(data: np.ndarray) -> GroupCodes:
     u = _k_low4(b[..., 48:])  # (N, B, 8, 32)
     bits = np.unpackbits(b[..., 16:48, None], axis=-1, bitorder="little")  # (N, B, 32, 8): byte i's bit j
     u |= bits.transpose(0, 1, 3, 2) << 4  # sub-block j takes bit j of each of the 32 bytes
-    return GroupCodes(u.view(np.int8).reshape(N, -1), scheme=QuantScheme(5, 32, zero_point=True),
-                      **_k_groups(b))
+    return GroupCodes(pack_lohi(u.reshape(N, -1), 5), scheme=QuantScheme(5, 32, zero_point=True), **_k_groups(b))
 
 
 def q6_k(data: np.ndarray) -> GroupCodes:
     """ql: per half h, 64 bytes: chunks (h, low nibbles of bytes 0-31, 32-63; high nibbles of 0-31, 32-63);
-    qh: per half, 32 bytes of 2-bit pairs, pair t for chunk t; code = (ql | qh << 4) - 32. Built eight bytes at a
-    time in uint64 with byte-wise masks, the - 32 as a 6-bit sign extension (flip bit 5, copy it to bits 6, 7)."""
+    qh: per half, 32 bytes of 2-bit pairs, pair t for chunk t; the stored u = ql | qh << 4 (code + 32), built eight
+    bytes at a time in uint64 with byte-wise masks, then packed at 6 bits (`pack_lohi`)."""
     b = _blocks(data, 210)
     N, B = b.shape[:2]
     ql = np.ascontiguousarray(b[..., :128]).view("<u8").reshape(N, B, 2, 2, 4)  # (half, 32-byte run, 8 bytes)
     qh = np.ascontiguousarray(b[..., 128:192]).view("<u8").reshape(N, B, 2, 4)
     out = np.empty((N, B, 2, 4, 4), dtype=np.uint64)
-    lo4, two, bit5 = np.uint64(0x0F0F0F0F0F0F0F0F), np.uint64(0x0303030303030303), np.uint64(0x2020202020202020)
+    lo4, two = np.uint64(0x0F0F0F0F0F0F0F0F), np.uint64(0x0303030303030303)
     for t in range(4):
         v = (ql[:, :, :, t % 2] >> np.uint64(4 * (t // 2))) & lo4
         v |= ((qh >> np.uint64(2 * t)) & two) << np.uint64(4)
-        v ^= bit5  # u - 32 in 6 bits ...
-        sign = v & bit5
-        v |= (sign << np.uint64(1)) | (sign << np.uint64(2))  # ... sign-extended to 8
         out[:, :, :, t] = v
     sc = b[..., 192:208].view(np.int8).reshape(N, -1)  # (N, B * 16) under d (N, B)
-    return GroupCodes(out.view(np.int8).reshape(N, -1), sc, None, QuantScheme(6, 16),
+    return GroupCodes(pack_lohi(out.view(np.uint8).reshape(N, -1), 6), sc, None, QuantScheme(6, 16),
                       scale_super=_f16(b[..., 208:210]))
 
 

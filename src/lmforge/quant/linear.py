@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .scheme import QuantScheme, dequantize, pack_nibbles, scale_groups_, scratch, unpack_nibbles
+from .scheme import (QuantScheme, dequantize, pack_lohi, pack_nibbles, scale_groups_, scratch, unpack_lohi,
+                     unpack_nibbles)
 
 
 class QuantizedLinear(nn.Module):
@@ -45,9 +46,9 @@ class QuantizedLinear(nn.Module):
                  packed: bool = False, scale_per: int | None = None):
         super().__init__()
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
-        if packed and scheme.num_bits != 4:
-            raise ValueError(f"packed codes are 4-bit; {scheme.name} holds one code a byte")
-        shape, dtype = ((out_features, in_features // 2), torch.uint8) if packed else \
+        if packed and scheme.num_bits not in (4, 5, 6):
+            raise ValueError(f"packed codes are 4-, 5- or 6-bit; {scheme.name} holds one code a byte")
+        shape, dtype = ((out_features, in_features * scheme.num_bits // 8), torch.uint8) if packed else \
             ((out_features, in_features), torch.int8)
         self.register_buffer("qweight", torch.zeros(shape, dtype=dtype, device=device))
         G = scheme.groups(in_features)
@@ -83,16 +84,17 @@ class QuantizedLinear(nn.Module):
 
     @property
     def packed(self) -> bool:
-        """int4 codes held as the kernels read them (`pack_nibbles`: (N, K / 2) uint8, the GGUF loader's form,
-        with no int8 copy), not one int8 code a weight."""
+        """4-, 5- or 6-bit codes held as the kernels read them (`pack_nibbles`, `pack_lohi`: (N, K * bits / 8)
+        uint8, the GGUF loader's form, no int8 copy), not one int8 code a weight."""
         return self.qweight.dtype == torch.uint8
 
     def codes(self) -> torch.Tensor:
         """(N, K) int8 codes: symmetric signed codes, or a zero-point layer's unsigned ones."""
         if not self.packed:
             return self.qweight
-        u = unpack_nibbles(self.qweight)
-        return (u if self.scheme.zero_point else u.to(torch.int16) - 8).to(torch.int8)
+        bits = self.scheme.num_bits
+        u = unpack_nibbles(self.qweight) if bits == 4 else unpack_lohi(self.qweight, bits, self.in_features)
+        return (u if self.scheme.zero_point else u.to(torch.int16) - self.scheme.code_offset).to(torch.int8)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.codes(), self.scales(), dtype, self.zeros())
@@ -211,15 +213,14 @@ class Int4Linear(_Bf16Kernel):
 
 
 def _kernel_layout(q: QuantizedLinear) -> bool:
-    """Whether lmforge's kernels take the layer's codes: int8 per channel; int8 (5- and 6-bit codes held in
-    int8 too) or int4 in groups that are a multiple of 32, with or without zero offsets; int8 in symmetric
-    groups of 16 (GGUF's Q6_K)."""
+    """Whether lmforge's kernels take the layer's codes: int8 per channel; 8-, 6-, 5- or 4-bit codes in groups that
+    are a multiple of 32, with or without zero offsets; 8- or 6-bit in symmetric groups of 16 (GGUF's Q6_K)."""
     gs, zp, bits = q.scheme.group_size, q.scheme.zero_point, q.scheme.storage_bits
     if gs is None:
         return bits == 8 and not zp
-    if q.in_features % gs:
+    if q.in_features % gs or q.in_features % 32:
         return False
-    return gs % 32 == 0 or (gs == 16 and bits == 8 and not zp and q.in_features % 32 == 0)
+    return gs % 32 == 0 or (gs == 16 and bits in (8, 6) and not zp)
 
 
 def _kernel_threads() -> int:
@@ -253,7 +254,7 @@ class QmmLinear(nn.Module):
     # the two cross on the AVX2 EPYC (the 300M's 96 layer linears, 2 threads, int8/int4 g32; rows / GEMM time
     # at 8, 10, 12 rows: int8 0.92, 1.05, 1.20; int4 0.85-0.87, 1.06-1.13, 1.17-1.20; float32 0.87, 1.12,
     # 1.24; bf16, whose row kernel reads half float32's bytes, 0.95-0.98 at 20 rows and 1.08-1.14 at 24)
-    GEMM_MIN_ROWS = {32: 10, 16: 22, 8: 10, 4: 10}
+    GEMM_MIN_ROWS = {32: 10, 16: 22, 8: 10, 6: 10, 5: 10, 4: 10}
     # without bf16 units, prefill chunks up to this many rows stay on the A8 kernel too: on the AVX2 EPYC
     # (2 threads, int8 / int4 g32, 1024x2816 and back) it runs 93-131 GFLOP/s at 128 rows where dequantize
     # + sgemm runs 67-82, and sgemm wins only from ~512 rows (116-129 against 84-100;
@@ -278,8 +279,9 @@ class QmmLinear(nn.Module):
         self.N, self.K = q.out_features, q.in_features
         self.gs = q.scheme.group_size or q.in_features
         codes, zp = q.qweight.contiguous(), q.scheme.zero_point
-        if self.bits == 4 and not q.packed:  # two codes a byte, low nibble = even k, code + 8 (a zero-point code as is)
-            codes = pack_nibbles(codes if zp else codes.to(torch.int16) + 8)
+        if self.bits < 8 and not q.packed:  # unsigned: code + offset (a zero-point code as is), packed as stored
+            u = codes if zp else codes.to(torch.int16) + q.scheme.code_offset
+            codes = pack_nibbles(u) if self.bits == 4 else pack_lohi(u, self.bits)
         self.register_buffer("codes", codes, persistent=False)
         self._take_scales(q)
         self.bias = None if q.bias is None else q.bias.detach().float()
@@ -410,12 +412,16 @@ class QmmLinear(nn.Module):
         scale, zero = self.float_scales()
         if self.bits == 8:
             w_NK.copy_(self.codes)  # int8 -> float32 in place
-        else:  # nibbles; a symmetric code is nibble - 8, a zero-point code the nibble itself
+        elif self.bits == 4:  # nibbles; a symmetric code is nibble - 8, a zero-point code the nibble itself
             pairs = w_NK.view(self.N, -1, 2)
             pairs[..., 0].copy_(self.codes & 0x0F)
             pairs[..., 1].copy_(self.codes >> 4)
             if zero is None:
                 w_NK.sub_(8)
+        else:  # 5 / 6 bits: the unsigned codes, less the offset when symmetric
+            w_NK.copy_(unpack_lohi(self.codes, self.bits, self.K))
+            if zero is None:
+                w_NK.sub_(1 << (self.bits - 1))
         scale_groups_(w_NK, scale)
         if zero is not None:
             w_NK.view(self.N, zero.shape[1], -1).add_(zero[..., None])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 SCHEME_NAMES = ("w8a16", "w4a16")
@@ -39,8 +40,13 @@ class QuantScheme:
 
     @property
     def storage_bits(self) -> int:
-        """Bits a code takes in the kernels' layout: 4 (two a byte) or 8 (5- and 6-bit codes too)."""
-        return 4 if self.num_bits == 4 else 8
+        """Bits a code takes in the kernels' layout: 4, 5, 6 (`pack_lohi`) or 8."""
+        return self.num_bits
+
+    @property
+    def code_offset(self) -> int:
+        """What a stored unsigned 4/5/6-bit code exceeds the signed symmetric code by (2^(bits - 1); 0 for int8)."""
+        return 1 << (self.num_bits - 1) if self.num_bits < 8 else 0
 
     @property
     def qmin(self) -> int:
@@ -145,6 +151,38 @@ def pack_nibbles(u_NK: torch.Tensor) -> torch.Tensor:
 def unpack_nibbles(p_NW: torch.Tensor) -> torch.Tensor:
     """Inverse of `pack_nibbles`: (N, K / 2) uint8 -> (N, K) uint8 stored nibbles."""
     return torch.stack([p_NW & 0x0F, p_NW >> 4], dim=-1).reshape(p_NW.shape[0], -1)
+
+
+def pack_lohi(u_NK: torch.Tensor | np.ndarray, bits: int) -> torch.Tensor | np.ndarray:
+    """The kernels' 5- and 6-bit layout (engine/kernels/common.h): (N, K) unsigned codes -> (N, K * bits / 8) uint8:
+    each block of 32's low four bits as 16 bytes (byte i: element i low nibble, i + 16 high), the row's blocks
+    in order, then each block's high bits (hb = bits - 4) as 4 hb bytes, element e's at byte e % (4 hb), bits
+    hb * (e / (4 hb)). A tensor in, a tensor out; an array in, an array out (the GGUF loader's numpy)."""
+    if isinstance(u_NK, torch.Tensor):
+        return torch.from_numpy(pack_lohi(u_NK.to(torch.uint8).numpy(), bits))
+    u = np.ascontiguousarray(u_NK, dtype=np.uint8)
+    N, K = u.shape
+    hb, per = bits - 4, 4 * (bits - 4)
+    b = u.reshape(N, K // 32, 32)
+    low = (b[..., :16] & 0x0F) | ((b[..., 16:] & 0x0F) << 4)  # (N, B, 16)
+    high = (b >> 4).reshape(N, K // 32, 32 // per, per)  # element e = q * per + j at [q, j]
+    plane = np.zeros((N, K // 32, per), dtype=np.uint8)
+    for q in range(32 // per):
+        plane |= high[:, :, q] << (hb * q)
+    return np.concatenate([low.reshape(N, -1), plane.reshape(N, -1)], axis=1)
+
+
+def unpack_lohi(p_NW: torch.Tensor | np.ndarray, bits: int, K: int) -> torch.Tensor | np.ndarray:
+    """Inverse of `pack_lohi`: (N, K * bits / 8) uint8 -> (N, K) uint8 unsigned codes."""
+    if isinstance(p_NW, torch.Tensor):
+        return torch.from_numpy(unpack_lohi(p_NW.numpy(), bits, K))
+    N = p_NW.shape[0]
+    hb, per = bits - 4, 4 * (bits - 4)
+    low = p_NW[:, : K // 2].reshape(N, K // 32, 16)
+    plane = p_NW[:, K // 2:].reshape(N, K // 32, per)
+    high = np.stack([(plane >> (hb * q)) & ((1 << hb) - 1) for q in range(32 // per)], axis=2).reshape(N, K // 32, 32)
+    lo = np.concatenate([low & 0x0F, low >> 4], axis=2)
+    return (lo | (high << 4)).reshape(N, K)
 
 
 def pack_int32(q_NK: torch.Tensor, num_bits: int) -> torch.Tensor:

@@ -109,6 +109,28 @@ static inline __m512 exp_ps(__m512 x) {
 }
 #endif
 
+/* ---- the weight formats' bytes ----------------------------------------------------------------------------- */
+
+/* A weight row's bytes by `bits`: 32 float32, 16 bfloat16, 8 int8 codes, 4 two codes a byte (lmforge's int4 order:
+ * byte i of a block holds codes 2i and 2i + 1), and 5 or 6 (GGUF's Q5_*, Q6_K, kept at their bits): the low four
+ * bits of each block of 32 as 16 bytes in the file's own order (byte i: element i's in the low nibble, element
+ * i + 16's in the high one), the row's blocks one after another (K / 2 bytes), then the high bits (hb = bits - 4 a
+ * code) of each block as 4 * hb bytes, element e's at byte e % (4 hb), bit hb * (e / (4 hb)). 4-, 5- and 6-bit
+ * codes are stored unsigned, u = code + 2^(bits - 1) (`code_offset`) when symmetric; a zero-point code is u. */
+static inline int64_t row_bytes_of(int64_t bits, int64_t K) {
+    return bits == 32 ? 4 * K : bits == 16 ? 2 * K : bits == 8 ? K : K * bits / 8;
+}
+
+static inline int code_offset(int64_t bits) { return bits < 8 ? 1 << (bits - 1) : 0; }
+
+/* The stored unsigned code u of element k of a 5- or 6-bit row (scalar: tails and references). */
+static inline int lohi_code(const uint8_t *row, int64_t bits, int64_t K, int64_t k) {
+    const int64_t b = k / 32, e = k % 32, hb = bits - 4, per = 4 * hb;
+    const int low = (row[b * 16 + e % 16] >> (e < 16 ? 0 : 4)) & 0x0F;
+    const int high = (row[K / 2 + b * per + e % per] >> (hb * (e / per))) & ((1 << hb) - 1);
+    return low | (high << 4);
+}
+
 /* ---- a weight's per-group scales and zero offsets, in the form its file stores them ------------------------ */
 
 /* `lmforge.quant.linear.QmmLinear` hands the matmuls a descriptor (six int64: this struct) instead of float32
@@ -146,21 +168,21 @@ static inline float f16_scalar(uint16_t h) {  /* one float16: F16C where the bui
 }
 
 /* The G groups of row `row` in the descriptor's form `fmt` (a float16 q's form, or int8 under a float16 per
- * `per` groups) as float32 into out; with `add` (int4 zeros), plus 8 * add[g] (the kernels read an int4 code as
- * nibble - 8). One pass: a zero row costs what a scale row costs. */
+ * `per` groups) as float32 into out; with `add` (zeros of 4-, 5-, 6-bit codes), plus off * add[g] (the kernels
+ * read such a code as u - off, `code_offset`). One pass: a zero row costs what a scale row costs. */
 static inline void expand_groups(int64_t fmt, int64_t per, const void *q, const void *d, int64_t G, int64_t row,
-                                 float *restrict out, const float *restrict add) {
+                                 float *restrict out, const float *restrict add, int off) {
     int64_t g = 0;
     if (fmt == LMF_SCALES_F16) {
         const uint16_t *h = (const uint16_t *)q + row * G;
 #if defined(LMF_AVX2) && defined(__F16C__)
         for (; g + 8 <= G; g += 8) {
             __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g)));
-            if (add) v = _mm256_fmadd_ps(_mm256_set1_ps(8.0f), _mm256_loadu_ps(add + g), v);
+            if (add) v = _mm256_fmadd_ps(_mm256_set1_ps((float)off), _mm256_loadu_ps(add + g), v);
             _mm256_storeu_ps(out + g, v);
         }
 #endif
-        for (; g < G; g++) out[g] = f16_scalar(h[g]) + (add ? 8.0f * add[g] : 0.0f);
+        for (; g < G; g++) out[g] = f16_scalar(h[g]) + (add ? (float)off * add[g] : 0.0f);
         return;
     }
     const int8_t *qi = (const int8_t *)q + row * G;
@@ -173,7 +195,7 @@ static inline void expand_groups(int64_t fmt, int64_t per, const void *q, const 
             for (int c = 0; c < 8; c++) {
                 __m256 v = _mm256_mul_ps(_mm256_broadcast_ss(dv + c), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                     _mm_loadl_epi64((const __m128i *)(qi + g + 8 * c)))));
-                if (add) v = _mm256_fmadd_ps(_mm256_set1_ps(8.0f), _mm256_loadu_ps(add + g + 8 * c), v);
+                if (add) v = _mm256_fmadd_ps(_mm256_set1_ps((float)off), _mm256_loadu_ps(add + g + 8 * c), v);
                 _mm256_storeu_ps(out + g + 8 * c, v);
             }
         }
@@ -182,11 +204,11 @@ static inline void expand_groups(int64_t fmt, int64_t per, const void *q, const 
         for (; g + 8 <= G; g += 8) {
             __m256 v = _mm256_mul_ps(_mm256_set1_ps(f16_scalar(dd[g / per])),
                                      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qi + g)))));
-            if (add) v = _mm256_fmadd_ps(_mm256_set1_ps(8.0f), _mm256_loadu_ps(add + g), v);
+            if (add) v = _mm256_fmadd_ps(_mm256_set1_ps((float)off), _mm256_loadu_ps(add + g), v);
             _mm256_storeu_ps(out + g, v);
         }
 #endif
-    for (; g < G; g++) out[g] = f16_scalar(dd[g / per]) * (float)qi[g] + (add ? 8.0f * add[g] : 0.0f);
+    for (; g < G; g++) out[g] = f16_scalar(dd[g / per]) * (float)qi[g] + (add ? (float)off * add[g] : 0.0f);
 }
 
 /* One weight row's scales (and zero offsets in the kernels' terms) as float32: pointers into the descriptor's own
@@ -202,12 +224,12 @@ static inline void row_scales(const lmf_scales *sc, const float *ws, int64_t n, 
     if (sc->fmt == LMF_SCALES_F32) {
         const float *s = (const float *)sc->s + n * G, *z = (const float *)sc->z + n * G;
         *ws_row = s;
-        for (int64_t g = 0; g < G; g++) wz_buf[g] = z[g] + (bits == 4 ? 8.0f * s[g] : 0.0f);
+        for (int64_t g = 0; g < G; g++) wz_buf[g] = z[g] + (float)code_offset(bits) * s[g];
     } else {
-        expand_groups(sc->fmt, sc->per, sc->s, sc->sd, G, n, ws_buf, NULL);
+        expand_groups(sc->fmt, sc->per, sc->s, sc->sd, G, n, ws_buf, NULL, 0);
         *ws_row = ws_buf;
         if (sc->z == NULL) return;
-        expand_groups(sc->fmt, sc->per, sc->z, sc->zd, G, n, wz_buf, bits == 4 ? ws_buf : NULL);
+        expand_groups(sc->fmt, sc->per, sc->z, sc->zd, G, n, wz_buf, bits < 8 ? ws_buf : NULL, code_offset(bits));
     }
     *wz_row = wz_buf;
 }
@@ -349,6 +371,20 @@ LMF_HIDDEN void a8_range_avx512vnni(const a8_job *j);
             case 3: FN(__VA_ARGS__, 3, 4); break;                                     \
             default: FN(__VA_ARGS__, 4, 4); break;                                    \
         }                                                                             \
+    } while (0)
+/* As A8_ROWS_SWITCH, with the 5- and 6-bit codes too (the 256-bit bodies). */
+#define A8_ROWS_SWITCH_ALL(FN, R, ...) do {                                          \
+        if (j->bits == 6) switch (R) {                                                \
+            case 1: FN(__VA_ARGS__, 1, 6); break;                                     \
+            case 2: FN(__VA_ARGS__, 2, 6); break;                                     \
+            case 3: FN(__VA_ARGS__, 3, 6); break;                                     \
+            default: FN(__VA_ARGS__, 4, 6); break;                                    \
+        } else if (j->bits == 5) switch (R) {                                         \
+            case 1: FN(__VA_ARGS__, 1, 5); break;                                     \
+            case 2: FN(__VA_ARGS__, 2, 5); break;                                     \
+            case 3: FN(__VA_ARGS__, 3, 5); break;                                     \
+            default: FN(__VA_ARGS__, 4, 5); break;                                    \
+        } else A8_ROWS_SWITCH(FN, R, __VA_ARGS__);                                    \
     } while (0)
 #endif
 

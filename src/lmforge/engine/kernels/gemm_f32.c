@@ -50,6 +50,11 @@ static inline __attribute__((always_inline)) __m256 gemm_load8(const void *w, in
     __m256 v;
     if (bits == 8) {
         v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)w + i))));
+    } else if (bits != 4) {  /* 5 / 6 bits: eight codes one by one (packing is amortized over the panel's rows) */
+        const uint8_t *row = (const uint8_t *)w + n * row_bytes_of(bits, K);
+        int32_t c[8];
+        for (int t = 0; t < 8; t++) c[t] = lohi_code(row, bits, K, k + t) - code_offset(bits);
+        v = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)c));
     } else {
         uint32_t b4;
         memcpy(&b4, (const uint8_t *)w + i / 2, 4);
@@ -68,6 +73,7 @@ static inline float gemm_load1(const void *w, int bits, const float *scale, cons
     if (bits == 16) return bf16_to_f32(((const uint16_t *)w)[i]);
     float c;
     if (bits == 8) c = (float)((const int8_t *)w)[i];
+    else if (bits != 4) c = (float)(lohi_code((const uint8_t *)w + n * row_bytes_of(bits, K), bits, K, k) - code_offset(bits));
     else {
         const uint8_t byte = ((const uint8_t *)w)[i / 2];
         c = (float)((int)((i & 1) ? byte >> 4 : byte & 0x0F) - 8);
@@ -169,12 +175,12 @@ int lmf_gemm_f32(const float *x, const void *w, const float *scale, float *out, 
 #ifdef LMF_AVX2
     static const float one = 1.0f;
     if (M < 1 || N < 1 || K < 1) return -1;
-    if (bits != 32 && bits != 16 && bits != 8 && bits != 4) return -1;
+    if (bits != 32 && bits != 16 && bits != 8 && bits != 6 && bits != 5 && bits != 4) return -1;
     const void *zero = sc != NULL ? sc->z : NULL;
     if (scale == NULL && sc == NULL && bits < 16) return -1;
     if (scale == NULL && sc == NULL) scale = &one;  /* float weights with no scales: a row of ones, below */
     if (bits != 4 && (gs <= 0 || gs == K) && zero == NULL) gs = K;
-    else if (gs <= 0 || (gs % 32 && !(gs == 16 && bits == 8)) || K % gs) return -1;
+    else if (gs <= 0 || (gs % 32 && !(gs == 16 && (bits == 8 || bits == 6))) || K % gs) return -1;
     const int64_t P = (N + GEMM_NR - 1) / GEMM_NR;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;

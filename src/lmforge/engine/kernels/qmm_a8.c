@@ -59,8 +59,8 @@ static void a8_unpack4(const uint8_t *w, int64_t K, int8_t *out) {
 #define LMF_NO_CONTRACT
 #endif
 LMF_NO_CONTRACT LMF_HIDDEN void a8_range_portable(const a8_job *j) {
-    const int64_t K = j->K, gs = j->gs, G = K / gs, row_bytes = j->bits == 8 ? K : K / 2;
-    int8_t unpacked[j->bits == 4 ? K : 1];
+    const int64_t K = j->K, gs = j->gs, G = K / gs, row_bytes = row_bytes_of(j->bits, K), off = code_offset(j->bits);
+    int8_t unpacked[j->bits < 8 ? K : 1];
     float ws_buf[LMF_MAX_G], wz_buf[LMF_MAX_G];
     for (int64_t n = j->n0; n < j->n1; n++) {
         const int8_t *c = (const int8_t *)j->w + n * row_bytes;
@@ -68,6 +68,9 @@ LMF_NO_CONTRACT LMF_HIDDEN void a8_range_portable(const a8_job *j) {
         row_scales(j->sc, j->ws, n, G, j->bits, ws_buf, wz_buf, &ws, &wz);
         if (j->bits == 4) {
             a8_unpack4((const uint8_t *)c, K, unpacked);
+            c = unpacked;
+        } else if (j->bits < 8) {  /* 5 / 6 bits: each code in k order, u - off */
+            for (int64_t k = 0; k < K; k++) unpacked[k] = (int8_t)(lohi_code((const uint8_t *)c, j->bits, K, k) - off);
             c = unpacked;
         }
         for (int64_t m = 0; m < j->M; m++) {
@@ -188,17 +191,17 @@ int lmf_quantize_s8(const void *x, int64_t act, int64_t M, int64_t K, int64_t ni
  * not a multiple of 32 dividing K, K >= 65536); -2 for a body this CPU or build does not have. */
 int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws, float *out, int64_t M, int64_t N,
                int64_t K, int64_t bits, int64_t gs, int64_t threads, int64_t isa, const lmf_scales *sc) {
-    if ((bits != 8 && bits != 4) || K % 32 || K >= 65536 || M < 1 || N < 1) return -1;
+    if ((bits != 8 && bits != 6 && bits != 5 && bits != 4) || K % 32 || K >= 65536 || M < 1 || N < 1) return -1;
     if (bits == 8 && gs <= 0) gs = K;  /* per channel; int8 groups of 32 or more (GGUF's Q8_0) as for int4 */
     const float *zero = sc != NULL ? (const float *)sc->z : NULL;  /* only its presence matters here */
     if (sc != NULL && (sc->fmt < LMF_SCALES_F32 || sc->fmt > LMF_SCALES_SUPER || (sc->fmt == LMF_SCALES_SUPER &&
                                                                                     (sc->per < 1 || (K / gs) % sc->per))))
         return -1;
-    const int g16 = bits == 8 && gs == 16 && zero == NULL;  /* GGUF's Q6_K: int8 codes, a scale per 16 */
+    const int g16 = (bits == 8 || bits == 6) && gs == 16 && zero == NULL;  /* GGUF's Q6_K: a scale per 16 */
     if (gs <= 0 || (gs % 32 && !g16) || K % gs) return -1;
     if (isa < 0) isa = lmf_a8_best_isa();
     if (isa >= A8_ISAS || !lmf_a8_isa_supported(isa)) return -2;
-    if (isa == A8_AVX512_VNNI && g16)  /* its steps are 64 codes: groups of 16 run on the 256-bit body */
+    if (isa == A8_AVX512_VNNI && (g16 || bits == 5 || bits == 6))  /* groups of 16, 5/6-bit codes: the 256-bit body */
         isa = lmf_a8_isa_supported(A8_AVX512_VNNI_256) ? A8_AVX512_VNNI_256 : A8_PORTABLE;
     /* the 256-bit VNNI body hands int8 weights at 8 rows or more to the 512-bit one, which wins there (Zen 4,
      * 2 threads: int8 g32 on the 300M's shapes, 4 rows 0.47 against 0.50 ms, 16 rows 1.78 against 1.87; a
@@ -216,7 +219,7 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
     /* sum(q) a group: the 256-bit int4 bodies multiply the stored nibbles (c + 8) and take 8 * sum(q) back; zero
      * offsets add zero * sum(q) (the portable body sums as it goes) */
     float *qs = NULL;
-    if ((bits == 4 && (isa == A8_AVX2 || isa == A8_AVX_VNNI || isa == A8_AVX512_VNNI_256))
+    if ((bits < 8 && (isa == A8_AVX2 || isa == A8_AVX_VNNI || isa == A8_AVX512_VNNI_256))
         || (zero != NULL && isa != A8_PORTABLE)) {
         if ((qs = (float *)malloc((size_t)(M * (K / gs)) * sizeof(float))) == NULL) {
             free(u);

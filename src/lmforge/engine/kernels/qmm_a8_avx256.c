@@ -14,13 +14,29 @@
  * instantiated per ISA: the dot-product step DOT(acc, |c|, signed q) is the only difference. */
 #define A8_YMM_BODY(NAME, TARGET, DOT)                                                                      \
 __attribute__((target(TARGET), always_inline)) static inline __m256i NAME##_codes(const void *w, const int bits, \
-                                                                                 int64_t k) {               \
+                                                                                 int64_t k, int64_t K) {    \
     if (bits == 8) return _mm256_loadu_si256((const __m256i *)((const int8_t *)w + k));                     \
     /* the block's 16 bytes in both halves (one load), the upper half shifted to its high nibbles */      \
     const __m256i y = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((const uint8_t *)w + (k >> 1)))); \
-    return _mm256_and_si256(_mm256_srlv_epi64(y, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0F));    \
+    const __m256i lo = _mm256_and_si256(_mm256_srlv_epi64(y, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0F)); \
+    if (bits == 4) return lo;                                                                               \
+    /* 5 / 6 bits: the block's high bits (common.h's row layout), element e's at byte e % (4 hb), bit hb (e / 4 hb) */ \
+    const uint8_t *hp = (const uint8_t *)w + K / 2 + (k / 32) * 4 * (bits - 4);                             \
+    __m256i h;                                                                                              \
+    if (bits == 6) {                                                                                        \
+        int64_t h8;                                                                                         \
+        memcpy(&h8, hp, 8);                                                                                 \
+        h = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(h8), _mm256_set_epi64x(6, 4, 2, 0)),     \
+                             _mm256_set1_epi8(0x03));                                                       \
+    } else {                                                                                                \
+        int32_t h4;                                                                                         \
+        memcpy(&h4, hp, 4);                                                                                 \
+        h = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(h4), _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0)), \
+                             _mm256_set1_epi8(0x01));                                                       \
+    }                                                                                                       \
+    return _mm256_or_si256(lo, _mm256_slli_epi16(h, 4));                                                    \
 }                                                                                                           \
-/* the dot step's unsigned operand: |c| (int8), or the stored nibble c + 8 itself (int4) */                 \
+/* the dot step's unsigned operand: |c| (int8), or the stored unsigned code itself (4, 5, 6 bits) */                 \
 __attribute__((target(TARGET), always_inline)) static inline __m256i NAME##_lhs(__m256i c, const int bits) { \
     return bits == 8 ? _mm256_abs_epi8(c) : c;                                                              \
 }                                                                                                           \
@@ -87,7 +103,7 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME##_pairs( 
         }                                                                                                   \
         if (np * 64 < K) {  /* the last, unpaired block: activations (even, odd) as the one-block path */   \
             const int64_t k = np * 64;                                                                      \
-            const __m256i c = NAME##_codes(w, 4, k);                                                        \
+            const __m256i c = NAME##_codes(w, 4, k, K);                                                        \
             const __m256 s = _mm256_set1_ps(ws[k / 32]);                                                    \
             for (int r = 0; r < R; r++)                                                                     \
                 tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(NAME##_dot(_mm256_setzero_si256(), c,             \
@@ -128,8 +144,8 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME##_rows(  
         int64_t g = 0;                                                                                      \
         for (; g + 2 <= nb; g += 2) {                                                                       \
             const int64_t k = g * 32;                                                                       \
-            const __m256i c = NAME##_codes(w, bits, k), a = NAME##_lhs(c, bits);                            \
-            const __m256i c2 = NAME##_codes(w, bits, k + 32), a2 = NAME##_lhs(c2, bits);                    \
+            const __m256i c = NAME##_codes(w, bits, k, K), a = NAME##_lhs(c, bits);                            \
+            const __m256i c2 = NAME##_codes(w, bits, k + 32, K), a2 = NAME##_lhs(c2, bits);                    \
             const __m256 s = NAME##_bscale(ws, g, gs), s2 = NAME##_bscale(ws, g + 1, gs);                   \
             for (int r = 0; r < R; r++) {                                                                   \
                 const __m256i d = NAME##_dot(_mm256_setzero_si256(), a, NAME##_rhs(q + r * K + k, c, bits));  \
@@ -141,7 +157,7 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME##_rows(  
         }                                                                                                   \
         if (g < nb) {                                                                                       \
             const int64_t k = g * 32;                                                                       \
-            const __m256i c = NAME##_codes(w, bits, k), a = NAME##_lhs(c, bits);                            \
+            const __m256i c = NAME##_codes(w, bits, k, K), a = NAME##_lhs(c, bits);                            \
             const __m256 s = NAME##_bscale(ws, g, gs);                                                      \
             for (int r = 0; r < R; r++)                                                                     \
                 tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(NAME##_dot(_mm256_setzero_si256(), a,            \
@@ -156,40 +172,40 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME##_rows(  
         int64_t k = g * gs;                                                                                 \
         const int64_t end = k + gs;                                                                         \
         for (; k + 64 <= end; k += 64) {                                                                    \
-            const __m256i c = NAME##_codes(w, bits, k), a = NAME##_lhs(c, bits);                            \
-            const __m256i c2 = NAME##_codes(w, bits, k + 32), a2 = NAME##_lhs(c2, bits);                    \
+            const __m256i c = NAME##_codes(w, bits, k, K), a = NAME##_lhs(c, bits);                            \
+            const __m256i c2 = NAME##_codes(w, bits, k + 32, K), a2 = NAME##_lhs(c2, bits);                    \
             for (int r = 0; r < R; r++) {                                                                   \
                 acc[r] = NAME##_dot(acc[r], a, NAME##_rhs(q + r * K + k, c, bits));                         \
                 acc2[r] = NAME##_dot(acc2[r], a2, NAME##_rhs(q + r * K + k + 32, c2, bits));                \
             }                                                                                               \
         }                                                                                                   \
         if (k < end) {  /* an odd block left */                                                             \
-            const __m256i c = NAME##_codes(w, bits, k), a = NAME##_lhs(c, bits);                            \
+            const __m256i c = NAME##_codes(w, bits, k, K), a = NAME##_lhs(c, bits);                            \
             for (int r = 0; r < R; r++) acc[r] = NAME##_dot(acc[r], a, NAME##_rhs(q + r * K + k, c, bits));  \
         }                                                                                                   \
         const __m256 sg = _mm256_set1_ps(ws[g]);                                                            \
         for (int r = 0; r < R; r++)                                                                         \
             tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[r], acc2[r])), sg, tf[r]);      \
     }                                                                                                       \
-    /* per group, (zero - 8 * scale for int4, whose nibbles were c + 8) * sum(q) (qs = sum q a group) */    \
+    /* per group, (zero - off * scale, a 4/5/6-bit code read as u - off) * sum(q) (qs = sum q a group) */    \
     float tail[A8_MAX_R] = {0};                                                                             \
-    if (bits == 4 || wz != NULL) {                                                                          \
+    if (bits < 8 || wz != NULL) {                                                                           \
         int64_t g = 0;                                                                                      \
-        const __m256 eight = _mm256_set1_ps(bits == 4 ? 8.0f : 0.0f);                                       \
+        const __m256 eight = _mm256_set1_ps((float)code_offset(bits));                                      \
         for (; g + 8 <= G; g += 8) {                                                                        \
             const __m256 cv = _mm256_fnmadd_ps(eight, _mm256_loadu_ps(ws + g),                             \
                                                wz ? _mm256_loadu_ps(wz + g) : _mm256_setzero_ps());         \
             for (int r = 0; r < R; r++) tf[r] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(qs + r * G + g), tf[r]); \
         }                                                                                                   \
         for (; g < G; g++) {                                                                                \
-            const float cg = (wz ? wz[g] : 0.0f) - (bits == 4 ? 8.0f * ws[g] : 0.0f);                       \
+            const float cg = (wz ? wz[g] : 0.0f) - (float)code_offset(bits) * ws[g];                       \
             for (int r = 0; r < R; r++) tail[r] += cg * qs[r * G + g];                                      \
         }                                                                                                   \
     }                                                                                                       \
     for (int r = 0; r < R; r++) total[r] = NAME##_hsum(tf[r]) + tail[r];                                    \
 }                                                                                                           \
 __attribute__((target(TARGET))) LMF_HIDDEN void a8_range_##NAME(const a8_job *j) {                          \
-    const int64_t K = j->K, G = j->G, row_bytes = j->bits == 8 ? K : K / 2;                                 \
+    const int64_t K = j->K, G = j->G, row_bytes = row_bytes_of(j->bits, K);                                 \
     float ws_buf[LMF_MAX_G], wz_buf[LMF_MAX_G];                                                             \
     for (int64_t n = j->n0; n < j->n1; n++) {                                                               \
         const void *w = (const uint8_t *)j->w + n * row_bytes;                                              \
@@ -198,7 +214,7 @@ __attribute__((target(TARGET))) LMF_HIDDEN void a8_range_##NAME(const a8_job *j)
         for (int64_t m0 = 0; m0 < j->M; m0 += A8_MAX_R) {                                                   \
             const int R = j->M - m0 < A8_MAX_R ? (int)(j->M - m0) : A8_MAX_R;                               \
             float total[A8_MAX_R];                                                                          \
-            A8_ROWS_SWITCH(NAME##_rows, R, j, w, ws, wz, j->q + m0 * K, j->qs ? j->qs + m0 * G : NULL, total); \
+            A8_ROWS_SWITCH_ALL(NAME##_rows, R, j, w, ws, wz, j->q + m0 * K, j->qs ? j->qs + m0 * G : NULL, total); \
             for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r] * j->xs[m0 + r];             \
         }                                                                                                   \
     }                                                                                                       \

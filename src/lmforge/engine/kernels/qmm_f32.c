@@ -37,7 +37,8 @@ static inline float hsum8(__m256 v) {
 #ifdef LMF_AVX2
 /* Codes k .. k+31 of a weight row as 4 x 8 float32: int8 widened as is; int4 (two a byte, low nibble
  * first, stored code + 8) split into nibbles, interleaved back into k order, re-centred. */
-static inline __attribute__((always_inline)) void widen32(const void *wrow, int bits, int64_t k, __m256 w[4]) {
+static inline __attribute__((always_inline)) void widen32(const void *wrow, int bits, int64_t k, int64_t K,
+                                                          __m256 w[4]) {
     __m128i c0, c1;  /* codes k .. k+15 and k+16 .. k+31, signed bytes */
     if (bits == 32) {  /* float32 weights: read as they are */
         const float *p = (const float *)wrow + k;
@@ -54,12 +55,31 @@ static inline __attribute__((always_inline)) void widen32(const void *wrow, int 
         const __m256i b = _mm256_loadu_si256((const __m256i *)((const int8_t *)wrow + k));
         c0 = _mm256_castsi256_si128(b);
         c1 = _mm256_extracti128_si256(b, 1);
-    } else {
+    } else if (bits == 4) {
         const __m128i lo4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
         const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)wrow + k / 2));
         const __m128i lo = _mm_and_si128(b, lo4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), lo4);
         c0 = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), eight);
         c1 = _mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), eight);
+    } else {  /* 5 / 6 bits (common.h's layout): low nibbles are codes 0-15, high nibbles 16-31, then the high bits */
+        const __m128i lo4 = _mm_set1_epi8(0x0F), off = _mm_set1_epi8((char)code_offset(bits));
+        const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)wrow + k / 2));
+        const uint8_t *hp = (const uint8_t *)wrow + K / 2 + (k / 32) * 4 * (bits - 4);
+        __m256i h;
+        if (bits == 6) {
+            int64_t h8;
+            memcpy(&h8, hp, 8);
+            h = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(h8), _mm256_set_epi64x(6, 4, 2, 0)),
+                                 _mm256_set1_epi8(0x03));
+        } else {
+            int32_t h4;
+            memcpy(&h4, hp, 4);
+            h = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(h4), _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0)),
+                                 _mm256_set1_epi8(0x01));
+        }
+        h = _mm256_slli_epi16(h, 4);
+        c0 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(b, lo4), _mm256_castsi256_si128(h)), off);
+        c1 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(b, 4), lo4), _mm256_extracti128_si256(h, 1)), off);
     }
     w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c0));
     w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c0, 8)));
@@ -82,7 +102,7 @@ static inline __attribute__((always_inline)) void qmm_row(const float *x, int64_
     if (gs == 16 && K % 32 == 0) {  /* two groups a block of 32: codes 0-15 on chain 0, 16-31 on chain 1 */
         for (int64_t k = 0; k < K; k += 32) {
             __m256 w[4];
-            widen32(wrow, bits, k, w);
+            widen32(wrow, bits, k, K, w);
             const __m256 s0 = _mm256_set1_ps(scale[k / 16]), s1 = _mm256_set1_ps(scale[k / 16 + 1]);
             for (int r = 0; r < R; r++) {
                 const float *xr = x + r * K + k;
@@ -103,7 +123,7 @@ static inline __attribute__((always_inline)) void qmm_row(const float *x, int64_
         int64_t k = k0;
         for (; k + 32 <= k1; k += 32) {
             __m256 w[4];
-            widen32(wrow, bits, k, w);
+            widen32(wrow, bits, k, K, w);
             for (int r = 0; r < R; r++) {
                 const float *xr = x + r * K + k;
                 a[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), a[r][0]);
@@ -132,6 +152,7 @@ static inline __attribute__((always_inline)) void qmm_row(const float *x, int64_
             if (bits == 32) c = ((const float *)wrow)[k];
             else if (bits == 16) c = bf16_to_f32(((const uint16_t *)wrow)[k]);
             else if (bits == 8) c = (float)((const int8_t *)wrow)[k];
+            else if (bits != 4) c = (float)(lohi_code((const uint8_t *)wrow, bits, K, k) - code_offset(bits));
             else {
                 const uint8_t byte = ((const uint8_t *)wrow)[k / 2];
                 c = (float)((int)((k & 1) ? byte >> 4 : byte & 0x0F) - 8);
@@ -191,7 +212,7 @@ static inline float dot_groups(const float *a, const float *b, int64_t G) {
 static void qmm_rows_of(const qmm_job *j) {  /* weight rows [j->n0, j->n1) */
     const int64_t K = j->K, gs = j->gs, G = K / gs;
     float ws_buf[LMF_MAX_G], wz_buf[LMF_MAX_G];
-    const int64_t row_bytes = j->bits == 32 ? 4 * K : j->bits == 16 ? 2 * K : j->bits == 8 ? K : K / 2;
+    const int64_t row_bytes = row_bytes_of(j->bits, K);
     const int64_t block = j->bits == 32 ? 8 : 4;  /* float32 weights: 8 rows a pass (f32_row8) */
     for (int64_t m0 = 0; m0 < j->M; m0 += block) {
         const int R = j->M - m0 < block ? (int)(j->M - m0) : (int)block;
@@ -217,7 +238,8 @@ static void qmm_rows_of(const qmm_job *j) {  /* weight rows [j->n0, j->n1) */
             if (j->bits == 32 && R > 4) F32_ROWS
 #undef F32_ROWS
             else if (j->bits == 32) QMM_ROWS(32) else if (j->bits == 16) QMM_ROWS(16)
-            else if (j->bits == 8) QMM_ROWS(8) else QMM_ROWS(4)
+            else if (j->bits == 8) QMM_ROWS(8) else if (j->bits == 6) QMM_ROWS(6) else if (j->bits == 5) QMM_ROWS(5)
+            else QMM_ROWS(4)
 #undef QMM_ROWS
             if (wz != NULL)
                 for (int r = 0; r < R; r++) total[r] += dot_groups(wz, j->xsum + (m0 + r) * G, G);
@@ -253,11 +275,11 @@ static float *group_sums(const float *x, int64_t M, int64_t K, int64_t gs) {
  * measured). Returns -1 for shapes it does not take (a group not a multiple of 32 dividing K). */
 int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
                 int64_t bits, int64_t gs, int64_t threads, int64_t gemm_rows, const lmf_scales *sc) {
-    if (bits != 32 && bits != 16 && bits != 8 && bits != 4) return -1;
+    if (bits != 32 && bits != 16 && bits != 8 && bits != 6 && bits != 5 && bits != 4) return -1;
     const void *zero = sc != NULL ? sc->z : NULL;
     if (sc == NULL && scale == NULL) return -1;
     if (bits >= 8 && (gs <= 0 || gs == K) && zero == NULL) gs = K;
-    else if (gs <= 0 || (gs % 32 && !(gs == 16 && bits == 8 && zero == NULL)) || K % gs) return -1;
+    else if (gs <= 0 || (gs % 32 && !(gs == 16 && (bits == 8 || bits == 6) && zero == NULL)) || K % gs) return -1;
     if (sc != NULL && (sc->fmt < LMF_SCALES_F32 || sc->fmt > LMF_SCALES_SUPER || K / gs > LMF_MAX_G ||
                        (sc->fmt == LMF_SCALES_SUPER && (sc->per < 1 || (K / gs) % sc->per))))
         return -1;
