@@ -155,9 +155,9 @@ def unpack_nibbles(p_NW: torch.Tensor) -> torch.Tensor:
 
 def pack_lohi(u_NK: torch.Tensor | np.ndarray, bits: int) -> torch.Tensor | np.ndarray:
     """The kernels' 5- and 6-bit layout (engine/kernels/common.h): (N, K) unsigned codes -> (N, K * bits / 8) uint8:
-    each block of 32's low four bits as 16 bytes (byte i: element i low nibble, i + 16 high), the row's blocks
-    in order, then each block's high bits (hb = bits - 4) as 4 hb bytes, element e's at byte e % (4 hb), bits
-    hb * (e / (4 hb)). A tensor in, a tensor out; an array in, an array out (the GGUF loader's numpy)."""
+    each block of 32 as 16 + 4 hb bytes (hb = bits - 4): its low four bits (byte i: element i low nibble, i + 16
+    high), then its high bits, element e's at byte 16 + e % (4 hb), bits hb * (e / (4 hb)). A tensor in, a tensor
+    out; an array in, an array out (the GGUF loader's numpy)."""
     if isinstance(u_NK, torch.Tensor):
         return torch.from_numpy(pack_lohi(u_NK.to(torch.uint8).numpy(), bits))
     u = np.ascontiguousarray(u_NK, dtype=np.uint8)
@@ -169,7 +169,7 @@ def pack_lohi(u_NK: torch.Tensor | np.ndarray, bits: int) -> torch.Tensor | np.n
     plane = np.zeros((N, K // 32, per), dtype=np.uint8)
     for q in range(32 // per):
         plane |= high[:, :, q] << (hb * q)
-    return np.concatenate([low.reshape(N, -1), plane.reshape(N, -1)], axis=1)
+    return np.concatenate([low, plane], axis=2).reshape(N, -1)
 
 
 def unpack_lohi(p_NW: torch.Tensor | np.ndarray, bits: int, K: int) -> torch.Tensor | np.ndarray:
@@ -178,8 +178,8 @@ def unpack_lohi(p_NW: torch.Tensor | np.ndarray, bits: int, K: int) -> torch.Ten
         return torch.from_numpy(unpack_lohi(p_NW.numpy(), bits, K))
     N = p_NW.shape[0]
     hb, per = bits - 4, 4 * (bits - 4)
-    low = p_NW[:, : K // 2].reshape(N, K // 32, 16)
-    plane = p_NW[:, K // 2:].reshape(N, K // 32, per)
+    blocks = p_NW.reshape(N, K // 32, 16 + per)
+    low, plane = blocks[..., :16], blocks[..., 16:]
     high = np.stack([(plane >> (hb * q)) & ((1 << hb) - 1) for q in range(32 // per)], axis=2).reshape(N, K // 32, 32)
     lo = np.concatenate([low & 0x0F, low >> 4], axis=2)
     return (lo | (high << 4)).reshape(N, K)

@@ -16,12 +16,15 @@
 __attribute__((target(TARGET), always_inline)) static inline __m256i NAME##_codes(const void *w, const int bits, \
                                                                                  int64_t k, int64_t K) {    \
     if (bits == 8) return _mm256_loadu_si256((const __m256i *)((const int8_t *)w + k));                     \
-    /* the block's 16 bytes in both halves (one load), the upper half shifted to its high nibbles */      \
-    const __m256i y = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((const uint8_t *)w + (k >> 1)))); \
+    /* the block's 16 bytes in both halves (one load), the upper half shifted to its high nibbles; a 5/6-bit  \
+     * block is 16 + 4 (bits - 4) bytes */                                                                  \
+    const uint8_t *blk = (const uint8_t *)w + (bits == 4 ? k >> 1 : (k / 32) * (16 + 4 * (bits - 4)));    \
+    const __m256i y = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)blk));                  \
     const __m256i lo = _mm256_and_si256(_mm256_srlv_epi64(y, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0F)); \
     if (bits == 4) return lo;                                                                               \
     /* 5 / 6 bits: the block's high bits (common.h's row layout), element e's at byte e % (4 hb), bit hb (e / 4 hb) */ \
-    const uint8_t *hp = (const uint8_t *)w + K / 2 + (k / 32) * 4 * (bits - 4);                             \
+    const uint8_t *hp = blk + 16;                                                                           \
+    (void)K;                                                                                                \
     __m256i h;                                                                                              \
     if (bits == 6) {                                                                                        \
         int64_t h8;                                                                                         \

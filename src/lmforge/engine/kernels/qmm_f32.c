@@ -63,8 +63,9 @@ static inline __attribute__((always_inline)) void widen32(const void *wrow, int 
         c1 = _mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), eight);
     } else {  /* 5 / 6 bits (common.h's layout): low nibbles are codes 0-15, high nibbles 16-31, then the high bits */
         const __m128i lo4 = _mm_set1_epi8(0x0F), off = _mm_set1_epi8((char)code_offset(bits));
-        const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)wrow + k / 2));
-        const uint8_t *hp = (const uint8_t *)wrow + K / 2 + (k / 32) * 4 * (bits - 4);
+        const uint8_t *blk = (const uint8_t *)wrow + (k / 32) * (16 + 4 * (bits - 4)), *hp = blk + 16;
+        const __m128i b = _mm_loadu_si128((const __m128i *)blk);
+        (void)K;
         __m256i h;
         if (bits == 6) {
             int64_t h8;
