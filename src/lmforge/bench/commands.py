@@ -207,7 +207,7 @@ def bench_load_cmd(
     from lmforge.bench.load import run  # deferred: psutil and the server helpers, for this verb
 
     try:
-        run(model, against, repeats, threads, flag or [], out)
+        run(model, against, shrink(repeats, 1), threads, flag or [], out)
     except (RuntimeError, FileNotFoundError) as e:
         _exit(1, str(e))
 
