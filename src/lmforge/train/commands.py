@@ -155,16 +155,20 @@ def distill(
                                                               "Ray path: --replicas engines)."),
     replicas: int = typer.Option(1, "--replicas", help="With --executor ray: teacher engines on Ray actors."),
     ray_address: str = typer.Option(None, "--ray-address", help="Ray cluster (default: a local one)."),
+    pairs: str = typer.Option("samples", "--pairs", help="DPO pairs in OUT/preferences.jsonl: samples (a task's right "
+                                                         "traces against its wrong ones) or reference (each wrong "
+                                                         "trace against the task's own reasoning and answer)."),
 ) -> None:
     """Rejection-sample reasoning traces from TEACHER: K per task through the engine, keep the well-formed
     ones with the right answer as SFT chat rows (then `lmforge train ... train.stage=sft data.path=OUT/sft.jsonl`),
-    and each task's right traces paired with its wrong ones as DPO pairs (OUT/preferences.jsonl)."""
+    and DPO pairs of its wrong traces against its right ones or (--pairs reference) the task's own answer
+    (OUT/preferences.jsonl)."""
     from .distill import distill as run_distill  # deferred: torch and the engine load only when a verb runs
 
     try:
         res = run_distill(teacher, tasks, n, out, temperature=temperature, max_tokens=max_tokens, seed=seed,
                           limit=limit, dtype=dtype, overwrite=overwrite, executor=executor, replicas=replicas,
-                          ray_address=ray_address)
+                          ray_address=ray_address, pairs=pairs)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(code=2) from None

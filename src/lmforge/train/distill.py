@@ -12,11 +12,14 @@ written as chat rows `{"messages": [user, assistant], "category", "task"}`; the 
 samples = kept + wrong + malformed (a malformed trace may still hold the right answer: it counts
 in the teacher's accuracy, not in the kept data).
 
-The same samples make preference pairs for DPO (`preferences.jsonl`, TRL's conversational format): for each
-task, its kept traces are paired in order with its rejected ones (wrong or malformed, the right-but-malformed
-ones excluded), so a task gives min(kept, rejected) pairs and a task the teacher always or never solves gives
-none. With the student as its own "teacher" these are on-policy pairs: its own right answer against its own
-wrong one on the same prompt (`lmforge train configs/dpo.yaml data.path=DIR/preferences.jsonl`).
+The same samples make preference pairs for DPO (`preferences.jsonl`, TRL's conversational format). With
+`pairs="samples"` (the default) each task's kept traces are paired in order with its rejected ones (wrong, or
+malformed and not right), so a task gives min(kept, rejected) pairs and a task the teacher always or never
+solves gives none: with the student as its own "teacher", its own right answer against its own wrong one on
+the same prompt. With `pairs="reference"` every rejected sample is paired with the task's own reference turn
+(its reasoning, empty or not, and its answer in the reasoning format): greedy (`temperature=0`, `n=1`) that is
+the model's mode where it is wrong against the right answer (`lmforge train configs/dpo.yaml
+data.path=DIR/preferences.jsonl`).
 
 Writes into DIR: sft.jsonl, preferences.jsonl, config.yaml, metrics.jsonl (one line per category), record.json
 (teacher hash, task file hash, teacher accuracy = correct samples / samples, teacher pass@K,
@@ -43,6 +46,7 @@ from lmforge.track.run import RunDir
 
 from .grpo.rollout import chat_prompt_ids
 
+PAIRINGS = ("samples", "reference")  # what a rejected sample is paired with: a right sample, or the task's own turn
 COUNTS = ("tasks", "samples", "kept", "wrong", "malformed", "correct", "tasks_solved")
 
 
@@ -50,12 +54,14 @@ def distill(teacher: str | os.PathLike, tasks_path: str | os.PathLike, n: int, o
             temperature: float = 0.8, top_p: float = 1.0, max_tokens: int = 320, seed: int = 0,
             limit: int | None = None, dtype: str = "auto", device: str = "auto",
             overwrite: bool = False, executor: str = "local", replicas: int = 1,
-            ray_address: str | None = None) -> dict[str, Any]:
+            ray_address: str | None = None, pairs: str = "samples") -> dict[str, Any]:
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
+    if pairs not in PAIRINGS:
+        raise ValueError(f"--pairs {pairs!r}: use one of {', '.join(PAIRINGS)}")
     tasks = read_tasks(tasks_path)[:limit] if limit else read_tasks(tasks_path)
     config = {"teacher": str(teacher), "tasks": str(tasks_path), "n": n, "temperature": temperature, "top_p": top_p,
-              "max_tokens": max_tokens, "seed": seed, "limit": limit, "dtype": dtype, "device": device,
+              "max_tokens": max_tokens, "seed": seed, "limit": limit, "dtype": dtype, "device": device, "pairs": pairs,
               **({"executor": executor, "replicas": replicas} if executor != "local" else {})}
     with RunDir(out, overwrite=overwrite) as run:
         run.write_config(config)
@@ -66,11 +72,11 @@ def distill(teacher: str | os.PathLike, tasks_path: str | os.PathLike, n: int, o
         rows, per_cat = judge_traces(tasks, outputs)
         sft, prefs = Path(out) / "sft.jsonl", Path(out) / "preferences.jsonl"
         atomic_write_text(sft, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-        pairs = preference_pairs(tasks, outputs)
-        atomic_write_text(prefs, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in pairs))
+        pair_rows = preference_pairs(tasks, outputs, reference=pairs == "reference")
+        atomic_write_text(prefs, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in pair_rows))
         for cat, c in sorted(per_cat.items()):
             run.log_metrics({"event": "category", "category": cat, **c})
-        results = {**summarize(per_cat, n), "pairs": len(pairs)}
+        results = {**summarize(per_cat, n), "pairs": len(pair_rows)}
         run.write_record({"inputs": {"teacher_hash": model_hash(teacher), "tasks_sha256": sha256_file(tasks_path)},
                           "outputs": {"sft.jsonl": sha256_file(sft), "preferences.jsonl": sha256_file(prefs)}})
         run.finish(**results)
@@ -141,9 +147,10 @@ def judge_traces(tasks: list[dict[str, Any]], outputs: list[Any]) -> tuple[list[
     return rows, per_cat
 
 
-def preference_pairs(tasks: list[dict[str, Any]], outputs: list[Any]) -> list[dict[str, Any]]:
+def preference_pairs(tasks: list[dict[str, Any]], outputs: list[Any], reference: bool = False) -> list[dict[str, Any]]:
     """DPO pairs (TRL's conversational format) from the same samples: per task, each kept trace (well-formed and
-    right) with one rejected trace (wrong, or malformed and not right), in sampling order."""
+    right) with one rejected trace (wrong, or malformed and not right), in sampling order; with `reference`, every
+    rejected trace with the task's own reference turn."""
     pairs: list[dict[str, Any]] = []
     for i, (task, o) in enumerate(zip(tasks, outputs)):
         good, bad = [], []
@@ -153,6 +160,8 @@ def preference_pairs(tasks: list[dict[str, Any]], outputs: list[Any]) -> list[di
                 good.append(comp.text.strip())
             elif not right:
                 bad.append(comp.text.strip())
+        if reference:
+            good = [DEFAULT_FORMAT.render(task["reasoning"] or "", task["answer"])] * len(bad)
         pairs += [{"prompt": [{"role": "user", "content": task["prompt"]}],
                    "chosen": [{"role": "assistant", "content": g}], "rejected": [{"role": "assistant", "content": b}],
                    "category": task["category"], "task": i} for g, b in zip(good, bad)]
