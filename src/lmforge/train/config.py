@@ -156,10 +156,13 @@ class DPOSection:
     beta: float = 0.1  # sigmoid: scale of the implicit reward; ipo: the regulariser tau (TRL's beta)
     loss_type: Literal["sigmoid", "ipo"] = "sigmoid"  # ipo: Azar et al. 2023, log-ratios averaged per token
     precompute_ref_log_probs: bool = False  # reference log-probs of every pair once at the start, then no reference
+    rpo_alpha: float = 0.0  # > 0: + alpha * the chosen completion's NLL per token (RPO; TRL's rpo_alpha)
 
     def validate(self) -> None:
         if self.beta <= 0:
             raise ConfigError(f"dpo.beta must be > 0, got {self.beta}")
+        if self.rpo_alpha < 0:
+            raise ConfigError(f"dpo.rpo_alpha must be >= 0, got {self.rpo_alpha}")
         if self.loss_type not in ("sigmoid", "ipo"):
             raise ConfigError(f"dpo.loss_type must be sigmoid or ipo, got {self.loss_type!r}")
 

@@ -8,6 +8,10 @@ Loss (Rafailov et al. 2023, eq. 7), per pair, with log-probs summed over the com
     sigmoid   -log sigmoid(beta * (chosen_logratio - rejected_logratio))
     ipo       (chosen_logratio / |y_w| - rejected_logratio / |y_l| - 1 / (2 beta))^2   (Azar et al. 2023;
               per-token averages, as TRL computes it)
+    + rpo_alpha * (-log pi(y_w | x) / |y_w|)   with `dpo.rpo_alpha` > 0: the chosen completion's negative
+              log-likelihood per token (RPO, Pang et al. 2024; TRL's `rpo_alpha`). When chosen and rejected differ
+              in a token or two (a digit of an answer), the sigmoid loss alone can lower both, the chosen one
+              included ("likelihood displacement", Razin et al. 2024); the NLL term holds the chosen one up
 
 and the step's loss is the mean over its pairs (all micro-batches and ranks). What is logged is what TRL's
 `DPOTrainer` logs: rewards/chosen = beta * chosen_logratio (mean), rewards/rejected, rewards/margins,
@@ -95,19 +99,21 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tu
 
 
 def dpo_loss(logps: torch.Tensor, ref_logps: torch.Tensor, lengths: torch.Tensor, beta: float,
-             loss_type: str = "sigmoid") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             loss_type: str = "sigmoid", rpo_alpha: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-pair losses (B,) and per-pair statistics, from rows laid out [chosen; rejected] (R = 2B)."""
     chosen, rejected = logps.chunk(2)
     ref_chosen, ref_rejected = ref_logps.chunk(2)
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    n_chosen, n_rejected = lengths.chunk(2)
     if loss_type == "sigmoid":
         losses = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
     elif loss_type == "ipo":
-        n_chosen, n_rejected = lengths.chunk(2)
         delta = chosen_ratio / n_chosen.clamp(min=1) - rejected_ratio / n_rejected.clamp(min=1)
         losses = (delta - 1 / (2 * beta)) ** 2
     else:
         raise ValueError(f"unknown DPO loss_type {loss_type!r} (sigmoid or ipo)")
+    if rpo_alpha:
+        losses = losses + rpo_alpha * (-chosen / n_chosen.clamp(min=1))
     chosen_rewards, rejected_rewards = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
     stats = {"rewards/chosen": chosen_rewards, "rewards/rejected": rejected_rewards,
              "rewards/margins": chosen_rewards - rejected_rewards,
@@ -198,7 +204,7 @@ class DPOTrainer(Trainer):
             with self.sync_context(i == len(batches) - 1):
                 with self.autocast():
                     logps, lengths = self.fwd(batch["input_ids"], batch["completion_mask"])
-                losses, stats = dpo_loss(logps, ref, lengths, self.dpo.beta, self.dpo.loss_type)
+                losses, stats = dpo_loss(logps, ref, lengths, self.dpo.beta, self.dpo.loss_type, self.dpo.rpo_alpha)
                 # DDP averages gradients over ranks; scaling by world_size makes that a global pair mean
                 self.scaler.scale(losses.sum() * (self.d.world_size / n_pairs)).backward()
             total += float(losses.detach().sum())
@@ -220,7 +226,8 @@ class DPOTrainer(Trainer):
         for batch in itertools.islice(loader, n_batches):
             with self.autocast():
                 logps, lengths = sequence_logps(self.model, batch)
-            losses, stats = dpo_loss(logps, self.ref_logps(batch, "val"), lengths, self.dpo.beta, self.dpo.loss_type)
+            losses, stats = dpo_loss(logps, self.ref_logps(batch, "val"), lengths, self.dpo.beta, self.dpo.loss_type,
+                                     self.dpo.rpo_alpha)
             total, n = total + float(losses.sum()), n + len(losses)
             for k in METRICS:
                 sums[k] += float(stats[k].sum())
@@ -230,7 +237,7 @@ class DPOTrainer(Trainer):
 
     def _static_record(self) -> dict[str, Any]:
         rec = super()._static_record()
-        rec["dpo"] = {"beta": self.dpo.beta, "loss_type": self.dpo.loss_type,
+        rec["dpo"] = {"beta": self.dpo.beta, "loss_type": self.dpo.loss_type, "rpo_alpha": self.dpo.rpo_alpha,
                       "reference": ("precomputed" if self.dpo.precompute_ref_log_probs else
                                     "adapters disabled" if self.ref_model is None else "frozen copy of model.init"),
                       "pairs": self.data.train.stats.as_dict(), "pairs_per_step": rec["effective_batch"]}
