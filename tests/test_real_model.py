@@ -26,9 +26,12 @@ def smollm2_gguf() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-# question -> a fact the answer must contain (lower case); each answered right by the model with greedy decoding
+# question -> a fact the answer must contain (lower case); each answered right by the model with greedy decoding,
+# and by a margin: until the fact appears, the greedy token leads the runner-up by 0.38 nats or more on the exact
+# path (int8 activations move these log-probs by 0.05 on average, 0.18 at most: docs/quantization.md), or both
+# branches name it (Brazil). "What is the capital of France?" is not here: its first token is a 0.08-nat tie between
+# "The" (... Paris) and "L" ('Étoile ...), which int8 activations tip either way by CPU.
 FACTS = {
-    "What is the capital of France?": "paris",
     "What is the capital of Japan?": "tokyo",
     "What is the capital of the United Kingdom?": "london",
     "What is the capital of Germany?": "berlin",

@@ -31,7 +31,7 @@ class EngineConfig:
     # LLMEngine._resolve_kv_dtype) | bfloat16 | float32 | int8 (codes + a bf16 scale per token per head)
     kv_cache_dtype: str = "auto"
     # int-weight checkpoints on CPU: auto (int8 where the CPU has VNNI or AVX2 integer dots, as llama.cpp) |
-    # none (exact float32 activations) | int8 (per-token int8 activations, integer dot products)
+    # none (exact float32 activations) | int8 (int8 activations a scale per block of 32 or the weight group, integer dots)
     quant_activations: str = "auto"
     tensor_parallel_size: int = 1  # processes (ranks) the model's layers are split over (engine/executor.py)
     # speculative decoding (engine/spec_decode.py): a draft model, or ngram prompt lookup, proposes K tokens

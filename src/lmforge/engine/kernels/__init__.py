@@ -16,7 +16,7 @@ The C sources sit beside this file, one concern a file behind one header (`commo
     register-tiled GEMM that widens or dequantizes the weight a (K, 16) panel at a time in L2 (prefill chunks
     and big batches; AVX2 + FMA);
   * `qmm_a8.c` (+ `qmm_a8_avx256.c`, `qmm_a8_avx512.c`, its x86 bodies): `lmf_qmm_a8`, the same weights on
-    int8 activations (dynamic, per token) with int32 integer dot products, one body per ISA (`A8_ISAS`:
+    int8 activations (dynamic, a scale per block of the weight's group: 32 for GGUF's types, the row for per-channel int8) with int32 integer dot products, one body per ISA (`A8_ISAS`:
     AVX-512 VNNI in 256-bit and 512-bit forms, AVX-VNNI, AVX2, portable C); `LMFORGE_A8_ISA=<name>` forces
     one, `a8_isa()` says which runs;
   * `decode_layer.c`: `lmf_decode_layer_q` / `lmf_decode_stack_q`, a whole decoder layer (or every layer) of a
@@ -90,7 +90,7 @@ class CpuKernels:
     qmm_a8: ctypes._CFuncPtr | None = None  # lmf_qmm_a8(isa, x, act, codes, scales, out, M, N, K, bits, gs, threads)
     qmm_s8: ctypes._CFuncPtr | None = None  # lmf_qmm_s8(q, q_scales, codes, scales, out, M, N, K, bits, gs, threads,
     #                                         isa): on rows quantized already (the tests' entry point)
-    quantize_s8: ctypes._CFuncPtr | None = None  # lmf_quantize_s8(x, act, M, K, nibble_order, q, q_scales)
+    quantize_s8: ctypes._CFuncPtr | None = None  # lmf_quantize_s8(x, act, M, K, nibble_order, block, q, q_scales)
     a8_isa_supported: ctypes._CFuncPtr | None = None  # lmf_a8_isa_supported(isa) -> 0 | 1
     gemm_f32: ctypes._CFuncPtr | None = None  # lmf_gemm_f32(x, w, scales, out, M, N, K, bits, gs, threads) -> 0 | -1
     gemm_ok: bool = False  # whether this build has the panel GEMM's body (AVX2 + FMA): prefill chunks of bf16 weights
@@ -244,7 +244,7 @@ def _bind(path: Path) -> CpuKernels:
     qmm.restype, qmm.argtypes = ctypes.c_int, [P, P, P, P, I64, I64, I64, I64, I64, I64, I64, P]
     a8 = {"qmm_a8": ("lmf_qmm_a8", [I64, P, I64, P, P, P, I64, I64, I64, I64, I64, I64, P]),
           "qmm_s8": ("lmf_qmm_s8", [P, P, P, P, P, I64, I64, I64, I64, I64, I64, I64, P]),
-          "quantize_s8": ("lmf_quantize_s8", [P, I64, I64, I64, I64, P, P]),
+          "quantize_s8": ("lmf_quantize_s8", [P, I64, I64, I64, I64, I64, P, P]),
           "a8_isa_supported": ("lmf_a8_isa_supported", [I64]),
           "gemm_f32": ("lmf_gemm_f32", [P, P, P, P, I64, I64, I64, I64, I64, I64, P]),
           "decode_layer_q": ("lmf_decode_layer_q", [I64, P, P, I64, P, P, P, P, I64, P, P, I64, ctypes.c_float,

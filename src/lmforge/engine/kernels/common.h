@@ -340,12 +340,21 @@ enum { A8_PORTABLE = 0, A8_AVX2 = 1, A8_AVX_VNNI = 2, A8_AVX512_VNNI = 3, A8_AVX
 
 #define A8_MAX_R 4  /* activation rows a pass over a weight row */
 
+/* The activations' quantization block for weights in groups of gs (gs = K: int8 per channel): one int8 scale a
+ * block of the weight's group (32 under GGUF's groups of 16), so every group's integer dot product has one
+ * weight scale and one activation scale (llama.cpp's q8_0 / q8_1 blocks of 32; per channel: per token, vLLM's
+ * dynamic W8A8). */
+static inline int64_t a8_block(int64_t gs) { return gs == 16 ? 32 : gs; }
+
 typedef struct {
-    const int8_t *q; const float *xs; const void *w; const float *ws; float *out;
-    const float *qs;  /* sum(q) of each group, (M, G): int4 on the 256-bit bodies, and with zeros; else NULL */
+    const int8_t *q; const float *xs; const void *w; const float *ws; float *out;  /* xs: (M, A) */
+    const float *qs;  /* xs * sum(q) of each group, (M, G): int4 on the 256-bit bodies, and with zeros; else NULL */
     const lmf_scales *sc;  /* the scales' (and zeros') form; NULL: the float32 `ws` and no zeros */
     int pairs;  /* int4 on the 256-bit bodies: q in `pair_order` (blocks taken two at a time) */
+    const float *xp;  /* with pairs in groups of 32: each pair's two activation scales as 8 floats (x_A x4, x_B x4),
+                       * (M, K / 64, 8), one load a pair and row; else NULL */
     int64_t M, N, K, gs, bits, n0, n1, isa, G;  /* G = K / gs groups a row */
+    int64_t ab, A;  /* the activations' block (`a8_block`) and A = K / ab blocks a row, a scale each */
     int64_t *next, chunk, threads;  /* shared by the threads: the next chunk of weight rows (a8_range, take_rows) */
 } a8_job;
 
@@ -436,7 +445,8 @@ int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, i
 int lmf_gemm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
                  int64_t bits, int64_t gs, int64_t threads, const lmf_scales *sc);
 /* qmm_a8.c */
-int lmf_quantize_s8(const void *x, int64_t act, int64_t M, int64_t K, int64_t nibble_order, int8_t *q, float *s);
+int lmf_quantize_s8(const void *x, int64_t act, int64_t M, int64_t K, int64_t nibble_order, int64_t ab, int8_t *q,
+                    float *s);
 int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws, float *out, int64_t M, int64_t N,
                int64_t K, int64_t bits, int64_t gs, int64_t threads, int64_t isa, const lmf_scales *sc);
 int lmf_qmm_a8(int64_t isa, const void *x, int64_t act, const void *w, const float *ws, float *out, int64_t M,

@@ -3,12 +3,15 @@
  * qmm_a8_avx256.c (avx2, avx_vnni, avx512_vnni_256) and qmm_a8_avx512.c (avx512_vnni), and which runs is
  * dispatch.c's table.
  *
- * x (M, K) float32 or bfloat16 is quantized per row (token), dynamically: s[m] = absmax / 127,
- * q = rint(x / s) (ties to even, as torch.round), |q| <= 127 (vLLM's dynamic per-token W8A8 int8).
+ * x (M, K) float32 or bfloat16 is quantized dynamically a block of `ab` inputs at a time (`a8_block`: the
+ * weight's group, 32 under groups of 16; per channel int8: the whole row, vLLM's dynamic per-token W8A8):
+ * s[m, a] = absmax / 127 of the block, q = rint(x / s) (ties to even, as torch.round), |q| <= 127. One scale a
+ * token let a single large channel (real models have some: SmolLM2's residual stream) flatten every other
+ * input of the row to a few levels; a scale a block of 32 confines it to its block, as llama.cpp's q8_0 / q8_1.
  * For every weight group (int8: the whole row, per channel, or `gs` inputs; int4: `gs` inputs) the products q * code
  * accumulate exactly in int32 (K < 65536: |dot| <= 128 * 127 * K, and the 512-bit body's
  * offset sums (qmm_a8_avx512.c) stay exact), and
- *     out[m, n] = s[m] * sum_g scale[n, g] * float(dot_g[m, n])          (float32)
+ *     out[m, n] = sum_g (scale[n, g] * s[m, a(g)]) * float(dot_g[m, n])    (float32)
  * Weights are the A16 kernel's (`lmf_qmm_f32`): int8 (N, K); int4 two a byte, low nibble = even k,
  * stored code + 8. For int4 the quantized activations keep each block of 32 as (its 16 even k, its 16
  * odd k), so that a block's 16 bytes unpack into low nibbles then high nibbles with no interleave.
@@ -83,14 +86,15 @@ LMF_NO_CONTRACT LMF_HIDDEN void a8_range_portable(const a8_job *j) {
                     sum += q[k];
                 }
                 /* a product, then a sum, each rounded (no fused multiply-add: see LMF_NO_CONTRACT) */
-                const float scaled = (float)dot * ws[g];
+                const float xg = j->xs[m * j->A + g * gs / j->ab], sx = ws[g] * xg;
+                const float scaled = (float)dot * sx;
                 total += scaled;
                 if (wz) {  /* zero offsets: + zero * sum(q) */
-                    const float shifted = wz[g] * (float)sum;
+                    const float shifted = wz[g] * ((float)sum * xg);
                     total += shifted;
                 }
             }
-            j->out[m * j->N + n] = total * j->xs[m];
+            j->out[m * j->N + n] = total;
         }
     }
 }
@@ -163,16 +167,22 @@ static void a8_row_codes(const void *x, int act, int64_t K, float sc, int8_t *q)
     }
 }
 
-/* Per-row dynamic int8 quantization of x (M, K) (act: 0 bf16, 1 f32) into q (M, K) and scales s (M);
- * nibble_order 1 (int4 weights): each block of 32 stored as its even k, then its odd k. */
-int lmf_quantize_s8(const void *x, int64_t act, int64_t M, int64_t K, int64_t nibble_order, int8_t *q, float *s) {
-    if (act < 0 || act > 1 || M < 0 || K < 0 || (nibble_order && K % 32)) return -1;
+/* Dynamic int8 quantization of x (M, K) (act: 0 bf16, 1 f32) a block of ab inputs at a time (ab <= 0: the whole
+ * row) into q (M, K) and scales s (M, K / ab); nibble_order 1 (int4 weights): each block of 32 stored as its even
+ * k, then its odd k. */
+int lmf_quantize_s8(const void *x, int64_t act, int64_t M, int64_t K, int64_t nibble_order, int64_t ab, int8_t *q,
+                    float *s) {
+    if (ab <= 0) ab = K;
+    if (act < 0 || act > 1 || M < 0 || K < 1 || (nibble_order && K % 32) || K % ab || (ab != K && ab % 32)) return -1;
     const size_t es = act ? 4 : 2;
+    const int64_t A = K / ab;
     for (int64_t m = 0; m < M; m++) {
-        const void *xr = (const char *)x + (size_t)(m * K) * es;
         int8_t *qr = q + m * K;
-        s[m] = a8_row_scale(xr, (int)act, K);
-        a8_row_codes(xr, (int)act, K, s[m], qr);
+        for (int64_t a = 0; a < A; a++) {
+            const void *xb = (const char *)x + (size_t)(m * K + a * ab) * es;
+            s[m * A + a] = a8_row_scale(xb, (int)act, ab);
+            a8_row_codes(xb, (int)act, ab, s[m * A + a], qr + a * ab);
+        }
         if (nibble_order)
             for (int64_t b = 0; b < K; b += 32) {
                 int8_t t[32];
@@ -186,7 +196,8 @@ int lmf_quantize_s8(const void *x, int64_t act, int64_t M, int64_t K, int64_t ni
     return 0;
 }
 
-/* out (M, N) float32 = the A8 product of quantized rows (q, xs) and int8 / int4 weights (w, ws (N, K / gs)).
+/* out (M, N) float32 = the A8 product of quantized rows (q, xs (M, K / a8_block(gs)): `lmf_quantize_s8` with that
+ * block) and int8 / int4 weights (w, ws (N, K / gs)).
  * isa: a body (0..4, `A8_ISAS`) or -1 for the best. Returns 0; -1 for a shape it does not take (K % 32, int4 gs
  * not a multiple of 32 dividing K, K >= 65536); -2 for a body this CPU or build does not have. */
 int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws, float *out, int64_t M, int64_t N,
@@ -199,6 +210,7 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
         return -1;
     const int g16 = (bits == 8 || bits == 6) && gs == 16 && zero == NULL;  /* GGUF's Q6_K: a scale per 16 */
     if (gs <= 0 || (gs % 32 && !g16) || K % gs) return -1;
+    const int64_t ab = a8_block(gs), A = K / ab;
     if (isa < 0) isa = lmf_a8_best_isa();
     if (isa >= A8_ISAS || !lmf_a8_isa_supported(isa)) return -2;
     if (isa == A8_AVX512_VNNI && (g16 || bits == 5 || bits == 6))  /* groups of 16, 5/6-bit codes: the 256-bit body */
@@ -216,8 +228,8 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
         if ((u = (int8_t *)malloc((size_t)(M * K))) == NULL) return -1;
         for (int64_t i = 0; i < M * K; i++) u[i] = (int8_t)((uint8_t)q[i] ^ 0x80u);
     }
-    /* sum(q) a group: the 256-bit int4 bodies multiply the stored nibbles (c + 8) and take 8 * sum(q) back; zero
-     * offsets add zero * sum(q) (the portable body sums as it goes) */
+    /* xs * sum(q) a group: the 256-bit int4 bodies multiply the stored nibbles (c + 8) and take 8 * sum(q) back;
+     * zero offsets add zero * sum(q) (the portable body sums as it goes) */
     float *qs = NULL;
     if ((bits < 8 && (isa == A8_AVX2 || isa == A8_AVX_VNNI || isa == A8_AVX512_VNNI_256))
         || (zero != NULL && isa != A8_PORTABLE)) {
@@ -229,26 +241,34 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
             for (int64_t g = 0; g < K / gs; g++) {
                 int32_t sum = 0;
                 for (int64_t k = g * gs; k < (g + 1) * gs; k++) sum += q[m * K + k];
-                qs[m * (K / gs) + g] = (float)sum;
+                qs[m * (K / gs) + g] = (float)sum * xs[m * A + g * gs / ab];
             }
     }
     /* int4 on the 256-bit bodies, groups of 32 or whole pairs: blocks taken two at a time (pair_order) */
     const int pairs = bits == 4 && (isa == A8_AVX2 || isa == A8_AVX_VNNI || isa == A8_AVX512_VNNI_256) &&
                       (gs == 32 || gs % 64 == 0);
+    float *xp = NULL;
     if (pairs) {
-        if ((u = (int8_t *)malloc((size_t)(M * K))) == NULL) {
+        if ((u = (int8_t *)malloc((size_t)(M * K))) == NULL
+            || (gs == 32 && (xp = (float *)malloc((size_t)(M * (K / 64) * 8) * sizeof(float) + 1)) == NULL)) {
+            free(u);
             free(qs);
             return -1;
         }
         pair_order(q, M, K, u);
+        if (xp != NULL)  /* each pair's two activation scales in the dot's lanes: 0-3 block A, 4-7 block B */
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t p = 0; p < K / 64; p++)
+                    for (int i = 0; i < 8; i++) xp[(m * (K / 64) + p) * 8 + i] = xs[m * A + 2 * p + (i >= 4)];
     }
     int64_t next = 0;
     const int64_t chunk = chunk_rows(N, threads);
     a8_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, qs, sc, pairs, M, N, K, gs, bits, 0, 0, isa, K / gs, &next,
-                           chunk, threads};
+        jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, qs, sc, pairs, xp, M, N, K, gs, bits, 0, 0, isa, K / gs, ab, A,
+                           &next, chunk, threads};
     run_jobs(a8_range, jobs, sizeof jobs[0], threads);
+    free(xp);
     free(qs);
     free(u);
     return 0;
@@ -258,11 +278,13 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
  * first, so that Python binds it once with functools.partial). */
 int lmf_qmm_a8(int64_t isa, const void *x, int64_t act, const void *w, const float *ws, float *out, int64_t M,
                int64_t N, int64_t K, int64_t bits, int64_t gs, int64_t threads, const lmf_scales *sc) {
-    if (K % 32 || M < 1) return -1;
-    int8_t *q = (int8_t *)malloc((size_t)(M * K) + (size_t)M * sizeof(float));
+    if (K % 32 || M < 1 || gs > K) return -1;
+    const int64_t ab = a8_block(bits == 8 && gs <= 0 ? K : gs);
+    if (ab <= 0 || K % ab) return -1;
+    int8_t *q = (int8_t *)malloc((size_t)(M * K) + (size_t)(M * (K / ab)) * sizeof(float));
     if (q == NULL) return -1;
     float *xs = (float *)(q + M * K);  /* M * K is a multiple of 32: aligned for float */
-    int rc = lmf_quantize_s8(x, act, M, K, bits == 4, q, xs);
+    int rc = lmf_quantize_s8(x, act, M, K, bits == 4, ab, q, xs);
     if (rc == 0) rc = lmf_qmm_s8(q, xs, w, ws, out, M, N, K, bits, gs, threads, isa, sc);
     free(q);
     return rc;

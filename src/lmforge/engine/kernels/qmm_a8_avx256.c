@@ -70,8 +70,9 @@ __attribute__((target(TARGET), always_inline)) static inline __m256 NAME##_bscal
  * both scales (groups of 32); a group of 64 or more takes whole pairs into one integer sum. Two pairs a step \
  * on two float chains; a block left over (K / 32 odd) is the one-block path's. */                           \
 __attribute__((target(TARGET), always_inline)) static inline void NAME##_pairs(                             \
-        const a8_job *j, const void *w, const float *ws, const int8_t *q, __m256 *tf, const int R) {         \
-    const int64_t K = j->K, gs = j->gs, np = K / 64;                                                        \
+        const a8_job *j, const void *w, const float *ws, const int8_t *q, const float *xs, const int64_t x0,  \
+        __m256 *tf, const int R) {                                                                          \
+    const int64_t K = j->K, gs = j->gs, np = K / 64, A = j->A;  /* x0: the first row's index into j->xp */  \
     const __m256i lo4 = _mm256_set1_epi8(0x0F);                                                             \
     __m256 tf2[A8_MAX_R];                                                                                   \
     for (int r = 0; r < R; r++) tf2[r] = _mm256_setzero_ps();                                               \
@@ -85,12 +86,15 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME##_pairs( 
             const __m256 s = NAME##_bscale(ws, p, 16), s2 = NAME##_bscale(ws, p + 1, 16);                  \
             for (int r = 0; r < R; r++) {                                                                   \
                 const int8_t *x = q + r * K + p * 64;                                                       \
+                const float *xv = j->xp + (x0 + r * np + p) * 8;  /* the pair's (x_A x4, x_B x4) */          \
+                const __m256 sx = _mm256_mul_ps(s, _mm256_loadu_ps(xv));                                    \
+                const __m256 sx2 = _mm256_mul_ps(s2, _mm256_loadu_ps(xv + 8));                              \
                 const __m256i d = NAME##_dot(NAME##_dot(_mm256_setzero_si256(), lo,                       \
                     _mm256_loadu_si256((const __m256i *)x)), hi, _mm256_loadu_si256((const __m256i *)(x + 32))); \
                 const __m256i d2 = NAME##_dot(NAME##_dot(_mm256_setzero_si256(), lo2,                     \
                     _mm256_loadu_si256((const __m256i *)(x + 64))), hi2, _mm256_loadu_si256((const __m256i *)(x + 96))); \
-                tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, tf[r]);                                   \
-                tf2[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d2), s2, tf2[r]);                               \
+                tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sx, tf[r]);                                  \
+                tf2[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d2), sx2, tf2[r]);                              \
             }                                                                                               \
         }                                                                                                   \
         for (; p < np; p++) {                                                                               \
@@ -101,16 +105,17 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME##_pairs( 
                 const int8_t *x = q + r * K + p * 64;                                                       \
                 const __m256i d = NAME##_dot(NAME##_dot(_mm256_setzero_si256(), lo,                       \
                     _mm256_loadu_si256((const __m256i *)x)), hi, _mm256_loadu_si256((const __m256i *)(x + 32))); \
-                tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, tf[r]);                                   \
+                tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),                                              \
+                                        _mm256_mul_ps(s, _mm256_loadu_ps(j->xp + (x0 + r * np + p) * 8)), tf[r]); \
             }                                                                                               \
         }                                                                                                   \
         if (np * 64 < K) {  /* the last, unpaired block: activations (even, odd) as the one-block path */   \
             const int64_t k = np * 64;                                                                      \
             const __m256i c = NAME##_codes(w, 4, k, K);                                                        \
-            const __m256 s = _mm256_set1_ps(ws[k / 32]);                                                    \
             for (int r = 0; r < R; r++)                                                                     \
                 tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(NAME##_dot(_mm256_setzero_si256(), c,             \
-                    _mm256_loadu_si256((const __m256i *)(q + r * K + k)))), s, tf[r]);                       \
+                    _mm256_loadu_si256((const __m256i *)(q + r * K + k)))),                                  \
+                    _mm256_set1_ps(ws[k / 32] * xs[r * A + k / 32]), tf[r]);                                \
         }                                                                                                   \
     } else {  /* groups of 64, 128, ...: whole pairs, one integer sum a group */                           \
         for (int64_t g = 0; g < K / gs; g++) {                                                              \
@@ -125,20 +130,20 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME##_pairs( 
                                         hi, _mm256_loadu_si256((const __m256i *)(x + 32)));                 \
                 }                                                                                           \
             }                                                                                               \
-            const __m256 sg = _mm256_set1_ps(ws[g]);                                                        \
-            for (int r = 0; r < R; r++) tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), sg, tf[r]);     \
+            for (int r = 0; r < R; r++)  /* activation blocks are the groups here */                       \
+                tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(ws[g] * xs[r * A + g]), tf[r]); \
         }                                                                                                   \
     }                                                                                                       \
     for (int r = 0; r < R; r++) tf[r] = _mm256_add_ps(tf[r], tf2[r]);                                       \
 }                                                                                                           \
 __attribute__((target(TARGET), always_inline)) static inline void NAME##_rows(                              \
-        const a8_job *j, const void *w, const float *ws, const float *wz, const int8_t *q, const float *qs,   \
-        float *total, const int R, const int bits) {                                                        \
-    const int64_t K = j->K, gs = j->gs, G = j->G;                                                           \
+        const a8_job *j, const void *w, const float *ws, const float *wz, const int8_t *q, const float *xs,   \
+        const float *qs, float *total, const int R, const int bits) {                                       \
+    const int64_t K = j->K, gs = j->gs, G = j->G, A = j->A;                                                 \
     __m256 tf[A8_MAX_R];                                                                                    \
     for (int r = 0; r < R; r++) tf[r] = _mm256_setzero_ps();                                                \
     if (bits == 4 && j->pairs) {  /* int4, pairs of blocks in one load (activations in `pair_order`) */     \
-        NAME##_pairs(j, w, ws, q, tf, R);                                                                   \
+        NAME##_pairs(j, w, ws, q, xs, (xs - j->xs) / A * (K / 64), tf, R);                                  \
     } else                                                                                                  \
     if (gs == 32 || gs == 16) {  /* GGUF's blocks: scales a block; two blocks a step on two float chains */ \
         __m256 tf2[A8_MAX_R];                                                                               \
@@ -150,12 +155,14 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME##_rows(  
             const __m256i c = NAME##_codes(w, bits, k, K), a = NAME##_lhs(c, bits);                            \
             const __m256i c2 = NAME##_codes(w, bits, k + 32, K), a2 = NAME##_lhs(c2, bits);                    \
             const __m256 s = NAME##_bscale(ws, g, gs), s2 = NAME##_bscale(ws, g + 1, gs);                   \
-            for (int r = 0; r < R; r++) {                                                                   \
+            for (int r = 0; r < R; r++) {  /* activation blocks of 32 here */                              \
                 const __m256i d = NAME##_dot(_mm256_setzero_si256(), a, NAME##_rhs(q + r * K + k, c, bits));  \
                 const __m256i d2 = NAME##_dot(_mm256_setzero_si256(), a2,                                   \
                                               NAME##_rhs(q + r * K + k + 32, c2, bits));                    \
-                tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, tf[r]);                                   \
-                tf2[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d2), s2, tf2[r]);                               \
+                tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s, _mm256_set1_ps(xs[r * A + g])), \
+                                        tf[r]);                                                             \
+                tf2[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d2),                                            \
+                                         _mm256_mul_ps(s2, _mm256_set1_ps(xs[r * A + g + 1])), tf2[r]);     \
             }                                                                                               \
         }                                                                                                   \
         if (g < nb) {                                                                                       \
@@ -165,7 +172,7 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME##_rows(  
             for (int r = 0; r < R; r++)                                                                     \
                 tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(NAME##_dot(_mm256_setzero_si256(), a,            \
                                                                       NAME##_rhs(q + r * K + k, c, bits))), \
-                                        s, tf[r]);                                                          \
+                                        _mm256_mul_ps(s, _mm256_set1_ps(xs[r * A + g])), tf[r]);            \
         }                                                                                                   \
         for (int r = 0; r < R; r++) tf[r] = _mm256_add_ps(tf[r], tf2[r]);                                   \
     } else                                                                                                  \
@@ -186,11 +193,11 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME##_rows(  
             const __m256i c = NAME##_codes(w, bits, k, K), a = NAME##_lhs(c, bits);                            \
             for (int r = 0; r < R; r++) acc[r] = NAME##_dot(acc[r], a, NAME##_rhs(q + r * K + k, c, bits));  \
         }                                                                                                   \
-        const __m256 sg = _mm256_set1_ps(ws[g]);                                                            \
-        for (int r = 0; r < R; r++)                                                                         \
-            tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[r], acc2[r])), sg, tf[r]);      \
+        for (int r = 0; r < R; r++)  /* activation blocks are the groups here (per channel: the row) */    \
+            tf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[r], acc2[r])),                  \
+                                    _mm256_set1_ps(ws[g] * xs[r * A + g]), tf[r]);                          \
     }                                                                                                       \
-    /* per group, (zero - off * scale, a 4/5/6-bit code read as u - off) * sum(q) (qs = sum q a group) */    \
+    /* per group, (zero - off * scale, a 4/5/6-bit code read as u - off) * xs * sum(q) (qs, a group) */      \
     float tail[A8_MAX_R] = {0};                                                                             \
     if (bits < 8 || wz != NULL) {                                                                           \
         int64_t g = 0;                                                                                      \
@@ -217,8 +224,9 @@ __attribute__((target(TARGET))) LMF_HIDDEN void a8_range_##NAME(const a8_job *j)
         for (int64_t m0 = 0; m0 < j->M; m0 += A8_MAX_R) {                                                   \
             const int R = j->M - m0 < A8_MAX_R ? (int)(j->M - m0) : A8_MAX_R;                               \
             float total[A8_MAX_R];                                                                          \
-            A8_ROWS_SWITCH_ALL(NAME##_rows, R, j, w, ws, wz, j->q + m0 * K, j->qs ? j->qs + m0 * G : NULL, total); \
-            for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r] * j->xs[m0 + r];             \
+            A8_ROWS_SWITCH_ALL(NAME##_rows, R, j, w, ws, wz, j->q + m0 * K, j->xs + m0 * j->A,             \
+                               j->qs ? j->qs + m0 * G : NULL, total);                                      \
+            for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r];                             \
         }                                                                                                   \
     }                                                                                                       \
 }

@@ -30,8 +30,9 @@ __attribute__((target(T512), always_inline)) static inline __m512i a8_codes512(c
 }
 
 __attribute__((target(T512), always_inline)) static inline void a8_groups512(
-        const a8_job *j, const void *w, const float *ws, const uint8_t *u, __m512 *tf, const int R, const int bits) {
-    const int64_t K = j->K, gs = j->gs, G = j->G;
+        const a8_job *j, const void *w, const float *ws, const uint8_t *u, const float *xs, __m512 *tf, const int R,
+        const int bits) {
+    const int64_t K = j->K, gs = j->gs, G = j->G, A = j->A;
     const __m512i k128 = _mm512_set1_epi8((char)0x80);
     for (int64_t g = 0; g < G; g++) {
         __m512i a0[A8_MAX_R], a1[A8_MAX_R], c0 = _mm512_setzero_si512(), c1 = _mm512_setzero_si512();
@@ -55,15 +56,16 @@ __attribute__((target(T512), always_inline)) static inline void a8_groups512(
                 a0[r] = _mm512_dpbusd_epi32(a0[r], _mm512_maskz_loadu_epi8(live, u + r * K + k), wa);
         }
         const __m512i corr = _mm512_add_epi32(c0, c1);
-        const __m512 sg = _mm512_set1_ps(ws[g]);
-        for (int r = 0; r < R; r++)
-            tf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(a0[r], a1[r]), corr)), sg, tf[r]);
+        for (int r = 0; r < R; r++)  /* activation blocks are the groups here (per channel: the row) */
+            tf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(a0[r], a1[r]), corr)),
+                                    _mm512_set1_ps(ws[g] * xs[r * A + g]), tf[r]);
     }
 }
 
 __attribute__((target(T512), always_inline)) static inline void a8_steps512(
-        const a8_job *j, const void *w, const float *wsb, const uint8_t *u, __m512 *tf, const int R, const int bits) {
-    const int64_t K = j->K;
+        const a8_job *j, const void *w, const float *wsb, const uint8_t *u, const float *xs, __m512 *tf, const int R,
+        const int bits) {
+    const int64_t K = j->K, A = j->A, ab = j->ab;
     const __m512i k128 = _mm512_set1_epi8((char)0x80);
     for (int64_t k = 0; k < K; k += 64) {
         const int full = K - k >= 64;
@@ -73,21 +75,25 @@ __attribute__((target(T512), always_inline)) static inline void a8_steps512(
         /* lanes 0-7: block k / 32, lanes 8-15: the next (0 in a half step: its dot is 0 too) */
         const __m512 sv = _mm512_mask_broadcastss_ps(_mm512_set1_ps(wsb[k / 32]), 0xFF00,
                                                      _mm_set_ss(full ? wsb[k / 32 + 1] : 0.0f));
-        for (int r = 0; r < R; r++)
+        for (int r = 0; r < R; r++) {  /* the activation blocks of the step's two blocks of 32 (groups of 32, 96...) */
+            const float *xr = xs + r * A;
+            const __m512 xv = _mm512_mask_broadcastss_ps(_mm512_set1_ps(xr[k / ab]), 0xFF00,
+                                                         _mm_set_ss(full ? xr[(k + 32) / ab] : 0.0f));
             tf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg, _mm512_maskz_loadu_epi8(live, u + r * K + k), c)),
-                                    sv, tf[r]);
+                                    _mm512_mul_ps(sv, xv), tf[r]);
+        }
     }
 }
 
 __attribute__((target(T512), always_inline)) static inline void a8_rows512(
         const a8_job *j, const void *w, const float *ws, const float *wsb, const float *wz, const uint8_t *u,
-        const float *qs, float *total, const int R, const int bits) {
+        const float *xs, const float *qs, float *total, const int R, const int bits) {
     __m512 tf[A8_MAX_R];
     for (int r = 0; r < R; r++) tf[r] = _mm512_setzero_ps();
-    if (wsb == NULL) a8_groups512(j, w, ws, u, tf, R, bits);
-    else a8_steps512(j, w, wsb, u, tf, R, bits);
+    if (wsb == NULL) a8_groups512(j, w, ws, u, xs, tf, R, bits);
+    else a8_steps512(j, w, wsb, u, xs, tf, R, bits);
     for (int r = 0; r < R; r++) total[r] = _mm512_reduce_add_ps(tf[r]);
-    if (wz != NULL)  /* zero offsets: + zero * sum(q) a group (qs) */
+    if (wz != NULL)  /* zero offsets: + zero * xs * sum(q) a group (qs) */
         for (int r = 0; r < R; r++)
             for (int64_t g = 0; g < j->G; g++) total[r] += wz[g] * qs[r * j->G + g];
 }
@@ -109,9 +115,9 @@ __attribute__((target(T512))) LMF_HIDDEN void a8_range_avx512vnni(const a8_job *
         for (int64_t m0 = 0; m0 < j->M; m0 += A8_MAX_R) {
             const int R = j->M - m0 < A8_MAX_R ? (int)(j->M - m0) : A8_MAX_R;
             float total[A8_MAX_R];
-            A8_ROWS_SWITCH(a8_rows512, R, j, w, ws, steps ? wsb : NULL, wz, u + m0 * K,
+            A8_ROWS_SWITCH(a8_rows512, R, j, w, ws, steps ? wsb : NULL, wz, u + m0 * K, j->xs + m0 * j->A,
                            j->qs ? j->qs + m0 * G : NULL, total);
-            for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r] * j->xs[m0 + r];
+            for (int r = 0; r < R; r++) j->out[(m0 + r) * j->N + n] = total[r];
         }
     }
 }
