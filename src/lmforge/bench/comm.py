@@ -24,11 +24,9 @@ import subprocess
 from pathlib import Path
 from typing import Annotated, Optional
 
-import torch
 import typer
 
 from lmforge.parallel.launch import run_local
-from lmforge.parallel.probes import QUICK_SIZES, SIZES, comm_worker
 from lmforge.perf.hardware import lmforge_home
 from lmforge.bench.report import emit
 
@@ -44,6 +42,10 @@ def topology() -> str | None:
 
 
 def measure(nproc: int = 2, quick: bool = False, reps: int | None = None) -> dict:
+    import torch  # deferred: every `lmforge` verb imports this module, and a CLI verb starts without torch
+
+    from lmforge.parallel.probes import QUICK_SIZES, SIZES, comm_worker  # deferred: torch, as above
+
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nproc else "gloo"
     sizes, reps = (QUICK_SIZES, reps or 5) if quick else (SIZES, reps or 20)
     load = os.getloadavg()

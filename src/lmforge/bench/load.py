@@ -103,7 +103,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _lmforge_cmd(model: str, port: int, extra: list[str]) -> list[str]:
     exe = shutil.which("lmforge") or sys.executable
-    head = [exe] if exe.endswith("lmforge") else [exe, "-m", "lmforge.cli"]
+    head = [exe] if exe.endswith("lmforge") else [exe, "-m", "lmforge.launch"]
     return [*head, "serve", model, "--port", str(port), *extra]
 
 

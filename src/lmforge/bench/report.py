@@ -11,7 +11,6 @@ import platform
 import time
 from pathlib import Path
 
-import torch
 
 from lmforge.bench.doctor import cpu_name
 from lmforge.track.io import atomic_write_json, atomic_write_text
@@ -37,6 +36,8 @@ def loadavg() -> list[float] | None:
 
 def provenance(dtype: str) -> dict:
     """Date, torch threads, dtype, machine, load average now, hardware, package versions and git state."""
+    import torch  # deferred: every `lmforge` verb imports this module, and a CLI verb starts without torch
+
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "threads": torch.get_num_threads(), "dtype": dtype,
             "machine": f"{platform.node()}, {cpu_name()}, {os.cpu_count()} cores", "load_average": loadavg(),
             "hardware": hardware_info(), "packages": package_versions(), "git": git_info()}

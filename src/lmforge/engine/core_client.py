@@ -26,7 +26,6 @@ Knows nothing about asyncio or HTTP.
 
 from __future__ import annotations
 
-import atexit
 import os
 import queue
 import subprocess
@@ -34,19 +33,19 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from multiprocessing.connection import Pipe
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lmforge.tokenizer.load import load_tokenizer
-from lmforge.tools.procs import Status, StatusKind, exit_cause, kill, start_python, stop
+from lmforge.tools.procs import Status, StatusKind, exit_cause, kill, stop
 
 from .config import EngineConfig
 from .core import EngineCore
 from .llm_engine import LLMEngine
 from .messages import CoreStart, EngineCoreOutputs, EngineCoreRequest, EngineDeadError, EngineInfo, RequestType
+from .spawn import take
 
 LOAD_TIMEOUT_S = 600.0
 OnOutputs = Callable[[EngineCoreOutputs], None]
@@ -126,42 +125,16 @@ class InprocClient(EngineCoreClient):
                 self._wake.wait(timeout=0.5)
 
 
-_Child = tuple[subprocess.Popen, Any, Any]  # the process, its command pipe's sending end, its outputs' receiving end
-_prespawned: list[_Child] = []  # engine children started ahead of their MPClient (`prespawn`)
-
-
-def _spawn() -> _Child:
-    """An engine child interpreter (`core.child_main`), importing its modules while it waits for its CoreStart."""
-    child_cmd_recv, cmd_send = Pipe(duplex=False)
-    out_recv, child_out_send = Pipe(duplex=False)
-    fds = (child_cmd_recv.fileno(), child_out_send.fileno())
-    proc = start_python(f"from lmforge.engine.core import child_main; child_main({fds[0]}, {fds[1]})", fds)
-    child_cmd_recv.close()
-    child_out_send.close()
-    return proc, cmd_send, out_recv
-
-
-def prespawn() -> None:
-    """Start the next MPClient's child now: its imports (torch, ~1.5 s) then run while the server still imports
-    and builds its app, instead of after. The next MPClient takes it; one nobody took is killed at exit."""
-    _prespawned.append(_spawn())
-    atexit.register(_reap_prespawned)
-
-
-def _reap_prespawned() -> None:
-    while _prespawned:
-        kill(_prespawned.pop()[0])
-
-
 class MPClient(EngineCoreClient):
     """The engine core in a child interpreter (`core.child_main`), reached over two pipes."""
 
     def __init__(self, config: EngineConfig):
-        self._proc, self._cmd_send, self._out_recv = _prespawned.pop() if _prespawned else _spawn()
+        (self._proc, self._cmd_send, self._out_recv), started = take(config)  # a prespawned child, if one waits
         self._stopped = False
         self._dead: EngineDeadError | None = None
         try:  # the child computes with the threads this process was given
-            self._cmd_send.send(CoreStart(config, os.getpid(), torch.get_num_threads()))
+            if not started:
+                self._cmd_send.send(CoreStart(config, os.getpid(), torch.get_num_threads()))
         except OSError:
             pass  # the child died at start: _wait_ready says so
         # the tokenizer here while the child loads the model (for a GGUF file each parses the file, in parallel)

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -475,11 +476,15 @@ def run_server(config: EngineConfig, server: ServerConfig, listen: ListenConfig,
     with `finish_reason: "abort"` and `[DONE]` (not a cut connection), within `ABORT_GRACE_S` more.
     `replicas=(N, address)` with N > 1 or an address: each engine is N replicas on Ray actors
     (`replicas.RayReplicaEngine`, each its own process, so `engine_process` does not apply)."""
-    from lmforge.engine import AsyncLLMEngine, ProcessAsyncLLMEngine  # deferred: torch, only when serving
-    from lmforge.engine.core_client import prespawn
+    if engine_process and replicas == (1, None):  # the engine child loads while this process builds the app
+        from lmforge.engine.messages import CoreStart
+        from lmforge.engine.spawn import prespawn
 
-    if engine_process and replicas == (1, None):  # the engine child imports while this process builds the app
-        prespawn()
+        # one version: its CoreStart now (the child may be importing since `lmforge.launch`); with a registry
+        # the child only imports here, and the first engine built sends it its start
+        prespawn(CoreStart(config, os.getpid(), None) if registry is None else None)
+    from lmforge.engine import AsyncLLMEngine, ProcessAsyncLLMEngine  # deferred: torch, only when serving
+
     from .app import build_app  # deferred: fastapi and the engine, only when serving
 
     logging.basicConfig(level=listen.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

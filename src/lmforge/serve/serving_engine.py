@@ -241,8 +241,8 @@ class OpenAIServing:
         if out.finished:
             self.st.metrics.observe_finished(job.sv.label, out)
 
-    async def complete(self, job: Job) -> dict:
-        trackers = [Tracker(job.n) for _ in job.prompts]
+    async def drain(self, job: Job, trackers: list[Tracker]) -> None:
+        """Run the job to its end into `trackers`; an engine failure is recorded and raised as its HTTP error."""
         try:
             async for _ in self.outputs(job, trackers):
                 pass
@@ -250,6 +250,10 @@ class OpenAIServing:
             err = engine_error(e)
             self._ended(job, trackers, err.status)
             raise err from None
+
+    async def complete(self, job: Job) -> dict:
+        trackers = [Tracker(job.n) for _ in job.prompts]
+        await self.drain(job, trackers)
         choices = [self.final_choice(job, i, c) for i, t in enumerate(trackers) for c in t.last.outputs]
         self._ended(job, trackers, 200)
         await self._durable(job)

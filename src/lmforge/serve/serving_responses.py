@@ -35,13 +35,7 @@ class OpenAIServingResponses(OpenAIServingChat):
 
     async def complete(self, job: Job) -> dict:
         trackers = [Tracker(job.n)]
-        try:
-            async for _ in self.outputs(job, trackers):
-                pass
-        except Exception as e:
-            err = engine_error(e)
-            self._ended(job, trackers, err.status)
-            raise err from None
+        await self.drain(job, trackers)
         self._ended(job, trackers, 200)
         await self._durable(job)
         return self._response(job, trackers, "completed")

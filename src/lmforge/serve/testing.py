@@ -114,7 +114,9 @@ def spawn_server(args: list[str], port: int, timeout: float = 240.0, env: dict |
     environment (e.g. a PYTHONPATH to serve another checkout's code)."""
     import httpx  # deferred: quickstart imports this module for free_port, and the CLI imports quickstart
 
-    proc = subprocess.Popen([sys.executable, "-m", "lmforge.cli", "serve", *args, "--port", str(port)],
+    # as the `lmforge` script starts it (lmforge.launch); another checkout's code (env) may predate that module
+    entry = "lmforge.launch" if env is None else "lmforge.cli"
+    proc = subprocess.Popen([sys.executable, "-m", entry, "serve", *args, "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.time() + timeout
     while time.time() < deadline:

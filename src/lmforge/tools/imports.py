@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The layers, top to bottom (docs/architecture.md). A package may import packages of its own layer or
 # below, never above. `tasks` and `tools` are leaves: they import nothing else from lmforge.
 LAYERS: list[tuple[str, ...]] = [
-    ("cli", "quickstart", "__main__"),
+    ("cli", "launch", "quickstart", "__main__"),
     ("bench",),
     ("serve", "registry"),
     ("train", "eval", "parallel"),

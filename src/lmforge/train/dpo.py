@@ -49,7 +49,7 @@ from lmforge.tokenizer.load import load_tokenizer, tokenizer_hash
 
 from .config import TrainConfig
 from .fused_ce import CHUNK_TOKENS, can_fuse
-from .loop import Data, Trainer, fit_recording_failure, token_byte_lengths
+from .loop import Data, Trainer, fit_then_leave, token_byte_lengths
 from .lora import adapters_disabled, is_lora
 from .pref_data import PreferenceLoader
 
@@ -249,4 +249,4 @@ def train_dpo(cfg: TrainConfig, out: str | Path, resume: bool = False, overwrite
     """Run the DPO stage into `out`; returns the final record."""
     if cfg.train.stage != "dpo":
         raise ConfigError(f"train_dpo needs train.stage=dpo, got {cfg.train.stage}")
-    return fit_recording_failure(DPOTrainer(cfg, Path(out), resume=resume, overwrite=overwrite))
+    return fit_then_leave(lambda: DPOTrainer(cfg, Path(out), resume=resume, overwrite=overwrite))

@@ -31,6 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -586,8 +587,15 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, overwr
     (rank 0) or {} (other ranks). GRPO is its own stage (`grpo.trainer.train_grpo`; `commands.run` chooses)."""
     if cfg.train.stage in ("grpo", "dpo"):
         raise ConfigError(f"train.stage={cfg.train.stage} runs through lmforge.train.commands.run")
+    return fit_then_leave(lambda: Trainer(cfg, Path(out), resume=resume, overwrite=overwrite))
+
+
+def fit_then_leave(make_trainer: Callable[[], Any]) -> dict[str, Any]:
+    """Build and fit a trainer (`fit_recording_failure`), then leave the process group whatever happened: a
+    gloo group left to the interpreter's exit can abort a torchrun rank after its run finished (SIGABRT,
+    "terminate called without an active exception"), which fails the whole launch."""
     try:
-        return fit_recording_failure(Trainer(cfg, Path(out), resume=resume, overwrite=overwrite))
+        return fit_recording_failure(make_trainer())
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,82 @@
+"""`lmforge.launch`, the `lmforge` command's entry point: `serve` starts its engine child before the CLI imports
+torch, and sends it its start as soon as the flags are read (`engine.spawn`); the MPClient built later adopts
+the child only for the config it was started with."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from lmforge.engine import spawn
+from lmforge.launch import wants_engine_child
+
+
+@pytest.mark.parametrize("args, want", [
+    (["serve", "m.gguf"], True),
+    (["serve", "m", "--port", "8000", "--api-key", "k"], True),
+    (["serve", "--help"], False),
+    (["serve", "m", "--no-engine-process"], False),
+    (["serve", "m", "--replicas", "2"], False),
+    (["serve", "m", "--replicas=2"], False),
+    (["serve", "m", "--ray-address=auto"], False),
+    (["train", "c.yaml"], False),
+    ([], False),
+])
+def test_only_serve_with_an_engine_child_prespawns(args, want):
+    assert wants_engine_child(args) is want
+
+
+def test_the_entry_and_the_spawner_import_no_torch():
+    """What runs before the child is started must not pay for torch (~1.5 s): the point of the early start."""
+    code = "import sys, lmforge.launch, lmforge.engine.spawn; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+class _Pipe:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, obj):
+        self.sent.append(obj)
+
+
+@pytest.fixture
+def fake_children(monkeypatch):
+    made, killed = [], []
+
+    def fake_spawn():
+        child = (SimpleNamespace(pid=len(made)), _Pipe(), None)
+        made.append(child)
+        return child
+
+    monkeypatch.setattr(spawn, "spawn", fake_spawn)
+    monkeypatch.setattr(spawn, "kill", lambda proc: killed.append(proc.pid))
+    monkeypatch.setattr(spawn, "_waiting", [])
+    return made, killed
+
+
+def test_a_child_started_for_this_config_is_adopted_with_its_start_sent(fake_children):
+    made, killed = fake_children
+    spawn.prespawn()  # lmforge.launch: no config yet
+    start = SimpleNamespace(config={"model": "a"})
+    spawn.prespawn(start)  # serve, once its flags are read: the same child gets its start
+    assert len(made) == 1 and made[0][1].sent == [start]
+    child, started = spawn.take({"model": "a"})
+    assert child is made[0] and started and not killed
+
+
+def test_a_child_started_for_another_config_is_stopped_and_replaced(fake_children):
+    made, killed = fake_children
+    spawn.prespawn(SimpleNamespace(config={"model": "a"}))
+    child, started = spawn.take({"model": "b"})
+    assert killed == [0] and child is made[1] and not started  # the MPClient sends b's start itself
+
+
+def test_without_a_waiting_child_take_spawns_one(fake_children):
+    made, _ = fake_children
+    child, started = spawn.take({"model": "a"})
+    assert child is made[0] and not started
