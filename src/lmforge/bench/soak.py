@@ -235,17 +235,23 @@ async def _hostile(c: httpx.AsyncClient, rng: random.Random, tally: Tally, url: 
 
 
 async def _slow_body(url: str) -> int:
-    """Half a body, then silence: the server must answer 408 at its deadline."""
+    """Half a body, then silence: the server must answer 408 at its deadline; 0 when it does not within 120 s
+    or the connection fails (counted as no reply: a finding of the run, which goes on)."""
     host, port = url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        reader, writer = await asyncio.open_connection(host, int(port))
+    except OSError:
+        return 0
     try:
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: "
                      b"Bearer " + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{")
         await writer.drain()
         head = await asyncio.wait_for(reader.read(64), timeout=120)
-        return int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/1.1 ") else 0
+    except (asyncio.TimeoutError, OSError):
+        return 0
     finally:
         writer.close()
+    return int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/1.1 ") else 0
 
 
 async def _client(url: str, i: int, until: float, cfg: SoakConfig, hostile: float, tally: Tally) -> None:
