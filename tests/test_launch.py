@@ -55,7 +55,8 @@ def fake_children(monkeypatch):
 
     monkeypatch.setattr(spawn, "spawn", fake_spawn)
     monkeypatch.setattr(spawn, "kill", lambda proc: killed.append(proc.pid))
-    monkeypatch.setattr(spawn, "_waiting", [])
+    monkeypatch.setattr(spawn, "_waiting", None)
+    monkeypatch.setattr(spawn, "_sent", None)
     return made, killed
 
 

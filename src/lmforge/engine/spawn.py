@@ -20,7 +20,8 @@ from typing import Any
 from lmforge.tools.procs import kill, start_python
 
 Child = tuple[subprocess.Popen, Any, Any]  # the process, its command pipe's sending end, its outputs' receiving end
-_waiting: list[list[Any]] = []  # [child, the CoreStart already sent to it or None]: at most one
+_waiting: Child | None = None  # the one child started ahead of its MPClient
+_sent: Any = None  # the CoreStart already sent to it, or None
 
 
 def spawn() -> Child:
@@ -37,14 +38,14 @@ def spawn() -> Child:
 def prespawn(start: Any = None) -> None:
     """Start the next MPClient's child now, if none waits; with `start` (a `messages.CoreStart`), send it
     now too, so the model loads before the MPClient exists (it must then be built with an equal config)."""
-    if not _waiting:
-        _waiting.append([spawn(), None])
+    global _waiting, _sent
+    if _waiting is None:
+        _waiting, _sent = spawn(), None
         atexit.register(_reap)
-    entry = _waiting[0]
-    if start is not None and entry[1] is None:
+    if start is not None and _sent is None:
         try:
-            entry[0][1].send(start)
-            entry[1] = start
+            _waiting[1].send(start)
+            _sent = start
         except OSError:  # the child died at start: the MPClient that takes it says so
             pass
 
@@ -52,9 +53,10 @@ def prespawn(start: Any = None) -> None:
 def take(config: Any) -> tuple[Child, bool]:
     """The waiting child for an MPClient of `config`, and whether its CoreStart was already sent (for an
     equal config); a child started for another config is stopped and a fresh one spawned."""
-    if not _waiting:
+    global _waiting, _sent
+    child, sent, _waiting, _sent = _waiting, _sent, None, None
+    if child is None:
         return spawn(), False
-    child, sent = _waiting.pop()
     if sent is None:
         return child, False
     if sent.config == config:
@@ -64,5 +66,7 @@ def take(config: Any) -> tuple[Child, bool]:
 
 
 def _reap() -> None:
-    while _waiting:
-        kill(_waiting.pop()[0][0])
+    global _waiting
+    if _waiting is not None:
+        kill(_waiting[0])
+        _waiting = None
