@@ -92,6 +92,8 @@ def test_serve_answers_hold_the_facts(gguf_path):
 
     port = free_port()
     proc = spawn_server([str(gguf_path), "--port", str(port)], port)
+    # its stderr in a file, not an unread pipe that blocks the server once full (the 30-minute soak's hang)
+    assert proc.stderr is None and proc.log_path.is_file()
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
         model = client.models.list().data[0].id

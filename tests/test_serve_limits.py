@@ -255,3 +255,39 @@ def test_feedback_scores_must_be_real_numbers(server, score, why):
     body = json.dumps({"id": "cmpl-x", "score": score})  # NaN is written as the token NaN, which Python reads
     r = httpx.post(server.url + "/v1/feedback", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "score" and why in r.json()["error"]["message"]
+
+
+def test_lingering_close_of_a_connection_the_client_already_reset_just_closes():
+    """A refusal's lingering close on a socket whose client reset it meanwhile: `shutdown(SHUT_WR)` fails with
+    ENOTCONN. Before, that OSError escaped `transport.close()` into the app: a 500, "Exception in ASGI
+    application" and two tracebacks in the log for a client that was gone (nine in a 30-minute soak, 2026-12-06).
+    Now the socket is closed and nothing is raised or left lingering."""
+    from lmforge.serve.connection import LingeringTransport
+
+    class Reset:  # an asyncio transport whose peer has reset the connection
+        closed = False
+
+        def is_closing(self) -> bool:
+            return self.closed
+
+        def can_write_eof(self) -> bool:
+            return True
+
+        def write_eof(self) -> None:
+            raise OSError(107, "Transport endpoint is not connected")
+
+        def close(self) -> None:
+            self.closed = True
+
+    class Protocol:  # a request whose body was still coming when it was refused
+        limits = LIMITS
+
+        def client_may_be_sending(self) -> bool:
+            return True
+
+    real = Reset()
+    t = LingeringTransport(real, Protocol())
+    t.close()  # raised OSError before the fix
+    assert real.closed and not t.lingering
+    t.close()  # closing twice stays a no-op
+    assert real.closed

@@ -333,6 +333,30 @@ def _metrics(url: str) -> dict[str, float]:
     return out
 
 
+def _metrics_or_finding(url: str) -> dict[str, float] | str:
+    """The server's metrics after the run, or why it did not give them: a server that stops answering is a
+    finding of the run, reported with every other figure, not a crash that loses them."""
+    try:
+        return _metrics(url)
+    except httpx.HTTPError as e:
+        return f"GET /metrics failed after the run: {type(e).__name__} {e}".strip()
+
+
+def _status_or_zero(url: str) -> int:
+    try:
+        return httpx.get(url, timeout=30).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def _log_findings(path: Path) -> dict:
+    """The server's log after the run: its ERROR lines (an unhandled error is a finding even when every client
+    got its answer), the first few of them, and its size."""
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    errors = [ln for ln in lines if " ERROR " in ln or ln.startswith("ERROR:")]
+    return {"path": str(path), "lines": len(lines), "error_lines": len(errors), "first_errors": errors[:3]}
+
+
 def _stored_ids(db: Path) -> set[str]:
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
         return {r[0] for r in con.execute("SELECT id FROM exchanges")}
@@ -355,7 +379,8 @@ def run_soak(cfg: SoakConfig, out: Path | None) -> dict:
     url = f"http://127.0.0.1:{port}"
     proc = spawn_server(["--registry", str(registry), "--model", NAME, "--log-requests", "--feedback-db", str(db),
                          "--api-key", KEY, "--admin-api-key", ADMIN_KEY, "--log-level", "warning",
-                         "--max-model-len", "512", "--read-timeout", "5", "--body-timeout", "10"], port)
+                         "--max-model-len", "512", "--read-timeout", "5", "--body-timeout", "10"], port,
+                        log_path=(Path(out) if out is not None else root) / "server.log")
     events: list[dict] = []
     try:
         server = psutil.Process(proc.pid)
@@ -371,12 +396,13 @@ def run_soak(cfg: SoakConfig, out: Path | None) -> dict:
             rss.phase = "after"
             time.sleep(2.0)  # the exchange log's last batches
             rss.sample()
-        rss_after, after = server.memory_info().rss, _metrics(url)
-        healthy = httpx.get(url + "/health/ready").status_code == 200
+        rss_after, after = server.memory_info().rss, _metrics_or_finding(url)
+        healthy = _status_or_zero(url + "/health/ready") == 200
     finally:
         exit_code = stop_server(proc)
     report = _report(cfg, idle, soak, events, (rss_before, rss_after), (before, after), _stored_ids(db),
                      stored_before, healthy, exit_code)
+    report["server_log"] = _log_findings(proc.log_path)
     report["rss_samples"] = rss.samples
     report["engine_rss"] = engine_rss_growth(rss.samples)
     emit(report, to_markdown, out, "soak")
@@ -416,6 +442,8 @@ def plot_rss(samples: list[dict], path: Path) -> Path:
 def _report(cfg, idle: Tally, soak: Tally, events, rss, metrics, stored: set[str], stored_before: int,
             healthy: bool, exit_code: int) -> dict:
     before, after = metrics
+    unanswered = after if isinstance(after, str) else None
+    after = {} if unanswered else after
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     seen_ok = idle.served + soak.served
     server_ok = sum(v for k, v in delta.items() if k.startswith("vllm:request_success_total"))
@@ -438,6 +466,7 @@ def _report(cfg, idle: Tally, soak: Tally, events, rss, metrics, stored: set[str
         "exchange_log": {"finished_seen_by_clients": len(finished), "rows_stored": len(stored) - stored_before,
                          "rows_lost": len(lost), "dropped_counter": dropped, "lost_ids": lost[:10],
                          "lost_outside_drop_counter": max(0, len(lost) - int(dropped))},
+        "metrics_after_unanswered": unanswered,
         "metrics_consistency": {
             "finished_requests": {"clients": seen_ok, "server": server_ok, "equal": seen_ok == server_ok},
             "error_replies": {"clients": {str(k): v for k, v in sorted(client_errors.items())},
@@ -476,9 +505,18 @@ def to_markdown(r: dict) -> str:
               f"{mc['finished_requests']['clients']} ({'equal' if mc['finished_requests']['equal'] else 'DIFFER'}); "
               f"errors {mc['error_replies']['server']} vs {mc['error_replies']['clients']} "
               f"({'equal' if mc['error_replies']['equal'] else 'DIFFER'}); engine restarts {mc['engine_restarts']:.0f}",
+              *([f"- **{r['metrics_after_unanswered']}**"] if r.get("metrics_after_unanswered") else []),
+              *_log_markdown(r.get("server_log")),
               f"- healthy after: {r['healthy_after']}; exit code {r['exit_code']}; machine {r['machine']}; "
               f"load {r['load_average']} -> {r['load_average_after']}"]
     return "\n".join(lines + _rss_markdown(r)) + "\n"
+
+
+def _log_markdown(log: dict | None) -> list[str]:
+    if not log:
+        return []
+    first = "".join(f"; `{e[:160]}`" for e in log["first_errors"])
+    return [f"- server log ({log['path']}): {log['lines']} lines, **{log['error_lines']} ERROR lines**{first}"]
 
 
 def _rss_markdown(r: dict) -> list[str]:

@@ -70,8 +70,12 @@ class LingeringTransport:
             self._t.close()
             return
         limits = self._protocol.limits
+        try:
+            self._t.write_eof()  # after the buffered reply: the client reads it, then sees our FIN
+        except OSError:  # the client is gone already (reset: ENOTCONN): nothing to linger for
+            self._t.close()
+            return
         self.lingering, self._budget = True, limits.linger_bytes
-        self._t.write_eof()  # after the buffered reply: the client reads it, then sees our FIN
         self._t.resume_reading()
         self._timer = asyncio.get_running_loop().call_later(limits.linger_s, self._t.close)
 

@@ -107,17 +107,28 @@ class ServerThread:
         self.sock.close()
 
 
-def spawn_server(args: list[str], port: int, timeout: float = 240.0, env: dict | None = None):
+def spawn_server(args: list[str], port: int, timeout: float = 240.0, env: dict | None = None,
+                 log_path: Path | None = None):
     """`lmforge serve ARGS --port PORT` as a child process, returned once /health/ready answers 200
-    (SystemExit with the server's last stderr if it exits first or never gets ready). For scripts
+    (SystemExit with the server's last log lines if it exits first or never gets ready). For scripts
     that measure a real server: `lmforge bench soak`, scripts/bench_ops.py. `env` replaces the
-    environment (e.g. a PYTHONPATH to serve another checkout's code)."""
+    environment (e.g. a PYTHONPATH to serve another checkout's code). The server's stderr goes to a file,
+    `log_path` (default: a temporary file), never to a pipe: nobody reads a pipe while a benchmark runs,
+    and once its 64 KiB fill up the server's next log line blocks its event loop (a 30-minute soak hung
+    so at minute 22, on 2026-12-06). `proc.log_path` names the file."""
+    import tempfile  # deferred, as httpx
+
     import httpx  # deferred: quickstart imports this module for free_port, and the CLI imports quickstart
 
     # as the `lmforge` script starts it (lmforge.launch); another checkout's code (env) may predate that module
     entry = "lmforge.launch" if env is None else "lmforge.cli"
-    proc = subprocess.Popen([sys.executable, "-m", entry, "serve", *args, "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    if log_path is None:
+        log_path = Path(tempfile.mkdtemp(prefix="lmforge-server-")) / "server.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:  # the child holds its own descriptor
+        proc = subprocess.Popen([sys.executable, "-m", entry, "serve", *args, "--port", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=log, env=env)
+    proc.log_path = log_path
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
@@ -126,10 +137,14 @@ def spawn_server(args: list[str], port: int, timeout: float = 240.0, env: dict |
         except httpx.HTTPError:
             pass
         if proc.poll() is not None:
-            raise SystemExit(f"server exited: {proc.stderr.read()[-3000:]}")
+            raise SystemExit(f"server exited: {_tail(log_path)}")
         time.sleep(0.2)
     proc.kill()
-    raise SystemExit(f"server not ready in {timeout:g} s")
+    raise SystemExit(f"server not ready in {timeout:g} s: {_tail(log_path)}")
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    return path.read_text(errors="replace")[-chars:]
 
 
 def stop_server(proc) -> int:
