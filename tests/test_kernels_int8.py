@@ -6,6 +6,8 @@ the engine picks it only when asked and says why it cannot."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 
 import numpy as np
@@ -60,6 +62,22 @@ def _qmm_s8(isa, q_MK, xs, w, ws_NG, N, bits, gs, threads=2) -> tuple[int, np.nd
 
 
 ISAS = list(kernels.A8_ISAS)
+HAS_PANEL = LIB is not None and LIB.a8_panel_rows(-1) > 0  # an AVX-512 VNNI CPU: the A8 panel GEMM (qmm_a8_panel.c)
+
+
+@contextlib.contextmanager
+def panel_from(rows: int):
+    """The A8 panel GEMM from `rows` rows (0: never) inside the block, its threshold restored after."""
+    before = LIB.a8_panel_rows(rows)
+    try:
+        yield
+    finally:
+        LIB.a8_panel_rows(before)
+
+
+def _panel_modes(isa: str) -> tuple[int, ...]:
+    """Thresholds to run an A8 body under: the row body (0), and where it hands calls to the panel GEMM, from 1 row."""
+    return (0, 1) if HAS_PANEL and isa.startswith("avx512") else (0,)
 SHAPES = [(8, 0, 1024), (8, 0, 96), (8, 0, 160), (4, 32, 1024), (4, 64, 256), (4, 96, 384), (4, 128, 512), (4, 32, 96)]
 
 
@@ -67,13 +85,14 @@ SHAPES = [(8, 0, 1024), (8, 0, 96), (8, 0, 160), (4, 32, 1024), (4, 64, 256), (4
 @pytest.mark.parametrize("bits,gs,K", SHAPES, ids=[f"w{b}-g{g}-K{k}" for b, g, k in SHAPES])
 def test_integer_dot_products_are_exact(isa, bits, gs, K):
     """Unit scales: the float32 output is the int32 dot product itself (every partial sum < 2^24 for
-    these K), so each body must equal the int64 reference bit for bit: batch 1-9 (full and partial
-    blocks of 4 rows), K with a half 64-code step, int4 groups of 32 to 128, extreme codes."""
+    these K), so each body must equal the int64 reference bit for bit: batch 1-17 (full and partial
+    blocks of 4 and 8 rows), K with a half 64-code step, int4 groups of 32 to 128, extreme codes; on an
+    AVX-512 VNNI CPU the panel GEMM too, from one row (37 weight rows: two full panels and a partial one)."""
     if not LIB.a8_isa_supported(kernels.A8_ISAS[isa]):
         pytest.skip(f"this CPU has no {isa} (runs {LIB.a8_isas()})")  # hardware absent, e.g. AVX-VNNI on Zen 4
     rng = np.random.default_rng(K + bits + gs)
     N = 37
-    for M in (1, 4, 5, 9):
+    for M, panel in itertools.product((1, 4, 5, 9, 17), _panel_modes(isa)):
         q = rng.integers(-127, 128, (M, K), dtype=np.int8)
         q[0, :4] = (127, -127, 127, -127)
         if bits == 8:
@@ -83,10 +102,11 @@ def test_integer_dot_products_are_exact(isa, bits, gs, K):
         else:
             c = rng.integers(-8, 8, (N, K), dtype=np.int8)
             w, G, q_in = _pack4(c), K // gs, _nibble_order(q)
-        rc, out = _qmm_s8(isa, q_in, np.ones(M, np.float32), w, np.ones((N, G), np.float32), N, bits, gs)
+        with panel_from(panel):
+            rc, out = _qmm_s8(isa, q_in, np.ones(M, np.float32), w, np.ones((N, G), np.float32), N, bits, gs)
         assert rc == 0
         want = q.astype(np.int64) @ c.astype(np.int64).T
-        assert np.array_equal(out.astype(np.int64), want), (M, np.abs(out - want).max())
+        assert np.array_equal(out.astype(np.int64), want), (M, panel, np.abs(out - want).max())
 
 
 @pytest.mark.parametrize("threads", [2, 3, 5])
@@ -126,9 +146,11 @@ def test_scaled_output_agrees_with_portable(isa):
             w, G = rng.integers(0, 256, (N, K // 2), dtype=np.uint8), K // gs
         ws = rng.uniform(0.001, 0.1, (N, G)).astype(np.float32)
         _, want = _qmm_s8("portable", q, xs, w, ws, N, bits, gs, threads=1)
-        rc, got = _qmm_s8(isa, q, xs, w, ws, N, bits, gs, threads=3)
-        assert rc == 0
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+        for panel in _panel_modes(isa):
+            with panel_from(panel):
+                rc, got = _qmm_s8(isa, q, xs, w, ws, N, bits, gs, threads=3)
+            assert rc == 0
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
 
 def test_refusals():
@@ -195,23 +217,31 @@ def _layer(scheme: QuantScheme, N: int, K: int) -> QuantizedLinear:
 @pytest.mark.parametrize("scheme", [QuantScheme(8, None), QuantScheme(4, 32), QuantScheme(4, 128)],
                          ids=["w8", "w4-g32", "w4-g128"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a8_linear_within_tolerance_of_a16(scheme, dtype):
-    """`QmmLinear` with int8 activations against the exact dequantized matmul (A16), batch 1-256 (without
-    `prefill_bf16`, prefill chunks up to `A8_PREFILL_ROWS` stay on the int8 kernel); above that it is the
-    A16 path again (dequantize + sgemm)."""
+@pytest.mark.parametrize("panel", [False, True], ids=["rows", "panel"])
+def test_a8_linear_within_tolerance_of_a16(scheme, dtype, panel):
+    """`QmmLinear` with int8 activations against the exact dequantized matmul (A16), batch 1-257. With the
+    panel GEMM (an AVX-512 VNNI CPU) every row count stays on int8 activations; without (without
+    `prefill_bf16`) prefill chunks up to `A8_PREFILL_ROWS` do, and above that it is the A16 path again
+    (dequantize + sgemm)."""
+    if panel and not HAS_PANEL:
+        pytest.skip(f"no A8 panel GEMM on this CPU (AVX-512 VNNI; runs {LIB.a8_isas()})")
     q = _layer(scheme, N=72, K=256)
-    layer = QmmLinear(q, dtype, qmm=LIB.qmm_f32, a8=LIB.a8())
-    assert QmmLinear.supports_a8(q, CPU, dtype) is None
+    isa = LIB.a8().isa
+    a8 = kernels.A8Matmul.bind(LIB.qmm_a8, isa, LIB.a8_panel_rows(-1) if panel else 0)
+    layer = QmmLinear(q, dtype, qmm=LIB.qmm_f32, a8=a8)
+    assert QmmLinear.supports_a8(q, CPU, dtype) is None and layer.a8_panel == panel
     w = q.dequantized_weight().double()
     assert QmmLinear.A8_PREFILL_ROWS == 256
-    for M in (1, 3, 16, 64, 65, 256, 257):
-        x = torch.randn(M, 256, generator=torch.Generator().manual_seed(M)).to(dtype)
-        ref = x.double() @ w.t() + q.bias.double()
-        got = layer(x)
-        assert got.dtype == dtype and got.shape == (M, 72)
-        err = ((got.double() - ref).norm() / ref.norm()).item()
-        assert err < (A8_REL_TOL if M <= 256 else 1e-2 if dtype == torch.bfloat16 else 1e-6), (M, err)
-        assert err > (1e-4 if M <= 256 else 0)  # the int8 path did run: its rounding shows
+    int8_rows = 10**9 if panel else 256
+    with panel_from(LIB.a8_panel_rows(-1) if panel else 0):
+        for M in (1, 3, 16, 64, 65, 256, 257):
+            x = torch.randn(M, 256, generator=torch.Generator().manual_seed(M)).to(dtype)
+            ref = x.double() @ w.t() + q.bias.double()
+            got = layer(x)
+            assert got.dtype == dtype and got.shape == (M, 72)
+            err = ((got.double() - ref).norm() / ref.norm()).item()
+            assert err < (A8_REL_TOL if M <= int8_rows else 1e-2 if dtype == torch.bfloat16 else 1e-6), (M, err)
+            assert err > (1e-4 if M <= int8_rows else 0)  # the int8 path did run: its rounding shows
 
 
 @pytest.mark.parametrize("scheme", [QuantScheme(8, None), QuantScheme(4, 32)], ids=["w8", "w4-g32"])
@@ -221,8 +251,9 @@ def test_a8_prefill_bf16_gemm_above_its_rows(scheme):
     accumulation; that many rows and fewer still take the int8-activation kernel (the same numbers as
     without the flag)."""
     q = _layer(scheme, N=72, K=256)
-    fast = QmmLinear(q, torch.float32, qmm=LIB.qmm_f32, a8=LIB.a8(), prefill_bf16=True)
-    plain = QmmLinear(q, torch.float32, qmm=LIB.qmm_f32, a8=LIB.a8())
+    rows_only = kernels.A8Matmul.bind(LIB.qmm_a8, LIB.a8().isa, 0)  # as on a CPU without the panel GEMM
+    fast = QmmLinear(q, torch.float32, qmm=LIB.qmm_f32, a8=rows_only, prefill_bf16=True)
+    plain = QmmLinear(q, torch.float32, qmm=LIB.qmm_f32, a8=rows_only)
     w = q.dequantized_weight().double()
     rows = QmmLinear.A8_BF16_PREFILL_ROWS
     assert QmmLinear.A8_MAX_ROWS < rows < QmmLinear.A8_PREFILL_ROWS
@@ -236,9 +267,13 @@ def test_a8_prefill_bf16_gemm_above_its_rows(scheme):
         else:
             # bf16's rounding shows, within bf16's precision
             assert not torch.equal(got, plain(x)) and 1e-4 < err < 1e-2, (M, err)
-    backend = select_backend(torch.nn.Sequential(q), CPU, qmm=LIB.qmm_f32, quant_activations="int8", a8=LIB.a8(),
+    backend = select_backend(torch.nn.Sequential(q), CPU, qmm=LIB.qmm_f32, quant_activations="int8", a8=rows_only,
                              prefill_bf16=True)
     assert "bf16 GEMM" in backend.name and backend(q, torch.float32).prefill_bf16
+    if HAS_PANEL:  # the panel GEMM takes every row count: no bf16 GEMM, whatever the flag
+        backend = select_backend(torch.nn.Sequential(q), CPU, qmm=LIB.qmm_f32, quant_activations="int8",
+                                 a8=LIB.a8(), prefill_bf16=True)
+        assert "panel GEMM" in backend.name and not backend(q, torch.float32).prefill_bf16
 
 
 def test_select_backend_int8_and_its_refusals():
@@ -299,11 +334,12 @@ def test_model_runner_takes_the_choice(w8_model, bf16_units, monkeypatch):
     model = load_pretrained(w8_model, dtype="float32", device="cpu")
     runner = ModelRunner(model, num_blocks=8, block_size=16, quant_activations="int8")
     assert "lmf_qmm_a8" in runner.linear_backend and runner.quantized_linears == 14
-    # A8 prefill rows above A8_MAX_ROWS: a bf16 GEMM where the CPU has bf16 units, else the panel GEMM
-    # (where this build has it), else dequantize + sgemm
+    # A8 prefill rows: on an AVX-512 VNNI CPU the A8 panel GEMM at every row count; else above A8_MAX_ROWS a bf16
+    # GEMM where the CPU has bf16 units, else the float32 panel GEMM (where this build has it), else dequantize + sgemm
     gemm = kernels.load().gemm_ok
-    assert ("lmf_gemm_f32" in runner.linear_backend) is (gemm and bf16_units == "0")
-    assert ("bf16 GEMM" in runner.linear_backend) is (bf16_units == "1")
+    assert ("AVX-512 VNNI panel GEMM" in runner.linear_backend) is HAS_PANEL
+    assert ("lmf_gemm_f32" in runner.linear_backend) is (gemm and bf16_units == "0" and not HAS_PANEL)
+    assert ("bf16 GEMM" in runner.linear_backend) is (bf16_units == "1" and not HAS_PANEL)
     plain = ModelRunner(load_pretrained(w8_model, dtype="float32", device="cpu"), num_blocks=8, block_size=16)
     assert plain.linear_backend == QmmLinear.name + ("; prefill on lmforge lmf_gemm_f32" if gemm else "")
 
@@ -360,6 +396,7 @@ def test_bench_linear_reports_every_kernel(tmp_path, monkeypatch):
     kinds = {r["kernel"] for r in rows}
     assert kinds >= {f"A8 {isa}" for isa in LIB.a8_isas()} | {"A16 exact (lmf_qmm_f32 rows)", "torch (bf16 activations)"}
     assert ("A16 exact (lmf_gemm_f32 panel)" in kinds) == LIB.gemm_ok
+    assert ("A8 panel GEMM (avx512_vnni)" in kinds) == HAS_PANEL
     assert {(r["weights"], r["batch"]) for r in rows} == {(w, b) for w in ("w8a16", "w4a16 g128") for b in (1, 3)}
     for r in rows:
         assert r["us"] > 0 and r["median_us"] >= r["us"] and r["weight_gbs"] > 0 and r["gflops"] > 0

@@ -2,7 +2,8 @@
 
   * quantized (issue 25): int8 (per channel) and int4 (per group) weights at batch 1/4/16/64, per
     kernel: the int8-activation bodies this CPU has (`lmf_qmm_a8`: AVX-512 VNNI, AVX-VNNI, AVX2,
-    portable), the exact A16 kernels on float32 activations (`lmf_qmm_f32`'s row kernel, and the panel
+    portable, each on its rows) and its panel GEMM where the CPU has AVX-512 VNNI (`qmm_a8_panel.c`, which
+    the engine runs from `lmf_a8_panel_rows()` rows), the exact A16 kernels on float32 activations (`lmf_qmm_f32`'s row kernel, and the panel
     GEMM `lmf_gemm_f32` that takes over from `QmmLinear.GEMM_MIN_ROWS` rows) and torch's weight-only
     kernels (bf16 activations). Each figure is GB/s of weight bytes read (codes + scales) and
     GFLOP/s (2·M·N·K), against the STREAM triad of `lmforge doctor` (its saved profile, else measured
@@ -103,8 +104,11 @@ def _kernels(q: QuantizedLinear, lib: kernels.CpuKernels | None) -> dict[str, Ca
     if lib is not None:
         layer = QmmLinear(q, torch.float32, qmm=lib.qmm_f32)  # no c_gemm: the row kernel at every batch
         layer.MAX_ROWS = max(BATCHES)  # the A16 kernel itself at every batch, not its sgemm fallback
-        for isa in lib.a8_isas():
-            out[f"A8 {isa}"] = functools.partial(layer.forward_a8, a8=lib.a8(isa))
+        for isa in lib.a8_isas():  # each body on its rows, the panel GEMM off
+            out[f"A8 {isa}"] = _panel_from(lib, 0, functools.partial(layer.forward_a8, a8=lib.a8(isa)))
+        if lib.a8_panel_rows is not None and lib.a8_panel_rows(-1) > 0:  # and the panel GEMM at every batch
+            out["A8 panel GEMM (avx512_vnni)"] = _panel_from(lib, 1, functools.partial(layer.forward_a8,
+                                                                                       a8=lib.a8("avx512_vnni")))
         out["A16 exact (lmf_qmm_f32 rows)"] = layer
         if lib.gemm_ok:  # the same codes on the panel GEMM, which the engine runs from QmmLinear.GEMM_MIN_ROWS rows
             out["A16 exact (lmf_gemm_f32 panel)"] = functools.partial(_gemm, layer, lib.gemm_f32)
@@ -112,6 +116,20 @@ def _kernels(q: QuantizedLinear, lib: kernels.CpuKernels | None) -> dict[str, Ca
     if torch_cls.supports(q, torch.device("cpu")):
         out["torch (bf16 activations)"] = torch_cls(q, torch.bfloat16)
     return out
+
+
+def _panel_from(lib: kernels.CpuKernels, rows: int, fn: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    """fn with the A8 panel GEMM's threshold at `rows` (0: off) for each call, the library's own restored after."""
+    if lib.a8_panel_rows is None:
+        return fn
+
+    def call(x: torch.Tensor) -> Any:
+        before = lib.a8_panel_rows(rows)
+        try:
+            return fn(x)
+        finally:
+            lib.a8_panel_rows(before)
+    return call
 
 
 def _gemm(layer: QmmLinear, gemm, x_MK: torch.Tensor) -> torch.Tensor:

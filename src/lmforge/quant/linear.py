@@ -275,7 +275,10 @@ class QmmLinear(nn.Module):
                  c_gemm: bool = False):
         super().__init__()
         self.qmm, self.a8, self.bits = qmm, a8, q.scheme.storage_bits
-        self.prefill_bf16 = prefill_bf16 and a8 is not None
+        # the A8 kernel's panel GEMM (AVX-512 VNNI) takes every row count: 1.5-3x the row bodies from 16 rows, ~1.5x
+        # oneDNN's bf16 GEMM (before that one's dequantization) at 256-512 (docs/engine.md, "The A8 panel GEMM")
+        self.a8_panel = a8 is not None and getattr(a8, "panel_rows", 0) > 0
+        self.prefill_bf16 = prefill_bf16 and a8 is not None and not self.a8_panel
         self.N, self.K = q.out_features, q.in_features
         self.gs = q.scheme.group_size or q.in_features
         codes, zp = q.qweight.contiguous(), q.scheme.zero_point
@@ -330,7 +333,7 @@ class QmmLinear(nn.Module):
         self = cls.__new__(cls)  # no QuantizedLinear to read: the fields are set here
         nn.Module.__init__(self)
         self.qmm, self.a8, self.bits, self.prefill_bf16 = qmm, None, bits, False
-        self.c_gemm = False
+        self.c_gemm = self.a8_panel = False
         self.N, self.K = linear.out_features, linear.in_features
         self.gs = self.K
         codes = w.contiguous()  # bf16: its bits as int16; float32: the weight itself, no copy
@@ -442,7 +445,7 @@ class QmmLinear(nn.Module):
         rows = x.numel() // self.K
         a8_rows = (self.bf16_rows - 1 if self.prefill_bf16 else self.A8_MAX_ROWS if self.c_gemm
                    else self.A8_PREFILL_ROWS)
-        if self.a8 is not None and rows <= a8_rows:
+        if self.a8 is not None and (rows <= a8_rows or self.a8_panel):
             out_MN = self.forward_a8(x.reshape(-1, self.K).contiguous())
             if self.bias is not None:
                 out_MN += self.bias
@@ -504,7 +507,9 @@ def _a8_backend(layers: list[QuantizedLinear], device: torch.device, dtype: torc
     c_gemm = c_gemm and dtype == torch.float32 and qmm is not None and not prefill_bf16
     backend = functools.partial(QmmLinear, qmm=qmm if dtype == torch.float32 else None, a8=a8,
                                 prefill_bf16=prefill_bf16, c_gemm=c_gemm)
-    above = (f"above {QmmLinear.A8_BF16_PREFILL_ROWS} rows bf16 GEMM on dequantized weights" if prefill_bf16 else
+    panel = getattr(a8, "panel_rows", 0)
+    above = (f"from {panel} rows its AVX-512 VNNI panel GEMM" if panel > 0 else
+             f"above {QmmLinear.A8_BF16_PREFILL_ROWS} rows bf16 GEMM on dequantized weights" if prefill_bf16 else
              f"above {QmmLinear.A8_MAX_ROWS} rows lmforge lmf_gemm_f32 on float32 activations" if c_gemm else
              f"above {QmmLinear.A8_PREFILL_ROWS} rows sgemm on dequantized weights")
     backend.name = f"int8/int4 weights x int8 activations (lmforge lmf_qmm_a8, {a8.isa}; {above})"  # type: ignore

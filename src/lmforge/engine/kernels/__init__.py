@@ -18,7 +18,9 @@ The C sources sit beside this file, one concern a file behind one header (`commo
   * `qmm_a8.c` (+ `qmm_a8_avx256.c`, `qmm_a8_avx512.c`, its x86 bodies): `lmf_qmm_a8`, the same weights on
     int8 activations (dynamic, a scale per block of the weight's group: 32 for GGUF's types, the row for per-channel int8) with int32 integer dot products, one body per ISA (`A8_ISAS`:
     AVX-512 VNNI in 256-bit and 512-bit forms, AVX-VNNI, AVX2, portable C); `LMFORGE_A8_ISA=<name>` forces
-    one, `a8_isa()` says which runs;
+    one, `a8_isa()` says which runs; from `lmf_a8_panel_rows()` rows (16; `LMFORGE_A8_PANEL_ROWS=N` sets it, 0
+    never) an AVX-512 VNNI CPU runs `qmm_a8_panel.c`, a panel GEMM over 16 weight rows unpacked at a time (prefill
+    chunks, big decode batches);
   * `decode_layer.c`: `lmf_decode_layer_q` / `lmf_decode_stack_q`, a whole decoder layer (or every layer) of a
     decode step in one call;
   * `dispatch.c`: the one place that decides which body of each kernel runs, once at load, from the CPU's
@@ -92,6 +94,8 @@ class CpuKernels:
     #                                         isa): on rows quantized already (the tests' entry point)
     quantize_s8: ctypes._CFuncPtr | None = None  # lmf_quantize_s8(x, act, M, K, nibble_order, block, q, q_scales)
     a8_isa_supported: ctypes._CFuncPtr | None = None  # lmf_a8_isa_supported(isa) -> 0 | 1
+    a8_panel_rows: ctypes._CFuncPtr | None = None  # lmf_a8_panel_rows(rows) -> the threshold before: from how many
+    #                                                rows the A8 panel GEMM runs (0 never; rows < 0 only reads it)
     gemm_f32: ctypes._CFuncPtr | None = None  # lmf_gemm_f32(x, w, scales, out, M, N, K, bits, gs, threads) -> 0 | -1
     gemm_ok: bool = False  # whether this build has the panel GEMM's body (AVX2 + FMA): prefill chunks of bf16 weights
     decode_layer_q: ctypes._CFuncPtr | None = None  # lmf_decode_layer_q(isa, params, x, M, cos, sin, slots, tables,
@@ -110,7 +114,8 @@ class CpuKernels:
         isa = isa or a8_isa(self)
         if isa not in A8_ISAS or not self.a8_isa_supported(A8_ISAS[isa]):
             raise ValueError(f"int8-activation body {isa!r}: this CPU runs {', '.join(self.a8_isas())}")
-        return A8Matmul.bind(self.qmm_a8, isa)
+        panel = self.a8_panel_rows(-1) if self.a8_panel_rows is not None and isa.startswith("avx512") else 0
+        return A8Matmul.bind(self.qmm_a8, isa, panel)
 
 
 class A8Matmul(functools.partial):
@@ -119,11 +124,12 @@ class A8Matmul(functools.partial):
     `quant_activations="int8"`."""
 
     isa: str
+    panel_rows: int  # from how many rows the call runs the A8 panel GEMM (qmm_a8_panel.c); 0: never (no AVX-512 VNNI)
 
     @classmethod
-    def bind(cls, fn: ctypes._CFuncPtr, isa: str) -> A8Matmul:
+    def bind(cls, fn: ctypes._CFuncPtr, isa: str, panel_rows: int = 0) -> A8Matmul:
         p = cls(fn, A8_ISAS[isa])
-        p.isa = isa
+        p.isa, p.panel_rows = isa, panel_rows
         return p
 
 
@@ -246,6 +252,7 @@ def _bind(path: Path) -> CpuKernels:
           "qmm_s8": ("lmf_qmm_s8", [P, P, P, P, P, I64, I64, I64, I64, I64, I64, I64, P]),
           "quantize_s8": ("lmf_quantize_s8", [P, I64, I64, I64, I64, I64, P, P]),
           "a8_isa_supported": ("lmf_a8_isa_supported", [I64]),
+          "a8_panel_rows": ("lmf_a8_panel_rows", [I64]),
           "gemm_f32": ("lmf_gemm_f32", [P, P, P, P, I64, I64, I64, I64, I64, I64, P]),
           "decode_layer_q": ("lmf_decode_layer_q", [I64, P, P, I64, P, P, P, P, I64, P, P, I64, ctypes.c_float,
                                                     ctypes.c_float]),
@@ -255,8 +262,12 @@ def _bind(path: Path) -> CpuKernels:
         fn = getattr(lib, name, None)
         if fn is None:  # an older revision's build (the A/B scripts)
             continue
-        fn.restype, fn.argtypes = ctypes.c_int, argtypes
+        fn.restype, fn.argtypes = (ctypes.c_int64 if field == "a8_panel_rows" else ctypes.c_int), argtypes
         fns[field] = fn
+    if "a8_panel_rows" in fns and (rows := os.environ.get("LMFORGE_A8_PANEL_ROWS", "").strip()):
+        if not rows.isdigit():
+            raise ValueError(f"LMFORGE_A8_PANEL_ROWS={rows!r}: a row count (0: never the panel GEMM)")
+        fns["a8_panel_rows"](int(rows))
     one = (ctypes.c_float * 1)(1.0)
     # -1: no AVX2 + FMA body in this build (and no lmf_gemm_f32 at all in an older revision's)
     gemm_ok = "gemm_f32" in fns and fns["gemm_f32"](one, one, None, one, 1, 1, 1, 32, 0, 1, None) == 0

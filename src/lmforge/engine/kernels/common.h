@@ -13,6 +13,7 @@
  *   qmm_a8.c            int8 activations: quantization, entry points, threads, the portable body
  *   qmm_a8_avx256.c     its 256-bit bodies: avx2, avx_vnni, avx512_vnni_256
  *   qmm_a8_avx512.c     its 512-bit body: avx512_vnni
+ *   qmm_a8_panel.c      its panel GEMM for many rows (prefill chunks, big batches): AVX-512 VNNI
  *   decode_layer.c      a whole decoder layer (and the stack of them) of a decode step in one call
  *   dispatch.c          which body runs, decided once at load from the CPU's flags; `lmf_kernels_chosen`
  *
@@ -349,6 +350,7 @@ static inline int64_t a8_block(int64_t gs) { return gs == 16 ? 32 : gs; }
 typedef struct {
     const int8_t *q; const float *xs; const void *w; const float *ws; float *out;  /* xs: (M, A) */
     const float *qs;  /* xs * sum(q) of each group, (M, G): int4 on the 256-bit bodies, and with zeros; else NULL */
+    const int32_t *qc;  /* -128 * sum(q) of each group, (M, G): the panel body's; else NULL */
     const lmf_scales *sc;  /* the scales' (and zeros') form; NULL: the float32 `ws` and no zeros */
     int pairs;  /* int4 on the 256-bit bodies: q in `pair_order` (blocks taken two at a time) */
     const float *xp;  /* with pairs in groups of 32: each pair's two activation scales as 8 floats (x_A x4, x_B x4),
@@ -368,6 +370,7 @@ LMF_HIDDEN void a8_range_avxvnni(const a8_job *j);
 #endif
 LMF_HIDDEN void a8_range_avx512vnni256(const a8_job *j);
 LMF_HIDDEN void a8_range_avx512vnni(const a8_job *j);
+LMF_HIDDEN void a8_panel_avx512vnni(const a8_job *j);  /* qmm_a8_panel.c: many rows, 16 weight rows a panel */
 
 /* R (rows, 1..4) and BITS (8 or 4) as compile-time constants of an always-inline row function FN, so
  * its accumulators stay in registers and no branch on the weight format runs inside its loops. */
@@ -408,6 +411,8 @@ typedef struct {
     int attn_avx2;                 /* float32-query attention: the AVX2 + FMA body runs on this CPU */
     a8_body_fn a8_body[A8_ISAS];   /* each A8 body, NULL where this build or this CPU lacks it */
     int64_t a8_best;               /* the A8 body `lmf_qmm_a8` runs when not told */
+    a8_body_fn a8_panel;           /* the A8 panel GEMM (AVX-512 VNNI), NULL where this build or CPU lacks it */
+    int64_t a8_panel_rows;         /* from how many rows the AVX-512 VNNI bodies hand a call to it (0: never) */
 } lmf_dispatch_table;
 
 LMF_HIDDEN extern lmf_dispatch_table lmf_dispatch;
@@ -461,6 +466,7 @@ int lmf_decode_stack_q(int64_t isa, int64_t n_layers, const int64_t *layers, flo
 /* dispatch.c */
 int lmf_a8_isa_supported(int64_t isa);
 int64_t lmf_a8_best_isa(void);
+int64_t lmf_a8_panel_rows(int64_t rows);
 const char *lmf_kernels_chosen(void);
 
 #endif

@@ -57,7 +57,20 @@ static int a8_cpu_runs(int64_t isa) {
 #endif
 
 static const char *const a8_names[A8_ISAS] = {"portable", "avx2", "avx_vnni", "avx512_vnni", "avx512_vnni_256"};
-static char chosen[256];  /* lmf_kernels_chosen's line, written with the table */
+static char chosen[320];  /* lmf_kernels_chosen's line, written with the table */
+
+/* many rows go to the panel GEMM from this many (Zen 4, 2 threads: see docs/engine.md, "The A8 panel GEMM") */
+#define A8_PANEL_ROWS 16
+
+static void write_chosen(void) {
+    char panel[48] = "none";  /* "avx512_vnni/16rows": the body, and from how many rows it runs */
+    if (lmf_dispatch.a8_panel != NULL && lmf_dispatch.a8_panel_rows > 0)
+        snprintf(panel, sizeof panel, "avx512_vnni/%lldrows", (long long)lmf_dispatch.a8_panel_rows);
+    snprintf(chosen, sizeof chosen,
+             "attention_bf16=" ATTN_BF16 " attention_f32=%s elementwise_bf16=" ELEMENTWISE_BF16 " qmm_f32=" QMM_F32
+             " gemm_f32=" GEMM_F32 " qmm_a8=%s qmm_a8_panel=%s", lmf_dispatch.attn_avx2 ? "avx2" : "portable",
+             a8_names[lmf_dispatch.a8_best], panel);
+}
 
 __attribute__((constructor)) static void lmf_dispatch_init(void) {
 #ifdef LMF_X86
@@ -80,10 +93,24 @@ __attribute__((constructor)) static void lmf_dispatch_init(void) {
         lmf_dispatch.a8_body[isa] = built[isa] != NULL && a8_cpu_runs(isa) ? built[isa] : NULL;
         if (lmf_dispatch.a8_body[isa] != NULL) lmf_dispatch.a8_best = isa;  /* numbered in order of preference */
     }
-    snprintf(chosen, sizeof chosen,
-             "attention_bf16=" ATTN_BF16 " attention_f32=%s elementwise_bf16=" ELEMENTWISE_BF16 " qmm_f32=" QMM_F32
-             " gemm_f32=" GEMM_F32 " qmm_a8=%s", lmf_dispatch.attn_avx2 ? "avx2" : "portable",
-             a8_names[lmf_dispatch.a8_best]);
+#ifdef LMF_X86
+    if (lmf_dispatch.a8_body[A8_AVX512_VNNI] != NULL) {
+        lmf_dispatch.a8_panel = a8_panel_avx512vnni;
+        lmf_dispatch.a8_panel_rows = A8_PANEL_ROWS;
+    }
+#endif
+    write_chosen();
+}
+
+/* The panel GEMM's threshold: from `rows` rows (0: never) the AVX-512 VNNI bodies hand a call to it; rows < 0
+ * leaves it. Returns the threshold before (0 where this CPU or build has no panel body, which nothing changes). */
+int64_t lmf_a8_panel_rows(int64_t rows) {
+    const int64_t before = lmf_dispatch.a8_panel_rows;
+    if (rows >= 0 && lmf_dispatch.a8_panel != NULL) {
+        lmf_dispatch.a8_panel_rows = rows;
+        write_chosen();
+    }
+    return before;
 }
 
 /* 1 if this CPU (and this build) runs A8 body `isa`, else 0. */
@@ -99,7 +126,8 @@ int64_t lmf_a8_best_isa(void) {
 /* "concern=body ..." for every kernel with more than one body, as this CPU and build run them: attention_bf16
  * (avx512_bf16 | avx512 | portable), attention_f32 (float32 queries over float32 / bf16 pools: avx2 | portable;
  * int8 pools always portable), elementwise_bf16 (avx512 | portable), qmm_f32 (avx2 | portable), gemm_f32
- * (avx2 | none: the caller widens and runs sgemm), qmm_a8 (the default A8 body, `kernels.A8_ISAS` names).
+ * (avx2 | none: the caller widens and runs sgemm), qmm_a8 (the default A8 body, `kernels.A8_ISAS` names),
+ * qmm_a8_panel (the many-row A8 GEMM and its threshold, or none).
  * K/V writes and the float32 elementwise ops are plain C everywhere. */
 const char *lmf_kernels_chosen(void) {
     return chosen;

@@ -125,6 +125,12 @@ static void *a8_range(void *arg) {  /* a thread's share: chunks of weight rows (
     return NULL;
 }
 
+static void *a8_range_panel(void *arg) {  /* a thread's share of panels: chunks of 16 rows (take_chunk) */
+    a8_job j = *(const a8_job *)arg;
+    while (take_chunk(j.next, j.chunk, j.N, &j.n0, &j.n1)) lmf_dispatch.a8_panel(&j);
+    return NULL;
+}
+
 /* absmax / 127 of one row. The absolute values are compared as bit patterns (for finite floats the
  * order is the same), so the loop is an integer max the compiler vectorizes without fast-math. */
 static float a8_row_scale(const void *x, int act, int64_t K) {
@@ -196,6 +202,44 @@ int lmf_quantize_s8(const void *x, int64_t act, int64_t M, int64_t K, int64_t ni
     return 0;
 }
 
+/* Row-parallel preparation of the activations, `threads` contiguous shares of the M rows (a prefill chunk's 512 x
+ * 2,816 inputs took 0.8 ms to quantize on one thread, every layer's every matmul). */
+typedef struct {
+    const int8_t *q; const void *x; int64_t act, m0, m1, K, nibble_order, ab; int8_t *qo; float *s; int32_t *qc;
+} row_job;
+
+static void *quantize_rows(void *arg) {
+    const row_job *r = (const row_job *)arg;
+    const size_t es = r->act ? 4 : 2;
+    if (r->m1 > r->m0)
+        lmf_quantize_s8((const char *)r->x + (size_t)(r->m0 * r->K) * es, r->act, r->m1 - r->m0, r->K, r->nibble_order,
+                        r->ab, r->qo + r->m0 * r->K, r->s + r->m0 * (r->K / r->ab));
+    return NULL;
+}
+
+static void *qc_rows(void *arg) {  /* -128 * sum(q) of each group of ab (here: the weight's gs) inputs */
+    const row_job *r = (const row_job *)arg;
+    const int64_t G = r->K / r->ab;
+    for (int64_t m = r->m0; m < r->m1; m++)
+        for (int64_t g = 0; g < G; g++) {
+            int32_t sum = 0;
+            for (int64_t k = g * r->ab; k < (g + 1) * r->ab; k++) sum += r->q[m * r->K + k];
+            r->qc[m * G + g] = -128 * sum;
+        }
+    return NULL;
+}
+
+static void row_jobs(void *(*fn)(void *), const int8_t *q, const void *x, int64_t act, int64_t M, int64_t K,
+                     int64_t nibble_order, int64_t ab, int8_t *qo, float *s, int32_t *qc, int64_t threads) {
+    if (threads > M / 8) threads = M / 8;  /* a few rows: one thread */
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    row_job jobs[MAX_THREADS];
+    for (int64_t t = 0; t < threads; t++)
+        jobs[t] = (row_job){q, x, act, M * t / threads, M * (t + 1) / threads, K, nibble_order, ab, qo, s, qc};
+    run_jobs(fn, jobs, sizeof jobs[0], threads);
+}
+
 /* out (M, N) float32 = the A8 product of quantized rows (q, xs (M, K / a8_block(gs)): `lmf_quantize_s8` with that
  * block) and int8 / int4 weights (w, ws (N, K / gs)).
  * isa: a body (0..4, `A8_ISAS`) or -1 for the best. Returns 0; -1 for a shape it does not take (K % 32, int4 gs
@@ -213,18 +257,22 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
     const int64_t ab = a8_block(gs), A = K / ab;
     if (isa < 0) isa = lmf_a8_best_isa();
     if (isa >= A8_ISAS || !lmf_a8_isa_supported(isa)) return -2;
-    if (isa == A8_AVX512_VNNI && (g16 || bits == 5 || bits == 6))  /* groups of 16, 5/6-bit codes: the 256-bit body */
+    /* many rows on an AVX-512 VNNI CPU: the panel GEMM (qmm_a8_panel.c), whatever the weight's form */
+    const int panel = (isa == A8_AVX512_VNNI || isa == A8_AVX512_VNNI_256) && lmf_dispatch.a8_panel != NULL &&
+                      lmf_dispatch.a8_panel_rows > 0 && M >= lmf_dispatch.a8_panel_rows;
+    if (panel) isa = A8_AVX512_VNNI;
+    if (!panel && isa == A8_AVX512_VNNI && (g16 || bits == 5 || bits == 6))  /* groups of 16, 5/6-bit codes: the 256-bit body */
         isa = lmf_a8_isa_supported(A8_AVX512_VNNI_256) ? A8_AVX512_VNNI_256 : A8_PORTABLE;
     /* the 256-bit VNNI body hands int8 weights at 8 rows or more to the 512-bit one, which wins there (Zen 4,
      * 2 threads: int8 g32 on the 300M's shapes, 4 rows 0.47 against 0.50 ms, 16 rows 1.78 against 1.87; a
      * Q8_0 prompt of 100 tokens 308-329 against 360-617 ms); int4 stays on it at every batch */
-    if (isa == A8_AVX512_VNNI_256 && bits == 8 && M >= 8 && !g16 && lmf_a8_isa_supported(A8_AVX512_VNNI))
+    if (!panel && isa == A8_AVX512_VNNI_256 && bits == 8 && M >= 8 && !g16 && lmf_a8_isa_supported(A8_AVX512_VNNI))
         isa = A8_AVX512_VNNI;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > N) threads = N;
     int8_t *u = NULL;  /* the 512-bit body reads q + 128 (unsigned): converted once here */
-    if (isa == A8_AVX512_VNNI) {
+    if (isa == A8_AVX512_VNNI && !panel) {
         if ((u = (int8_t *)malloc((size_t)(M * K))) == NULL) return -1;
         for (int64_t i = 0; i < M * K; i++) u[i] = (int8_t)((uint8_t)q[i] ^ 0x80u);
     }
@@ -261,13 +309,24 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
                 for (int64_t p = 0; p < K / 64; p++)
                     for (int i = 0; i < 8; i++) xp[(m * (K / 64) + p) * 8 + i] = xs[m * A + 2 * p + (i >= 4)];
     }
+    int32_t *qc = NULL;  /* the panel body: -128 * sum(q) a group, where its unsigned weights (c + 128) need it */
+    if (panel) {
+        if ((qc = (int32_t *)malloc((size_t)(M * (K / gs)) * sizeof(int32_t))) == NULL) {
+            free(qs);
+            return -1;
+        }
+        row_jobs(qc_rows, q, NULL, 0, M, K, 0, gs, NULL, NULL, qc, threads);
+    }
     int64_t next = 0;
-    const int64_t chunk = chunk_rows(N, threads);
+    /* the panel body: chunks of whole panels, about four a thread (a panel of 16 rows is the unit of work) */
+    const int64_t panels = (N + 15) / 16, per = panels / (4 * threads);
+    const int64_t chunk = panel ? 16 * (per > 1 ? per : 1) : chunk_rows(N, threads);
     a8_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, qs, sc, pairs, xp, M, N, K, gs, bits, 0, 0, isa, K / gs, ab, A,
-                           &next, chunk, threads};
-    run_jobs(a8_range, jobs, sizeof jobs[0], threads);
+        jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, qs, qc, sc, pairs, xp, M, N, K, gs, bits, 0, 0, isa, K / gs, ab,
+                           A, &next, chunk, threads};
+    run_jobs(panel ? a8_range_panel : a8_range, jobs, sizeof jobs[0], threads);
+    free(qc);
     free(xp);
     free(qs);
     free(u);
@@ -284,7 +343,8 @@ int lmf_qmm_a8(int64_t isa, const void *x, int64_t act, const void *w, const flo
     int8_t *q = (int8_t *)malloc((size_t)(M * K) + (size_t)(M * (K / ab)) * sizeof(float));
     if (q == NULL) return -1;
     float *xs = (float *)(q + M * K);  /* M * K is a multiple of 32: aligned for float */
-    int rc = lmf_quantize_s8(x, act, M, K, bits == 4, ab, q, xs);
+    int rc = lmf_quantize_s8(x, act, 0, K, bits == 4, ab, q, xs);  /* the shape's checks, no rows */
+    if (rc == 0) row_jobs(quantize_rows, NULL, x, act, M, K, bits == 4, ab, q, xs, NULL, threads);
     if (rc == 0) rc = lmf_qmm_s8(q, xs, w, ws, out, M, N, K, bits, gs, threads, isa, sc);
     free(q);
     return rc;

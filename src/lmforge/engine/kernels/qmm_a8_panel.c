@@ -1,0 +1,235 @@
+/* The int8-activation matmul for many rows (prefill chunks, big decode batches): a panel GEMM on AVX-512 VNNI.
+ *
+ * The row bodies (qmm_a8_avx256.c, qmm_a8_avx512.c) read each weight row once and take its dot product with every
+ * activation row, a horizontal sum a row and weight row; fine for a decode step's few rows, but each weight code is
+ * then unpacked once per 4 activation rows, and 16-512 rows pay that again and again. Here the weight is taken 16
+ * rows at a time (a panel), unpacked once into bytes c + 128 interleaved four k a lane (llama.cpp's 8- and
+ * 16-row repacks of Q4_0 are the precedent, done here per call and per panel, in L1, so nothing is stored twice):
+ *
+ *     P[k / 4][i][k % 4] = 128 + code of weight row n0 + i at input k      (a 64-byte vector: 4 k of 16 rows)
+ *
+ * and one `vpdpbusd` multiplies it by 4 inputs of one activation row broadcast to the 16 lanes (the EVEX
+ * `{1to16}` memory operand): 16 outputs at once, no horizontal sum, each panel vector used by R activation rows
+ * while it sits in a register. dpbusd multiplies unsigned by signed bytes: the panel holds c + 128 (unsigned) and the
+ * activations stay signed q, so it accumulates dot(q, c) + 128 * sum(q); each group's accumulator starts at
+ * -128 * sum(q) of its activation row (`qc`, made once a call by `lmf_qmm_s8`), which leaves the exact integer
+ * dot product at the group's end (|dot| < 2^31 for K < 65536). Then, per group g and row m,
+ *     out[m, n0..n0+15] += float(dot) * (scale[n, g] * xs[m, a(g)])  (+ zero[n, g] * qs[m, g] with zero offsets)
+ * in float32, the same terms as the other bodies, summed in group order per output (the row bodies sum lanes in
+ * another order: results agree to float32 rounding, integer dot products exactly).
+ *
+ * Every weight form the A8 kernel takes runs here: int8 (per channel, groups of 16 or more), int4, 5- and 6-bit
+ * codes, with float32, float16 or two-level scales and zero offsets, since a panel is built from each row's
+ * signed codes and float32 scales (`row_scales`). Activation order: int4 rows in the quantizer's nibble order
+ * (each block of 32: 16 even k, then 16 odd k; `a8_unpack4`), every other width in k order.
+ *
+ * `lmf_qmm_s8` runs it from `lmf_a8_panel_rows()` rows on a CPU with AVX-512 VNNI (dispatch.c).
+ */
+#include "common.h"
+
+#ifdef LMF_X86
+
+#define TP "avx512f,avx512bw,avx512vl,avx512vnni,fma"
+#define PANEL 16      /* weight rows a panel: one 512-bit vector of int32 lanes */
+#define PANEL_R 8     /* activation rows a pass over one panel */
+#define PANEL_R2 6    /* activation rows a pass over two panels side by side (2 x 6 accumulators, 2 x 6 sums) */
+
+/* Weight row n's codes as signed int8, in the activations' order, into out (K bytes). */
+static void panel_row_codes(const a8_job *j, int64_t n, int8_t *out) {
+    const int64_t K = j->K, bits = j->bits, row_bytes = row_bytes_of(bits, K);
+    const uint8_t *w = (const uint8_t *)j->w + n * row_bytes;
+    if (bits == 8) {
+        memcpy(out, w, (size_t)K);
+    } else if (bits == 4) {  /* stored code + 8, two a byte; each block: even k, then odd k */
+        for (int64_t b = 0; b < K / 32; b++)
+            for (int i = 0; i < 16; i++) {
+                out[b * 32 + i] = (int8_t)((w[b * 16 + i] & 0x0F) - 8);
+                out[b * 32 + 16 + i] = (int8_t)((w[b * 16 + i] >> 4) - 8);
+            }
+    } else {  /* 5 / 6 bits: u - off, k order */
+        const int off = code_offset(bits);
+        for (int64_t k = 0; k < K; k++) out[k] = (int8_t)(lohi_code(w, bits, K, k) - off);
+    }
+}
+
+/* In place: r[i] lane j <- r[j] lane i, for 16 vectors of 16 int32 (a 16 x 16 transpose of 4-byte words). */
+__attribute__((target(TP), always_inline)) static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4)  /* each 128-bit lane: word e of rows i..i+3 into r[i + e] */
+        for (int h = 0; h < 2; h++) {
+            r[i + 2 * h] = _mm512_unpacklo_epi64(t[i + h], t[i + 2 + h]);
+            r[i + 2 * h + 1] = _mm512_unpackhi_epi64(t[i + h], t[i + 2 + h]);
+        }
+    /* within each 128-bit lane: the words of rows 4a..4a+3; now the lanes across the 4 groups of 4 rows */
+    for (int i = 0; i < 4; i++)
+        for (int h = 0; h < 2; h++) {
+            t[i + 8 * h] = _mm512_shuffle_i32x4(r[i + 8 * h], r[i + 4 + 8 * h], 0x88);
+            t[i + 4 + 8 * h] = _mm512_shuffle_i32x4(r[i + 8 * h], r[i + 4 + 8 * h], 0xDD);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
+    }
+}
+
+/* The panel of weight rows [n0, n0 + live): codes P (K / 4 vectors of 16 words: c + 128 as bytes, the dot
+ * product's unsigned operand), and per group the scales S and the zero offsets Z (when the weight has them), G
+ * vectors each. Lanes past `live` repeat the last row (their outputs are never stored). int8 and int4 rows: 16
+ * rows' words a step through a 16 x 16 transpose (an int4 word's low nibbles are 4 codes of its block's first
+ * half, its high nibbles the same 4 of the second half: the activations' nibble order); 5- and 6-bit rows
+ * code by code. */
+__attribute__((target(TP))) static void panel_build(const a8_job *j, int64_t n0, int live, int8_t *row, int32_t *P,
+                                                    float *S, float *Z, float *ws_buf, float *wz_buf) {
+    const int64_t K = j->K, G = j->G, bits = j->bits, row_bytes = row_bytes_of(bits, K);
+    if (bits == 8 || bits == 4) {
+        const uint8_t *rows[PANEL];
+        for (int i = 0; i < PANEL; i++)
+            rows[i] = (const uint8_t *)j->w + (n0 + (i < live ? i : live - 1)) * row_bytes;
+        const __m512i k80 = _mm512_set1_epi8((char)0x80), low = _mm512_set1_epi8(0x0F), k78 = _mm512_set1_epi8(0x78);
+        for (int64_t c = 0; c < row_bytes; c += 64) {  /* row_bytes: a multiple of 16 */
+            const int words = row_bytes - c >= 64 ? 16 : (int)((row_bytes - c) / 4);
+            const __mmask16 m = (__mmask16)((1u << words) - 1);
+            __m512i r[16];
+            for (int i = 0; i < PANEL; i++) r[i] = _mm512_maskz_loadu_epi32(m, rows[i] + c);
+            transpose16(r);
+            for (int t = 0; t < words; t++) {
+                const int64_t pw = c / 4 + t;  /* the rows' word pw */
+                if (bits == 8) {
+                    _mm512_storeu_si512(P + pw * PANEL, _mm512_xor_si512(r[t], k80));
+                } else {  /* block pw / 4, its word pw % 4: codes 4 (pw % 4) .. of each half, nibble - 8 + 128 */
+                    const int64_t at = (pw / 4) * 8 + pw % 4;
+                    _mm512_storeu_si512(P + at * PANEL, _mm512_add_epi8(_mm512_and_si512(r[t], low), k78));
+                    _mm512_storeu_si512(P + (at + 4) * PANEL,
+                                        _mm512_add_epi8(_mm512_and_si512(_mm512_srli_epi32(r[t], 4), low), k78));
+                }
+            }
+        }
+    } else {
+        for (int i = 0; i < PANEL; i++) {
+            panel_row_codes(j, n0 + (i < live ? i : live - 1), row);
+            const uint32_t *rw = (const uint32_t *)row;
+            for (int64_t w = 0; w < K / 4; w++) P[w * PANEL + i] = (int32_t)(rw[w] ^ 0x80808080u);
+        }
+    }
+    for (int i = 0; i < PANEL; i++) {
+        const float *ws, *wz;
+        row_scales(j->sc, j->ws, n0 + (i < live ? i : live - 1), G, bits, ws_buf, wz_buf, &ws, &wz);
+        for (int64_t g = 0; g < G; g++) {
+            S[g * PANEL + i] = ws[g];
+            if (Z != NULL) Z[g * PANEL + i] = wz != NULL ? wz[g] : 0.0f;
+        }
+    }
+}
+
+/* acc += dpbusd(w, the 4 signed bytes at p broadcast to every lane): the broadcast as the instruction's `{1to16}`
+ * memory operand, one instruction (GCC 12 loads it into a register first: one more instruction a dot product) */
+__attribute__((target(TP), always_inline)) static inline void dpbusd_bcast(__m512i *acc, const __m512i w,
+                                                                           const uint8_t *p) {
+#if defined(__GNUC__) && !defined(__clang__)
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(*acc) : "v"(w), "m"(*(const int32_t *)p));
+#else
+    int32_t a;
+    memcpy(&a, p, 4);
+    *acc = _mm512_dpbusd_epi32(*acc, w, _mm512_set1_epi32(a));
+#endif
+}
+
+/* R activation rows (u + m0 * K ...) against NP panels side by side (16 NP weight rows): out[m0 + r, n0 ..). Each
+ * step loads NP panel vectors and R broadcasts for NP * R dot products. */
+__attribute__((target(TP), always_inline)) static inline void panel_rows(
+        const a8_job *j, int32_t *const *P, float *const *S, float *const *Z, const uint8_t *u, const float *xs,
+        const float *qs, const int32_t *qc, float *out, const __mmask16 *live, const int NP, const int R) {
+    const int64_t K = j->K, G = j->G, gs = j->gs, A = j->A, ab = j->ab, quads = gs / 4;
+    __m512 f[2][PANEL_R];
+    for (int p = 0; p < NP; p++)
+        for (int r = 0; r < R; r++) f[p][r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m512i acc[2][PANEL_R];
+        for (int r = 0; r < R; r++) {
+            const __m512i c = _mm512_set1_epi32(qc[r * G + g]);
+            for (int p = 0; p < NP; p++) acc[p][r] = c;
+        }
+        const uint8_t *ug = u + g * gs;
+        for (int64_t d = 0; d < quads; d++) {
+            __m512i wv[2];
+            for (int p = 0; p < NP; p++) wv[p] = _mm512_loadu_si512(P[p] + (g * quads + d) * PANEL);
+            for (int r = 0; r < R; r++)
+                for (int p = 0; p < NP; p++) dpbusd_bcast(&acc[p][r], wv[p], ug + r * K + 4 * d);
+        }
+        const int64_t a = g * gs / ab;
+        for (int p = 0; p < NP; p++) {
+            const __m512 sv = _mm512_loadu_ps(S[p] + g * PANEL);
+            for (int r = 0; r < R; r++)
+                f[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[p][r]), _mm512_mul_ps(sv, _mm512_set1_ps(xs[r * A + a])),
+                                          f[p][r]);
+            if (Z[p] != NULL) {
+                const __m512 zv = _mm512_loadu_ps(Z[p] + g * PANEL);
+                for (int r = 0; r < R; r++) f[p][r] = _mm512_fmadd_ps(zv, _mm512_set1_ps(qs[r * G + g]), f[p][r]);
+            }
+        }
+    }
+    for (int p = 0; p < NP; p++)
+        for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + r * j->N + p * PANEL, live[p], f[p][r]);
+}
+
+#define PANEL_ROWS_CASES(NP, RMAX) do {                                                                        \
+        switch (R) {                                                                                           \
+            case 1: panel_rows(j, P, S, Z, um, xm, qm, cm, om, mask, NP, 1); break;                             \
+            case 2: panel_rows(j, P, S, Z, um, xm, qm, cm, om, mask, NP, 2); break;                             \
+            case 3: panel_rows(j, P, S, Z, um, xm, qm, cm, om, mask, NP, 3); break;                             \
+            case 4: panel_rows(j, P, S, Z, um, xm, qm, cm, om, mask, NP, 4); break;                             \
+            case 5: panel_rows(j, P, S, Z, um, xm, qm, cm, om, mask, NP, 5); break;                             \
+            default: panel_rows(j, P, S, Z, um, xm, qm, cm, om, mask, NP, RMAX); break;                         \
+        }                                                                                                      \
+    } while (0)
+
+/* Weight rows [j->n0, j->n1) two panels (32 rows) at a time, a last odd panel alone, for all j->M activation rows
+ * (signed q, and qc). */
+__attribute__((target(TP))) LMF_HIDDEN void a8_panel_avx512vnni(const a8_job *j) {
+    const int64_t K = j->K, G = j->G, M = j->M;
+    const int zeros = j->qs != NULL && j->sc != NULL && j->sc->z != NULL;
+    /* per panel: P (K bytes a row of it), S and Z (G floats each a row); then one code row, two scale rows */
+    const size_t per = (size_t)K * PANEL + (size_t)G * PANEL * 8;
+    const size_t bytes = 2 * per + (size_t)K + 2 * LMF_MAX_G * sizeof(float) + 64;
+    char *buf = (char *)aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (buf == NULL) return;  /* lmf_qmm_s8 checked that a panel's buffer was to be had before it started */
+    int32_t *P[2];
+    float *S[2], *Z[2];
+    for (int p = 0; p < 2; p++) {
+        P[p] = (int32_t *)(buf + p * per);
+        S[p] = (float *)(buf + p * per + K * PANEL);
+        Z[p] = zeros ? S[p] + G * PANEL : NULL;
+    }
+    int8_t *row = (int8_t *)(buf + 2 * per);
+    float *ws_buf = (float *)(row + K), *wz_buf = ws_buf + LMF_MAX_G;
+    const uint8_t *u = (const uint8_t *)j->q;
+    for (int64_t n0 = j->n0; n0 < j->n1; n0 += 2 * PANEL) {
+        __mmask16 mask[2] = {0, 0};
+        int NP = 0;
+        for (int p = 0; p < 2 && n0 + p * PANEL < j->n1; p++, NP++) {
+            const int64_t left = j->n1 - (n0 + p * PANEL);
+            const int live = left < PANEL ? (int)left : PANEL;
+            mask[p] = (__mmask16)((1u << live) - 1);
+            panel_build(j, n0 + p * PANEL, live, row, P[p], S[p], Z[p], ws_buf, wz_buf);
+        }
+        const int rmax = NP == 2 ? PANEL_R2 : PANEL_R;
+        for (int64_t m0 = 0; m0 < M; m0 += rmax) {
+            const int R = M - m0 < rmax ? (int)(M - m0) : rmax;
+            const uint8_t *um = u + m0 * K;
+            const float *xm = j->xs + m0 * j->A, *qm = zeros ? j->qs + m0 * G : NULL;
+            const int32_t *cm = j->qc + m0 * G;
+            float *om = j->out + m0 * j->N + n0;
+            if (NP == 2) PANEL_ROWS_CASES(2, PANEL_R2);
+            else if (R <= 5) PANEL_ROWS_CASES(1, 5);
+            else if (R == 6) panel_rows(j, P, S, Z, um, xm, qm, cm, om, mask, 1, 6);
+            else if (R == 7) panel_rows(j, P, S, Z, um, xm, qm, cm, om, mask, 1, 7);
+            else panel_rows(j, P, S, Z, um, xm, qm, cm, om, mask, 1, PANEL_R);
+        }
+    }
+    free(buf);
+}
+#endif
