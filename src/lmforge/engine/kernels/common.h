@@ -358,6 +358,7 @@ typedef struct {
     int64_t M, N, K, gs, bits, n0, n1, isa, G;  /* G = K / gs groups a row */
     int64_t ab, A;  /* the activations' block (`a8_block`) and A = K / ab blocks a row, a scale each */
     int64_t *next, chunk, threads;  /* shared by the threads: the next chunk of weight rows (a8_range, take_rows) */
+    char *scratch;  /* the panel body's buffers, this thread's (`a8_panel_scratch` bytes, 64-aligned); else NULL */
 } a8_job;
 
 /* One body: weight rows [j->n0, j->n1) for all j->M activation rows. */
@@ -371,6 +372,15 @@ LMF_HIDDEN void a8_range_avxvnni(const a8_job *j);
 LMF_HIDDEN void a8_range_avx512vnni256(const a8_job *j);
 LMF_HIDDEN void a8_range_avx512vnni(const a8_job *j);
 LMF_HIDDEN void a8_panel_avx512vnni(const a8_job *j);  /* qmm_a8_panel.c: many rows, 16 weight rows a panel */
+#endif
+/* The bytes of one thread's panel buffers (qmm_a8_panel.c) for rows of K inputs in G groups: two panels of codes
+ * (K bytes a weight row), scales and zero offsets (G floats each a row), a code row and two scale rows. */
+#define A8_PANEL 16
+static inline size_t a8_panel_scratch(int64_t K, int64_t G) {
+    const size_t per = (size_t)K * A8_PANEL + (size_t)G * A8_PANEL * 8;
+    return (2 * per + (size_t)K + 2 * LMF_MAX_G * sizeof(float) + 63) / 64 * 64;
+}
+#ifdef LMF_X86
 
 /* R (rows, 1..4) and BITS (8 or 4) as compile-time constants of an always-inline row function FN, so
  * its accumulators stay in registers and no branch on the weight format runs inside its loops. */

@@ -318,14 +318,23 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
         row_jobs(qc_rows, q, NULL, 0, M, K, 0, gs, NULL, NULL, qc, threads);
     }
     int64_t next = 0;
-    /* the panel body: chunks of whole panels, about four a thread (a panel of 16 rows is the unit of work) */
-    const int64_t panels = (N + 15) / 16, per = panels / (4 * threads);
-    const int64_t chunk = panel ? 16 * (per > 1 ? per : 1) : chunk_rows(N, threads);
+    /* the panel body: chunks of whole pairs of panels (32 rows, its unit of work), about four a thread, and each
+     * thread's panel buffers, taken here so that a failed allocation is this call's -1, not a row left unwritten */
+    const int64_t pairs32 = (N + 31) / 32, per = pairs32 / (4 * threads);
+    const int64_t chunk = panel ? 32 * (per > 1 ? per : 1) : chunk_rows(N, threads);
+    const size_t scratch = panel ? a8_panel_scratch(K, K / gs) : 0;
+    char *panels = NULL;
+    if (panel && (panels = (char *)aligned_alloc(64, scratch * (size_t)threads)) == NULL) {
+        free(qc);
+        free(qs);
+        return -1;
+    }
     a8_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
         jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, qs, qc, sc, pairs, xp, M, N, K, gs, bits, 0, 0, isa, K / gs, ab,
-                           A, &next, chunk, threads};
+                           A, &next, chunk, threads, panels ? panels + scratch * (size_t)t : NULL};
     run_jobs(panel ? a8_range_panel : a8_range, jobs, sizeof jobs[0], threads);
+    free(panels);
     free(qc);
     free(xp);
     free(qs);

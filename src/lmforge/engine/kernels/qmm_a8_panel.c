@@ -30,7 +30,7 @@
 #ifdef LMF_X86
 
 #define TP "avx512f,avx512bw,avx512vl,avx512vnni,fma"
-#define PANEL 16      /* weight rows a panel: one 512-bit vector of int32 lanes */
+#define PANEL A8_PANEL  /* weight rows a panel: one 512-bit vector of int32 lanes (16) */
 #define PANEL_R 8     /* activation rows a pass over one panel */
 #define PANEL_R2 6    /* activation rows a pass over two panels side by side (2 x 6 accumulators, 2 x 6 sums) */
 
@@ -192,11 +192,10 @@ __attribute__((target(TP), always_inline)) static inline void panel_rows(
 __attribute__((target(TP))) LMF_HIDDEN void a8_panel_avx512vnni(const a8_job *j) {
     const int64_t K = j->K, G = j->G, M = j->M;
     const int zeros = j->qs != NULL && j->sc != NULL && j->sc->z != NULL;
-    /* per panel: P (K bytes a row of it), S and Z (G floats each a row); then one code row, two scale rows */
+    /* j->scratch (`a8_panel_scratch`): per panel P (K bytes a row of it), S and Z (G floats each a row); then one
+     * code row, two scale rows */
     const size_t per = (size_t)K * PANEL + (size_t)G * PANEL * 8;
-    const size_t bytes = 2 * per + (size_t)K + 2 * LMF_MAX_G * sizeof(float) + 64;
-    char *buf = (char *)aligned_alloc(64, (bytes + 63) / 64 * 64);
-    if (buf == NULL) return;  /* lmf_qmm_s8 checked that a panel's buffer was to be had before it started */
+    char *buf = j->scratch;
     int32_t *P[2];
     float *S[2], *Z[2];
     for (int p = 0; p < 2; p++) {
@@ -230,6 +229,5 @@ __attribute__((target(TP))) LMF_HIDDEN void a8_panel_avx512vnni(const a8_job *j)
             else panel_rows(j, P, S, Z, um, xm, qm, cm, om, mask, 1, PANEL_R);
         }
     }
-    free(buf);
 }
 #endif
