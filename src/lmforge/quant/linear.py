@@ -275,7 +275,7 @@ class QmmLinear(nn.Module):
                  c_gemm: bool = False):
         super().__init__()
         self.qmm, self.a8, self.bits = qmm, a8, q.scheme.storage_bits
-        # the A8 kernel's panel GEMM (AVX-512 VNNI) takes every row count: 1.5-3x the row bodies from 16 rows, ~1.5x
+        # the A8 kernel's panel GEMM (AVX-512 VNNI) takes every row count: 1.2-2.5x the row bodies from 6-8 rows, ~1.5x
         # oneDNN's bf16 GEMM (before that one's dequantization) at 256-512 (docs/engine.md, "The A8 panel GEMM")
         self.a8_panel = a8 is not None and getattr(a8, "panel_rows", 0) > 0
         self.prefill_bf16 = prefill_bf16 and a8 is not None and not self.a8_panel
