@@ -416,6 +416,17 @@ def test_elementwise_float32_bodies_match_torch():
     got = torch.empty_like(g)
     lib.silu_mul_f32(g.data_ptr(), u.data_ptr(), got.data_ptr(), g.numel())
     torch.testing.assert_close(got, torch.nn.functional.silu(g) * u, rtol=1e-5, atol=1e-6)
+    # on a fused gate_up output as it is (each row [gate | up]), float32 and bf16, as silu_mul on its halves
+    gu = torch.cat([g, u], dim=-1)
+    got = torch.full_like(g, float("nan"))
+    lib.silu_mul_rows_f32(gu.data_ptr(), got.data_ptr(), T, 999)
+    torch.testing.assert_close(got, torch.nn.functional.silu(g) * u, rtol=1e-5, atol=1e-6)
+    gu16, want16 = gu.bfloat16(), torch.empty(T, 999, dtype=torch.bfloat16)
+    g16, u16 = (t.contiguous() for t in gu16.chunk(2, dim=-1))
+    lib.silu_mul(g16.data_ptr(), u16.data_ptr(), want16.data_ptr(), g16.numel())
+    got16 = torch.empty_like(want16)
+    lib.silu_mul_rows(gu16.data_ptr(), got16.data_ptr(), T, 999)
+    assert torch.equal(got16, want16)
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")

@@ -87,6 +87,8 @@ class CpuKernels:
     rmsnorm_f32: ctypes._CFuncPtr
     rope_f32: ctypes._CFuncPtr
     silu_mul_f32: ctypes._CFuncPtr
+    silu_mul_rows: ctypes._CFuncPtr | None = None  # lmf_silu_mul_rows_bf16(gu, out, rows, I): gu's rows [gate | up]
+    silu_mul_rows_f32: ctypes._CFuncPtr | None = None  # lmf_silu_mul_rows_f32(gu, out, rows, I)
     qmm_f32: ctypes._CFuncPtr | None = None  # lmf_qmm_f32(x, codes, scales, out, M, N, K, bits, gs, threads,
     #                                          gemm_rows): from gemm_rows rows (> 0) on the panel GEMM
     qmm_a8: ctypes._CFuncPtr | None = None  # lmf_qmm_a8(isa, x, act, codes, scales, out, M, N, K, bits, gs, threads)
@@ -227,7 +229,8 @@ def _bind(path: Path) -> CpuKernels:
     decode.argtypes = [P, P, P, P, I64, P, P, I64, I64, I64, I64, I64, ctypes.c_float, P, I64]
     fns = {}
     for name, argtypes in (("write_kv", [P, P, P, I64, I64, P, P]), ("rmsnorm", [P, P, P, I64, I64, ctypes.c_float]),
-                           ("rope", [P, P, P, I64, I64, I64]), ("silu_mul", [P, P, P, I64])):
+                           ("rope", [P, P, P, I64, I64, I64]), ("silu_mul", [P, P, P, I64]),
+                           ("silu_mul_rows", [P, P, I64, I64])):
         for suffix in ("bf16", "f32"):
             fn = getattr(lib, f"lmf_{name}_{suffix}", None)
             if fn is None:

@@ -454,6 +454,8 @@ void lmf_silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, int6
 void lmf_rmsnorm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t D, float eps);
 void lmf_rope_f32(float *x, const float *cos, const float *sin, int64_t T, int64_t heads, int64_t H);
 void lmf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n);
+void lmf_silu_mul_rows_f32(const float *gu, float *out, int64_t rows, int64_t I);
+void lmf_silu_mul_rows_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t I);
 /* qmm_f32.c, gemm_f32.c */
 int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
                 int64_t bits, int64_t gs, int64_t threads, int64_t gemm_rows, const lmf_scales *sc);
