@@ -87,11 +87,13 @@ def test_qmm_kernel_matches_dequantized_float32_matmul(scheme, K, build, tmp_pat
     if scheme.num_bits == 4:
         assert layer.codes.dtype == torch.uint8 and layer.codes.shape == (40, K // 2)  # half a byte a weight
     if build == "native" and lib.gemm_ok and K % 32 == 0:
-        # int8 activations up to A8_MAX_ROWS; a prefill chunk above takes the panel GEMM on float32 ones: exact
+        # int8 activations up to A8_MAX_ROWS; a prefill chunk above takes the panel GEMM on float32 ones (exact),
+        # or, on a CPU with the A8 panel GEMM (AVX-512 VNNI), stays on int8 activations (their rounding shows)
         a8 = QmmLinear(q, torch.float32, qmm=lib.qmm_f32, a8=lib.a8(), c_gemm=True)
         x = torch.randn(QmmLinear.A8_MAX_ROWS + 36, K, generator=torch.Generator().manual_seed(7))
         ref = x.double() @ q.dequantized_weight().double().t() + q.bias.double()
-        assert (a8(x).double() - ref).abs().max() < 1e-4 * ref.abs().max()
+        err = (a8(x).double() - ref).abs().max() / ref.abs().max()
+        assert (1e-5 < err < 2e-2) if a8.a8_panel else err < 1e-4, (a8.a8_panel, err)
 
 
 @pytest.mark.parametrize("build", ["native", "portable"])
