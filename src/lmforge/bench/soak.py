@@ -333,13 +333,13 @@ def _metrics(url: str) -> dict[str, float]:
     return out
 
 
-def _metrics_or_finding(url: str) -> dict[str, float] | str:
-    """The server's metrics after the run, or why it did not give them: a server that stops answering is a
-    finding of the run, reported with every other figure, not a crash that loses them."""
+def _metrics_or_finding(url: str) -> tuple[dict[str, float], str | None]:
+    """(the server's metrics after the run, None), or ({}, why it did not give them): a server that stops answering
+    is a finding of the run, reported with every other figure, not a crash that loses them."""
     try:
-        return _metrics(url)
+        return _metrics(url), None
     except httpx.HTTPError as e:
-        return f"GET /metrics failed after the run: {type(e).__name__} {e}".strip()
+        return {}, f"GET /metrics failed after the run: {type(e).__name__} {e}".strip()
 
 
 def _status_or_zero(url: str) -> int:
@@ -396,12 +396,13 @@ def run_soak(cfg: SoakConfig, out: Path | None) -> dict:
             rss.phase = "after"
             time.sleep(2.0)  # the exchange log's last batches
             rss.sample()
-        rss_after, after = server.memory_info().rss, _metrics_or_finding(url)
+        rss_after, (after, unanswered) = server.memory_info().rss, _metrics_or_finding(url)
         healthy = _status_or_zero(url + "/health/ready") == 200
     finally:
         exit_code = stop_server(proc)
     report = _report(cfg, idle, soak, events, (rss_before, rss_after), (before, after), _stored_ids(db),
                      stored_before, healthy, exit_code)
+    report["metrics_after_unanswered"] = unanswered
     report["server_log"] = _log_findings(proc.log_path)
     report["rss_samples"] = rss.samples
     report["engine_rss"] = engine_rss_growth(rss.samples)
@@ -442,8 +443,6 @@ def plot_rss(samples: list[dict], path: Path) -> Path:
 def _report(cfg, idle: Tally, soak: Tally, events, rss, metrics, stored: set[str], stored_before: int,
             healthy: bool, exit_code: int) -> dict:
     before, after = metrics
-    unanswered = after if isinstance(after, str) else None
-    after = {} if unanswered else after
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     seen_ok = idle.served + soak.served
     server_ok = sum(v for k, v in delta.items() if k.startswith("vllm:request_success_total"))
@@ -466,7 +465,6 @@ def _report(cfg, idle: Tally, soak: Tally, events, rss, metrics, stored: set[str
         "exchange_log": {"finished_seen_by_clients": len(finished), "rows_stored": len(stored) - stored_before,
                          "rows_lost": len(lost), "dropped_counter": dropped, "lost_ids": lost[:10],
                          "lost_outside_drop_counter": max(0, len(lost) - int(dropped))},
-        "metrics_after_unanswered": unanswered,
         "metrics_consistency": {
             "finished_requests": {"clients": seen_ok, "server": server_ok, "equal": seen_ok == server_ok},
             "error_replies": {"clients": {str(k): v for k, v in sorted(client_errors.items())},

@@ -153,14 +153,14 @@ class FusedMLP(nn.Module):
         self.down_proj, self.lib = mlp.down_proj, lib
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        rows = _kernel(self.lib, "silu_mul_rows", x_BTD.dtype) if "gate_up_proj" in self._modules else None
-        if rows is not None:  # the fused output as it is, each row [gate | up]: no copy of its halves
-            gu = self.gate_up_proj(x_BTD).contiguous()
-            h = torch.empty(*gu.shape[:-1], gu.shape[-1] // 2, dtype=gu.dtype)
-            rows(gu.data_ptr(), h.data_ptr(), gu.numel() // gu.shape[-1], gu.shape[-1] // 2)
-            return self.down_proj(h)
         if "gate_up_proj" in self._modules:
-            g, u = (t.contiguous() for t in self.gate_up_proj(x_BTD).chunk(2, dim=-1))
+            gu = self.gate_up_proj(x_BTD).contiguous()
+            rows, half = _kernel(self.lib, "silu_mul_rows", gu.dtype), gu.shape[-1] // 2
+            if rows is not None:  # the fused output as it is, each row [gate | up]: no copy of its halves
+                h = torch.empty(*gu.shape[:-1], half, dtype=gu.dtype)
+                rows(gu.data_ptr(), h.data_ptr(), gu.numel() // (2 * half), half)
+                return self.down_proj(h)
+            g, u = gu[..., :half].contiguous(), gu[..., half:].contiguous()  # an older revision's library (A/B)
         else:
             g, u = self.gate_proj(x_BTD).contiguous(), self.up_proj(x_BTD).contiguous()
         h = torch.empty_like(g)

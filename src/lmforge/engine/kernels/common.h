@@ -350,7 +350,7 @@ static inline int64_t a8_block(int64_t gs) { return gs == 16 ? 32 : gs; }
 typedef struct {
     const int8_t *q; const float *xs; const void *w; const float *ws; float *out;  /* xs: (M, A) */
     const float *qs;  /* xs * sum(q) of each group, (M, G): int4 on the 256-bit bodies, and with zeros; else NULL */
-    const int32_t *qc;  /* -128 * sum(q) of each group, (M, G): the panel body's; else NULL */
+    const int32_t *qsum;  /* sum(q) of each group, (M, G): with the panel body and where qs is made; else NULL */
     const lmf_scales *sc;  /* the scales' (and zeros') form; NULL: the float32 `ws` and no zeros */
     int pairs;  /* int4 on the 256-bit bodies: q in `pair_order` (blocks taken two at a time) */
     const float *xp;  /* with pairs in groups of 32: each pair's two activation scales as 8 floats (x_A x4, x_B x4),
@@ -372,15 +372,6 @@ LMF_HIDDEN void a8_range_avxvnni(const a8_job *j);
 LMF_HIDDEN void a8_range_avx512vnni256(const a8_job *j);
 LMF_HIDDEN void a8_range_avx512vnni(const a8_job *j);
 LMF_HIDDEN void a8_panel_avx512vnni(const a8_job *j);  /* qmm_a8_panel.c: many rows, 16 weight rows a panel */
-#endif
-/* The bytes of one thread's panel buffers (qmm_a8_panel.c) for rows of K inputs in G groups: two panels of codes
- * (K bytes a weight row), scales and zero offsets (G floats each a row), a code row and two scale rows. */
-#define A8_PANEL 16
-static inline size_t a8_panel_scratch(int64_t K, int64_t G) {
-    const size_t per = (size_t)K * A8_PANEL + (size_t)G * A8_PANEL * 8;
-    return (2 * per + (size_t)K + 2 * LMF_MAX_G * sizeof(float) + 63) / 64 * 64;
-}
-#ifdef LMF_X86
 
 /* R (rows, 1..4) and BITS (8 or 4) as compile-time constants of an always-inline row function FN, so
  * its accumulators stay in registers and no branch on the weight format runs inside its loops. */
@@ -412,6 +403,14 @@ static inline size_t a8_panel_scratch(int64_t K, int64_t G) {
         } else A8_ROWS_SWITCH(FN, R, __VA_ARGS__);                                    \
     } while (0)
 #endif
+
+/* The bytes of one thread's panel buffers (qmm_a8_panel.c) for rows of K inputs in G groups: two panels of codes
+ * (K bytes a weight row), scales and zero offsets (G floats each a row), a code row and two scale rows. */
+#define A8_PANEL 16
+static inline size_t a8_panel_scratch(int64_t K, int64_t G) {
+    const size_t per = (size_t)K * A8_PANEL + (size_t)G * A8_PANEL * 8;
+    return (2 * per + (size_t)K + 2 * LMF_MAX_G * sizeof(float) + 63) / 64 * 64;
+}
 
 /* ---- the dispatch table (dispatch.c) ------------------------------------------------------------------- */
 

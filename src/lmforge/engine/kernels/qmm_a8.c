@@ -125,7 +125,7 @@ static void *a8_range(void *arg) {  /* a thread's share: chunks of weight rows (
     return NULL;
 }
 
-static void *a8_range_panel(void *arg) {  /* a thread's share of panels: chunks of 16 rows (take_chunk) */
+static void *a8_range_panel(void *arg) {  /* a thread's share of panels: chunks of whole pairs of them (take_chunk) */
     a8_job j = *(const a8_job *)arg;
     while (take_chunk(j.next, j.chunk, j.N, &j.n0, &j.n1)) lmf_dispatch.a8_panel(&j);
     return NULL;
@@ -205,7 +205,7 @@ int lmf_quantize_s8(const void *x, int64_t act, int64_t M, int64_t K, int64_t ni
 /* Row-parallel preparation of the activations, `threads` contiguous shares of the M rows (a prefill chunk's 512 x
  * 2,816 inputs took 0.8 ms to quantize on one thread, every layer's every matmul). */
 typedef struct {
-    const int8_t *q; const void *x; int64_t act, m0, m1, K, nibble_order, ab; int8_t *qo; float *s; int32_t *qc;
+    const int8_t *q; const void *x; int64_t act, m0, m1, K, nibble_order, ab; int8_t *qo; float *s; int32_t *qsum;
 } row_job;
 
 static void *quantize_rows(void *arg) {
@@ -217,26 +217,26 @@ static void *quantize_rows(void *arg) {
     return NULL;
 }
 
-static void *qc_rows(void *arg) {  /* -128 * sum(q) of each group of ab (here: the weight's gs) inputs */
+static void *group_sums(void *arg) {  /* sum(q) of each group of ab (here: the weight's gs) inputs */
     const row_job *r = (const row_job *)arg;
     const int64_t G = r->K / r->ab;
     for (int64_t m = r->m0; m < r->m1; m++)
         for (int64_t g = 0; g < G; g++) {
             int32_t sum = 0;
             for (int64_t k = g * r->ab; k < (g + 1) * r->ab; k++) sum += r->q[m * r->K + k];
-            r->qc[m * G + g] = -128 * sum;
+            r->qsum[m * G + g] = sum;
         }
     return NULL;
 }
 
 static void row_jobs(void *(*fn)(void *), const int8_t *q, const void *x, int64_t act, int64_t M, int64_t K,
-                     int64_t nibble_order, int64_t ab, int8_t *qo, float *s, int32_t *qc, int64_t threads) {
+                     int64_t nibble_order, int64_t ab, int8_t *qo, float *s, int32_t *qsum, int64_t threads) {
     if (threads > M / 8) threads = M / 8;  /* a few rows: one thread */
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     row_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (row_job){q, x, act, M * t / threads, M * (t + 1) / threads, K, nibble_order, ab, qo, s, qc};
+        jobs[t] = (row_job){q, x, act, M * t / threads, M * (t + 1) / threads, K, nibble_order, ab, qo, s, qsum};
     run_jobs(fn, jobs, sizeof jobs[0], threads);
 }
 
@@ -278,19 +278,23 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
     }
     /* xs * sum(q) a group: the 256-bit int4 bodies multiply the stored nibbles (c + 8) and take 8 * sum(q) back;
      * zero offsets add zero * sum(q) (the portable body sums as it goes) */
+    const int want_qs = (bits < 8 && (isa == A8_AVX2 || isa == A8_AVX_VNNI || isa == A8_AVX512_VNNI_256))
+                        || (zero != NULL && isa != A8_PORTABLE);
+    /* sum(q) of each group, once, on the call's threads: qs from it, and the panel body reads it as it is */
+    int32_t *qsum = NULL;
     float *qs = NULL;
-    if ((bits < 8 && (isa == A8_AVX2 || isa == A8_AVX_VNNI || isa == A8_AVX512_VNNI_256))
-        || (zero != NULL && isa != A8_PORTABLE)) {
-        if ((qs = (float *)malloc((size_t)(M * (K / gs)) * sizeof(float))) == NULL) {
+    if (want_qs || panel) {
+        if ((qsum = (int32_t *)malloc((size_t)(M * (K / gs)) * sizeof(int32_t))) == NULL
+            || (want_qs && (qs = (float *)malloc((size_t)(M * (K / gs)) * sizeof(float))) == NULL)) {
+            free(qsum);
             free(u);
             return -1;
         }
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t g = 0; g < K / gs; g++) {
-                int32_t sum = 0;
-                for (int64_t k = g * gs; k < (g + 1) * gs; k++) sum += q[m * K + k];
-                qs[m * (K / gs) + g] = (float)sum * xs[m * A + g * gs / ab];
-            }
+        row_jobs(group_sums, q, NULL, 0, M, K, 0, gs, NULL, NULL, qsum, threads);
+        if (want_qs)
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t g = 0; g < K / gs; g++)
+                    qs[m * (K / gs) + g] = (float)qsum[m * (K / gs) + g] * xs[m * A + g * gs / ab];
     }
     /* int4 on the 256-bit bodies, groups of 32 or whole pairs: blocks taken two at a time (pair_order) */
     const int pairs = bits == 4 && (isa == A8_AVX2 || isa == A8_AVX_VNNI || isa == A8_AVX512_VNNI_256) &&
@@ -301,6 +305,7 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
             || (gs == 32 && (xp = (float *)malloc((size_t)(M * (K / 64) * 8) * sizeof(float) + 1)) == NULL)) {
             free(u);
             free(qs);
+            free(qsum);
             return -1;
         }
         pair_order(q, M, K, u);
@@ -308,14 +313,6 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
             for (int64_t m = 0; m < M; m++)
                 for (int64_t p = 0; p < K / 64; p++)
                     for (int i = 0; i < 8; i++) xp[(m * (K / 64) + p) * 8 + i] = xs[m * A + 2 * p + (i >= 4)];
-    }
-    int32_t *qc = NULL;  /* the panel body: -128 * sum(q) a group, where its unsigned weights (c + 128) need it */
-    if (panel) {
-        if ((qc = (int32_t *)malloc((size_t)(M * (K / gs)) * sizeof(int32_t))) == NULL) {
-            free(qs);
-            return -1;
-        }
-        row_jobs(qc_rows, q, NULL, 0, M, K, 0, gs, NULL, NULL, qc, threads);
     }
     int64_t next = 0;
     /* the panel body: chunks of whole pairs of panels (32 rows, its unit of work), about four a thread, and each
@@ -325,17 +322,17 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
     const size_t scratch = panel ? a8_panel_scratch(K, K / gs) : 0;
     char *panels = NULL;
     if (panel && (panels = (char *)aligned_alloc(64, scratch * (size_t)threads)) == NULL) {
-        free(qc);
+        free(qsum);
         free(qs);
         return -1;
     }
     a8_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, qs, qc, sc, pairs, xp, M, N, K, gs, bits, 0, 0, isa, K / gs, ab,
+        jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, qs, qsum, sc, pairs, xp, M, N, K, gs, bits, 0, 0, isa, K / gs, ab,
                            A, &next, chunk, threads, panels ? panels + scratch * (size_t)t : NULL};
     run_jobs(panel ? a8_range_panel : a8_range, jobs, sizeof jobs[0], threads);
     free(panels);
-    free(qc);
+    free(qsum);
     free(xp);
     free(qs);
     free(u);

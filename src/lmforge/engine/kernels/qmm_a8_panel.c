@@ -12,7 +12,7 @@
  * `{1to16}` memory operand): 16 outputs at once, no horizontal sum, each panel vector used by R activation rows
  * while it sits in a register. dpbusd multiplies unsigned by signed bytes: the panel holds c + 128 (unsigned) and the
  * activations stay signed q, so it accumulates dot(q, c) + 128 * sum(q); each group's accumulator starts at
- * -128 * sum(q) of its activation row (`qc`, made once a call by `lmf_qmm_s8`), which leaves the exact integer
+ * -128 * sum(q) of its activation row (`qsum`, made once a call by `lmf_qmm_s8`), which leaves the exact integer
  * dot product at the group's end (|dot| < 2^31 for K < 65536). Then, per group g and row m,
  *     out[m, n0..n0+15] += float(dot) * (scale[n, g] * xs[m, a(g)])  (+ zero[n, g] * qs[m, g] with zero offsets)
  * in float32, the same terms as the other bodies, summed in group order per output (the row bodies sum lanes in
@@ -128,7 +128,7 @@ __attribute__((target(TP))) static void panel_build(const a8_job *j, int64_t n0,
 /* acc += dpbusd(w, the 4 signed bytes at p broadcast to every lane): the broadcast as the instruction's `{1to16}`
  * memory operand, one instruction (GCC 12 loads it into a register first: one more instruction a dot product) */
 __attribute__((target(TP), always_inline)) static inline void dpbusd_bcast(__m512i *acc, const __m512i w,
-                                                                           const uint8_t *p) {
+                                                                           const int8_t *p) {
 #if defined(__GNUC__) && !defined(__clang__)
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(*acc) : "v"(w), "m"(*(const int32_t *)p));
 #else
@@ -138,11 +138,11 @@ __attribute__((target(TP), always_inline)) static inline void dpbusd_bcast(__m51
 #endif
 }
 
-/* R activation rows (u + m0 * K ...) against NP panels side by side (16 NP weight rows): out[m0 + r, n0 ..). Each
+/* R activation rows (q + m0 * K ...) against NP panels side by side (16 NP weight rows): out[m0 + r, n0 ..). Each
  * step loads NP panel vectors and R broadcasts for NP * R dot products. */
 __attribute__((target(TP), always_inline)) static inline void panel_rows(
-        const a8_job *j, int32_t *const *P, float *const *S, float *const *Z, const uint8_t *u, const float *xs,
-        const float *qs, const int32_t *qc, float *out, const __mmask16 *live, const int NP, const int R) {
+        const a8_job *j, int32_t *const *P, float *const *S, float *const *Z, const int8_t *q, const float *xs,
+        const float *qs, const int32_t *qsum, float *out, const __mmask16 *live, const int NP, const int R) {
     const int64_t K = j->K, G = j->G, gs = j->gs, A = j->A, ab = j->ab, quads = gs / 4;
     __m512 f[2][PANEL_R];
     for (int p = 0; p < NP; p++)
@@ -150,15 +150,15 @@ __attribute__((target(TP), always_inline)) static inline void panel_rows(
     for (int64_t g = 0; g < G; g++) {
         __m512i acc[2][PANEL_R];
         for (int r = 0; r < R; r++) {
-            const __m512i c = _mm512_set1_epi32(qc[r * G + g]);
+            const __m512i c = _mm512_set1_epi32(-128 * qsum[r * G + g]);
             for (int p = 0; p < NP; p++) acc[p][r] = c;
         }
-        const uint8_t *ug = u + g * gs;
+        const int8_t *qg = q + g * gs;
         for (int64_t d = 0; d < quads; d++) {
             __m512i wv[2];
             for (int p = 0; p < NP; p++) wv[p] = _mm512_loadu_si512(P[p] + (g * quads + d) * PANEL);
             for (int r = 0; r < R; r++)
-                for (int p = 0; p < NP; p++) dpbusd_bcast(&acc[p][r], wv[p], ug + r * K + 4 * d);
+                for (int p = 0; p < NP; p++) dpbusd_bcast(&acc[p][r], wv[p], qg + r * K + 4 * d);
         }
         const int64_t a = g * gs / ab;
         for (int p = 0; p < NP; p++) {
@@ -178,17 +178,17 @@ __attribute__((target(TP), always_inline)) static inline void panel_rows(
 
 #define PANEL_ROWS_CASES(NP, RMAX) do {                                                                        \
         switch (R) {                                                                                           \
-            case 1: panel_rows(j, P, S, Z, um, xm, qm, cm, om, mask, NP, 1); break;                             \
-            case 2: panel_rows(j, P, S, Z, um, xm, qm, cm, om, mask, NP, 2); break;                             \
-            case 3: panel_rows(j, P, S, Z, um, xm, qm, cm, om, mask, NP, 3); break;                             \
-            case 4: panel_rows(j, P, S, Z, um, xm, qm, cm, om, mask, NP, 4); break;                             \
-            case 5: panel_rows(j, P, S, Z, um, xm, qm, cm, om, mask, NP, 5); break;                             \
-            default: panel_rows(j, P, S, Z, um, xm, qm, cm, om, mask, NP, RMAX); break;                         \
+            case 1: panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, NP, 1); break;                             \
+            case 2: panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, NP, 2); break;                             \
+            case 3: panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, NP, 3); break;                             \
+            case 4: panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, NP, 4); break;                             \
+            case 5: panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, NP, 5); break;                             \
+            default: panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, NP, RMAX); break;                         \
         }                                                                                                      \
     } while (0)
 
 /* Weight rows [j->n0, j->n1) two panels (32 rows) at a time, a last odd panel alone, for all j->M activation rows
- * (signed q, and qc). */
+ * (signed q, and qsum). */
 __attribute__((target(TP))) LMF_HIDDEN void a8_panel_avx512vnni(const a8_job *j) {
     const int64_t K = j->K, G = j->G, M = j->M;
     const int zeros = j->qs != NULL && j->sc != NULL && j->sc->z != NULL;
@@ -205,7 +205,6 @@ __attribute__((target(TP))) LMF_HIDDEN void a8_panel_avx512vnni(const a8_job *j)
     }
     int8_t *row = (int8_t *)(buf + 2 * per);
     float *ws_buf = (float *)(row + K), *wz_buf = ws_buf + LMF_MAX_G;
-    const uint8_t *u = (const uint8_t *)j->q;
     for (int64_t n0 = j->n0; n0 < j->n1; n0 += 2 * PANEL) {
         __mmask16 mask[2] = {0, 0};
         int NP = 0;
@@ -218,15 +217,15 @@ __attribute__((target(TP))) LMF_HIDDEN void a8_panel_avx512vnni(const a8_job *j)
         const int rmax = NP == 2 ? PANEL_R2 : PANEL_R;
         for (int64_t m0 = 0; m0 < M; m0 += rmax) {
             const int R = M - m0 < rmax ? (int)(M - m0) : rmax;
-            const uint8_t *um = u + m0 * K;
+            const int8_t *am = j->q + m0 * K;
             const float *xm = j->xs + m0 * j->A, *qm = zeros ? j->qs + m0 * G : NULL;
-            const int32_t *cm = j->qc + m0 * G;
+            const int32_t *cm = j->qsum + m0 * G;
             float *om = j->out + m0 * j->N + n0;
             if (NP == 2) PANEL_ROWS_CASES(2, PANEL_R2);
             else if (R <= 5) PANEL_ROWS_CASES(1, 5);
-            else if (R == 6) panel_rows(j, P, S, Z, um, xm, qm, cm, om, mask, 1, 6);
-            else if (R == 7) panel_rows(j, P, S, Z, um, xm, qm, cm, om, mask, 1, 7);
-            else panel_rows(j, P, S, Z, um, xm, qm, cm, om, mask, 1, PANEL_R);
+            else if (R == 6) panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, 1, 6);
+            else if (R == 7) panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, 1, 7);
+            else panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, 1, PANEL_R);
         }
     }
 }
