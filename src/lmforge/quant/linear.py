@@ -275,8 +275,8 @@ class QmmLinear(nn.Module):
                  c_gemm: bool = False):
         super().__init__()
         self.qmm, self.a8, self.bits = qmm, a8, q.scheme.storage_bits
-        # the A8 kernel's panel GEMM (AVX-512 VNNI) takes every row count: 1.2-2.5x the row bodies from 6-8 rows, ~1.5x
-        # oneDNN's bf16 GEMM (before that one's dequantization) at 256-512 (docs/engine.md, "The A8 panel GEMM")
+        # the A8 kernel's panel GEMM (AVX-512 VNNI) takes every row count from its threshold: 2-3x the row bodies at
+        # 64-256 rows (`lmforge bench linear`), prefill 1.7-1.9x in the engine (docs/engine.md, "The A8 panel GEMM")
         self.a8_panel = a8 is not None and getattr(a8, "panel_rows", 0) > 0
         self.prefill_bf16 = prefill_bf16 and a8 is not None and not self.a8_panel
         self.N, self.K = q.out_features, q.in_features

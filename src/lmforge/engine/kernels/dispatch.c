@@ -59,13 +59,14 @@ static int a8_cpu_runs(int64_t isa) {
 static const char *const a8_names[A8_ISAS] = {"portable", "avx2", "avx_vnni", "avx512_vnni", "avx512_vnni_256"};
 static char chosen[320];  /* lmf_kernels_chosen's line, written with the table */
 
-/* many rows go to the panel GEMM from this many: Zen 4, 2 threads, the 300M's 7 matmuls of a layer, rows / panel
- * time at 4, 6, 8, 16 rows: int4 g32 1.01, 1.20, 1.25, 1.72; int8 g32 0.93, 1.22, 1.63, 2.28 (docs/engine.md,
- * "The A8 panel GEMM") */
-#define A8_PANEL_ROWS 8
+/* many rows go to the panel GEMM from this many: where it passes the best row body with the weights read from memory,
+ * as a decode step reads them (Zen 4, 2 threads, the 300M's shapes, int8 per channel / int4 g128, best row body /
+ * panel time at 8 and 16 rows: 0.58-1.30 and 0.75-0.96, then 1.06-1.68 and 1.19-1.29; `lmforge bench linear
+ * --batches 1,4,8,16,64,256`, docs/engine.md, "The A8 panel GEMM") */
+#define A8_PANEL_ROWS 16
 
 static void write_chosen(void) {
-    char panel[48] = "none";  /* "avx512_vnni/8rows": the body, and from how many rows it runs */
+    char panel[48] = "none";  /* "avx512_vnni/16rows": the body, and from how many rows it runs */
     if (lmf_dispatch.a8_panel != NULL && lmf_dispatch.a8_panel_rows > 0)
         snprintf(panel, sizeof panel, "avx512_vnni/%lldrows", (long long)lmf_dispatch.a8_panel_rows);
     snprintf(chosen, sizeof chosen,
