@@ -110,7 +110,8 @@ class CDecodeLayer(nn.Module):
     def forward(self, x_BTD: torch.Tensor, cos_BTH, sin_BTH, attn) -> torch.Tensor:
         meta = getattr(self.backend, "meta", None)
         M = x_BTD.shape[0] * x_BTD.shape[1]
-        if (attn is not self.backend or meta is None or meta.decode is None or meta.groups or M > self.max_rows
+        if (attn is not self.backend or meta is None or meta.decode is None or meta.groups
+                or getattr(meta, "prefill", None) is not None or M > self.max_rows
                 or x_BTD.dtype != torch.float32):
             return self.layer(x_BTD, cos_BTH, sin_BTH, attn)
         if self.stack is not None and self.index:

@@ -1,7 +1,10 @@
 """The C-kernel attention backend (CPU, bfloat16 or float32): every decoding sequence of a step in one
 call to the compiled paged-decode kernel (`lmforge.engine.kernels`), which reads each sequence's blocks
 in place whatever their order (no views, no buckets, no gather; int8 codes dequantized inside the
-kernel); prefill chunks go through the torch backend's `attend_groups`.
+kernel). Every prefill chunk of a step, fresh or after cached tokens, goes to the paged prefill kernel in
+one call (causal, over the pool in place: no gather, no mask) when the queries are float32 and the pool
+bf16 or float32; otherwise (bf16 queries, an int8 pool, an older build) through the torch backend's
+`attend_groups`.
 
 bf16 K/V with bf16 queries run the tuned body (`decode`); float32 queries or K/V, and int8 K/V, run
 `decode_any` (float32 queries over a float32 or bf16 pool: its AVX2 body). The kernel is chosen at run
@@ -30,6 +33,9 @@ class KernelMetadata(GroupedMetadata):
     # the decoding sequences for the kernel: rows (S,) int64, lens (S,) int32, block tables (S, M) int32
     # padded with 0; None when no sequence decodes this step
     decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # the prefill chunks for the prefill kernel: (q row, q len, tokens before) (C, 3) int64, block tables (C, M)
+    # int32 padded with 0; None when no chunk prefills this step or the chunks go to `attend_groups`
+    prefill: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class KernelBackend(AttentionBackend):
@@ -38,6 +44,10 @@ class KernelBackend(AttentionBackend):
     def __init__(self, kv: KVPool, kernels: CpuKernels):
         super().__init__(kv)
         self.kernels = kernels
+        # prefill chunks on the prefill kernel: float32 queries over a bf16 or float32 pool (int8 codes and bf16
+        # queries take attend_groups)
+        self.prefill_kernel = (kernels.prefill is not None and kv.dtype == torch.float32 and kv.device.type == "cpu"
+                               and not kv.int8 and kv.store_dtype in (torch.bfloat16, torch.float32))
 
     def build(self, step: StepIndex) -> KernelMetadata:
         B, device = self.kv.block_size, self.kv.device
@@ -49,8 +59,16 @@ class KernelBackend(AttentionBackend):
             tables = [step.block_tables[i][:M] + [0] * (M - len(step.block_tables[i][:M])) for i in decoding]
             decode = (torch.tensor([step.q_starts[i] for i in decoding], dtype=torch.long),
                       torch.tensor(lens, dtype=torch.int32), torch.tensor(tables, dtype=torch.int32))
-        groups = chunk_groups(step, B, device)
-        return KernelMetadata(slot_mapping_T, groups, largest_gather(groups), decode)
+        chunks = [i for i, q in enumerate(step.q_lens) if q > 1]
+        prefill, groups = None, []
+        if chunks and self.prefill_kernel:
+            M = max(-(-(step.computed[i] + step.q_lens[i]) // B) for i in chunks)
+            tables = [step.block_tables[i][:M] + [0] * (M - len(step.block_tables[i][:M])) for i in chunks]
+            prefill = (torch.tensor([[step.q_starts[i], step.q_lens[i], step.computed[i]] for i in chunks],
+                                    dtype=torch.int64), torch.tensor(tables, dtype=torch.int32))
+        elif chunks:
+            groups = chunk_groups(step, B, device)
+        return KernelMetadata(slot_mapping_T, groups, largest_gather(groups), decode, prefill)
 
     def __call__(self, layer_idx: int, q_BTNH: torch.Tensor, k_BTKH: torch.Tensor,
                  v_BTKH: torch.Tensor) -> torch.Tensor:
@@ -60,8 +78,25 @@ class KernelBackend(AttentionBackend):
         out_TNH = torch.empty(q_TNH.shape, dtype=q_TNH.dtype, device=q_TNH.device)
         if meta.decode is not None:
             self._decode(layer_idx, q_TNH, out_TNH)
+        if meta.prefill is not None:
+            self._prefill(layer_idx, q_TNH, out_TNH)
         attend_groups(self.kv, layer_idx, q_BTNH, k_BTKH, v_BTKH, q_TNH, meta.groups, out_TNH)
         return out_TNH.unsqueeze(0)
+
+    def _prefill(self, layer_idx: int, q_TNH: torch.Tensor, out_TNH: torch.Tensor) -> None:
+        """Every prefill chunk in one C call, causal over the pool's rows in place (the chunk's own K/V were
+        written just before, with whatever the sequence had cached)."""
+        chunks_C3, tables_CM = self.meta.prefill
+        k_cache, v_cache = self.kv.rows(layer_idx)
+        if q_TNH.stride(2) != 1:
+            q_TNH = q_TNH.contiguous()
+        N, (K, H) = q_TNH.shape[1], k_cache.shape[1:]
+        rc = self.kernels.prefill(q_TNH.data_ptr(), q_TNH.stride(0), q_TNH.stride(1), k_cache.data_ptr(),
+                                  v_cache.data_ptr(), int(k_cache.dtype == torch.float32), tables_CM.data_ptr(),
+                                  tables_CM.shape[1], chunks_C3.data_ptr(), len(chunks_C3), N, K, H,
+                                  self.kv.block_size, H ** -0.5, out_TNH.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"paged prefill kernel refused heads={N} kv_heads={K} head_dim={H}")
 
     def _decode(self, layer_idx: int, q_TNH: torch.Tensor, out_TNH: torch.Tensor) -> None:
         """Every decoding sequence in one C call: bf16 (the tuned body) or float32 / int8 K/V (`decode_any`)."""

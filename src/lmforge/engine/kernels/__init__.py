@@ -104,6 +104,9 @@ class CpuKernels:
     #                                                  tables_M, lens, rows, S, eps, scale): a whole decoder layer
     decode_stack_q: ctypes._CFuncPtr | None = None  # lmf_decode_stack_q(isa, n_layers, layer_params, x, M, ...):
     #                                                  every decoder layer of a decode step in one call
+    prefill: ctypes._CFuncPtr | None = None  # lmf_paged_prefill(q, q_row_stride, q_head_stride, k_pool, v_pool, kv,
+    #                                          tables, tables_M, chunks, S, N, K, H, B, scale, out, threads): every
+    #                                          prefill chunk of a step, causal, over the pool in place
     bodies: dict[str, str] = field(default_factory=dict)  # lmf_kernels_chosen: kernel -> the body dispatch.c
     #                                                      chose at load ({} for an older revision's build)
 
@@ -259,6 +262,8 @@ def _bind(path: Path) -> CpuKernels:
           "gemm_f32": ("lmf_gemm_f32", [P, P, P, P, I64, I64, I64, I64, I64, I64, P]),
           "decode_layer_q": ("lmf_decode_layer_q", [I64, P, P, I64, P, P, P, P, I64, P, P, I64, ctypes.c_float,
                                                     ctypes.c_float]),
+          "prefill": ("lmf_paged_prefill", [P, I64, I64, P, P, I64, P, I64, P, I64, I64, I64, I64, I64,
+                                            ctypes.c_float, P, I64]),
           "decode_stack_q": ("lmf_decode_stack_q", [I64, I64, P, P, I64, P, P, P, P, I64, P, P, I64, ctypes.c_float,
                                                     ctypes.c_float])}
     for field, (name, argtypes) in a8.items():

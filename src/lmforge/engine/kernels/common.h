@@ -6,6 +6,7 @@
  *   attention.c         paged decode attention: entry points, threads, context partitions, portable body
  *   attention_avx512.c  its bf16 body (AVX-512, AVX512-BF16 dot products when targeted)
  *   attention_avx2.c    its float32-query body over float32 / bf16 pools (AVX2 + FMA)
+ *   attention_prefill.c paged prefill attention: every prefill chunk of a step, causal, in place (vector C)
  *   kv_write.c          K/V rows into their pool slots (bf16, any bytes, float32 -> bf16, int8 + scales)
  *   elementwise.c       RMSNorm, RoPE, silu * up, bf16 and float32
  *   qmm_f32.c           the A16 row kernel: int8 / int4 / bf16 / float32 weights, float32 activations
@@ -437,6 +438,11 @@ int lmf_paged_decode_any(const void *q, const void *k_pool, const void *v_pool, 
                          const uint16_t *v_scales, const int32_t *block_tables, int64_t M, const int32_t *lens,
                          const int64_t *rows, int64_t S, int64_t N, int64_t K, int64_t H, int64_t B, float scale,
                          void *out, int64_t threads, int64_t act, int64_t kv);
+/* attention_prefill.c */
+int lmf_paged_prefill(const float *q, int64_t q_row_stride, int64_t q_head_stride, const void *k_pool,
+                      const void *v_pool, int64_t kv, const int32_t *tables, int64_t tables_M, const int64_t *chunks,
+                      int64_t S, int64_t N, int64_t K, int64_t H, int64_t B, float scale, float *out,
+                      int64_t threads);
 /* kv_write.c */
 void lmf_write_kv_bf16(const uint16_t *k, const uint16_t *v, const int64_t *slots, int64_t T, int64_t row_len,
                        uint16_t *k_pool, uint16_t *v_pool);

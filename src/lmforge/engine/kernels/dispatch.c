@@ -48,6 +48,14 @@ static int a8_cpu_runs(int64_t isa) {
 #else
 #define ELEMENTWISE_BF16 "portable"
 #endif
+/* attention_prefill.c's vector C, as the compiler lowered it: 16 lanes in AVX-512 registers, 8 in AVX2's */
+#if defined(LMF_AVX512)
+#define ATTN_PREFILL "avx512"
+#elif defined(__AVX2__) && !defined(LMF_PORTABLE)
+#define ATTN_PREFILL "avx2"
+#else
+#define ATTN_PREFILL "portable"
+#endif
 #ifdef LMF_AVX2
 #define QMM_F32 "avx2"
 #define GEMM_F32 "avx2"
@@ -70,7 +78,7 @@ static void write_chosen(void) {
     if (lmf_dispatch.a8_panel != NULL && lmf_dispatch.a8_panel_rows > 0)
         snprintf(panel, sizeof panel, "avx512_vnni/%lldrows", (long long)lmf_dispatch.a8_panel_rows);
     snprintf(chosen, sizeof chosen,
-             "attention_bf16=" ATTN_BF16 " attention_f32=%s elementwise_bf16=" ELEMENTWISE_BF16 " qmm_f32=" QMM_F32
+             "attention_bf16=" ATTN_BF16 " attention_f32=%s attention_prefill=" ATTN_PREFILL " elementwise_bf16=" ELEMENTWISE_BF16 " qmm_f32=" QMM_F32
              " gemm_f32=" GEMM_F32 " qmm_a8=%s qmm_a8_panel=%s", lmf_dispatch.attn_avx2 ? "avx2" : "portable",
              a8_names[lmf_dispatch.a8_best], panel);
 }
@@ -128,7 +136,8 @@ int64_t lmf_a8_best_isa(void) {
 
 /* "concern=body ..." for every kernel with more than one body, as this CPU and build run them: attention_bf16
  * (avx512_bf16 | avx512 | portable), attention_f32 (float32 queries over float32 / bf16 pools: avx2 | portable;
- * int8 pools always portable), elementwise_bf16 (avx512 | portable), qmm_f32 (avx2 | portable), gemm_f32
+ * int8 pools always portable), attention_prefill (avx512 | avx2 | portable: the vector width its vector C was
+ * compiled to), elementwise_bf16 (avx512 | portable), qmm_f32 (avx2 | portable), gemm_f32
  * (avx2 | none: the caller widens and runs sgemm), qmm_a8 (the default A8 body, `kernels.A8_ISAS` names),
  * qmm_a8_panel (the many-row A8 GEMM and its threshold, or none).
  * K/V writes and the float32 elementwise ops are plain C everywhere. */

@@ -1,0 +1,223 @@
+/* Paged prefill attention: every prefill chunk of a step in one call, causal, over the K/V the step has just
+ * written into the pool (and whatever the sequence had cached before the chunk: a prefix-cache hit, the earlier
+ * chunks of a long prompt), read in place through the block table. No gather, no padding, no mask tensor.
+ *
+ * Chunk c (chunks[c] = q_row, q_len, ctx): its query i sits at row q_row + i of q and out, at position
+ * ctx + i of its sequence, and attends over the sequence's tokens [0, ctx + i]; token j lives in pool row
+ * tables[c * tables_M + j / B] * B + j % B. Float32 queries and output, a bfloat16 (kv 0) or float32 (kv 1)
+ * pool, all arithmetic in float32 (a bf16 row widened is exact): the same numbers as SDPA over the pool's K/V,
+ * up to summation order.
+ *
+ * The layout is the one that keeps the online softmax vertical: a vector's lanes are VL consecutive queries of
+ * one head, so a tile of VL keys gives VL score vectors (one per key), and their max, exp and sum over the
+ * tile are lane-wise, with no horizontal reduction anywhere. Per tile and query head: scores are VL
+ * accumulators fed by one load of the transposed queries and VL broadcasts of the widened K rows per head
+ * dimension; the output (transposed, H vectors) takes VL broadcast FMAs of the widened V rows per dimension.
+ * One work item is (chunk, kv head, block of VL queries); its K/V tile rows are widened once for the G query
+ * heads of the kv head. Items are handed out latest block first (the most keys) from a shared counter.
+ *
+ * Written in GNU C vector extensions, compiled for the build's target: 16 lanes in AVX-512 registers where the
+ * compiler targets AVX-512F, 8 in AVX2's (and plain C elsewhere, the same code). Returns 0, or -1 for a shape
+ * it does not take (the caller falls back to SDPA). */
+#include "common.h"
+
+#ifdef LMF_AVX512
+#define VL 16
+#else
+#define VL 8
+#endif
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+typedef uint16_t vh __attribute__((vector_size(VL * 2)));
+typedef float vf_u __attribute__((vector_size(VL * 4), aligned(4)));  /* unaligned loads and stores */
+typedef uint16_t vh_u __attribute__((vector_size(VL * 2), aligned(2)));
+
+#define SPLAT(x) ((vf){0} + (float)(x))
+#define SELECT(m, a, b) ((vf)(((vi)(a) & (m)) | ((vi)(b) & ~(m))))  /* lane-wise m ? a : b, m all ones or zeros */
+
+static inline vf vmax(vf a, vf b) { return SELECT(a > b, a, b); }
+
+/* exp(x): lanes below -87.3 (-inf included) give 0 exactly, the rest within ~2 ulp: 2^n times a degree-7
+ * polynomial of the remainder r = x - n ln 2 in [-ln 2 / 2, ln 2 / 2] (the Cephes expf coefficients) */
+static inline vf vexp(vf x) {
+    const vi dead = x < SPLAT(-87.3f);
+    x = SELECT(x < SPLAT(88.0f), x, SPLAT(88.0f));
+    x = SELECT(dead, SPLAT(0.0f), x);
+    const vf t = x * SPLAT(1.44269504088896341f) + SPLAT(0.5f);
+    vi n = __builtin_convertvector(t, vi);            /* toward zero, then down where that rounded up: floor */
+    n += (vi)(__builtin_convertvector(n, vf) > t);    /* -1 where true */
+    const vf nf = __builtin_convertvector(n, vf);
+    const vf r = (x - nf * SPLAT(0.693359375f)) - nf * SPLAT(-2.12194440e-4f);
+    vf p = SPLAT(1.9875691500e-4f);
+    p = p * r + SPLAT(1.3981999507e-3f);
+    p = p * r + SPLAT(8.3334519073e-3f);
+    p = p * r + SPLAT(4.1665795894e-2f);
+    p = p * r + SPLAT(1.6666665459e-1f);
+    p = p * r + SPLAT(5.0000001201e-1f);
+    p = p * r * r + r + SPLAT(1.0f);
+    return SELECT(dead, SPLAT(0.0f), p * (vf)((n + 127) << 23));
+}
+
+/* VL head vectors of H floats from pool rows (kv 0 bf16, 1 f32); rows past nt are zero */
+static void widen_tile(const void *pool, int kv, const int64_t *row, int64_t nt, int64_t H, float *dst) {
+    for (int64_t j = 0; j < VL; j++) {
+        float *d = dst + j * H;
+        if (j >= nt) {
+            memset(d, 0, (size_t)H * sizeof(float));
+        } else if (kv == 1) {
+            memcpy(d, (const float *)pool + row[j] * H, (size_t)H * sizeof(float));
+        } else {
+            const uint16_t *s = (const uint16_t *)pool + row[j] * H;
+            int64_t h = 0;
+            for (; h + VL <= H; h += VL) {
+                const vu w = __builtin_convertvector(*(const vh_u *)(s + h), vu) << 16;
+                *(vf_u *)(d + h) = (vf)w;
+            }
+            for (; h < H; h++) d[h] = bf16_to_f32(s[h]);
+        }
+    }
+}
+
+typedef struct {
+    const float *q;
+    const void *k_pool, *v_pool;
+    const int32_t *tables;
+    const int64_t *chunks, *first_item;  /* first_item[c]: chunk c's first item index; [S] = all items */
+    int64_t tables_M, S, N, K, H, B, q_row_stride, q_head_stride, kv;
+    float scale;
+    float *out;
+    int64_t *next;
+    float *scratch;  /* this thread's: queries and outputs transposed, the tile's widened K and V */
+} prefill_job;
+
+/* one item: chunk c, kv head g, queries [p0, p0 + nq) of the chunk */
+static void prefill_item(const prefill_job *j, int64_t c, int64_t g, int64_t p0, int64_t nq, float *scr) {
+    const int64_t H = j->H, G = j->N / j->K, q_row = j->chunks[3 * c], ctx = j->chunks[3 * c + 2];
+    const int32_t *table = j->tables + c * j->tables_M;
+    vf *qt = (vf *)scr, *ot = qt + G * H;              /* (G, H) vectors: queries and outputs, transposed */
+    float *kf = (float *)(ot + G * H), *vfl = kf + VL * H;  /* the tile's K and V rows, widened */
+    vf mx[MAX_G], sum[MAX_G];
+    vi pos;                                             /* each lane's position; lanes past nq repeat the last */
+    for (int64_t i = 0; i < VL; i++) pos[i] = (int32_t)(ctx + p0 + (i < nq ? i : nq - 1));
+    for (int64_t hh = 0; hh < G; hh++) {
+        const float *qh = j->q + (q_row + p0) * j->q_row_stride + (g * G + hh) * j->q_head_stride;
+        for (int64_t h = 0; h < H; h++) {
+            vf v;
+            for (int64_t i = 0; i < VL; i++) v[i] = qh[(i < nq ? i : nq - 1) * j->q_row_stride + h] * j->scale;
+            qt[hh * H + h] = v;
+            ot[hh * H + h] = SPLAT(0.0f);
+        }
+        mx[hh] = SPLAT(-INFINITY);
+        sum[hh] = SPLAT(0.0f);
+    }
+    const int64_t last = ctx + p0 + nq - 1, first = ctx + p0;  /* keys [0, last]; lane 0 sees [0, first] */
+    for (int64_t t0 = 0; t0 <= last; t0 += VL) {
+        const int64_t nt = last + 1 - t0 < VL ? last + 1 - t0 : VL;
+        int64_t row[VL];
+        tile_rows(table, t0, nt, j->B, j->K, g, row);
+        widen_tile(j->k_pool, (int)j->kv, row, nt, H, kf);
+        widen_tile(j->v_pool, (int)j->kv, row, nt, H, vfl);
+        const int masked = t0 + VL - 1 > first;  /* some key of the tile is past some lane's position */
+        for (int64_t hh = 0; hh < G; hh++) {
+            vf s[VL];
+            for (int64_t t = 0; t < VL; t++) s[t] = SPLAT(0.0f);
+            const vf *qv = qt + hh * H;
+            for (int64_t h = 0; h < H; h++) {
+                const vf a = qv[h];
+                for (int64_t t = 0; t < VL; t++) s[t] += a * kf[t * H + h];
+            }
+            vf m = mx[hh];
+            for (int64_t t = 0; t < VL; t++) {
+                if (masked) s[t] = SELECT(pos >= (vi){0} + (int32_t)(t0 + t), s[t], SPLAT(-INFINITY));
+                m = vmax(m, s[t]);
+            }
+            const vf alpha = vexp(mx[hh] - m);  /* 0 on the first tile: exp(-inf) */
+            vf tile_sum = SPLAT(0.0f);
+            for (int64_t t = 0; t < VL; t++) {
+                s[t] = vexp(s[t] - m);
+                tile_sum += s[t];
+            }
+            sum[hh] = sum[hh] * alpha + tile_sum;
+            mx[hh] = m;
+            vf *o = ot + hh * H;
+            for (int64_t h = 0; h < H; h += 4) {  /* four dimensions at a time: four independent FMA chains */
+                vf a0 = o[h] * alpha, a1 = o[h + 1] * alpha, a2 = o[h + 2] * alpha, a3 = o[h + 3] * alpha;
+                for (int64_t t = 0; t < VL; t++) {
+                    const float *vr = vfl + t * H + h;
+                    a0 += s[t] * vr[0];
+                    a1 += s[t] * vr[1];
+                    a2 += s[t] * vr[2];
+                    a3 += s[t] * vr[3];
+                }
+                o[h] = a0;
+                o[h + 1] = a1;
+                o[h + 2] = a2;
+                o[h + 3] = a3;
+            }
+        }
+    }
+    for (int64_t hh = 0; hh < G; hh++) {
+        const vf inv = SPLAT(1.0f) / sum[hh];
+        float *dst = j->out + ((q_row + p0) * j->N + g * G + hh) * H;
+        for (int64_t h = 0; h < H; h++) {
+            const vf v = ot[hh * H + h] * inv;
+            for (int64_t i = 0; i < nq; i++) dst[i * j->N * H + h] = v[i];
+        }
+    }
+}
+
+static void *prefill_range(void *arg) {
+    const prefill_job *j = (const prefill_job *)arg;
+    const int64_t total = j->first_item[j->S];
+    for (;;) {
+        const int64_t i = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED);
+        if (i >= total) break;
+        int64_t c = 0;
+        while (j->first_item[c + 1] <= i) c++;
+        const int64_t local = i - j->first_item[c], q_len = j->chunks[3 * c + 1];
+        const int64_t blocks = (q_len + VL - 1) / VL, b = blocks - 1 - local / j->K, g = local % j->K;
+        const int64_t p0 = b * VL;
+        prefill_item(j, c, g, p0, q_len - p0 < VL ? q_len - p0 : VL, j->scratch);
+    }
+    return NULL;
+}
+
+int lmf_paged_prefill(const float *q, int64_t q_row_stride, int64_t q_head_stride, const void *k_pool,
+                      const void *v_pool, int64_t kv, const int32_t *tables, int64_t tables_M, const int64_t *chunks,
+                      int64_t S, int64_t N, int64_t K, int64_t H, int64_t B, float scale, float *out,
+                      int64_t threads) {
+    if ((kv != 0 && kv != 1) || S < 1 || K < 1 || N % K || N / K > MAX_G || H < 4 || H % 4 || H > MAX_H || B < 1)
+        return -1;
+    int64_t *first_item = (int64_t *)malloc((size_t)(S + 1) * sizeof(int64_t));
+    if (first_item == NULL) return -1;
+    first_item[0] = 0;
+    for (int64_t c = 0; c < S; c++) {
+        const int64_t q_len = chunks[3 * c + 1], ctx = chunks[3 * c + 2];
+        if (q_len < 1 || ctx < 0 || (ctx + q_len + B - 1) / B > tables_M) {
+            free(first_item);
+            return -1;
+        }
+        first_item[c + 1] = first_item[c] + (q_len + VL - 1) / VL * K;
+    }
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > first_item[S]) threads = first_item[S];
+    /* each thread's scratch, taken here: a failed allocation is this call's -1, not rows left unwritten */
+    const size_t per = (size_t)(2 * (N / K) * H * VL + 2 * VL * H) * sizeof(float);
+    float *scratch = (float *)aligned_alloc(64, per * (size_t)threads);
+    if (scratch == NULL) {
+        free(first_item);
+        return -1;
+    }
+    int64_t next = 0;
+    prefill_job jobs[MAX_THREADS];
+    for (int64_t t = 0; t < threads; t++)
+        jobs[t] = (prefill_job){q, k_pool, v_pool, tables, chunks, first_item, tables_M, S, N, K, H, B, q_row_stride,
+                                q_head_stride, kv, scale, out, &next, (float *)((char *)scratch + per * (size_t)t)};
+    run_jobs(prefill_range, jobs, sizeof jobs[0], threads);
+    free(scratch);
+    free(first_item);
+    return 0;
+}
