@@ -126,10 +126,11 @@ def test_bf16_weights_on_float32_activations_are_the_float32_model(folders, monk
 
 
 def test_bf16_units_run_decode_on_the_float32_kernels_and_prefill_on_bf16(folders, monkeypatch):
-    """A bf16 checkpoint on a CPU with bf16 units (forced here on any CPU: the bf16 GEMM then runs on
-    oneDNN's emulation) keeps the float32 kernels for steps under `BF16_UNITS_ROWS` rows, so a one-token
-    prompt decoding alone is the float32 engine's up to summation order, and from that
-    many rows takes oneDNN's bf16 GEMM on the bf16 weight: a long prompt's logits are the bf16 model's
+    """A bf16 checkpoint on a CPU with bf16 units (forced here on any CPU) keeps the float32 kernels for steps
+    under the bf16 threshold, so a one-token prompt decoding alone is the float32 engine's up to summation
+    order, and from that many rows runs on bf16 dot products over the bf16 weight: lmforge's bf16 panel GEMM
+    where the CPU has AVX512-BF16 (from `lmf_bf16_panel_rows()` rows), else oneDNN's bf16 GEMM (its emulation
+    on a CPU without bf16 units; from `BF16_UNITS_ROWS`). A long prompt's logits are the bf16 model's
     rounding of the float32 ones, not the float32 ones exactly."""
     from lmforge.quant.linear import QmmLinear
 
@@ -137,11 +138,15 @@ def test_bf16_units_run_decode_on_the_float32_kernels_and_prefill_on_bf16(folder
     llm = LLM(str(folders["bfloat16"]), device="cpu", enable_prefix_caching=False)
     runner = llm.llm_engine.model_runner
     assert llm.stats()["dtype"] == "float32" and "bf16 units" in llm.stats()["dtype_choice"]
-    assert runner.bf16_linears > 0 and "oneDNN bf16 GEMM" in runner.linear_backend
+    lib = kernels.load()
+    panel = lib.bf16_panel_rows(-1) if lib is not None and lib.bf16_panel_rows is not None else 0
+    want = "its bf16 panel GEMM" if panel else "oneDNN bf16 GEMM"
+    assert runner.bf16_linears > 0 and want in runner.linear_backend
     q = next(m for m in runner.model.modules() if isinstance(m, QmmLinear))
-    x = torch.randn(QmmLinear.BF16_UNITS_ROWS, q.K)
+    assert q.bf16_panel_rows == panel
+    x = torch.randn(panel or QmmLinear.BF16_UNITS_ROWS, q.K)
     w = q.codes.view(torch.bfloat16).float()
-    few, many = q(x[:-1]), q(x)  # the float32 kernel; then the bf16 GEMM on bf16-rounded activations
+    few, many = q(x[:-1]), q(x)  # the float32 kernel; then bf16 dot products on bf16-rounded activations
     torch.testing.assert_close(few, x[:-1] @ w.T, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(many, x.bfloat16().float() @ w.T, rtol=2e-2, atol=2e-2)
     assert not torch.equal(many[:-1], few)  # the long call did take the other path
@@ -206,3 +211,35 @@ def test_panel_gemm_is_the_float64_product_at_every_tail(bits):
     assert lib.gemm_f32(x.data_ptr(), torch.zeros(4, 8, dtype=torch.int8).data_ptr(), None, out.data_ptr(), 2, 4, 8, 8,
                         0, 1, None) == -1  # int8 codes need their scales
     assert lib.gemm_f32(x.data_ptr(), x.data_ptr(), None, out.data_ptr(), 2, 4, 8, 12, 0, 1, None) == -1  # no such bits
+
+
+def _bf16_panel_rows() -> int:
+    lib = kernels.load()
+    return lib.bf16_panel_rows(-1) if lib is not None and lib.bf16_panel_rows is not None else 0
+
+
+def test_bf16_panel_gemm_is_the_float64_product_of_rounded_activations():
+    """`lmf_gemm_bf16` (many rows of bf16 weights on AVX512-BF16): 12 rows x 2 panels of 16 weight rows, so
+    every remainder is a case (rows past the last 12, a last single panel, a panel short of 16 rows), per-row
+    scales, 1-3 threads; against the float64 product of the bf16-rounded activations and the bf16 weights.
+    Where the CPU or build lacks the body it refuses (-1): callers keep their other paths."""
+    lib = kernels.load()
+    if lib is None:
+        pytest.skip("no C compiler: lmforge's CPU kernels are absent")
+    has = _bf16_panel_rows() > 0
+    assert has is ({"avx512_bf16", "avx512bw", "avx512vl"} <= set(kernels._cpu_flags().split()))
+    g = torch.Generator().manual_seed(16)
+    for M, N, K in ((1, 16, 32), (5, 45, 64), (12, 32, 96), (13, 80, 1024), (37, 17, 64), (100, 130, 256)):
+        x = torch.randn(M, K, generator=g) * 3
+        w = torch.randn(N, K, generator=g).to(torch.bfloat16)
+        scale = torch.rand(N, generator=g) + 0.5
+        want = (x.bfloat16().double() @ w.double().T) * scale.double()
+        for threads in (1, 2, 3):
+            out = torch.full((M, N), float("nan"))
+            rc = lib.gemm_bf16(x.data_ptr(), w.data_ptr(), scale.data_ptr(), out.data_ptr(), M, N, K, threads)
+            assert rc == (0 if has else -1)
+            if has:
+                err = (out.double() - want).abs().max().item()
+                assert err <= 1e-5 * max(want.abs().max().item(), 1.0), (M, N, K, threads, err)
+    x, w, out = torch.randn(2, 40), torch.zeros(4, 40, dtype=torch.bfloat16), torch.empty(2, 4)
+    assert lib.gemm_bf16(x.data_ptr(), w.data_ptr(), torch.ones(4).data_ptr(), out.data_ptr(), 2, 4, 40, 1) == -1  # K % 32

@@ -143,3 +143,38 @@ def test_c_layer_batch_on_the_panel_gemm_is_the_module_path_bit_for_bit(models, 
     finally:
         for i, lay in enumerate(saved):
             layers[i] = lay
+
+
+@pytest.mark.skipif(LIB is None or not LIB.bf16_panel_rows or LIB.bf16_panel_rows(-1) == 0,
+                    reason="this CPU or build has no bf16 panel GEMM (AVX512-BF16)")
+def test_c_layer_batch_on_the_bf16_panel_is_the_module_path_bit_for_bit(models):
+    """A bf16 checkpoint on a CPU with bf16 units: from `lmf_bf16_panel_rows()` rows its linears run on the bf16
+    panel GEMM (`bf16_rows`, the 7th value of each linear in the C layer's parameters), so a decode batch of 14
+    stays in one C call a step, with the module path's bits."""
+    llm = LLM(str(models["bf16"]), device="cpu", enable_prefix_caching=False)
+    runner = llm.llm_engine.model_runner
+    rows = LIB.bf16_panel_rows(-1)
+    layer = runner.model.model.layers[0]
+    qkv = layer.layer.self_attn.qkv_proj
+    assert runner.decode_layers == 3, runner.decode_layers_why
+    assert qkv.bf16_panel_rows == rows and int(layer.params[15 + 6]) == rows and "bf16 panel" in runner.linear_backend
+    prompts = [[1, 2 + i, 7, 3 * i + 1] for i in range(14)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    calls = []
+    _count_rows(runner, calls)
+
+    def run():
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+                for o in outs]
+    fast = run()
+    assert max(calls) == len(prompts) >= rows  # one C call a step for all 14 rows
+    layers = runner.model.model.layers
+    saved = list(layers)
+    for i, lay in enumerate(layers):
+        layers[i] = lay.layer
+    try:
+        assert fast == run()
+    finally:
+        for i, lay in enumerate(saved):
+            layers[i] = lay

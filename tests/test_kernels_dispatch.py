@@ -15,7 +15,8 @@ from lmforge.engine import kernels
 
 LIB = kernels.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"no compiled kernels: {kernels.status()}")
-KERNELS = {"attention_bf16", "attention_f32", "elementwise_bf16", "qmm_f32", "gemm_f32", "qmm_a8", "qmm_a8_panel"}
+KERNELS = {"attention_bf16", "attention_f32", "attention_prefill", "elementwise_bf16", "qmm_f32", "gemm_f32", "gemm_bf16",
+           "qmm_a8", "qmm_a8_panel"}
 # the CPU flags each body needs (from /proc/cpuinfo's names)
 NEEDS = {"avx512_bf16": {"avx512f", "avx512_bf16"}, "avx512": {"avx512f"}, "avx2": {"avx2", "fma"},
          "portable": set(), "none": set()}
@@ -30,7 +31,7 @@ def test_dispatch_names_a_body_this_cpu_runs(monkeypatch):
     bodies = LIB.bodies
     assert set(bodies) == KERNELS
     for kernel, body in bodies.items():
-        if kernel not in ("qmm_a8", "qmm_a8_panel"):
+        if kernel not in ("qmm_a8", "qmm_a8_panel", "gemm_bf16"):
             assert NEEDS[body] <= _cpu_flags(), (kernel, body)
     # the A8 panel GEMM: AVX-512 VNNI and from how many rows, where the CPU has it; else none
     has_vnni512 = {"avx512_vnni", "avx512bw", "avx512vl"} <= _cpu_flags()
@@ -40,6 +41,10 @@ def test_dispatch_names_a_body_this_cpu_runs(monkeypatch):
         before = LIB.a8_panel_rows(0)
         assert kernels._bind(LIB.path).bodies["qmm_a8_panel"] == "none"  # the same library, read again
         LIB.a8_panel_rows(before)
+    # the bf16 panel GEMM: AVX512-BF16 and from how many rows, where the CPU has it; else none
+    has_bf16 = {"avx512_bf16", "avx512bw", "avx512vl"} <= _cpu_flags()
+    rows = LIB.bf16_panel_rows(-1)
+    assert bodies["gemm_bf16"] == (f"avx512_bf16/{rows}rows" if has_bf16 else "none") and (rows > 0) is has_bf16
     a8 = bodies["qmm_a8"]
     assert a8 in kernels.A8_ISAS and LIB.a8_isa_supported(kernels.A8_ISAS[a8])
     assert a8 == LIB.a8_isas()[0] == kernels.a8_isa(LIB)  # the most preferred body this CPU runs
@@ -52,7 +57,8 @@ def test_dispatch_names_a_body_this_cpu_runs(monkeypatch):
 def test_portable_build_loads_and_names_plain_c():
     lib = kernels.load(("-DLMF_PORTABLE",))
     assert lib is not None, kernels._status
-    assert lib.bodies == {**dict.fromkeys(KERNELS, "portable"), "gemm_f32": "none", "qmm_a8_panel": "none"}
+    assert lib.bodies == {**dict.fromkeys(KERNELS, "portable"), "gemm_f32": "none", "gemm_bf16": "none",
+                          "qmm_a8_panel": "none"}
     assert lib.a8_isas() == ["portable"] and not lib.gemm_ok
     gen = torch.Generator().manual_seed(0)
     M, N, K = 3, 40, 128

@@ -397,7 +397,12 @@ def test_bench_linear_reports_every_kernel(tmp_path, monkeypatch):
     assert kinds >= {f"A8 {isa}" for isa in LIB.a8_isas()} | {"A16 exact (lmf_qmm_f32 rows)", "torch (bf16 activations)"}
     assert ("A16 exact (lmf_gemm_f32 panel)" in kinds) == LIB.gemm_ok
     assert ("A8 panel GEMM (avx512_vnni)" in kinds) == HAS_PANEL
-    assert {(r["weights"], r["batch"]) for r in rows} == {(w, b) for w in ("w8a16", "w4a16 g128") for b in (1, 3)}
+    assert {(r["weights"], r["batch"]) for r in rows} == {(w, b) for w in ("w8a16", "w4a16 g128", "bf16")
+                                                          for b in (1, 3)}
+    bf16 = {r["kernel"] for r in rows if r["weights"] == "bf16"}  # bf16 weights: rows, oneDNN, the panel where it runs
+    panel = LIB.bf16_panel_rows(-1) > 0
+    assert bf16 == {"A16 exact (lmf_qmm_f32 rows, bits 16)", "oneDNN bf16 (F.linear)"} | (
+        {"bf16 panel GEMM (avx512_bf16)"} if panel else set())
     for r in rows:
         assert r["us"] > 0 and r["median_us"] >= r["us"] and r["weight_gbs"] > 0 and r["gflops"] > 0
         assert abs(r["of_triad"] - r["weight_gbs"] / 20.0) < 1e-3

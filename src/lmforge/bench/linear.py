@@ -5,7 +5,9 @@
     portable, each on its rows) and its panel GEMM where the CPU has AVX-512 VNNI (`qmm_a8_panel.c`, which
     the engine runs from `lmf_a8_panel_rows()` rows), the exact A16 kernels on float32 activations (`lmf_qmm_f32`'s row kernel, and the panel
     GEMM `lmf_gemm_f32` that takes over from `QmmLinear.GEMM_MIN_ROWS` rows) and torch's weight-only
-    kernels (bf16 activations). Each figure is GB/s of weight bytes read (codes + scales) and
+    kernels (bf16 activations); and bf16 weights (a bf16 checkpoint under `--dtype auto`): the exact row kernel
+    (`lmf_qmm_f32`, bits 16), lmforge's bf16 panel GEMM where the CPU has AVX512-BF16 (`gemm_bf16.c`, from
+    `lmf_bf16_panel_rows()` rows in the engine) and oneDNN's bf16 GEMM (`F.linear`, the weight as it is). Each figure is GB/s of weight bytes read (codes + scales) and
     GFLOP/s (2·M·N·K), against the STREAM triad of `lmforge doctor` (its saved profile, else measured
     now) as the roofline. Each call reads the next of enough weight copies to overflow the caches
     (`--working-set-mb`), as a decode step reads every layer's weights once from memory.
@@ -156,6 +158,9 @@ def bench_quant_linear(batches: tuple[int, ...] = BATCHES, group_size: int = 128
             for scheme in (QuantScheme(8, None), QuantScheme(4, group_size)):
                 for K, N in shapes or QUANT_SHAPES:
                     rows += _bench_weight(scheme, K, N, lib, batches, working_set_mb, roof["triad_gbs"])
+            if lib is not None:
+                for K, N in shapes or QUANT_SHAPES:
+                    rows += _bench_bf16(K, N, lib, batches, working_set_mb, roof["triad_gbs"])
     finally:
         torch.set_num_threads(saved)
         os.environ.pop("LMFORGE_QMM_THREADS", None)
@@ -169,6 +174,30 @@ def _bench_weight(scheme: QuantScheme, K: int, N: int, lib, batches, working_set
     for _ in range(max(1, working_set_mb * 2**20 // (one.qweight.numel() * scheme.num_bits // 8))):
         copies.append(_kernels(copy.deepcopy(one), lib))  # its own buffers: int8 layers keep the codes as given
     weight_bytes = N * K * scheme.num_bits // 8 + N * scheme.groups(K) * 4  # codes + float32 scales
+    label = scheme.name + (f" g{scheme.group_size}" if scheme.group_size else "")
+    return _time_kernels(copies, label, K, N, weight_bytes, batches, triad_gbs)
+
+
+def _bench_bf16(K: int, N: int, lib: kernels.CpuKernels, batches, working_set_mb: int, triad_gbs: float) -> list:
+    """bf16 weights: the exact row kernel, the bf16 panel GEMM (where the CPU has it) and oneDNN's bf16 GEMM."""
+    panel = lib.bf16_panel_rows(-1) if lib.bf16_panel_rows is not None else 0
+    copies = []
+    for i in range(max(1, working_set_mb * 2**20 // (N * K * 2))):
+        lin = torch.nn.Linear(K, N, bias=False).to(torch.bfloat16)
+        rows_kernel = QmmLinear.from_bf16(lin, lib.qmm_f32)
+        rows_kernel.MAX_ROWS = max(BATCHES + tuple(batches))  # the row kernel itself at every batch
+        kernels_of = {"A16 exact (lmf_qmm_f32 rows, bits 16)": rows_kernel}
+        if panel:  # at every batch
+            kernels_of["bf16 panel GEMM (avx512_bf16)"] = QmmLinear.from_bf16(lin, lib.qmm_f32, bf16_units=True,
+                                                                              bf16_panel=(lib.gemm_bf16, 1))
+        w = lin.weight.detach()
+        kernels_of["oneDNN bf16 (F.linear)"] = lambda x, w=w: F.linear(x.to(torch.bfloat16), w).float()
+        copies.append(kernels_of)
+    return _time_kernels(copies, "bf16", K, N, N * K * 2, batches, triad_gbs)
+
+
+def _time_kernels(copies: list[dict], label: str, K: int, N: int, weight_bytes: int, batches, triad_gbs: float) -> list:
+    """Each kernel of `copies[0]` at each batch, every call on the next copy's weight (read from memory)."""
     rows = []
     for name in copies[0]:
         for M in batches:
@@ -180,8 +209,7 @@ def _bench_weight(scheme: QuantScheme, K: int, N: int, lib, batches, working_set
                 return copies[turn[0]][name](x)
             sec, median = call_seconds(call)
             gbs = weight_bytes / sec / 1e9
-            rows.append({"weights": scheme.name + (f" g{scheme.group_size}" if scheme.group_size else ""),
-                         "in": K, "out": N, "kernel": name, "batch": M, "us": round(sec * 1e6, 1),
+            rows.append({"weights": label, "in": K, "out": N, "kernel": name, "batch": M, "us": round(sec * 1e6, 1),
                          "median_us": round(median * 1e6, 1),
                          "weight_gbs": round(gbs, 2), "gflops": round(2 * M * N * K / sec / 1e9, 1),
                          "of_triad": round(gbs / triad_gbs, 3) if triad_gbs else None})

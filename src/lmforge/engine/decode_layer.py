@@ -68,8 +68,9 @@ def _linears(layer: DecoderLayer) -> list[nn.Module]:
 
 def _linear_params(m: QmmLinear) -> list[int]:
     """A linear's LIN values of the parameter array: codes, float32 scales, the scales' descriptor (0: none, the
-    float32 scales alone), bits, gs, gemm_rows."""
-    return [m.codes.data_ptr(), m.scale.data_ptr(), m.desc_ptr or 0, m.bits, _kernel_gs(m), m.gemm_rows]
+    float32 scales alone), bits, gs, gemm_rows, bf16_rows (from how many rows the bf16 panel GEMM; 0 never)."""
+    return [m.codes.data_ptr(), m.scale.data_ptr(), m.desc_ptr or 0, m.bits, _kernel_gs(m), m.gemm_rows,
+            m.bf16_panel_rows]
 
 
 def _kernel_gs(m: QmmLinear) -> int:

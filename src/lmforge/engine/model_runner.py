@@ -135,14 +135,16 @@ def float32_except_linears(model: nn.Module) -> None:
             t.data = t.data.float()
 
 
-def swap_bf16_linears(model: nn.Module, qmm, c_gemm: bool = False, bf16_units: bool = False) -> int:
+def swap_bf16_linears(model: nn.Module, qmm, c_gemm: bool = False, bf16_units: bool = False,
+                      bf16_panel: tuple | None = None) -> int:
     """Every `nn.Linear` with a bfloat16 weight becomes `QmmLinear.from_bf16` (bf16 weights, float32
-    activations, `lmf_qmm_f32` with bits 16; prefill chunks on `lmf_gemm_f32` with `c_gemm`, or with
-    `bf16_units` on oneDNN's bf16 GEMM from `QmmLinear.BF16_UNITS_ROWS` rows); returns how many."""
+    activations, `lmf_qmm_f32` with bits 16; prefill chunks on `lmf_gemm_f32` with `c_gemm`; with `bf16_units`
+    many rows on the CPU's bf16 units: `bf16_panel` (`lmf_gemm_bf16`, from how many rows) or else oneDNN's bf16
+    GEMM from `QmmLinear.BF16_UNITS_ROWS` rows); returns how many."""
     todo = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
             if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16]
     for parent, name, child in todo:
-        setattr(parent, name, QmmLinear.from_bf16(child, qmm, c_gemm, bf16_units))
+        setattr(parent, name, QmmLinear.from_bf16(child, qmm, c_gemm, bf16_units, bf16_panel))
     return len(todo)
 
 
@@ -236,9 +238,15 @@ class ModelRunner:
         self.quantized_linears = swap_backend(model, backend, dtype) if backend is not None else 0
         c_gemm = gemm_on(lib)
         bf16_units = kernels.cpu_has_bf16()
-        self.bf16_linears = swap_bf16_linears(model, lib.qmm_f32, c_gemm, bf16_units) if bf16_weights else 0
+        # many rows of bf16 weights on the CPU's bf16 units: lmforge's bf16 panel GEMM (AVX512-BF16) from its
+        # threshold, else oneDNN's bf16 GEMM
+        bf16_panel = lib.bf16_panel_rows(-1) if bf16_units and lib is not None and lib.bf16_panel_rows else 0
+        self.bf16_linears = (swap_bf16_linears(model, lib.qmm_f32, c_gemm, bf16_units,
+                                               (lib.gemm_bf16, bf16_panel) if bf16_panel else None)
+                             if bf16_weights else 0)
         if self.bf16_linears:
             self.linear_backend = ("bf16 weights x float32 activations (lmforge lmf_qmm_f32, bits 16; " + (
+                f"from {bf16_panel} rows its bf16 panel GEMM on the CPU's bf16 units)" if bf16_panel else
                 f"from {QmmLinear.BF16_UNITS_ROWS} rows oneDNN bf16 GEMM on the CPU's bf16 units)" if bf16_units else
                 f"prefill on lmf_gemm_f32 from {QmmLinear.GEMM_MIN_ROWS[16]} rows)" if c_gemm else
                 "widen + sgemm above 32 rows)"))

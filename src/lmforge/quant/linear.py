@@ -290,6 +290,7 @@ class QmmLinear(nn.Module):
         self.bias = None if q.bias is None else q.bias.detach().float()
         self.threads = _kernel_threads()
         self.c_gemm = c_gemm and qmm is not None
+        self.bf16_gemm, self.bf16_panel_rows = None, 0  # bf16 weights only (`from_bf16`)
 
     def _take_scales(self, q: QuantizedLinear) -> None:
         """The scales (and zeros) in the form the layer stores them, which the kernels read as they are (common.h's
@@ -334,6 +335,7 @@ class QmmLinear(nn.Module):
         nn.Module.__init__(self)
         self.qmm, self.a8, self.bits, self.prefill_bf16 = qmm, None, bits, False
         self.c_gemm = self.a8_panel = False
+        self.bf16_gemm, self.bf16_panel_rows = None, 0
         self.N, self.K = linear.out_features, linear.in_features
         self.gs = self.K
         codes = w.contiguous()  # bf16: its bits as int16; float32: the weight itself, no copy
@@ -345,21 +347,27 @@ class QmmLinear(nn.Module):
         return self
 
     @classmethod
-    def from_bf16(cls, linear: nn.Linear, qmm, c_gemm: bool = False, bf16_units: bool = False) -> "QmmLinear":
+    def from_bf16(cls, linear: nn.Linear, qmm, c_gemm: bool = False, bf16_units: bool = False,
+                  bf16_panel: tuple | None = None) -> "QmmLinear":
         """A bfloat16 `nn.Linear` on float32 activations (a bf16 checkpoint under `--dtype auto`):
         the weight stays bf16 (2 bytes read a weight, `lmf_qmm_f32` with bits 16, widened exactly inside
         the kernel), scale 1. Prefill chunks: with `c_gemm` (the build has `lmf_gemm_f32`'s AVX2 body) every
         row count goes to `lmf_qmm_f32`, which from 22 rows runs the panel GEMM (the weight widened 16 rows at
         a time in L2: 1.2-2.5x widen + sgemm on the 300M's shapes); without, above `MAX_ROWS` rows the weight
         is widened into the shared float32 buffer for sgemm. The same numbers as the float32 model of the
-        same weights, up to summation order. With `bf16_units` (a CPU with AVX-512 BF16 or AMX): calls of
-        `BF16_UNITS_ROWS` rows or more run oneDNN's bf16 GEMM on the weight as it is (activations rounded to
-        bf16, as a bf16 model's are; 1.3-1.8x the float32 kernels from 8 rows on the Zen 4), fewer rows the
-        exact float32 kernel, which reads the weights faster than torch's bf16 matmul (a batch-1 decode step
-        of the random 300M on the Zen 4: 19.5-22.3 ms against 29-37 ms in bf16)."""
+        same weights, up to summation order. With `bf16_units` (a CPU with AVX-512 BF16 or AMX), many rows run
+        on the CPU's bf16 dot products on the weight as it is (activations rounded to bf16, as a bf16 model's
+        are): `bf16_panel` = (`lmf_gemm_bf16`, rows), lmforge's panel GEMM from that many rows (one call, which
+        the C decoder layer makes too, so a bf16 decode batch stays in C), else oneDNN's bf16 GEMM from
+        `BF16_UNITS_ROWS` rows (1.3-1.8x the float32 kernels from 8 rows on the Zen 4). Fewer rows: the exact
+        float32 kernel, which reads the weights faster than torch's bf16 matmul (a batch-1 decode step of the
+        random 300M on the Zen 4: 19.5-22.3 ms against 29-37 ms in bf16)."""
         self = cls._dense(linear, qmm, torch.bfloat16, 16)
         self.c_gemm = c_gemm and qmm is not None
-        self.prefill_bf16 = bf16_units
+        if bf16_units and bf16_panel is not None and self.K % 32 == 0:  # the panel takes inputs 32 at a time
+            self.bf16_gemm, self.bf16_panel_rows = bf16_panel
+        else:
+            self.prefill_bf16 = bf16_units
         return self
 
     @classmethod
@@ -447,6 +455,16 @@ class QmmLinear(nn.Module):
                    else self.A8_PREFILL_ROWS)
         if self.a8 is not None and (rows <= a8_rows or self.a8_panel):
             out_MN = self.forward_a8(x.reshape(-1, self.K).contiguous())
+            if self.bias is not None:
+                out_MN += self.bias
+            return out_MN.to(x.dtype).reshape(*x.shape[:-1], self.N)
+        if self.bf16_panel_rows and rows >= self.bf16_panel_rows:  # bf16 weights on lmforge's bf16 panel GEMM
+            x_MK = x.reshape(-1, self.K).float().contiguous()
+            out_MN = torch.empty(rows, self.N)
+            rc = self.bf16_gemm(x_MK.data_ptr(), self.codes.data_ptr(), self.scale.data_ptr(), out_MN.data_ptr(), rows,
+                                self.N, self.K, self.threads)
+            if rc != 0:
+                raise RuntimeError(f"lmf_gemm_bf16 refused {self.N}x{self.K}")
             if self.bias is not None:
                 out_MN += self.bias
             return out_MN.to(x.dtype).reshape(*x.shape[:-1], self.N)

@@ -98,6 +98,10 @@ class CpuKernels:
     a8_isa_supported: ctypes._CFuncPtr | None = None  # lmf_a8_isa_supported(isa) -> 0 | 1
     a8_panel_rows: ctypes._CFuncPtr | None = None  # lmf_a8_panel_rows(rows) -> the threshold before: from how many
     #                                                rows the A8 panel GEMM runs (0 never; rows < 0 only reads it)
+    bf16_panel_rows: ctypes._CFuncPtr | None = None  # lmf_bf16_panel_rows(rows) -> the threshold before: from how
+    #                                                  many rows lmf_qmm_f32 runs bf16 weights on the bf16 panel GEMM
+    #                                                  (0: never, or no AVX512-BF16; rows < 0 only reads it)
+    gemm_bf16: ctypes._CFuncPtr | None = None  # lmf_gemm_bf16(x, w, scales, out, M, N, K, threads) -> 0 | -1
     gemm_f32: ctypes._CFuncPtr | None = None  # lmf_gemm_f32(x, w, scales, out, M, N, K, bits, gs, threads) -> 0 | -1
     gemm_ok: bool = False  # whether this build has the panel GEMM's body (AVX2 + FMA): prefill chunks of bf16 weights
     decode_layer_q: ctypes._CFuncPtr | None = None  # lmf_decode_layer_q(isa, params, x, M, cos, sin, slots, tables,
@@ -259,6 +263,8 @@ def _bind(path: Path) -> CpuKernels:
           "quantize_s8": ("lmf_quantize_s8", [P, I64, I64, I64, I64, I64, P, P]),
           "a8_isa_supported": ("lmf_a8_isa_supported", [I64]),
           "a8_panel_rows": ("lmf_a8_panel_rows", [I64]),
+          "bf16_panel_rows": ("lmf_bf16_panel_rows", [I64]),
+          "gemm_bf16": ("lmf_gemm_bf16", [P, P, P, P, I64, I64, I64, I64]),
           "gemm_f32": ("lmf_gemm_f32", [P, P, P, P, I64, I64, I64, I64, I64, I64, P]),
           "decode_layer_q": ("lmf_decode_layer_q", [I64, P, P, I64, P, P, P, P, I64, P, P, I64, ctypes.c_float,
                                                     ctypes.c_float]),
@@ -270,12 +276,13 @@ def _bind(path: Path) -> CpuKernels:
         fn = getattr(lib, name, None)
         if fn is None:  # an older revision's build (the A/B scripts)
             continue
-        fn.restype, fn.argtypes = (ctypes.c_int64 if field == "a8_panel_rows" else ctypes.c_int), argtypes
+        fn.restype, fn.argtypes = (ctypes.c_int64 if field.endswith("panel_rows") else ctypes.c_int), argtypes
         fns[field] = fn
-    if "a8_panel_rows" in fns and (rows := os.environ.get("LMFORGE_A8_PANEL_ROWS", "").strip()):
-        if not rows.isdigit():
-            raise ValueError(f"LMFORGE_A8_PANEL_ROWS={rows!r}: a row count (0: never the panel GEMM)")
-        fns["a8_panel_rows"](int(rows))
+    for field, env in (("a8_panel_rows", "LMFORGE_A8_PANEL_ROWS"), ("bf16_panel_rows", "LMFORGE_BF16_PANEL_ROWS")):
+        if field in fns and (rows := os.environ.get(env, "").strip()):
+            if not rows.isdigit():
+                raise ValueError(f"{env}={rows!r}: a row count (0: never the panel GEMM)")
+            fns[field](int(rows))
     one = (ctypes.c_float * 1)(1.0)
     # -1: no AVX2 + FMA body in this build (and no lmf_gemm_f32 at all in an older revision's)
     gemm_ok = "gemm_f32" in fns and fns["gemm_f32"](one, one, None, one, 1, 1, 1, 32, 0, 1, None) == 0

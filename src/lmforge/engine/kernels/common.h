@@ -11,6 +11,7 @@
  *   elementwise.c       RMSNorm, RoPE, silu * up, bf16 and float32
  *   qmm_f32.c           the A16 row kernel: int8 / int4 / bf16 / float32 weights, float32 activations
  *   gemm_f32.c          the panel GEMM the row kernel hands big row counts to (AVX2 + FMA)
+ *   gemm_bf16.c         bf16 weights on bf16 dot products for many rows: a panel GEMM (AVX512-BF16)
  *   qmm_a8.c            int8 activations: quantization, entry points, threads, the portable body
  *   qmm_a8_avx256.c     its 256-bit bodies: avx2, avx_vnni, avx512_vnni_256
  *   qmm_a8_avx512.c     its 512-bit body: avx512_vnni
@@ -405,6 +406,34 @@ LMF_HIDDEN void a8_panel_avx512vnni(const a8_job *j);  /* qmm_a8_panel.c: many r
     } while (0)
 #endif
 
+#ifdef LMF_X86
+/* In place: r[i] lane j <- r[j] lane i, for 16 vectors of 16 int32 (a 16 x 16 transpose of 4-byte words): the
+ * panel GEMMs' repack of 16 weight rows (qmm_a8_panel.c, gemm_bf16.c). */
+__attribute__((target("avx512f"), always_inline)) static inline void lmf_transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4)  /* each 128-bit lane: word e of rows i..i+3 into r[i + e] */
+        for (int h = 0; h < 2; h++) {
+            r[i + 2 * h] = _mm512_unpacklo_epi64(t[i + h], t[i + 2 + h]);
+            r[i + 2 * h + 1] = _mm512_unpackhi_epi64(t[i + h], t[i + 2 + h]);
+        }
+    /* within each 128-bit lane: the words of rows 4a..4a+3; now the lanes across the 4 groups of 4 rows */
+    for (int i = 0; i < 4; i++)
+        for (int h = 0; h < 2; h++) {
+            t[i + 8 * h] = _mm512_shuffle_i32x4(r[i + 8 * h], r[i + 4 + 8 * h], 0x88);
+            t[i + 4 + 8 * h] = _mm512_shuffle_i32x4(r[i + 8 * h], r[i + 4 + 8 * h], 0xDD);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
+    }
+}
+
+#endif
+
 /* The bytes of one thread's panel buffers (qmm_a8_panel.c) for rows of K inputs in G groups: two panels of codes
  * (K bytes a weight row), scales and zero offsets (G floats each a row), a code row and two scale rows. */
 #define A8_PANEL 16
@@ -423,9 +452,12 @@ typedef struct {
     int64_t a8_best;               /* the A8 body `lmf_qmm_a8` runs when not told */
     a8_body_fn a8_panel;           /* the A8 panel GEMM (AVX-512 VNNI), NULL where this build or CPU lacks it */
     int64_t a8_panel_rows;         /* from how many rows the AVX-512 VNNI bodies hand a call to it (0: never) */
+    int bf16_panel;                /* the bf16 panel GEMM (gemm_bf16.c) runs on this CPU and build */
+    int64_t bf16_panel_rows;       /* from how many rows `lmf_qmm_f32` hands bf16 weights to it (0: never) */
 } lmf_dispatch_table;
 
 LMF_HIDDEN extern lmf_dispatch_table lmf_dispatch;
+LMF_HIDDEN int bf16_panel_cpu(void);  /* gemm_bf16.c: 1 where this build has its body and this CPU runs it */
 
 /* ---- the exported API (ctypes: `kernels._bind`) --------------------------------------------------------- */
 
@@ -484,6 +516,10 @@ int lmf_decode_stack_q(int64_t isa, int64_t n_layers, const int64_t *layers, flo
 int lmf_a8_isa_supported(int64_t isa);
 int64_t lmf_a8_best_isa(void);
 int64_t lmf_a8_panel_rows(int64_t rows);
+int64_t lmf_bf16_panel_rows(int64_t rows);
+/* gemm_bf16.c */
+int lmf_gemm_bf16(const float *x, const uint16_t *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
+                  int64_t threads);
 const char *lmf_kernels_chosen(void);
 
 #endif

@@ -19,13 +19,14 @@
  *   14 gate, up apart (1: two matmuls; 0: one fused gate_up)
  *   15.. the linears, LIN values each: codes, float32 scales (or 0), the scales' descriptor (`lmf_scales`, with the
  *        zero offsets; 0: the float32 scales, no zeros), bits, gs (<= 0 per channel),
- *        gemm_rows (lmf_qmm_f32's: from this many rows the panel GEMM); in order qkv (or q, k, v), o, gate_up (or
+ *        gemm_rows (lmf_qmm_f32's: from this many rows the panel GEMM), bf16_rows (bf16 weights: from this many rows
+ *        `lmf_gemm_bf16`, activations rounded to bf16; 0 never); in order qkv (or q, k, v), o, gate_up (or
  *        gate, up), down. Each linear keeps its own format: a GGUF file mixes them within a layer.
  * cos, sin: (M, H); slots (M); tables (S, tables_M) int32, lens (S) int32, rows (S) int64: as
  * lmf_paged_decode_any. Returns 0, or the first failing kernel's code. */
 #include "common.h"
 
-#define LIN 6
+#define LIN 7
 
 /* out (M, n_out) = x (M, n_in) times linear `l` of the layer's parameters. */
 static int linear(int64_t isa, const int64_t *p, int l, const float *x, float *out, int64_t M, int64_t n_out,
@@ -35,6 +36,8 @@ static int linear(int64_t isa, const int64_t *p, int l, const float *x, float *o
     const float *scales = (const float *)w[1];
     const lmf_scales *sc = (const lmf_scales *)w[2];
     if (isa >= 0) return lmf_qmm_a8(isa, x, 1, codes, scales, out, M, n_out, n_in, w[3], w[4], th, sc);
+    if (w[6] > 0 && M >= w[6] && lmf_gemm_bf16(x, (const uint16_t *)codes, scales, out, M, n_out, n_in, th) == 0)
+        return 0;
     return lmf_qmm_f32(x, codes, scales, out, M, n_out, n_in, w[3], w[4], th, w[5], sc);
 }
 

@@ -72,15 +72,22 @@ static char chosen[320];  /* lmf_kernels_chosen's line, written with the table *
  * panel time at 8 and 16 rows: 0.58-1.30 and 0.75-0.96, then 1.06-1.68 and 1.19-1.29; `lmforge bench linear
  * --batches 1,4,8,16,64,256`, docs/engine.md, "The A8 panel GEMM") */
 #define A8_PANEL_ROWS 16
+/* bf16 weights go to the bf16 panel GEMM (gemm_bf16.c) from this many rows, the exact float32 row kernel below:
+ * Zen 4, 2 threads, the 300M's shapes read from memory, row kernel / panel time at 1, 2, 4, 16 rows: 0.64-0.75,
+ * 1.05-1.24, 1.13-1.87, 1.69-2.93 (`lmforge bench linear --batches 1,2,4,6,8,16,64`); 2-3 rows stay exact, where
+ * the gain is a few percent on two shapes of three */
+#define BF16_PANEL_ROWS 4
 
 static void write_chosen(void) {
-    char panel[48] = "none";  /* "avx512_vnni/16rows": the body, and from how many rows it runs */
+    char panel[48] = "none", bf16[48] = "none";  /* "avx512_vnni/16rows": the body, and from how many rows it runs */
+    if (lmf_dispatch.bf16_panel && lmf_dispatch.bf16_panel_rows > 0)
+        snprintf(bf16, sizeof bf16, "avx512_bf16/%lldrows", (long long)lmf_dispatch.bf16_panel_rows);
     if (lmf_dispatch.a8_panel != NULL && lmf_dispatch.a8_panel_rows > 0)
         snprintf(panel, sizeof panel, "avx512_vnni/%lldrows", (long long)lmf_dispatch.a8_panel_rows);
     snprintf(chosen, sizeof chosen,
              "attention_bf16=" ATTN_BF16 " attention_f32=%s attention_prefill=" ATTN_PREFILL " elementwise_bf16=" ELEMENTWISE_BF16 " qmm_f32=" QMM_F32
-             " gemm_f32=" GEMM_F32 " qmm_a8=%s qmm_a8_panel=%s", lmf_dispatch.attn_avx2 ? "avx2" : "portable",
-             a8_names[lmf_dispatch.a8_best], panel);
+             " gemm_f32=" GEMM_F32 " gemm_bf16=%s qmm_a8=%s qmm_a8_panel=%s",
+             lmf_dispatch.attn_avx2 ? "avx2" : "portable", bf16, a8_names[lmf_dispatch.a8_best], panel);
 }
 
 __attribute__((constructor)) static void lmf_dispatch_init(void) {
@@ -109,6 +116,8 @@ __attribute__((constructor)) static void lmf_dispatch_init(void) {
         lmf_dispatch.a8_panel = a8_panel_avx512vnni;
         lmf_dispatch.a8_panel_rows = A8_PANEL_ROWS;
     }
+    lmf_dispatch.bf16_panel = bf16_panel_cpu();
+    if (lmf_dispatch.bf16_panel) lmf_dispatch.bf16_panel_rows = BF16_PANEL_ROWS;
 #endif
     write_chosen();
 }
@@ -119,6 +128,17 @@ int64_t lmf_a8_panel_rows(int64_t rows) {
     const int64_t before = lmf_dispatch.a8_panel_rows;
     if (rows >= 0 && lmf_dispatch.a8_panel != NULL) {
         lmf_dispatch.a8_panel_rows = rows;
+        write_chosen();
+    }
+    return before;
+}
+
+/* The bf16 panel GEMM's threshold, as `lmf_a8_panel_rows`: from `rows` rows (0: never) `lmf_qmm_f32` hands bf16
+ * weights to it; rows < 0 only reads it. Returns the threshold before (0 where the CPU or build lacks it). */
+int64_t lmf_bf16_panel_rows(int64_t rows) {
+    const int64_t before = lmf_dispatch.bf16_panel_rows;
+    if (rows >= 0 && lmf_dispatch.bf16_panel) {
+        lmf_dispatch.bf16_panel_rows = rows;
         write_chosen();
     }
     return before;
@@ -138,7 +158,8 @@ int64_t lmf_a8_best_isa(void) {
  * (avx512_bf16 | avx512 | portable), attention_f32 (float32 queries over float32 / bf16 pools: avx2 | portable;
  * int8 pools always portable), attention_prefill (avx512 | avx2 | portable: the vector width its vector C was
  * compiled to), elementwise_bf16 (avx512 | portable), qmm_f32 (avx2 | portable), gemm_f32
- * (avx2 | none: the caller widens and runs sgemm), qmm_a8 (the default A8 body, `kernels.A8_ISAS` names),
+ * (avx2 | none: the caller widens and runs sgemm), gemm_bf16 (bf16 weights on bf16 dot products for many rows,
+ * and its threshold, or none), qmm_a8 (the default A8 body, `kernels.A8_ISAS` names),
  * qmm_a8_panel (the many-row A8 GEMM and its threshold, or none).
  * K/V writes and the float32 elementwise ops are plain C everywhere. */
 const char *lmf_kernels_chosen(void) {

@@ -52,30 +52,6 @@ static void panel_row_codes(const a8_job *j, int64_t n, int8_t *out) {
     }
 }
 
-/* In place: r[i] lane j <- r[j] lane i, for 16 vectors of 16 int32 (a 16 x 16 transpose of 4-byte words). */
-__attribute__((target(TP), always_inline)) static inline void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4)  /* each 128-bit lane: word e of rows i..i+3 into r[i + e] */
-        for (int h = 0; h < 2; h++) {
-            r[i + 2 * h] = _mm512_unpacklo_epi64(t[i + h], t[i + 2 + h]);
-            r[i + 2 * h + 1] = _mm512_unpackhi_epi64(t[i + h], t[i + 2 + h]);
-        }
-    /* within each 128-bit lane: the words of rows 4a..4a+3; now the lanes across the 4 groups of 4 rows */
-    for (int i = 0; i < 4; i++)
-        for (int h = 0; h < 2; h++) {
-            t[i + 8 * h] = _mm512_shuffle_i32x4(r[i + 8 * h], r[i + 4 + 8 * h], 0x88);
-            t[i + 4 + 8 * h] = _mm512_shuffle_i32x4(r[i + 8 * h], r[i + 4 + 8 * h], 0xDD);
-        }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
-    }
-}
-
 /* The panel of weight rows [n0, n0 + live): codes P (K / 4 vectors of 16 words: c + 128 as bytes, the dot
  * product's unsigned operand), and per group the scales S and the zero offsets Z (when the weight has them), G
  * vectors each. Lanes past `live` repeat the last row (their outputs are never stored). int8 and int4 rows: 16
@@ -95,7 +71,7 @@ __attribute__((target(TP))) static void panel_build(const a8_job *j, int64_t n0,
             const __mmask16 m = (__mmask16)((1u << words) - 1);
             __m512i r[16];
             for (int i = 0; i < PANEL; i++) r[i] = _mm512_maskz_loadu_epi32(m, rows[i] + c);
-            transpose16(r);
+            lmf_transpose16(r);
             for (int t = 0; t < words; t++) {
                 const int64_t pw = c / 4 + t;  /* the rows' word pw */
                 if (bits == 8) {
