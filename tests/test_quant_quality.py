@@ -135,6 +135,22 @@ def test_diff_a8_against_a16_on_one_folder(pair, tmp_path):
         diff_models(w4, w4, load_suite("arith"), tmp_path / "gen", quant_activations=("none", "int8"))
 
 
+def test_diff_kv_cache_dtype_on_one_folder(pair, tmp_path):
+    """One folder as A (float32 K/V) and B (`--kv-cache-dtype-b int8`): the NLLs are the same plain forward (the
+    cache only changes what decode steps read), the report and its markdown name each side's cache, and a cache
+    dtype the engine does not know is refused."""
+    from lmforge.eval.compare import diff_models
+
+    src, _, suite = pair
+    report = diff_models(src, src, suite, tmp_path / "kv", kv_cache_dtype=("float32", "int8"))
+    s = report["categories"]["all"]
+    assert report["kv_cache_dtype"] == ["float32", "int8"] and s["n"] == 6 and s["perplexity_change"] == 0.0
+    md = (tmp_path / "kv" / "diff.md").read_text()
+    assert "float32 KV cache (A)" in md and "int8 KV cache (B)" in md
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        diff_models(src, src, suite, tmp_path / "bad", kv_cache_dtype=("auto", "int3"))
+
+
 def test_eval_backend_quant_activations(pair):
     """`lmforge eval run --quant-activations int8`: the engine and the log-likelihood model both run A8 and
     the run's record says so; the reference loop and Ray replicas are refused (they would run A16)."""

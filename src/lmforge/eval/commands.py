@@ -151,6 +151,11 @@ def diff(
     quant_activations_b: str = typer.Option("none", "--quant-activations-b",
                                             help="B's: none | int8. One w8/w4 folder as A and B with "
                                                  "--quant-activations-b int8 measures A8 against A16."),
+    kv_cache_dtype_a: str = typer.Option("auto", "--kv-cache-dtype-a",
+                                         help="A's K/V cache: auto | bfloat16 | float32 | int8."),
+    kv_cache_dtype_b: str = typer.Option("auto", "--kv-cache-dtype-b",
+                                         help="B's. One folder as A and B with --kv-cache-dtype-b int8 measures "
+                                              "the 8-bit cache's greedy agreement."),
 ) -> None:
     try:
         if suite == "quant-check":
@@ -160,7 +165,8 @@ def diff(
         else:
             s = load_suite(suite)
         report = diff_models(model_a, model_b, s, out, dtype=dtype, limit=limit, overwrite=overwrite,
-                             quant_activations=(quant_activations_a, quant_activations_b))
+                             quant_activations=(quant_activations_a, quant_activations_b),
+                             kv_cache_dtype=(kv_cache_dtype_a, kv_cache_dtype_b))
     except (SuiteError, FileNotFoundError, RunExistsError, ValueError) as e:
         _fail(e)
     typer.echo(diff_markdown(report))

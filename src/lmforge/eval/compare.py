@@ -113,14 +113,18 @@ def _prefix(item: dict[str, Any], ids: list[int], tok) -> list[int]:
 
 def diff_models(model_a: str | os.PathLike, model_b: str | os.PathLike, suite, out: str | os.PathLike,
                 dtype: str = "float32", limit: int | None = None, overwrite: bool = False,
-                quant_activations: tuple[str, str] = ("none", "none")) -> dict[str, Any]:
+                quant_activations: tuple[str, str] = ("none", "none"),
+                kv_cache_dtype: tuple[str, str] = ("auto", "auto")) -> dict[str, Any]:
     """Both models on every item of a perplexity suite: per item the summed NLL under each, the greedy
     continuation of each for GREEDY_TOKENS tokens from the item's prefix (same / changed, agreement =
     common-prefix length / GREEDY_TOKENS), and for items with an `answer`, whether each continuation
     starts with it (newly wrong / newly right); per category: perplexity of each and its change,
     mean agreement, counts. Writes per_sample.jsonl, diff.json, diff.md and a record into `out`.
     `quant_activations` (A's, B's): "int8" runs that side's quantized linears on int8 activations in
-    the engine and in the NLL forward alike, so one w8/w4 folder against itself measures A8 vs A16."""
+    the engine and in the NLL forward alike, so one w8/w4 folder against itself measures A8 vs A16.
+    `kv_cache_dtype` (A's, B's): the engine's K/V cache (`auto`, `bfloat16`, `float32`, `int8`); it changes
+    only the greedy continuations (decode steps read the cache; the NLL is a plain forward), so one folder
+    against itself with B's `int8` measures the 8-bit cache's agreement."""
     # deferred: the engine and lmforge.quant load torch
     from lmforge.engine import LLM, SamplingParams
     from lmforge.eval.backends import a8_model
@@ -135,10 +139,11 @@ def diff_models(model_a: str | os.PathLike, model_b: str | os.PathLike, suite, o
     with run:
         run.write_config({"model_a": str(model_a), "model_b": str(model_b), "suite": suite.name,
                           "suite_sha256": suite.sha256, "dtype": dtype, "limit": limit,
-                          "greedy_tokens": GREEDY_TOKENS, "quant_activations": list(quant_activations)})
+                          "greedy_tokens": GREEDY_TOKENS, "quant_activations": list(quant_activations),
+                          "kv_cache_dtype": list(kv_cache_dtype)})
         items = suite.items[:limit] if limit else suite.items
-        llms = [LLM(str(m), dtype=dtype, device="cpu", quant_activations=qa)
-                for m, qa in zip((model_a, model_b), quant_activations)]
+        llms = [LLM(str(m), dtype=dtype, device="cpu", quant_activations=qa, kv_cache_dtype=kv)
+                for m, qa, kv in zip((model_a, model_b), quant_activations, kv_cache_dtype)]
         tok = llms[0].get_tokenizer()
         if tok is None:
             raise ValueError(f"{model_a}: no tokenizer files; eval diff needs a tokenizer")
@@ -164,7 +169,7 @@ def diff_models(model_a: str | os.PathLike, model_b: str | os.PathLike, suite, o
                 row["correct_b"] = cb.text.strip().startswith(it["answer"])
             rows.append(row)
         report = {"model_a": str(model_a), "model_b": str(model_b), "quant_activations": list(quant_activations),
-                  "suite": suite.name,
+                  "kv_cache_dtype": list(kv_cache_dtype), "suite": suite.name,
                   "suite_sha256": suite.sha256, "categories": _summarize(rows)}
         atomic_write_text(Path(out) / "per_sample.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
         atomic_write_json(Path(out) / "diff.json", report)
@@ -198,7 +203,9 @@ def _summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def diff_markdown(report: dict[str, Any]) -> str:
     qa = report.get("quant_activations", ["none", "none"])
-    sides = [f"`{report[k]}`" + (" with int8 activations" if q == "int8" else "") for k, q in zip(("model_a", "model_b"), qa)]
+    kv = report.get("kv_cache_dtype", ["auto", "auto"])
+    sides = [f"`{report[k]}`" + (" with int8 activations" if q == "int8" else "")
+             + (f", {c} KV cache" if c != "auto" else "") for k, q, c in zip(("model_a", "model_b"), qa, kv)]
     lines = [f"# eval diff: {sides[0]} (A) vs {sides[1]} (B) on {report['suite']} "
              f"({report['suite_sha256'][:12]})", "",
              f"| category | n | same / changed | greedy agreement ({GREEDY_TOKENS} tok) | perplexity A | "
