@@ -25,6 +25,7 @@ are built together, so both the single-file layout (`cpu_ops.c`, up to the split
 from __future__ import annotations
 
 import ctypes
+import re
 import subprocess
 import tempfile
 import time
@@ -58,9 +59,17 @@ def _library_at(rev: str, flags: tuple[str, ...] = ()) -> kernels.CpuKernels:
         (src / name).write_bytes(subprocess.run([*git, "show", f"{rev}:{KERNELS_DIR}/{name}"], check=True,
                                                 capture_output=True).stdout)
     try:
-        return kernels._bind(kernels.build(flags, out_dir=out, src_dir=src))
+        return _with_lin(kernels._bind(kernels.build(flags, out_dir=out, src_dir=src)), src)
     except AttributeError as e:  # a symbol _bind needs is missing: a revision older than this script takes
         raise typer.BadParameter(f"--old-rev {rev}: its kernels lack {e} (see this script's docstring)") from e
+
+
+def _with_lin(lib: kernels.CpuKernels, src: Path) -> kernels.CpuKernels:
+    """`lib` with `layer_lin`: how many values a linear takes in its sources' decoder-layer parameters (LIN)."""
+    found = re.search(r"#define LIN (\d+)", (src / "decode_layer.c").read_text()) if (src / "decode_layer.c").exists() \
+        else None
+    lib.layer_lin = int(found.group(1)) if found else 6
+    return lib
 
 
 def _libraries(old_rev: str, threads: int) -> dict[str, kernels.CpuKernels]:
@@ -305,14 +314,16 @@ def _matmul_cases(compare: _Compare, rng: np.random.Generator, isas: list[int]) 
                         continue
                     for act in (0, 1):
                         xa = x if act else (x.view(np.uint32) >> 16).astype(np.uint16)
-                        q = {"x": xa, "q": np.zeros((M, K), np.int8), "s": np.zeros(M, np.float32)}
-                        compare(f"quantize_s8 act{act} K{K} M{M} nibbles{int(bits == 4)}",
-                                lambda lib, b: lib.quantize_s8(_ptr(b["x"]), act, M, K, int(bits == 4), _ptr(b["q"]),
-                                                               _ptr(b["s"])), q)
+                        ab = gs or K  # a scale per block of the weight's group (the row for per channel)
+                        q = {"x": xa, "q": np.zeros((M, K), np.int8), "s": np.zeros(M * (K // ab), np.float32)}
+                        compare(f"quantize_s8 act{act} K{K} M{M} nibbles{int(bits == 4)} block{ab}",
+                                lambda lib, b: lib.quantize_s8(_ptr(b["x"]), act, M, K, int(bits == 4), ab,
+                                                               _ptr(b["q"]), _ptr(b["s"])), q)
                         for isa in (-1, *isas):
                             compare(f"qmm_a8 isa{isa} act{act} bits{bits} gs{gs} K{K} M{M}", lambda lib, b: lib.qmm_a8(
                                 isa, _ptr(b["x"]), act, *map(_ptr, (b["w"], b["ws"], b["out"])), *mm, None), dict(bufs, x=xa))
-                    q = {"q": rng.integers(-127, 128, (M, K)).astype(np.int8), "s": rng.random(M, np.float32)}
+                    q = {"q": rng.integers(-127, 128, (M, K)).astype(np.int8),
+                         "s": rng.random(M * (K // (gs or K)), np.float32)}  # a scale per block of the group
                     for isa in (-1, *isas):
                         compare(f"qmm_s8 isa{isa} bits{bits} gs{gs} K{K} M{M}", lambda lib, b: lib.qmm_s8(
                             *map(_ptr, (b["q"], b["s"], b["w"], b["ws"], b["out"])), *mm, isa, None), dict(bufs, **q))
@@ -340,14 +351,15 @@ def _layer_cases(compare: _Compare, rng: np.random.Generator, isas: list[int]) -
                         bufs[f"{layer}{pool}"] = (_bf16(rng, P * B, K, H) if kv == 0 else
                                                   rng.standard_normal((P * B, K, H), np.float32))
 
-                def params(b: dict[str, np.ndarray], layer: int) -> np.ndarray:  # lmf_decode_layer_q's p (since the
-                    # GGUF block types: per-linear formats; revisions before it read another layout)
-                    w = [v for n in shapes for v in (_ptr(b[f"{layer}{n}"]), _ptr(b[f"{layer}{n}s"]), 0, bits, gs, 2)]
+                def params(b: dict[str, np.ndarray], layer: int, lin: int) -> np.ndarray:  # lmf_decode_layer_q's
+                    # p (since the GGUF block types: per-linear formats, LIN values a linear: 6, 7 with bf16_rows)
+                    w = [v for n in shapes
+                         for v in (_ptr(b[f"{layer}{n}"]), _ptr(b[f"{layer}{n}s"]), 0, bits, gs, 2, 0)[:lin]]
                     return np.array([_ptr(b[f"{layer}in"]), _ptr(b[f"{layer}post"]), D, N, K, H, F, B,
                                      _ptr(b[f"{layer}kp"]), _ptr(b[f"{layer}vp"]), th, th, kv, 0, 0, *w], dtype=np.int64)
 
                 def run(lib: kernels.CpuKernels, b: dict[str, np.ndarray], stack: bool) -> int:
-                    ps = [params(b, layer) for layer in range(L if stack else 1)]
+                    ps = [params(b, layer, lib.layer_lin) for layer in range(L if stack else 1)]
                     addrs = np.array([_ptr(a) for a in ps], dtype=np.int64)
                     step = (_ptr(b["x"]), S, *map(_ptr, (b["cos"], b["sin"], b["slots"], b["t"])), 8,
                             _ptr(b["lens"]), _ptr(b["rows"]), S, 1e-5, H ** -0.5)
@@ -368,7 +380,7 @@ def bits(old_rev: str = typer.Option(..., help="The revision to compare against 
     here = kernels._bind(kernels.build(extra)) if extra else kernels.load()
     if here is None:
         raise typer.BadParameter("lmforge's CPU kernels did not build here (`lmforge doctor`)")
-    libs = [here, _library_at(old_rev, extra)]
+    libs = [_with_lin(here, Path(kernels.__file__).parent), _library_at(old_rev, extra)]
     runs = [[lib.a8_isa_supported(i) for i in range(-1, 7)] for lib in libs]
     best = [ctypes.CDLL(str(lib.path)).lmf_a8_best_isa() for lib in libs]
     if runs[0] != runs[1] or best[0] != best[1]:
