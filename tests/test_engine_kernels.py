@@ -256,6 +256,14 @@ def test_bench_attention_reports_both_paths(tmp_path):
     for r in report["rows"]:
         assert r["ms_per_step"] > 0 and r["gb_per_s"] > 0 and r["max_abs_diff_vs_sdpa"] < 0.02
     assert "paged-decode kernel (C)" in to_markdown(report)
+    # the prefill section: causal SDPA over the chunk's K/V against the paged prefill kernel over the pool
+    from lmforge.bench.attention import bench_prefill
+
+    report["prefill"] = bench_prefill(tokens=40)
+    assert {r["path"] for r in report["prefill"]["rows"]} == {"causal SDPA (torch)", "paged prefill kernel (C)"}
+    for r in report["prefill"]["rows"]:
+        assert r["ms_per_layer"] > 0 and r["gflops"] > 0 and r["max_abs_diff_vs_sdpa"] < 1e-4
+    assert "paged prefill kernel (C)" in to_markdown(report)
 
 
 # ---- float32 activations and the int8 KV cache (lmf_paged_decode_any, lmf_write_kv_int8, *_f32) ------

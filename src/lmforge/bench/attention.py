@@ -1,8 +1,13 @@
-"""The engine's CPU decode attention, one step of it: the per-sequence SDPA loop over in-place pool
-views (the torch path) against the compiled paged-decode kernel, at 1 and at all torch threads,
+"""The engine's CPU attention: one decode step (the per-sequence SDPA loop over in-place pool views, the
+torch path, against the compiled paged-decode kernel, at 1 and at all torch threads) and one prefill chunk
+(causal SDPA over the chunk's own K/V, the torch path, against the paged prefill kernel over the pool),
 with the outputs compared.
 
-    python -m lmforge.bench.attention [--seqs 57] [--out DIR]   # bench_attention.json + .md
+    python -m lmforge.bench.attention [--seqs 57] [--prefill-tokens 512] [--out DIR]   # bench_attention.json + .md
+
+The prefill chunk has the random 300M Llama's attention shape (16 query heads and 8 kv heads of 64), float32
+queries over a bf16 pool (what a quantized or bf16 checkpoint runs on CPU), at torch's threads, over 8 layers;
+GFLOP/s counts the causal half (4 x T(T+1)/2 x heads x head dim).
 
 The step is a mid-run decode step of `lmforge bench engine`'s high-variance workload: `--seqs`
 sequences with contexts drawn uniformly from 50-600 tokens, the ~30M bench model's attention
@@ -85,20 +90,82 @@ def bench_attention(seqs: int = 57, seed: int = 0) -> dict:
             "kernels": kernels.status(), "rows": rows}
 
 
+def bench_prefill(tokens: int = 512, seed: int = 0) -> dict:
+    """One prefill chunk of `tokens` tokens, nothing cached before it, every layer: causal SDPA over the chunk's
+    float32 K/V (views, as the torch path hands them) against `lmf_paged_prefill` over the bf16 pool rows."""
+    lib = kernels.load()
+    if lib is None or lib.prefill is None:
+        return {"skipped": f"engine kernels {kernels.status()}", "rows": []}
+    heads, kv_heads, T = 16, 8, tokens
+    g = torch.Generator().manual_seed(seed)
+    q_T = torch.randn(T, heads, HEAD_DIM, generator=g)
+    k_T, v_T = (torch.randn(T, kv_heads, HEAD_DIM, generator=g) for _ in range(2))
+    blocks = -(-T // BLOCK)
+    pools = [(torch.zeros(blocks * BLOCK, kv_heads, HEAD_DIM, dtype=torch.bfloat16),
+              torch.zeros(blocks * BLOCK, kv_heads, HEAD_DIM, dtype=torch.bfloat16)) for _ in range(LAYERS)]
+    for k_pool, v_pool in pools:  # the chunk's K/V written, as the engine writes them before attending
+        k_pool[:T], v_pool[:T] = k_T, v_T
+    kb, vb = k_T.bfloat16().float(), v_T.bfloat16().float()  # what the pool holds, for the torch path too
+    tables = torch.arange(blocks, dtype=torch.int32)[None]
+    chunks = torch.tensor([[0, T, 0]], dtype=torch.int64)
+    out = torch.empty_like(q_T)
+
+    def sdpa():
+        for _ in pools:
+            q1, k1, v1 = (t.transpose(0, 1)[None] for t in (q_T, kb, vb))
+            o = F.scaled_dot_product_attention(q1, k1, v1, is_causal=True, enable_gqa=True)
+        return o[0].transpose(0, 1)
+
+    def kernel():
+        for k_pool, v_pool in pools:
+            lib.prefill(q_T.data_ptr(), heads * HEAD_DIM, HEAD_DIM, k_pool.data_ptr(), v_pool.data_ptr(), 0,
+                        tables.data_ptr(), blocks, chunks.data_ptr(), 1, heads, kv_heads, HEAD_DIM, BLOCK,
+                        HEAD_DIM ** -0.5, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    flops = 4 * T * (T + 1) / 2 * heads * HEAD_DIM * LAYERS
+    rows = []
+    with torch.inference_mode():
+        ref = sdpa()
+        for name, fn in (("causal SDPA (torch)", sdpa), ("paged prefill kernel (C)", kernel)):
+            ms = best_seconds(fn, calls=3) * 1e3
+            rows.append({"path": name, "threads": torch.get_num_threads(), "ms_per_layer": round(ms / LAYERS, 3),
+                         "gflops": round(flops / ms / 1e6, 1),
+                         "max_abs_diff_vs_sdpa": (fn() - ref).abs().max().item()})
+    return {"tokens": T, "heads": heads, "kv_heads": kv_heads, "layers": LAYERS, "rows": rows}
+
+
+def prefill_markdown(p: dict) -> str:
+    if p.get("skipped"):
+        return f"\n# bench attention, prefill\n\nskipped: {p['skipped']}\n"
+    lines = ["", f"# bench attention: one prefill chunk of {p['tokens']} tokens, {p['heads']} query / "
+             f"{p['kv_heads']} kv heads of {HEAD_DIM}, float32 queries, bf16 pool, {p['layers']} layers", "",
+             "| path | threads | ms / layer | GFLOP/s (causal) | max abs diff vs SDPA |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['path']} | {r['threads']} | {r['ms_per_layer']} | {r['gflops']} | "
+              f"{r['max_abs_diff_vs_sdpa']:.2e} |" for r in p["rows"]]
+    return "\n".join(lines) + "\n"
+
+
 def to_markdown(report: dict) -> str:
+    tail = prefill_markdown(report["prefill"]) if report.get("prefill") else ""
     if report.get("skipped"):
-        return f"# bench attention\n\nskipped: {report['skipped']}\n"
+        return f"# bench attention\n\nskipped: {report['skipped']}\n" + tail
     lines = [f"# bench attention: one decode step, {report['seqs']} sequences, {report['context_tokens']} context "
              f"tokens, {report['layers']} layers ({report['kv_bytes'] / 1e6:.0f} MB of K/V), bf16", "",
              "| path | threads | ms / step | GB/s | max abs diff vs SDPA |", "| --- | ---: | ---: | ---: | ---: |"]
     lines += [f"| {r['path']} | {r['threads']} | {r['ms_per_step']} | {r['gb_per_s']} | {r['max_abs_diff_vs_sdpa']:.4f} |"
               for r in report["rows"]]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + tail
 
 
 def main(seqs: Annotated[int, typer.Option(help="Decoding sequences in the step.")] = 57,
+         prefill_tokens: Annotated[int, typer.Option(help="Tokens of the prefill chunk (0: none).")] = 512,
          out: Annotated[Optional[Path], typer.Option(help="Where bench_attention.json and .md go.")] = None) -> None:
-    emit(bench_attention(seqs), to_markdown, out, "bench_attention")
+    report = bench_attention(seqs)
+    if prefill_tokens > 0:
+        report["prefill"] = bench_prefill(prefill_tokens)
+    emit(report, to_markdown, out, "bench_attention")
 
 
 if __name__ == "__main__":

@@ -278,11 +278,7 @@ def _bind(path: Path) -> CpuKernels:
             continue
         fn.restype, fn.argtypes = (ctypes.c_int64 if field.endswith("panel_rows") else ctypes.c_int), argtypes
         fns[field] = fn
-    for field, env in (("a8_panel_rows", "LMFORGE_A8_PANEL_ROWS"), ("bf16_panel_rows", "LMFORGE_BF16_PANEL_ROWS")):
-        if field in fns and (rows := os.environ.get(env, "").strip()):
-            if not rows.isdigit():
-                raise ValueError(f"{env}={rows!r}: a row count (0: never the panel GEMM)")
-            fns[field](int(rows))
+    _panel_thresholds_from_env(fns)
     one = (ctypes.c_float * 1)(1.0)
     # -1: no AVX2 + FMA body in this build (and no lmf_gemm_f32 at all in an older revision's)
     gemm_ok = "gemm_f32" in fns and fns["gemm_f32"](one, one, None, one, 1, 1, 1, 32, 0, 1, None) == 0
@@ -293,6 +289,15 @@ def _bind(path: Path) -> CpuKernels:
         bodies = dict(item.split("=", 1) for item in chosen().decode().split())
     return CpuKernels(path, decode, decode_any=decode_any, write_kv_bytes=write_bytes, write_kv_int8=write_int8,
                       write_kv_f32_bf16=to_bf16, qmm_f32=qmm, gemm_ok=gemm_ok, bodies=bodies, **fns)
+
+
+def _panel_thresholds_from_env(fns: dict) -> None:
+    """`LMFORGE_A8_PANEL_ROWS` / `LMFORGE_BF16_PANEL_ROWS`: from how many rows each panel GEMM runs (0: never)."""
+    for field, env in (("a8_panel_rows", "LMFORGE_A8_PANEL_ROWS"), ("bf16_panel_rows", "LMFORGE_BF16_PANEL_ROWS")):
+        if field in fns and (rows := os.environ.get(env, "").strip()):
+            if not rows.isdigit():
+                raise ValueError(f"{env}={rows!r}: a row count (0: never the panel GEMM)")
+            fns[field](int(rows))
 
 
 def load(extra_flags: tuple[str, ...] = ()) -> CpuKernels | None:
