@@ -111,6 +111,27 @@ def test_models_it_cannot_take_keep_their_modules(models):
     assert lora.llm_engine.model_runner.decode_layers == 0
 
 
+def _greedy_with_logprobs(llm, prompts) -> list:
+    """Each prompt's 6 greedy tokens with the log-probability of each."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+            for o in outs]
+
+
+def _on_the_module_path(runner, fn):
+    """fn() with every C decoder layer swapped for the module it wraps, restored after."""
+    layers = runner.model.model.layers
+    saved = list(layers)
+    for i, lay in enumerate(layers):
+        layers[i] = lay.layer
+    try:
+        return fn()
+    finally:
+        for i, lay in enumerate(saved):
+            layers[i] = lay
+
+
 @pytest.mark.parametrize("name", ["w4", "src"])
 def test_c_layer_batch_on_the_panel_gemm_is_the_module_path_bit_for_bit(models, name):
     """Enough sequences decoding together that the layer's matmuls cross `QmmLinear.GEMM_MIN_ROWS` (the panel
@@ -123,26 +144,11 @@ def test_c_layer_batch_on_the_panel_gemm_is_the_module_path_bit_for_bit(models, 
     qkv = layer.layer.self_attn.qkv_proj
     want = QmmLinear.GEMM_MIN_ROWS[qkv.bits] if LIB.gemm_ok else 0
     assert qkv.gemm_rows == want and int(layer.params[15 + 5]) == want  # the first linear's gemm_rows
-    prompts = [[1, 2 + i, 7, 3 * i + 1] for i in range(14)]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
-    calls = []
+    calls, prompts = [], [[1, 2 + i, 7, 3 * i + 1] for i in range(14)]
     _count_rows(runner, calls)
-
-    def run():
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return [(o.outputs[0].token_ids, [lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-                for o in outs]
-    fast = run()
+    fast = _greedy_with_logprobs(llm, prompts)
     assert max(calls) == len(prompts) >= QmmLinear.GEMM_MIN_ROWS[qkv.bits]  # one C call a step for all 14 rows
-    layers = runner.model.model.layers
-    saved = list(layers)
-    for i, lay in enumerate(layers):
-        layers[i] = lay.layer
-    try:
-        assert fast == run()
-    finally:
-        for i, lay in enumerate(saved):
-            layers[i] = lay
+    assert fast == _on_the_module_path(runner, lambda: _greedy_with_logprobs(llm, prompts))
 
 
 @pytest.mark.skipif(LIB is None or not LIB.bf16_panel_rows or LIB.bf16_panel_rows(-1) == 0,
@@ -158,23 +164,8 @@ def test_c_layer_batch_on_the_bf16_panel_is_the_module_path_bit_for_bit(models):
     qkv = layer.layer.self_attn.qkv_proj
     assert runner.decode_layers == 3, runner.decode_layers_why
     assert qkv.bf16_panel_rows == rows and int(layer.params[15 + 6]) == rows and "bf16 panel" in runner.linear_backend
-    prompts = [[1, 2 + i, 7, 3 * i + 1] for i in range(14)]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
-    calls = []
+    calls, prompts = [], [[1, 2 + i, 7, 3 * i + 1] for i in range(14)]
     _count_rows(runner, calls)
-
-    def run():
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return [(o.outputs[0].token_ids, [lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-                for o in outs]
-    fast = run()
+    fast = _greedy_with_logprobs(llm, prompts)
     assert max(calls) == len(prompts) >= rows  # one C call a step for all 14 rows
-    layers = runner.model.model.layers
-    saved = list(layers)
-    for i, lay in enumerate(layers):
-        layers[i] = lay.layer
-    try:
-        assert fast == run()
-    finally:
-        for i, lay in enumerate(saved):
-            layers[i] = lay
+    assert fast == _on_the_module_path(runner, lambda: _greedy_with_logprobs(llm, prompts))

@@ -38,6 +38,12 @@ class KernelMetadata(GroupedMetadata):
     prefill: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+def _tables(step: StepIndex, seqs: list[int], M: int) -> torch.Tensor:
+    """(S, M) int32: the block tables of sequences `seqs`, cut or padded with 0 to M blocks."""
+    return torch.tensor([step.block_tables[i][:M] + [0] * (M - len(step.block_tables[i][:M])) for i in seqs],
+                        dtype=torch.int32)
+
+
 class KernelBackend(AttentionBackend):
     label = "paged-decode kernel (C)"
 
@@ -56,16 +62,14 @@ class KernelBackend(AttentionBackend):
         if decoding:
             lens = [step.computed[i] + 1 for i in decoding]
             M = -(-max(lens) // B)
-            tables = [step.block_tables[i][:M] + [0] * (M - len(step.block_tables[i][:M])) for i in decoding]
             decode = (torch.tensor([step.q_starts[i] for i in decoding], dtype=torch.long),
-                      torch.tensor(lens, dtype=torch.int32), torch.tensor(tables, dtype=torch.int32))
+                      torch.tensor(lens, dtype=torch.int32), _tables(step, decoding, M))
         chunks = [i for i, q in enumerate(step.q_lens) if q > 1]
         prefill, groups = None, []
         if chunks and self.prefill_kernel:
             M = max(-(-(step.computed[i] + step.q_lens[i]) // B) for i in chunks)
-            tables = [step.block_tables[i][:M] + [0] * (M - len(step.block_tables[i][:M])) for i in chunks]
             prefill = (torch.tensor([[step.q_starts[i], step.q_lens[i], step.computed[i]] for i in chunks],
-                                    dtype=torch.int64), torch.tensor(tables, dtype=torch.int32))
+                                    dtype=torch.int64), _tables(step, chunks, M))
         elif chunks:
             groups = chunk_groups(step, B, device)
         return KernelMetadata(slot_mapping_T, groups, largest_gather(groups), decode, prefill)
