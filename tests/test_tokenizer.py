@@ -243,3 +243,62 @@ def test_cli_missing_input_is_named(tmp_path):
     proc = subprocess.run(lmforge_cmd("train", str(tmp_path / "absent.txt"), "--out", str(tmp_path / "o")),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "absent.txt" in proc.stderr
+
+
+def _folder_with(trained_dir: Path, dest: Path, config: dict | None, **tok_config) -> Path:
+    """A copy of the trained tokenizer folder with its tokenizer_config.json edited and a config.json."""
+    import shutil
+
+    shutil.copytree(trained_dir, dest)
+    tc = json.loads((dest / "tokenizer_config.json").read_text()) | tok_config
+    (dest / "tokenizer_config.json").write_text(json.dumps(tc))
+    if config is not None:
+        (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+@pytest.mark.parametrize("model_type", [None, "llama", "mistral", "qwen3"])
+def test_generic_folders_open_as_autotokenizer_would(trained, tmp_path, model_type):
+    """The direct open of a generic `tokenizer_class` (no AutoTokenizer import) gives AutoTokenizer's class,
+    token ids, decoded text, special tokens and chat template: a transformers upgrade that changed
+    AutoTokenizer's choice for these model types fails here."""
+    from transformers import AutoTokenizer
+
+    from lmforge.tokenizer.load import generic_backend
+
+    _, out = trained
+    d = _folder_with(out, tmp_path / "m", None if model_type is None else {"model_type": model_type})
+    assert generic_backend(d)
+    ours, theirs = load_tokenizer(d), AutoTokenizer.from_pretrained(str(d))
+    assert type(ours) is type(theirs)
+    for text in ROUND_TRIP_CASES:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text)
+        assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
+    assert (ours.bos_token, ours.eos_token, ours.pad_token, ours.all_special_ids) == \
+        (theirs.bos_token, theirs.eos_token, theirs.pad_token, theirs.all_special_ids)
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+        theirs.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("config,tok_config", [
+    ({"model_type": "qwen2"}, {}),  # AutoTokenizer swaps in Qwen2Tokenizer for this model type
+    ({"model_type": "llama", "_name_or_path": "deepseek-ai/deepseek-coder-1b"}, {}),
+    ({"model_type": "llama"}, {"auto_map": {"AutoTokenizer": ["x.Tok", None]}}),
+    ({"model_type": "llama"}, {"tokenizer_class": "GPT2Tokenizer"}),
+])
+def test_other_folders_keep_autotokenizer(trained, tmp_path, config, tok_config):
+    from lmforge.tokenizer.load import generic_backend
+
+    _, out = trained
+    assert not generic_backend(_folder_with(out, tmp_path / "m", config, **tok_config))
+
+
+def test_generic_open_imports_no_autotokenizer(trained):
+    """What the direct open is for: the model-config import chain (torch.distributed.tensor) stays out."""
+    _, out = trained
+    code = ("import sys; from lmforge.tokenizer.load import load_tokenizer; load_tokenizer(sys.argv[1]); "
+            "bad = [m for m in ('transformers.models.auto.tokenization_auto', 'torch.distributed.tensor') "
+            "if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code, str(out)], check=True, timeout=120)
