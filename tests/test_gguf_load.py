@@ -74,6 +74,23 @@ def test_codes_are_the_files(files, gguf_type, bits):
     assert checkpoint_info(files[gguf_type]) == (None, True)
 
 
+@pytest.mark.parametrize("gguf_type", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_untied_embedding_looks_up_the_files_blocks(files, gguf_type, dtype):
+    """An untied quantized embedding stays the file's blocks (`BlockEmbedding`, nothing repacked at load): any
+    lookup, in any order and shape, is gguf's own dequantization of those rows, cast to the model's dtype."""
+    from lmforge.quant.gguf_load import BlockEmbedding
+
+    model = load_pretrained(files[gguf_type], dtype=str(dtype)[6:], device="cpu")
+    _, tensors = read_gguf(files[gguf_type])
+    table = model.model.embed_tokens
+    assert isinstance(table, BlockEmbedding) and table.blocks.dtype == torch.uint8
+    want = torch.from_numpy(tensors["token_embd.weight"]).to(dtype)
+    ids = torch.tensor([[5, 0, 319], [7, 7, 300]])
+    assert torch.equal(table(ids), want[ids])
+    assert torch.equal(table(torch.arange(320)), want)
+
+
 @pytest.mark.skipif(LIB is None, reason="no C compiler: lmforge's CPU kernels are absent")
 @pytest.mark.parametrize("gguf_type", ["q8_0", "q4_0"])
 def test_greedy_on_integer_kernels_equals_dequantized_reference(files, gguf_type):
