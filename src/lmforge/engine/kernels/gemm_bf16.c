@@ -26,12 +26,14 @@
 #define BR 12     /* activation rows a pass over two panels side by side */
 
 /* The panel of weight rows [n0, n0 + live): K / 2 vectors of 16 pairs; lanes past `live` repeat the last row. */
-__attribute__((target(TB))) static void bf16_panel_build(const uint16_t *w, int64_t K, int64_t n0, int live,
-                                                         int32_t *P) {
+__attribute__((target(TB))) static void bf16_panel_build(const uint16_t *w, int64_t K, int64_t N, int64_t n0,
+                                                         int live, int32_t *P) {
     const uint16_t *rows[BP];
     for (int i = 0; i < BP; i++) rows[i] = w + (n0 + (i < live ? i : live - 1)) * K;
     for (int64_t c = 0; c < K; c += 32) {  /* K: a multiple of 32, 16 words a row a step */
         __m512i r[16];
+        if (n0 + 2 * BP < N)  /* the next pair of panels' same bytes into L2 (qmm_a8_panel.c's panel_build: why) */
+            for (int i = 0; i < BP; i++) _mm_prefetch((const char *)(rows[i] + 2 * BP * K + c), _MM_HINT_T1);
         for (int i = 0; i < BP; i++) r[i] = _mm512_loadu_si512(rows[i] + c);
         lmf_transpose16(r);
         for (int t = 0; t < 16; t++) _mm512_storeu_si512(P + (c / 2 + t) * BP, r[t]);
@@ -88,8 +90,8 @@ __attribute__((target(TB))) static void *bf16_range(void *arg) {
         for (int64_t n0 = c0; n0 < c1; n0 += 2 * BP) {
             const int live0 = c1 - n0 < BP ? (int)(c1 - n0) : BP;
             const int live1 = c1 - n0 - BP < BP ? (int)(c1 - n0 - BP) : BP;
-            bf16_panel_build(j->w, K, n0, live0, P0);
-            if (live1 > 0) bf16_panel_build(j->w, K, n0 + BP, live1, P1);
+            bf16_panel_build(j->w, K, N, n0, live0, P0);
+            if (live1 > 0) bf16_panel_build(j->w, K, N, n0 + BP, live1, P1);
             const __mmask16 m0 = (__mmask16)((1u << live0) - 1), m1 = live1 > 0 ? (__mmask16)((1u << live1) - 1) : 0;
             const int32_t *Q1 = live1 > 0 ? P1 : P0;  /* no second panel: the first again, nothing stored */
             for (int64_t r0 = 0; r0 < j->M; r0 += BR) {
