@@ -18,7 +18,7 @@ The C sources sit beside this file, one concern a file behind one header (`commo
   * `qmm_a8.c` (+ `qmm_a8_avx256.c`, `qmm_a8_avx512.c`, its x86 bodies): `lmf_qmm_a8`, the same weights on
     int8 activations (dynamic, a scale per block of the weight's group: 32 for GGUF's types, the row for per-channel int8) with int32 integer dot products, one body per ISA (`A8_ISAS`:
     AVX-512 VNNI in 256-bit and 512-bit forms, AVX-VNNI, AVX2, portable C); `LMFORGE_A8_ISA=<name>` forces
-    one, `a8_isa()` says which runs; from `lmf_a8_panel_rows()` rows (16; `LMFORGE_A8_PANEL_ROWS=N` sets it, 0
+    one, `a8_isa()` says which runs; from `lmf_a8_panel_rows()` rows (6; `LMFORGE_A8_PANEL_ROWS=N` sets it, 0
     never) an AVX-512 VNNI CPU runs `qmm_a8_panel.c`, a panel GEMM over 16 weight rows unpacked at a time (prefill
     chunks, big decode batches);
   * `decode_layer.c`: `lmf_decode_layer_q` / `lmf_decode_stack_q`, a whole decoder layer (or every layer) of a

@@ -68,10 +68,13 @@ static const char *const a8_names[A8_ISAS] = {"portable", "avx2", "avx_vnni", "a
 static char chosen[320];  /* lmf_kernels_chosen's line, written with the table */
 
 /* many rows go to the panel GEMM from this many: where it passes the best row body with the weights read from memory,
- * as a decode step reads them (Zen 4, 2 threads, the 300M's shapes, int8 per channel / int4 g128, best row body /
- * panel time at 8 and 16 rows: 0.58-1.30 and 0.75-0.96, then 1.06-1.68 and 1.19-1.29; `lmforge bench linear
- * --batches 1,4,8,16,64,256`, docs/engine.md, "The A8 panel GEMM") */
-#define A8_PANEL_ROWS 16
+ * as a decode step reads them. It was 16 (best row body / panel time at 8 rows 0.58-1.30, int8 per channel / int4
+ * g128); since the panel prefetches the next panels' rows (qmm_a8_panel.c), int4 g32 at 6 / 8 / 12 rows reads 1.03-1.30
+ * / 1.11-1.44 / 1.37-1.70 and int8 per channel 0.91-1.27 / 0.84-0.98 / 1.27-1.42 (Zen 4, 2 threads, the 300M's
+ * shapes, `lmforge bench linear --group-size 32 --batches 6,8,12,16`), and in the engine (`LLM.generate`, 32
+ * requests at 6 in flight, threshold 6 against 16 in one sitting) Q4_0 +1-13%, Q8_0 +11-25%; at 4 in flight it
+ * loses (Q4_0 -6%). docs/engine.md, "The A8 panel GEMM" */
+#define A8_PANEL_ROWS 6
 /* bf16 weights go to the bf16 panel GEMM (gemm_bf16.c) from this many rows, the exact float32 row kernel below:
  * Zen 4, 2 threads, the 300M's shapes read from memory, row kernel / panel time at 1, 2, 4, 16 rows: 0.64-0.75,
  * 1.05-1.24, 1.13-1.87, 1.69-2.93 (`lmforge bench linear --batches 1,2,4,6,8,16,64`); 2-3 rows stay exact, where
