@@ -81,3 +81,39 @@ def test_without_a_waiting_child_take_spawns_one(fake_children):
     made, _ = fake_children
     child, started = spawn.take({"model": "a"})
     assert child is made[0] and not started
+
+
+def test_a_quiet_start_turns_the_collector_back_on_once():
+    """`lmforge serve`'s processes start with the cyclic collector off (`QUIET_START` in the engine child,
+    `launch.main` in the server) and `startup_done` turns it back on with the start's objects frozen; a
+    second call, or one where it was on, changes nothing."""
+    from lmforge.tools.procs import QUIET_START
+
+    code = (QUIET_START + "from lmforge.tools.procs import startup_done; import gc; off = not gc.isenabled(); "
+            "startup_done(); frozen = gc.get_freeze_count(); startup_done(); "
+            "print(off, gc.isenabled(), frozen > 1000, gc.get_freeze_count() == frozen)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "True", "True", "True"]
+
+
+def test_the_engine_child_starts_quiet(monkeypatch):
+    """The child's command line begins with `QUIET_START` (its `child_main` calls `startup_done` once READY is
+    sent)."""
+    from lmforge.tools.procs import QUIET_START
+
+    seen = []
+    monkeypatch.setattr(spawn, "start_python", lambda code, fds: seen.append(code) or SimpleNamespace(pid=0))
+    spawn.spawn()
+    assert seen and seen[0].startswith(QUIET_START)
+
+
+def test_the_server_turns_the_collector_back_on_when_its_first_load_ends():
+    """A failed first load too: the server keeps answering 503 with the reason, with its collector on."""
+    code = ("import asyncio, gc; gc.disable()\n"
+            "from lmforge.serve.engine_client import VersionRouterClient\n"
+            "c = VersionRouterClient(0)\n"
+            "def broken(): raise RuntimeError('no model here')\n"
+            "asyncio.run(c.load('v1', broken, None, 0.0))\n"
+            "print(type(c.load_error).__name__, gc.isenabled(), gc.get_freeze_count() > 1000)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["RuntimeError", "True", "True"]

@@ -8,6 +8,7 @@ the flags are read (`engine.spawn`). Every other verb goes straight to the CLI.
 
 from __future__ import annotations
 
+import gc
 import sys
 
 # flags after which `serve` runs no engine child of its own (in-process engine, Ray replicas) or asks nothing
@@ -21,6 +22,7 @@ def wants_engine_child(args: list[str]) -> bool:
 
 def main() -> None:
     if wants_engine_child(sys.argv[1:]):
+        gc.disable()  # a start without full collections over the imports (`tools.procs.startup_done` ends it)
         from lmforge.engine.spawn import prespawn  # imports no torch (lmforge.engine loads its names lazily)
 
         prespawn()

@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from lmforge.tools.procs import Status, StatusKind, ignore_sigint
+from lmforge.tools.procs import Status, StatusKind, ignore_sigint, startup_done
 from lmforge.tools.redact import redacted_traceback
 
 from .executor import WorkerDiedError
@@ -102,6 +102,7 @@ def child_main(cmd_fd: int, out_fd: int) -> None:
         out_conn.send(Status(StatusKind.ERROR, picklable(e)))
         return
     out_conn.send(Status(StatusKind.READY, core.info()))
+    startup_done()
     _serve(core, cmd_conn, out_conn, start.parent_pid)
 
 

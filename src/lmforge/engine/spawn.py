@@ -17,7 +17,7 @@ import subprocess
 from multiprocessing.connection import Pipe
 from typing import Any
 
-from lmforge.tools.procs import kill, start_python
+from lmforge.tools.procs import QUIET_START, kill, start_python
 
 Child = tuple[subprocess.Popen, Any, Any]  # the process, its command pipe's sending end, its outputs' receiving end
 _waiting: Child | None = None  # the one child started ahead of its MPClient
@@ -29,7 +29,8 @@ def spawn() -> Child:
     child_cmd_recv, cmd_send = Pipe(duplex=False)
     out_recv, child_out_send = Pipe(duplex=False)
     fds = (child_cmd_recv.fileno(), child_out_send.fileno())
-    proc = start_python(f"from lmforge.engine.core import child_main; child_main({fds[0]}, {fds[1]})", fds)
+    proc = start_python(f"{QUIET_START}from lmforge.engine.core import child_main; child_main({fds[0]}, {fds[1]})",
+                        fds)
     child_cmd_recv.close()
     child_out_send.close()
     return proc, cmd_send, out_recv

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from lmforge.engine import AsyncLLMEngine, LoRARequest, RequestOutput, SamplingParams
+from lmforge.tools.procs import startup_done
 
 from .versions import CanaryGuard, Router, Served
 
@@ -175,7 +176,8 @@ class VersionRouterClient:
 
     async def load(self, label: str, loader: Loader, challenger: tuple[str, Loader] | None,
                    canary_percent: float) -> None:
-        """Load the first versions off the event loop; a failure is kept (503 with the reason)."""
+        """Load the first versions off the event loop; a failure is kept (503 with the reason). Either way the
+        process's start is over: its cyclic collector comes back on (`startup_done`)."""
         try:
             champ = Served("champion", label, await asyncio.to_thread(loader), loader)
             chal = None
@@ -185,6 +187,8 @@ class VersionRouterClient:
             self.load_error = e
             log.exception("engine failed to load")
             return
+        finally:
+            startup_done()
         self.attach(champ, chal, canary_percent)
         st = champ.stats() or {}
         kernels = ", ".join(f"{k} {st[k]}" for k in ("dtype", "dtype_choice", "linear_backend", "attention_backend")
