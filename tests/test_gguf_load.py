@@ -21,7 +21,7 @@ from lmforge.quant.gguf_load import quantized_linear, unpermute_qk
 from lmforge.quant.gguf_types import UNPACK
 from lmforge.quant.linear import QmmLinear, QuantizedLinear, quantized_linears
 from lmforge.quant.load import checkpoint_info
-from lmforge.quant.scheme import QuantScheme
+from lmforge.quant.scheme import QuantScheme, dequantize
 from lmforge.tokenizer.load import load_tokenizer
 
 LIB = kernels.load()
@@ -152,8 +152,13 @@ def test_block_types_unpack_to_codes_that_dequantize_bit_for_bit(name):
     lo, hi = (0, 2 ** g.scheme.num_bits - 1) if g.scheme.zero_point else (g.scheme.qmin, g.scheme.qmax)
     codes = g.int8_codes()
     assert codes.shape == (N, K) and codes.min() >= lo and codes.max() <= hi and np.abs(want).max() > 0
-    # the QuantizedLinear the loader installs dequantizes to the same numbers
-    assert torch.equal(quantized_linear(g).dequantized_weight(), torch.from_numpy(want))
+    # the QuantizedLinear the loader installs dequantizes to the same numbers, and so does a lookup of some rows
+    # (a tied embedding's: `rows`), in any order and with repeats
+    q = quantized_linear(g)
+    assert torch.equal(q.dequantized_weight(), torch.from_numpy(want))
+    idx = torch.tensor([4, 0, 4, 5])
+    codes, scales, zeros = q.rows(idx)
+    assert torch.equal(dequantize(codes, scales, torch.float32, zeros), torch.from_numpy(want)[idx])
 
 
 @pytest.mark.skipif(LIB is None, reason="no C compiler: lmforge's CPU kernels are absent")

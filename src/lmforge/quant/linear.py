@@ -68,11 +68,16 @@ class QuantizedLinear(nn.Module):
         sup = getattr(self, "weight_scale_super", None)
         return None if sup is None else self.weight_scale.shape[1] // sup.shape[1]
 
-    def _widen(self, kind: str) -> torch.Tensor | None:
+    def _widen(self, kind: str, idx: torch.Tensor | None = None) -> torch.Tensor | None:
         t = getattr(self, f"weight_{kind}", None)
-        if t is None or self.scale_per is None:
+        if t is None:
+            return None
+        per = self.scale_per
+        t = t if idx is None else t[idx]
+        if per is None:
             return t
-        sup = getattr(self, f"weight_{kind}_super").float().repeat_interleave(self.scale_per, dim=1)
+        sup = getattr(self, f"weight_{kind}_super")
+        sup = (sup if idx is None else sup[idx]).float().repeat_interleave(per, dim=1)
         return sup * t.float()
 
     def scales(self) -> torch.Tensor:
@@ -90,10 +95,13 @@ class QuantizedLinear(nn.Module):
 
     def codes(self) -> torch.Tensor:
         """(N, K) int8 codes: symmetric signed codes, or a zero-point layer's unsigned ones."""
+        return self._codes(self.qweight)
+
+    def _codes(self, qweight: torch.Tensor) -> torch.Tensor:
         if not self.packed:
-            return self.qweight
+            return qweight
         bits = self.scheme.num_bits
-        u = unpack_nibbles(self.qweight) if bits == 4 else unpack_lohi(self.qweight, bits, self.in_features)
+        u = unpack_nibbles(qweight) if bits == 4 else unpack_lohi(qweight, bits, self.in_features)
         return (u if self.scheme.zero_point else u.to(torch.int16) - self.scheme.code_offset).to(torch.int8)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -101,12 +109,7 @@ class QuantizedLinear(nn.Module):
 
     def rows(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(codes (R, K) int8, scales (R, G) float, zeros or None) of rows `idx` only (an embedding lookup)."""
-        sub = QuantizedLinear.__new__(QuantizedLinear)
-        nn.Module.__init__(sub)
-        sub.in_features, sub.out_features, sub.scheme = self.in_features, len(idx), self.scheme
-        for name, t in self.named_buffers():
-            sub.register_buffer(name, t[idx])
-        return sub.codes(), sub.scales(), sub.zeros()
+        return self._codes(self.qweight[idx]), self._widen("scale", idx), self._widen("zero", idx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = None if self.bias is None else self.bias.to(x.dtype)
