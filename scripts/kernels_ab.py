@@ -4,8 +4,9 @@ in one process, so that the machine's drift between sittings cancels out. Best o
     attention  decode attention (`lmf_paged_decode_any`, float32 queries over a float32 or bf16 pool) on the
                random 300M Llama's shapes (24 layers, 16 query / 8 kv heads of 64), pool blocks in random order
                as a long-running server's are; outputs equal to float32 rounding
-    matmuls    a decode step's 96 layer matmuls of the same model (int4 groups of 32, int8 activations,
-               `lmf_qmm_a8`), distinct weights streamed from memory, at `--rows` activation rows; outputs equal
+    matmuls    a decode step's 96 layer matmuls of the same model (int4 groups of 32 on int8 activations,
+               `lmf_qmm_a8`; or `--weights bf16`, `lmf_gemm_bf16`), distinct weights streamed from memory, at
+               `--rows` activation rows; outputs equal
     stack      a real engine on MODEL: one C call a decode step for the whole decoder stack against a call a
                layer (`lmf_decode_stack_q` / `lmf_decode_layer_q`), the same engine toggled between steps
     bits       no timing: every exported entry point of both libraries on the same random inputs (shapes,
@@ -13,7 +14,7 @@ in one process, so that the machine's drift between sittings cancels out. Best o
                check for a refactor of the kernels that must not change a number
 
     python scripts/kernels_ab.py attention --old-rev 1455d4a --contexts 200,700,1400 [--kv bfloat16] [--seqs 16]
-    python scripts/kernels_ab.py matmuls --old-rev efd2024 --rows 1,4,16
+    python scripts/kernels_ab.py matmuls --old-rev efd2024 --rows 1,4,16 [--weights bf16]
     python scripts/kernels_ab.py stack runs/vs-llamacpp/random-llama-300m/model-q4_0.gguf
     python scripts/kernels_ab.py bits --old-rev HEAD~1 [--flags=-DLMF_PORTABLE]
 
@@ -127,25 +128,30 @@ def attention(old_rev: str = typer.Option(..., help="The revision to compare aga
 @app.command()
 def matmuls(old_rev: str = typer.Option(..., help="The revision to compare against (its kernels' C sources)."),
             rows: str = "1,4,16", repeats: int = 12, threads: int = 2,
+            weights_kind: str = typer.Option("int4", "--weights", help="int4 (g32 codes on int8 activations, "
+                                             "`lmf_qmm_a8`) or bf16 (the bf16 panel GEMM, `lmf_gemm_bf16`)."),
             tolerance: float = typer.Option(1e-5, help="Largest relative output difference allowed: float32 "
                                             "rounding by default; a change of the numerics (the activations' "
                                             "scale a block of 32 since 2026-12-06: ~1e-2) needs more.")) -> None:
-    """A decode step's 96 int4 g32 matmuls on int8 activations, ms and weight GB/s."""
+    """A decode step's 96 matmuls (int4 g32 on int8 activations, or bf16 weights), ms and weight GB/s."""
+    if weights_kind not in ("int4", "bf16"):
+        raise typer.BadParameter("--weights: int4 or bf16")
     libs = _libraries(old_rev, threads)
-    a8 = {name: lib.a8() for name, lib in libs.items()}
     gen = torch.Generator().manual_seed(0)
-    weights = [(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen),
-                torch.rand(n, k // 32, generator=gen)) for _ in range(LAYERS) for n, k in LINEARS]
-    nbytes = sum(c.numel() + s.numel() * 4 for c, s in weights)
+    if weights_kind == "int4":
+        weights = [(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen),
+                    torch.rand(n, k // 32, generator=gen)) for _ in range(LAYERS) for n, k in LINEARS]
+    else:
+        weights = [(torch.randn(n, k, generator=gen).bfloat16(), torch.ones(n)) for _ in range(LAYERS) for n, k in LINEARS]
+    call = {name: _matmul(lib, weights_kind, threads) for name, lib in libs.items()}
+    nbytes = sum(c.numel() * c.element_size() + s.numel() * 4 for c, s in weights)
     for M in (int(r) for r in rows.split(",")):
         x = torch.randn(M, max(k for _, k in LINEARS), generator=gen)
         outs = {name: [torch.empty(M, c.shape[0]) for c, _ in weights] for name in libs}
 
         def run(name: str) -> None:
-            for (c, s), out in zip(weights, outs[name]):
-                K = c.shape[1] * 2
-                rc = a8[name](x.data_ptr(), 1, c.data_ptr(), s.data_ptr(), out.data_ptr(), M, c.shape[0], K, 4, 32,
-                              threads, None)
+            for (c, s), out, (n, k) in zip(weights, outs[name], LINEARS * LAYERS):
+                rc = call[name](x.data_ptr(), c.data_ptr(), s.data_ptr(), out.data_ptr(), M, n, k)
                 assert rc == 0, rc
         best = _alternate(list(libs), run, repeats)
         # the same integer dot products; a change of the float accumulation's order (pairs of blocks since 0419165)
@@ -154,6 +160,17 @@ def matmuls(old_rev: str = typer.Option(..., help="The revision to compare again
         assert diff < tolerance, f"the two libraries' outputs differ by {diff:.2e} (--tolerance {tolerance:g})"
         print(f"{M} rows: " + ", ".join(f"{name} {best[name] * 1e3:.2f} ms ({nbytes / best[name] / 1e9:.1f} GB/s)"
                                         for name in libs) + f"; largest relative difference {diff:.1e}", flush=True)
+
+
+def _matmul(lib: kernels.CpuKernels, kind: str, threads: int):
+    """(x, w, scales, out, M, N, K) -> rc: int4 g32 codes on `lmf_qmm_a8` (float32 x), or bf16 weights on
+    `lmf_gemm_bf16` (from 1 row: the panel, which is what its prefetch changed)."""
+    if kind == "bf16":
+        if lib.gemm_bf16 is None:
+            raise typer.BadParameter("--weights bf16: this library has no lmf_gemm_bf16 (an older revision?)")
+        return lambda x, w, ws, out, M, N, K: lib.gemm_bf16(x, w, ws, out, M, N, K, threads)
+    a8 = lib.a8()
+    return lambda x, w, ws, out, M, N, K: a8(x, 1, w, ws, out, M, N, K, 4, 32, threads, None)
 
 
 @app.command()

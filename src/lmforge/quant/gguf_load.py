@@ -138,9 +138,10 @@ def _codes_state(g: GroupCodes, module: str, heads: int | None) -> dict[str, tor
 class BlockEmbedding(torch.nn.Module):
     """A token embedding kept as the file's blocks, one row of bytes a token: a lookup unpacks only the rows it
     reads (`gguf_types`, the same unpacker as the matrices: `gguf.quants.dequantize`'s values bit for bit) and
-    casts them to `dtype`. Nothing is repacked at load, where the kernels' layout, which only a matmul reads,
-    cost a 1B Q4_K_M file 1.3 s for its Q6_K table of 32,000 x 2,048 (an 8B's 128k-token table: ~8 s). A
-    one-token lookup takes ~35 us, a 512-token prompt's ~11 ms (Q6_K). Engine only, as `QuantizedEmbedding`."""
+    casts them to `dtype`. Nothing is repacked into the kernels' layout, which only a matmul reads (a Q6_K table of
+    49,152 x 2,048 took 0.37 s to repack). The random 300M's Q4_0 table: a one-token lookup ~43 us (72 as a
+    `QuantizedEmbedding`), a 512-token prompt's ~4.3 ms; a Q6_K table's 512 rows ~11 ms. Engine only, as
+    `QuantizedEmbedding`; a tied table stays the LM head's layer, which needs the kernels' layout."""
 
     def __init__(self, blocks: np.ndarray, qtype: gguf.GGMLQuantizationType, dim: int, dtype: torch.dtype,
                  device: str | torch.device = "cpu"):

@@ -56,7 +56,7 @@ def generic_backend(directory: str | os.PathLike) -> bool:
     `tokenizer_config.json` naming a generic class with no `auto_map`, a config of a model type listed above
     (or none) with no hub `_name_or_path`. Opening that class directly skips AutoTokenizer's import of the
     model's config module, which pulls in torch.distributed.tensor: 0.55 s instead of 2.3 s in a process that
-    has torch (`tests/test_tokenizer_load.py` holds the two equal)."""
+    has torch (`tests/test_tokenizer.py` holds the two equal)."""
     d = Path(directory)
     if not (d / "tokenizer.json").is_file():
         return False
