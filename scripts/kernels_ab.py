@@ -7,6 +7,9 @@ in one process, so that the machine's drift between sittings cancels out. Best o
     matmuls    a decode step's 96 layer matmuls of the same model (int4 groups of 32 on int8 activations,
                `lmf_qmm_a8`; or `--weights bf16`, `lmf_gemm_bf16`), distinct weights streamed from memory, at
                `--rows` activation rows; outputs equal
+    panels     the same 96 matmuls in this checkout, int4 weights stored as rows against as 16-row panels
+               (`QmmLinear.store_panels`), and on panels the lanes body against the panel GEMM; outputs equal to
+               float32 rounding
     stack      a real engine on MODEL: one C call a decode step for the whole decoder stack against a call a
                layer (`lmf_decode_stack_q` / `lmf_decode_layer_q`), the same engine toggled between steps
     bits       no timing: every exported entry point of both libraries on the same random inputs (shapes,
@@ -15,6 +18,7 @@ in one process, so that the machine's drift between sittings cancels out. Best o
 
     python scripts/kernels_ab.py attention --old-rev 1455d4a --contexts 200,700,1400 [--kv bfloat16] [--seqs 16]
     python scripts/kernels_ab.py matmuls --old-rev efd2024 --rows 1,4,16 [--weights bf16]
+    python scripts/kernels_ab.py panels --rows 1,2,4,8,16,32,64 [--scales float32]
     python scripts/kernels_ab.py stack runs/vs-llamacpp/random-llama-300m/model-q4_0.gguf
     python scripts/kernels_ab.py bits --old-rev HEAD~1 [--flags=-DLMF_PORTABLE]
 
@@ -171,6 +175,59 @@ def _matmul(lib: kernels.CpuKernels, kind: str, threads: int):
         return lambda x, w, ws, out, M, N, K: lib.gemm_bf16(x, w, ws, out, M, N, K, threads)
     a8 = lib.a8()
     return lambda x, w, ws, out, M, N, K: a8(x, 1, w, ws, out, M, N, K, 4, 32, threads, None)
+
+
+@app.command()
+def panels(rows: str = "1,2,4,8,16,32,64", repeats: int = 12, threads: int = 2,
+           scales: str = typer.Option("float16", help="The stored scales: float16 (a GGUF Q4_0's) or float32.")) -> None:
+    """A decode step's 96 int4 g32 matmuls in this checkout, the weights stored as rows against as 16-row panels
+    (`QmmLinear.store_panels`; rows: the row bodies, from 6 rows the panel GEMM; panels: the lanes body, from 64
+    rows the panel GEMM), and on panels the lanes body against the panel GEMM at every row count."""
+    from lmforge.quant import QuantScheme
+    from lmforge.quant.linear import QmmLinear, QuantizedLinear
+    lib = kernels.load()
+    if lib is None or lib.a8_panel_rows(-1) <= 0:
+        raise typer.BadParameter("stored panels need the A8 panel bodies: an AVX-512 VNNI CPU")
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    layers: dict[str, list[QmmLinear]] = {"rows": [], "panels": []}
+    for _ in range(LAYERS):
+        for n, k in LINEARS:
+            q = QuantizedLinear(k, n, QuantScheme(4, 32))
+            q.qweight.copy_(torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen))
+            q.weight_scale = (torch.rand(n, k // 32, generator=gen) * 0.02 + 0.001).to(getattr(torch, scales))
+            for name in layers:
+                m = QmmLinear(q, torch.float32, a8=lib.a8())
+                m.threads = threads
+                assert name == "rows" or m.store_panels()
+                layers[name].append(m)
+    nbytes = sum(m.codes.numel() + m.scale.numel() * m.scale.element_size() for m in layers["rows"])
+    panel_rows, lanes_rows = lib.a8_panel_rows(-1), lib.a8_lanes_rows(-1)
+    for M in (int(r) for r in rows.split(",")):
+        x = {k: torch.randn(M, k, generator=gen) for _, k in LINEARS}
+        outs = {name: [torch.empty(M, m.N) for m in layers["rows"]] for name in ("rows", "panels", "panel GEMM")}
+
+        def run(name: str) -> None:
+            ms = layers["rows" if name == "rows" else "panels"]
+            if name == "panel GEMM":
+                lib.a8_panel_rows(1)
+                lib.a8_lanes_rows(0)
+            try:
+                for m, out in zip(ms, outs[name]):
+                    rc = m.a8(x[m.K].data_ptr(), 1, m.codes.data_ptr(), m.scale.data_ptr(), out.data_ptr(), M, m.N,
+                              m.K, 4, 32, threads, m.desc_ptr)
+                    assert rc == 0, rc
+            finally:
+                lib.a8_panel_rows(panel_rows)
+                lib.a8_lanes_rows(lanes_rows)
+        best = _alternate(list(outs), run, repeats)
+        diff = max((a - b).abs().max().item() / max(a.abs().max().item(), 1e-30)
+                   for a, b in zip(outs["rows"], outs["panels"]))
+        assert diff < 1e-5, f"the two layouts' outputs differ by {diff:.2e}"
+        print(f"{M} rows: " + ", ".join(f"{name} {best[name] * 1e3:.2f} ms ({nbytes / best[name] / 1e9:.1f} GB/s)"
+                                        for name in outs)
+              + f"; rows / panels {best['rows'] / best['panels']:.2f}, panel GEMM / lanes on panels "
+                f"{best['panel GEMM'] / best['panels']:.2f}", flush=True)
 
 
 @app.command()

@@ -309,9 +309,40 @@ class QmmLinear(nn.Module):
         self.register_buffer("scale_super", sup("scale"), persistent=False)  # (N, G / per) float16, or None
         self.register_buffer("zero", None if z is None else z.contiguous(), persistent=False)
         self.register_buffer("zero_super", sup("zero") if z is not None else None, persistent=False)
+        self.layout = 0
+        self._describe(form, per or 1)
+
+    def _describe(self, form: int, per: int) -> None:
+        """`desc` from the stored tensors: form, groups a super-block, four addresses, the layout (common.h)."""
         parts = (self.scale, self.scale_super, self.zero, self.zero_super)
-        self.desc = None if form == 0 and z is None else torch.tensor(
-            [form, per or 1, *(0 if t is None else t.data_ptr() for t in parts)], dtype=torch.int64)
+        self.desc = None if form == 0 and self.zero is None and self.layout == 0 else torch.tensor(
+            [form, per, *(0 if t is None else t.data_ptr() for t in parts), self.layout], dtype=torch.int64)
+
+    PANEL = 16  # weight rows a stored panel (common.h's LMF_PANELS16)
+
+    def store_panels(self) -> bool:
+        """Keep symmetric int4 codes and their scales as 16-row panels (common.h's LMF_PANELS16), the A8 panel's own
+        interleave, where the A8 panel bodies run every call of this layer (an AVX-512 VNNI CPU). A decode step's few
+        rows then take `a8_lanes_avx512vnni` (qmm_a8_panel.c) and prefill skips the panel's per-call transpose.
+        Same bytes, moved; `dequantized` reads them back. False (nothing changed) where it does not apply."""
+        if not (self.a8_panel and self.bits == 4 and self.zero is None and self.scale_super is None
+                and self.scale.dtype in (torch.float32, torch.float16) and self.N % self.PANEL == 0
+                and self.gs % 32 == 0 and self.layout == 0 and self.codes.device.type == "cpu"):
+            return False
+        P, G = self.PANEL, self.K // self.gs
+        self.codes = self.codes.view(self.N // P, P, self.K // 8, 4).transpose(1, 2).contiguous().view(self.N, -1)
+        self.scale = self.scale.view(self.N // P, P, G).transpose(1, 2).contiguous().view(self.N, G)
+        self.layout = P
+        self._describe(1 if self.scale.dtype == torch.float16 else 0, 1)
+        return True
+
+    def _row_major(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, scale) a weight row after another, whatever the stored layout."""
+        if self.layout == 0:
+            return self.codes, self.scale
+        P, G = self.PANEL, self.K // self.gs
+        codes = self.codes.view(self.N // P, self.K // 8, P, 4).transpose(1, 2).reshape(self.N, -1)
+        return codes, self.scale.view(self.N // P, G, P).transpose(1, 2).reshape(self.N, G)
 
     @property
     def desc_ptr(self) -> int | None:
@@ -324,7 +355,7 @@ class QmmLinear(nn.Module):
             if t is None:
                 return None
             return t.float() if sup is None else sup.float().repeat_interleave(t.shape[1] // sup.shape[1], 1) * t
-        return widen(self.scale, self.scale_super), widen(self.zero, self.zero_super)
+        return widen(self._row_major()[1], self.scale_super), widen(self.zero, self.zero_super)
 
     @classmethod
     def _dense(cls, linear: nn.Linear, qmm, dtype: torch.dtype, bits: int) -> "QmmLinear":
@@ -345,6 +376,7 @@ class QmmLinear(nn.Module):
         self.register_buffer("codes", codes.view(torch.int16) if bits == 16 else codes, persistent=False)
         self.register_buffer("scale", torch.ones(self.N, 1), persistent=False)
         self.scale_super = self.zero = self.zero_super = self.desc = None
+        self.layout = 0
         self.bias = None if linear.bias is None else linear.bias.detach().float()
         self.threads = _kernel_threads()
         return self
@@ -424,16 +456,17 @@ class QmmLinear(nn.Module):
         if self.bits == 16:  # bf16 weights, scale 1: widening is exact
             return w_NK.copy_(self.codes.view(torch.bfloat16))
         scale, zero = self.float_scales()
+        codes = self._row_major()[0]
         if self.bits == 8:
-            w_NK.copy_(self.codes)  # int8 -> float32 in place
+            w_NK.copy_(codes)  # int8 -> float32 in place
         elif self.bits == 4:  # nibbles; a symmetric code is nibble - 8, a zero-point code the nibble itself
             pairs = w_NK.view(self.N, -1, 2)
-            pairs[..., 0].copy_(self.codes & 0x0F)
-            pairs[..., 1].copy_(self.codes >> 4)
+            pairs[..., 0].copy_(codes & 0x0F)
+            pairs[..., 1].copy_(codes >> 4)
             if zero is None:
                 w_NK.sub_(8)
         else:  # 5 / 6 bits: the unsigned codes, less the offset when symmetric
-            w_NK.copy_(unpack_lohi(self.codes, self.bits, self.K))
+            w_NK.copy_(unpack_lohi(codes, self.bits, self.K))
             if zero is None:
                 w_NK.sub_(1 << (self.bits - 1))
         scale_groups_(w_NK, scale)
@@ -566,6 +599,15 @@ def select_backend(model: nn.Module, device: torch.device, reference: bool = Fal
             if all(cls.supports(q, device) for q in layers):
                 return cls
     return DequantLinear
+
+
+def store_layer_panels(model: nn.Module) -> int:
+    """`QmmLinear.store_panels` for every linear of the decoder layers (`model.model.layers`); how many took it.
+    Not the LM head, whose codes a tied embedding shares. `LMFORGE_A8_PANELS=0`: none (the rows layout, to compare)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or os.environ.get("LMFORGE_A8_PANELS", "1") == "0":
+        return 0
+    return sum(m.store_panels() for m in layers.modules() if isinstance(m, QmmLinear))
 
 
 def swap_backend(model: nn.Module, backend, dtype: torch.dtype) -> int:

@@ -98,6 +98,8 @@ class CpuKernels:
     a8_isa_supported: ctypes._CFuncPtr | None = None  # lmf_a8_isa_supported(isa) -> 0 | 1
     a8_panel_rows: ctypes._CFuncPtr | None = None  # lmf_a8_panel_rows(rows) -> the threshold before: from how many
     #                                                rows the A8 panel GEMM runs (0 never; rows < 0 only reads it)
+    a8_lanes_rows: ctypes._CFuncPtr | None = None  # lmf_a8_lanes_rows(rows) -> the value before: on int4 weights
+    #                                                stored as panels, below how many rows the lanes body runs
     bf16_panel_rows: ctypes._CFuncPtr | None = None  # lmf_bf16_panel_rows(rows) -> the threshold before: from how
     #                                                  many rows lmf_qmm_f32 runs bf16 weights on the bf16 panel GEMM
     #                                                  (0: never, or no AVX512-BF16; rows < 0 only reads it)
@@ -263,6 +265,7 @@ def _bind(path: Path) -> CpuKernels:
           "quantize_s8": ("lmf_quantize_s8", [P, I64, I64, I64, I64, I64, P, P]),
           "a8_isa_supported": ("lmf_a8_isa_supported", [I64]),
           "a8_panel_rows": ("lmf_a8_panel_rows", [I64]),
+          "a8_lanes_rows": ("lmf_a8_lanes_rows", [I64]),
           "bf16_panel_rows": ("lmf_bf16_panel_rows", [I64]),
           "gemm_bf16": ("lmf_gemm_bf16", [P, P, P, P, I64, I64, I64, I64]),
           "gemm_f32": ("lmf_gemm_f32", [P, P, P, P, I64, I64, I64, I64, I64, I64, P]),
@@ -276,7 +279,7 @@ def _bind(path: Path) -> CpuKernels:
         fn = getattr(lib, name, None)
         if fn is None:  # an older revision's build (the A/B scripts)
             continue
-        fn.restype, fn.argtypes = (ctypes.c_int64 if field.endswith("panel_rows") else ctypes.c_int), argtypes
+        fn.restype, fn.argtypes = (ctypes.c_int64 if field.endswith(("panel_rows", "lanes_rows")) else ctypes.c_int), argtypes
         fns[field] = fn
     _panel_thresholds_from_env(fns)
     one = (ctypes.c_float * 1)(1.0)
@@ -292,8 +295,10 @@ def _bind(path: Path) -> CpuKernels:
 
 
 def _panel_thresholds_from_env(fns: dict) -> None:
-    """`LMFORGE_A8_PANEL_ROWS` / `LMFORGE_BF16_PANEL_ROWS`: from how many rows each panel GEMM runs (0: never)."""
-    for field, env in (("a8_panel_rows", "LMFORGE_A8_PANEL_ROWS"), ("bf16_panel_rows", "LMFORGE_BF16_PANEL_ROWS")):
+    """`LMFORGE_A8_PANEL_ROWS` / `LMFORGE_BF16_PANEL_ROWS`: from how many rows each panel GEMM runs (0: never);
+    `LMFORGE_A8_LANES_ROWS`: on int4 weights stored as panels, below how many rows the lanes body runs."""
+    for field, env in (("a8_panel_rows", "LMFORGE_A8_PANEL_ROWS"), ("bf16_panel_rows", "LMFORGE_BF16_PANEL_ROWS"),
+                       ("a8_lanes_rows", "LMFORGE_A8_LANES_ROWS")):
         if field in fns and (rows := os.environ.get(env, "").strip()):
             if not rows.isdigit():
                 raise ValueError(f"{env}={rows!r}: a row count (0: never the panel GEMM)")

@@ -139,7 +139,7 @@ static inline int lohi_code(const uint8_t *row, int64_t bits, int64_t K, int64_t
 
 /* ---- a weight's per-group scales and zero offsets, in the form its file stores them ------------------------ */
 
-/* `lmforge.quant.linear.QmmLinear` hands the matmuls a descriptor (six int64: this struct) instead of float32
+/* `lmforge.quant.linear.QmmLinear` hands the matmuls a descriptor (seven int64: this struct) instead of float32
  * arrays, so that a GGUF weight keeps its file's bytes at run time:
  *   LMF_SCALES_F32    float32 (N, G)
  *   LMF_SCALES_F16    float16 (N, G): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 scales (and minimums) as stored
@@ -150,7 +150,14 @@ static inline int lohi_code(const uint8_t *row, int64_t bits, int64_t K, int64_t
  * nibble (0..15) or an int8 byte. `row_scales` expands one weight row into float32: the scales, and the zero
  * offsets in the kernels' terms (an int4 code is read as nibble - 8, so + 8 * scale). */
 enum { LMF_SCALES_F32 = 0, LMF_SCALES_F16 = 1, LMF_SCALES_SUPER = 2 };
-typedef struct { int64_t fmt, per; const void *s, *sd, *z, *zd; } lmf_scales;
+/* `layout`: how the codes and scales lie. LMF_ROWS: a weight row after another (codes (N, row bytes), scales (N, G)).
+ * LMF_PANELS16 (symmetric int4, float32 or float16 scales, N % 16 == 0, AVX-512 VNNI only; qmm_a8_panel.c): 16
+ * rows at a time side by side, the A8 panel's own interleave kept in memory instead of rebuilt every call:
+ *     codes[p][w][i] = bytes 4w .. 4w + 3 of weight row 16p + i   (a 64-byte vector: one 4-byte word of 16 rows)
+ *     scales[p][g][i] = scale of row 16p + i, group g              (16 contiguous: one vector a group)
+ * Only the A8 panel bodies read it (`lmf_qmm_s8` refuses it elsewhere). */
+enum { LMF_ROWS = 0, LMF_PANELS16 = 16 };
+typedef struct { int64_t fmt, per; const void *s, *sd, *z, *zd; int64_t layout; } lmf_scales;
 #define LMF_MAX_G 4096  /* groups a row: K < 65536 in groups of 16 or more */
 
 static inline float f16_to_f32(uint16_t h) {  /* exact, subnormals and infinities included */
@@ -374,6 +381,7 @@ LMF_HIDDEN void a8_range_avxvnni(const a8_job *j);
 LMF_HIDDEN void a8_range_avx512vnni256(const a8_job *j);
 LMF_HIDDEN void a8_range_avx512vnni(const a8_job *j);
 LMF_HIDDEN void a8_panel_avx512vnni(const a8_job *j);  /* qmm_a8_panel.c: many rows, 16 weight rows a panel */
+LMF_HIDDEN void a8_lanes_avx512vnni(const a8_job *j);  /* qmm_a8_panel.c: a few rows on weights stored as panels */
 
 /* R (rows, 1..4) and BITS (8 or 4) as compile-time constants of an always-inline row function FN, so
  * its accumulators stay in registers and no branch on the weight format runs inside its loops. */
@@ -442,6 +450,13 @@ static inline size_t a8_panel_scratch(int64_t K, int64_t G) {
     return (2 * per + (size_t)K + 2 * LMF_MAX_G * sizeof(float) + 63) / 64 * 64;
 }
 
+/* On weights stored as panels the lanes body takes calls below this many rows (`lmf_a8_lanes_rows` sets it), the panel
+ * GEMM from it: the panel's
+ * per-call build (2 panels of bytes, 32 KB at K = 1,024: past Zen 4's L1) costs more than re-reading the
+ * nibbles a pass of 4 rows. The 300M's 96 layer matmuls, Q4_0-like weights, 2 threads, Zen 4, panel / lanes time:
+ * 1 row 1.68, 4 1.44, 8 1.37, 16 1.17, 32 1.13, 64 1.01, 128 1.00 (`python scripts/kernels_ab.py panels`). */
+#define A8_LANES_MAX_ROWS 64
+
 /* ---- the dispatch table (dispatch.c) ------------------------------------------------------------------- */
 
 /* Filled once when the library is loaded, from the CPU's flags and what this build compiled; read by every
@@ -452,6 +467,7 @@ typedef struct {
     int64_t a8_best;               /* the A8 body `lmf_qmm_a8` runs when not told */
     a8_body_fn a8_panel;           /* the A8 panel GEMM (AVX-512 VNNI), NULL where this build or CPU lacks it */
     int64_t a8_panel_rows;         /* from how many rows the AVX-512 VNNI bodies hand a call to it (0: never) */
+    int64_t a8_lanes_rows;         /* on weights stored as panels, below how many rows the lanes body runs instead */
     int bf16_panel;                /* the bf16 panel GEMM (gemm_bf16.c) runs on this CPU and build */
     int64_t bf16_panel_rows;       /* from how many rows `lmf_qmm_f32` hands bf16 weights to it (0: never) */
 } lmf_dispatch_table;
@@ -516,6 +532,7 @@ int lmf_decode_stack_q(int64_t isa, int64_t n_layers, const int64_t *layers, flo
 int lmf_a8_isa_supported(int64_t isa);
 int64_t lmf_a8_best_isa(void);
 int64_t lmf_a8_panel_rows(int64_t rows);
+int64_t lmf_a8_lanes_rows(int64_t rows);
 int64_t lmf_bf16_panel_rows(int64_t rows);
 /* gemm_bf16.c */
 int lmf_gemm_bf16(const float *x, const uint16_t *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,

@@ -118,6 +118,7 @@ __attribute__((constructor)) static void lmf_dispatch_init(void) {
     if (lmf_dispatch.a8_body[A8_AVX512_VNNI] != NULL) {
         lmf_dispatch.a8_panel = a8_panel_avx512vnni;
         lmf_dispatch.a8_panel_rows = A8_PANEL_ROWS;
+        lmf_dispatch.a8_lanes_rows = A8_LANES_MAX_ROWS;
     }
     lmf_dispatch.bf16_panel = bf16_panel_cpu();
     if (lmf_dispatch.bf16_panel) lmf_dispatch.bf16_panel_rows = BF16_PANEL_ROWS;
@@ -133,6 +134,14 @@ int64_t lmf_a8_panel_rows(int64_t rows) {
         lmf_dispatch.a8_panel_rows = rows;
         write_chosen();
     }
+    return before;
+}
+
+/* On int4 weights stored as panels (LMF_PANELS16): below `rows` rows the lanes body, from it the panel GEMM (0: the
+ * panel's own threshold alone); rows < 0 leaves it. Returns the value before (0 where there is no panel body). */
+int64_t lmf_a8_lanes_rows(int64_t rows) {
+    const int64_t before = lmf_dispatch.a8_lanes_rows;
+    if (rows >= 0 && lmf_dispatch.a8_panel != NULL) lmf_dispatch.a8_lanes_rows = rows;
     return before;
 }
 

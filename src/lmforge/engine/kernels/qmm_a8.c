@@ -131,6 +131,15 @@ static void *a8_range_panel(void *arg) {  /* a thread's share of panels: chunks 
     return NULL;
 }
 
+static void *a8_range_lanes(void *arg) {  /* as a8_range_panel, on weights stored as panels (few rows) */
+#ifdef LMF_X86
+    a8_job j = *(const a8_job *)arg;
+    while (take_chunk(j.next, j.chunk, j.N, &j.n0, &j.n1)) a8_lanes_avx512vnni(&j);
+#endif
+    (void)arg;
+    return NULL;
+}
+
 /* absmax / 127 of one row. The absolute values are compared as bit patterns (for finite floats the
  * order is the same), so the loop is an integer max the compiler vectorizes without fast-math. */
 static float a8_row_scale(const void *x, int act, int64_t K) {
@@ -257,10 +266,18 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
     const int64_t ab = a8_block(gs), A = K / ab;
     if (isa < 0) isa = lmf_a8_best_isa();
     if (isa >= A8_ISAS || !lmf_a8_isa_supported(isa)) return -2;
-    /* many rows on an AVX-512 VNNI CPU: the panel GEMM (qmm_a8_panel.c), whatever the weight's form */
+    /* int4 weights stored as panels (LMF_PANELS16): only the panel bodies read them, on an AVX-512 VNNI CPU */
+    const int panels16 = sc != NULL && sc->layout == LMF_PANELS16;
+    if (sc != NULL && sc->layout != LMF_ROWS && !panels16) return -1;
+    if (panels16 && (bits != 4 || zero != NULL || sc->fmt == LMF_SCALES_SUPER || N % A8_PANEL || gs % 32)) return -1;
+    if (panels16 && (lmf_dispatch.a8_panel == NULL || (isa != A8_AVX512_VNNI && isa != A8_AVX512_VNNI_256))) return -2;
+    /* many rows on an AVX-512 VNNI CPU: the panel GEMM (qmm_a8_panel.c), whatever the weight's form; fewer on
+     * stored panels: the lanes body beside it */
     const int panel = (isa == A8_AVX512_VNNI || isa == A8_AVX512_VNNI_256) && lmf_dispatch.a8_panel != NULL &&
-                      lmf_dispatch.a8_panel_rows > 0 && M >= lmf_dispatch.a8_panel_rows;
-    if (panel) isa = A8_AVX512_VNNI;
+                      lmf_dispatch.a8_panel_rows > 0 && M >= lmf_dispatch.a8_panel_rows &&
+                      (!panels16 || M >= lmf_dispatch.a8_lanes_rows);
+    const int lanes = panels16 && !panel;
+    if (panel || lanes) isa = A8_AVX512_VNNI;
     if (!panel && isa == A8_AVX512_VNNI && (g16 || bits == 5 || bits == 6))  /* groups of 16, 5/6-bit codes: the 256-bit body */
         isa = lmf_a8_isa_supported(A8_AVX512_VNNI_256) ? A8_AVX512_VNNI_256 : A8_PORTABLE;
     /* the 256-bit VNNI body hands int8 weights at 8 rows or more to the 512-bit one, which wins there (Zen 4,
@@ -272,7 +289,7 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > N) threads = N;
     int8_t *u = NULL;  /* the 512-bit body reads q + 128 (unsigned): converted once here */
-    if (isa == A8_AVX512_VNNI && !panel) {
+    if (isa == A8_AVX512_VNNI && !panel && !lanes) {
         if ((u = (int8_t *)malloc((size_t)(M * K))) == NULL) return -1;
         for (int64_t i = 0; i < M * K; i++) u[i] = (int8_t)((uint8_t)q[i] ^ 0x80u);
     }
@@ -283,7 +300,7 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
     /* sum(q) of each group, once, on the call's threads: qs from it, and the panel body reads it as it is */
     int32_t *qsum = NULL;
     float *qs = NULL;
-    if (want_qs || panel) {
+    if (want_qs || panel || lanes) {
         if ((qsum = (int32_t *)malloc((size_t)(M * (K / gs)) * sizeof(int32_t))) == NULL
             || (want_qs && (qs = (float *)malloc((size_t)(M * (K / gs)) * sizeof(float))) == NULL)) {
             free(qsum);
@@ -318,7 +335,7 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
     /* the panel body: chunks of whole pairs of panels (32 rows, its unit of work), about four a thread, and each
      * thread's panel buffers, taken here so that a failed allocation is this call's -1, not a row left unwritten */
     const int64_t pairs32 = (N + 31) / 32, per = pairs32 / (4 * threads);
-    const int64_t chunk = panel ? 32 * (per > 1 ? per : 1) : chunk_rows(N, threads);
+    const int64_t chunk = panel || lanes ? 32 * (per > 1 ? per : 1) : chunk_rows(N, threads);
     const size_t scratch = panel ? a8_panel_scratch(K, K / gs) : 0;
     char *panels = NULL;
     if (panel && (panels = (char *)aligned_alloc(64, scratch * (size_t)threads)) == NULL) {
@@ -330,7 +347,7 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
     for (int64_t t = 0; t < threads; t++)
         jobs[t] = (a8_job){u ? u : q, xs, w, ws, out, qs, qsum, sc, pairs, xp, M, N, K, gs, bits, 0, 0, isa, K / gs, ab,
                            A, &next, chunk, threads, panels ? panels + scratch * (size_t)t : NULL};
-    run_jobs(panel ? a8_range_panel : a8_range, jobs, sizeof jobs[0], threads);
+    run_jobs(panel ? a8_range_panel : lanes ? a8_range_lanes : a8_range, jobs, sizeof jobs[0], threads);
     free(panels);
     free(qsum);
     free(xp);

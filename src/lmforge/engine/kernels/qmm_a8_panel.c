@@ -58,9 +58,36 @@ static void panel_row_codes(const a8_job *j, int64_t n, int8_t *out) {
  * rows' words a step through a 16 x 16 transpose (an int4 word's low nibbles are 4 codes of its block's first
  * half, its high nibbles the same 4 of the second half: the activations' nibble order); 5- and 6-bit rows
  * code by code. */
+/* A panel's 16 scales of group g, from the stored panels' float16 or float32 scales (LMF_PANELS16), as float32. */
+__attribute__((target(TP), always_inline)) static inline __m512 stored_scales16(const lmf_scales *sc, int64_t p,
+                                                                                int64_t G, int64_t g) {
+    if (sc->fmt == LMF_SCALES_F16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)sc->s + (p * G + g) * PANEL)));
+    return _mm512_loadu_ps((const float *)sc->s + (p * G + g) * PANEL);
+}
+
+/* The panel of rows [n0, n0 + 16) from int4 weights stored as panels (LMF_PANELS16): the interleave is the stored
+ * one, so a word of 16 rows is one load (no transpose), then its nibbles as panel_build's. */
+__attribute__((target(TP))) static void panel_build16(const a8_job *j, int64_t n0, int32_t *P, float *S) {
+    const int64_t K = j->K, G = j->G, p = n0 / PANEL;
+    const uint8_t *W = (const uint8_t *)j->w + p * (K / 2) * PANEL;
+    const __m512i low = _mm512_set1_epi8(0x0F), k78 = _mm512_set1_epi8(0x78);
+    for (int64_t pw = 0; pw < K / 8; pw++) {  /* word pw: codes 4 (pw % 4) .. of block pw / 4's two halves */
+        const __m512i r = _mm512_loadu_si512(W + pw * 64);
+        const int64_t at = (pw / 4) * 8 + pw % 4;
+        _mm512_storeu_si512(P + at * PANEL, _mm512_add_epi8(_mm512_and_si512(r, low), k78));
+        _mm512_storeu_si512(P + (at + 4) * PANEL, _mm512_add_epi8(_mm512_and_si512(_mm512_srli_epi32(r, 4), low), k78));
+    }
+    for (int64_t g = 0; g < G; g++) _mm512_storeu_ps(S + g * PANEL, stored_scales16(j->sc, p, G, g));
+}
+
 __attribute__((target(TP))) static void panel_build(const a8_job *j, int64_t n0, int live, int8_t *row, int32_t *P,
                                                     float *S, float *Z, float *ws_buf, float *wz_buf) {
     const int64_t K = j->K, G = j->G, bits = j->bits, row_bytes = row_bytes_of(bits, K);
+    if (j->sc != NULL && j->sc->layout == LMF_PANELS16) {  /* live is 16: N % 16 == 0 there */
+        panel_build16(j, n0, P, S);
+        return;
+    }
     if (bits == 8 || bits == 4) {
         const uint8_t *rows[PANEL];
         for (int i = 0; i < PANEL; i++)
@@ -208,6 +235,85 @@ __attribute__((target(TP))) LMF_HIDDEN void a8_panel_avx512vnni(const a8_job *j)
             else if (R == 6) panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, 1, 6);
             else if (R == 7) panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, 1, 7);
             else panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, 1, PANEL_R);
+        }
+    }
+}
+
+/* ---- a few rows on int4 weights stored as panels (LMF_PANELS16) --------------------------------------------
+ *
+ * A decode step's 1-5 rows. The row bodies (qmm_a8_avx256.c) spend ~0.4 instructions a weight byte on a row's
+ * nibbles, pairs and scales and its horizontal sums; one thread reads ~11 GB/s that way, two do not fill this
+ * VM's ~28 GB/s. On panels stored in memory (llama.cpp's repacked Q4_0 GEMV is the precedent) one load is a word
+ * of 16 rows: its low nibbles (codes c + 8 of 4 even k) and its high nibbles kept in place (16 (c + 8), 4 odd k)
+ * each take one `vpdpbusd` against 4 activation bytes broadcast, 16 outputs at once, no horizontal sum: ~0.11
+ * 512-bit instructions a byte. Per group and row, lo starts at -8 * sum(q) and hi at 0; hi / 16 is exact (every
+ * term a multiple of 16), so dot(q, c) = lo + hi / 16 exactly, and then
+ *     out[m, n] += float(dot) * (scale[n, g] * xs[m, a(g)])
+ * the panel GEMM's terms in its order (group order per output): the same bits as `a8_panel_avx512vnni`. */
+__attribute__((target(TP), always_inline)) static inline void lanes_rows(
+        const a8_job *j, int64_t p0, const int8_t *q, const float *xs, const int32_t *qsum, float *out, const int NP,
+        const int R) {
+    const int64_t K = j->K, G = j->G, gs = j->gs, A = j->A, ab = j->ab, words = gs / 8;
+    const __m512i lo4 = _mm512_set1_epi8(0x0F), hi4 = _mm512_set1_epi8((char)0xF0);
+    const uint8_t *W[2];
+    __m512 f[2][A8_MAX_R];
+    for (int p = 0; p < NP; p++) {
+        W[p] = (const uint8_t *)j->w + (p0 + p) * (K / 2) * PANEL;
+        for (int r = 0; r < R; r++) f[p][r] = _mm512_setzero_ps();
+    }
+    for (int64_t g = 0; g < G; g++) {
+        __m512i lo[2][A8_MAX_R], hi[2][A8_MAX_R];
+        for (int r = 0; r < R; r++) {
+            const __m512i c = _mm512_set1_epi32(-8 * qsum[r * G + g]);
+            for (int p = 0; p < NP; p++) lo[p][r] = c, hi[p][r] = _mm512_setzero_si512();
+        }
+        const int8_t *qg = q + g * gs;
+        for (int64_t w = 0; w < words; w++) {
+            const int64_t at = (w / 4) * 32 + 4 * (w % 4);  /* the word's 4 even k; its 4 odd k 16 further */
+            for (int p = 0; p < NP; p++) {
+                const __m512i v = _mm512_loadu_si512(W[p] + (g * words + w) * 64);
+                const __m512i vl = _mm512_and_si512(v, lo4), vh = _mm512_and_si512(v, hi4);
+                for (int r = 0; r < R; r++) {
+                    dpbusd_bcast(&lo[p][r], vl, qg + r * K + at);
+                    dpbusd_bcast(&hi[p][r], vh, qg + r * K + at + 16);
+                }
+            }
+        }
+        const int64_t a = g * gs / ab;
+        for (int p = 0; p < NP; p++) {
+            const __m512 sv = stored_scales16(j->sc, p0 + p, G, g);
+            for (int r = 0; r < R; r++)
+                f[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo[p][r], _mm512_srai_epi32(hi[p][r], 4))),
+                                          _mm512_mul_ps(sv, _mm512_set1_ps(xs[r * A + a])), f[p][r]);
+        }
+    }
+    for (int p = 0; p < NP; p++)
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * j->N + p * PANEL, f[p][r]);
+}
+
+/* Weight rows [j->n0, j->n1) (whole panels), two panels side by side, for all j->M activation rows (signed q and
+ * qsum), 4 at a time. */
+__attribute__((target(TP))) LMF_HIDDEN void a8_lanes_avx512vnni(const a8_job *j) {
+    const int64_t K = j->K, G = j->G, M = j->M;
+    for (int64_t n0 = j->n0; n0 < j->n1; n0 += 2 * PANEL) {
+        const int NP = j->n1 - n0 >= 2 * PANEL ? 2 : 1;
+        for (int64_t m0 = 0; m0 < M; m0 += A8_MAX_R) {
+            const int R = M - m0 < A8_MAX_R ? (int)(M - m0) : A8_MAX_R;
+            const int8_t *q = j->q + m0 * K;
+            const float *xs = j->xs + m0 * j->A;
+            const int32_t *qsum = j->qsum + m0 * G;
+            float *out = j->out + m0 * j->N + n0;
+            const int64_t p0 = n0 / PANEL;
+            switch (NP * 8 + R) {
+                case 17: lanes_rows(j, p0, q, xs, qsum, out, 2, 1); break;
+                case 18: lanes_rows(j, p0, q, xs, qsum, out, 2, 2); break;
+                case 19: lanes_rows(j, p0, q, xs, qsum, out, 2, 3); break;
+                case 20: lanes_rows(j, p0, q, xs, qsum, out, 2, 4); break;
+                case 9: lanes_rows(j, p0, q, xs, qsum, out, 1, 1); break;
+                case 10: lanes_rows(j, p0, q, xs, qsum, out, 1, 2); break;
+                case 11: lanes_rows(j, p0, q, xs, qsum, out, 1, 3); break;
+                default: lanes_rows(j, p0, q, xs, qsum, out, 1, 4); break;
+            }
         }
     }
 }
