@@ -23,10 +23,15 @@ needs_panels = pytest.mark.skipif(not HAS_PANELS, reason="stored panels are read
                                                          "this CPU runs " + ", ".join(LIB.a8_isas() if LIB else []))
 
 
-def _layer(N: int, K: int, gs: int, scales: torch.Tensor, codes: torch.Tensor, isa: str | None = None) -> QmmLinear:
-    q = QuantizedLinear(K, N, QuantScheme(4, gs))
+def _layer(N: int, K: int, gs: int, scales: torch.Tensor, codes: torch.Tensor, isa: str | None = None,
+           zeros: torch.Tensor | None = None) -> QmmLinear:
+    """codes: signed (N, K) in [-8, 8), or with `zeros` (a GGUF Q4_1's form: w = scale * nibble + zero) the
+    nibbles in [0, 16)."""
+    q = QuantizedLinear(K, N, QuantScheme(4, gs, zero_point=zeros is not None))
     q.qweight.copy_(codes)
     q.weight_scale = scales
+    if zeros is not None:
+        q.weight_zero = zeros
     return QmmLinear(q, torch.float32, a8=LIB.a8(isa))
 
 
@@ -71,16 +76,20 @@ def test_stored_panels_give_exact_integer_dot_products(N, K, gs, half):
 
 @needs_panels
 @pytest.mark.parametrize("half", [True, False], ids=["f16-scales", "f32-scales"])
-def test_a_stored_panel_layer_gives_the_panel_gemm_bits_and_the_rows_values(half):
-    """Real scales and activations: at every row count the stored layer equals the rows layout on the panel GEMM bit
-    for bit (the same terms in the same order), and the rows layout's row bodies to float32 rounding."""
+@pytest.mark.parametrize("with_zeros", [False, True], ids=["symmetric", "zeros"])
+def test_a_stored_panel_layer_gives_the_panel_gemm_bits_and_the_rows_values(half, with_zeros):
+    """Real scales (and zero offsets, as a Q4_1 file's) and activations: at every row count the stored layer equals
+    the rows layout on the panel GEMM bit for bit (the same terms in the same order), and the rows layout's row
+    bodies to float32 rounding."""
     torch.manual_seed(0)
     N, K = 96, 640
-    codes = torch.randint(-8, 8, (N, K), dtype=torch.int8)
+    codes = torch.randint(0, 16, (N, K), dtype=torch.int8) if with_zeros else torch.randint(-8, 8, (N, K), dtype=torch.int8)
     s = torch.rand(N, K // 32) * 0.02 + 0.001
-    s = s.half() if half else s
-    rows, panels = _layer(N, K, 32, s, codes), _layer(N, K, 32, s, codes)
+    z = -8.5 * s * (1 + 0.1 * torch.rand(N, K // 32)) if with_zeros else None
+    s, z = (s.half(), None if z is None else z.half()) if half else (s, z)
+    rows, panels = _layer(N, K, 32, s, codes, zeros=z), _layer(N, K, 32, s, codes, zeros=z)
     assert panels.store_panels()
+    assert torch.equal(panels.dequantized().clone(), rows.dequantized().clone())
     before, lanes = LIB.a8_panel_rows(1), LIB.a8_lanes_rows(-1)
     try:
         for M in (1, 3, 5, 8, 17):  # the lanes body against the panel GEMM on rows
@@ -118,14 +127,14 @@ def test_the_stored_layout_reads_back_to_the_same_weight():
 
 
 def test_layers_the_panels_do_not_take_keep_their_rows():
-    """Zero offsets, int8 codes, N not a multiple of 16, or a CPU without the panel bodies: store_panels declines."""
+    """int8 codes, zeros in another dtype than the scales, N not a multiple of 16: store_panels declines."""
     torch.manual_seed(2)
     cases = [(QuantScheme(8, 32), 32), (QuantScheme(4, 32, zero_point=True), 32), (QuantScheme(4, 32), 24)]
     for scheme, N in cases:
         q = QuantizedLinear(64, N, scheme)
         q.weight_scale = torch.ones(N, 2)
         if scheme.zero_point:
-            q.weight_zero = torch.zeros(N, 2)
+            q.weight_zero = torch.zeros(N, 2, dtype=torch.float16)
         layer = QmmLinear(q, torch.float32, a8=LIB.a8())
         assert not layer.store_panels() and layer.layout == 0, (scheme, N)
 
@@ -159,7 +168,7 @@ def test_the_engine_stores_its_layers_as_panels_and_its_tokens_do_not_move(tmp_p
             if panels == "1":
                 layers = runner.model.config.num_hidden_layers
                 assert runner.panel_linears == 4 * layers  # qkv, o, gate_up, down (fused)
-                assert "stored as 16-row panels" in runner.linear_backend
+                assert "linears stored as 16-row panels" in runner.linear_backend
                 assert getattr(runner.model.lm_head, "layout", 0) == 0
             else:
                 assert runner.panel_linears == 0

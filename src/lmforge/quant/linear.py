@@ -325,24 +325,28 @@ class QmmLinear(nn.Module):
         interleave, where the A8 panel bodies run every call of this layer (an AVX-512 VNNI CPU). A decode step's few
         rows then take `a8_lanes_avx512vnni` (qmm_a8_panel.c) and prefill skips the panel's per-call transpose.
         Same bytes, moved; `dequantized` reads them back. False (nothing changed) where it does not apply."""
-        if not (self.a8_panel and self.bits == 4 and self.zero is None and self.scale_super is None
-                and self.scale.dtype in (torch.float32, torch.float16) and self.N % self.PANEL == 0
+        if not (self.a8_panel and self.bits == 4 and self.scale_super is None
+                and self.scale.dtype in (torch.float32, torch.float16)
+                and (self.zero is None or self.zero.dtype == self.scale.dtype) and self.N % self.PANEL == 0
                 and self.gs % 32 == 0 and self.layout == 0 and self.codes.device.type == "cpu"):
             return False
         P, G = self.PANEL, self.K // self.gs
         self.codes = self.codes.view(self.N // P, P, self.K // 8, 4).transpose(1, 2).contiguous().view(self.N, -1)
         self.scale = self.scale.view(self.N // P, P, G).transpose(1, 2).contiguous().view(self.N, G)
+        if self.zero is not None:
+            self.zero = self.zero.view(self.N // P, P, G).transpose(1, 2).contiguous().view(self.N, G)
         self.layout = P
         self._describe(1 if self.scale.dtype == torch.float16 else 0, 1)
         return True
 
-    def _row_major(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codes, scale) a weight row after another, whatever the stored layout."""
+    def _row_major(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(codes, scale, zero) a weight row after another, whatever the stored layout."""
         if self.layout == 0:
-            return self.codes, self.scale
+            return self.codes, self.scale, self.zero
         P, G = self.PANEL, self.K // self.gs
         codes = self.codes.view(self.N // P, self.K // 8, P, 4).transpose(1, 2).reshape(self.N, -1)
-        return codes, self.scale.view(self.N // P, G, P).transpose(1, 2).reshape(self.N, G)
+        rows = lambda t: None if t is None else t.view(self.N // P, G, P).transpose(1, 2).reshape(self.N, G)  # noqa: E731
+        return codes, rows(self.scale), rows(self.zero)
 
     @property
     def desc_ptr(self) -> int | None:
@@ -355,7 +359,8 @@ class QmmLinear(nn.Module):
             if t is None:
                 return None
             return t.float() if sup is None else sup.float().repeat_interleave(t.shape[1] // sup.shape[1], 1) * t
-        return widen(self._row_major()[1], self.scale_super), widen(self.zero, self.zero_super)
+        _, scale, zero = self._row_major()
+        return widen(scale, self.scale_super), widen(zero, self.zero_super)
 
     @classmethod
     def _dense(cls, linear: nn.Linear, qmm, dtype: torch.dtype, bits: int) -> "QmmLinear":
@@ -602,12 +607,18 @@ def select_backend(model: nn.Module, device: torch.device, reference: bool = Fal
 
 
 def store_layer_panels(model: nn.Module) -> int:
-    """`QmmLinear.store_panels` for every linear of the decoder layers (`model.model.layers`); how many took it.
-    Not the LM head, whose codes a tied embedding shares. `LMFORGE_A8_PANELS=0`: none (the rows layout, to compare)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    """`QmmLinear.store_panels` for every linear of the decoder layers (`model.model.layers`) and the LM head; how
+    many took it. Not the LM head whose codes the input embedding shares (a `QuantizedEmbedding` over it: moving
+    them would keep two copies). `LMFORGE_A8_PANELS=0`: none (the rows layout, to compare)."""
+    backbone = getattr(model, "model", None)
+    layers = getattr(backbone, "layers", None)
     if layers is None or os.environ.get("LMFORGE_A8_PANELS", "1") == "0":
         return 0
-    return sum(m.store_panels() for m in layers.modules() if isinstance(m, QmmLinear))
+    mods = [m for m in layers.modules() if isinstance(m, QmmLinear)]
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, QmmLinear) and not isinstance(getattr(backbone, "embed_tokens", None), QuantizedEmbedding):
+        mods.append(head)
+    return sum(m.store_panels() for m in mods)
 
 
 def swap_backend(model: nn.Module, backend, dtype: torch.dtype) -> int:
