@@ -18,7 +18,7 @@ in one process, so that the machine's drift between sittings cancels out. Best o
 
     python scripts/kernels_ab.py attention --old-rev 1455d4a --contexts 200,700,1400 [--kv bfloat16] [--seqs 16]
     python scripts/kernels_ab.py matmuls --old-rev efd2024 --rows 1,4,16 [--weights bf16]
-    python scripts/kernels_ab.py panels --rows 1,2,4,8,16,32,64 [--scales float32]
+    python scripts/kernels_ab.py panels --rows 1,2,4,8,16,32,64 [--scales float32] [--zeros] [--shapes smollm2]
     python scripts/kernels_ab.py stack runs/vs-llamacpp/random-llama-300m/model-q4_0.gguf
     python scripts/kernels_ab.py bits --old-rev HEAD~1 [--flags=-DLMF_PORTABLE]
 
@@ -179,7 +179,11 @@ def _matmul(lib: kernels.CpuKernels, kind: str, threads: int):
 
 @app.command()
 def panels(rows: str = "1,2,4,8,16,32,64", repeats: int = 12, threads: int = 2,
-           scales: str = typer.Option("float16", help="The stored scales: float16 (a GGUF Q4_0's) or float32.")) -> None:
+           scales: str = typer.Option("float16", help="The stored scales: float16 (a GGUF Q4_0's) or float32."),
+           zeros: bool = typer.Option(False, help="Zero offsets too (a GGUF Q4_1's form: nibbles, scale and minimum)."),
+           shapes: str = typer.Option("300m", help="300m (24 layers of the random 300M) or smollm2 (SmolLM2-135M's "
+                                                   "30 layers: hidden 576, 9 / 3 heads of 64, intermediate 1,536)."))\
+        -> None:
     """A decode step's 96 int4 g32 matmuls in this checkout, the weights stored as rows against as 16-row panels
     (`QmmLinear.store_panels`; rows: the row bodies, from 6 rows the panel GEMM; panels: the lanes body, from 64
     rows the panel GEMM), and on panels the lanes body against the panel GEMM at every row count."""
@@ -190,21 +194,28 @@ def panels(rows: str = "1,2,4,8,16,32,64", repeats: int = 12, threads: int = 2,
         raise typer.BadParameter("stored panels need the A8 panel bodies: an AVX-512 VNNI CPU")
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
+    if shapes not in ("300m", "smollm2"):
+        raise typer.BadParameter("--shapes: 300m or smollm2")
+    n_layers, linears = (LAYERS, LINEARS) if shapes == "300m" else (30, [(960, 576), (576, 576), (3072, 576), (576, 1536)])
     layers: dict[str, list[QmmLinear]] = {"rows": [], "panels": []}
-    for _ in range(LAYERS):
-        for n, k in LINEARS:
-            q = QuantizedLinear(k, n, QuantScheme(4, 32))
-            q.qweight.copy_(torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen))
+    for _ in range(n_layers):
+        for n, k in linears:
+            q = QuantizedLinear(k, n, QuantScheme(4, 32, zero_point=zeros))
+            lo, hi = (0, 16) if zeros else (-8, 8)
+            q.qweight.copy_(torch.randint(lo, hi, (n, k), dtype=torch.int8, generator=gen))
             q.weight_scale = (torch.rand(n, k // 32, generator=gen) * 0.02 + 0.001).to(getattr(torch, scales))
+            if zeros:
+                q.weight_zero = -8 * q.weight_scale
             for name in layers:
                 m = QmmLinear(q, torch.float32, a8=lib.a8())
                 m.threads = threads
                 assert name == "rows" or m.store_panels()
                 layers[name].append(m)
-    nbytes = sum(m.codes.numel() + m.scale.numel() * m.scale.element_size() for m in layers["rows"])
+    nbytes = sum(m.codes.numel() + m.scale.numel() * m.scale.element_size() * (2 if zeros else 1)
+                 for m in layers["rows"])
     panel_rows, lanes_rows = lib.a8_panel_rows(-1), lib.a8_lanes_rows(-1)
     for M in (int(r) for r in rows.split(",")):
-        x = {k: torch.randn(M, k, generator=gen) for _, k in LINEARS}
+        x = {k: torch.randn(M, k, generator=gen) for _, k in linears}
         outs = {name: [torch.empty(M, m.N) for m in layers["rows"]] for name in ("rows", "panels", "panel GEMM")}
 
         def run(name: str) -> None:
