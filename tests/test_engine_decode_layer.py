@@ -81,14 +81,18 @@ def test_c_layer_step_is_the_module_path_bit_for_bit(models, name, qa, kv, monke
     assert runner.decode_layers == 3, runner.decode_layers_why
     layers = runner.model.model.layers
     assert all(m.stack is not None and m.index == i for i, m in enumerate(layers))  # one C call a step
-    calls = []
+    calls, later = [], []
     _count_rows(runner, calls)  # count the C calls (a prefill step must not make any)
+    real = type(layers[1]).forward  # the later layers: called on prefill steps only (the backbone skips them)
+    layers[1].forward = lambda *a, **k: later.append(1) or real(layers[1], *a, **k)
     fast = _run(llm, modules=False)
+    del layers[1].forward
     slow = _run(llm, modules=True)
     assert fast == slow
     # 11 decode steps after each prefill; the three sequences decode together: rows per call 1..3
     assert calls and max(calls) == 3 and set(calls) <= {1, 2, 3}
     decode_steps = len(calls)
+    assert 0 < len(later) < decode_steps  # prefill steps only
     for m in layers:  # a call a layer (LMFORGE_DECODE_STACK=0): the same bits, 3 calls a step
         m.stack = None
     calls.clear()
