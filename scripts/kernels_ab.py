@@ -18,7 +18,7 @@ in one process, so that the machine's drift between sittings cancels out. Best o
 
     python scripts/kernels_ab.py attention --old-rev 1455d4a --contexts 200,700,1400 [--kv bfloat16] [--seqs 16]
     python scripts/kernels_ab.py matmuls --old-rev efd2024 --rows 1,4,16 [--weights bf16]
-    python scripts/kernels_ab.py panels --rows 1,2,4,8,16,32,64 [--scales float32] [--zeros] [--shapes smollm2]
+    python scripts/kernels_ab.py panels --rows 1,2,4,8,16,32,64 [--scales float32] [--zeros] [--bits 8] [--shapes smollm2|big]
     python scripts/kernels_ab.py stack runs/vs-llamacpp/random-llama-300m/model-q4_0.gguf
     python scripts/kernels_ab.py bits --old-rev HEAD~1 [--flags=-DLMF_PORTABLE]
 
@@ -181,10 +181,13 @@ def _matmul(lib: kernels.CpuKernels, kind: str, threads: int):
 def panels(rows: str = "1,2,4,8,16,32,64", repeats: int = 12, threads: int = 2,
            scales: str = typer.Option("float16", help="The stored scales: float16 (a GGUF Q4_0's) or float32."),
            zeros: bool = typer.Option(False, help="Zero offsets too (a GGUF Q4_1's form: nibbles, scale and minimum)."),
-           shapes: str = typer.Option("300m", help="300m (24 layers of the random 300M) or smollm2 (SmolLM2-135M's "
-                                                   "30 layers: hidden 576, 9 / 3 heads of 64, intermediate 1,536)."))\
+           bits: int = typer.Option(4, help="4 (int4 codes) or 8 (int8 codes in groups of 32, a GGUF Q8_0's form)."),
+           shapes: str = typer.Option("300m", help="300m (24 layers of the random 300M), smollm2 (SmolLM2-135M's "
+                                                   "30 layers: hidden 576, 9 / 3 heads of 64, intermediate 1,536) or "
+                                                   "big (six 16,384 x 4,096 weights: the bodies without the calls' "
+                                                   "fixed costs)."))\
         -> None:
-    """A decode step's 96 int4 g32 matmuls in this checkout, the weights stored as rows against as 16-row panels
+    """A decode step's 96 int4 (or int8) g32 matmuls in this checkout, the weights stored as rows against as 16-row panels
     (`QmmLinear.store_panels`; rows: the row bodies, from 6 rows the panel GEMM; panels: the lanes body, from 64
     rows the panel GEMM), and on panels the lanes body against the panel GEMM at every row count."""
     from lmforge.quant import QuantScheme
@@ -194,14 +197,18 @@ def panels(rows: str = "1,2,4,8,16,32,64", repeats: int = 12, threads: int = 2,
         raise typer.BadParameter("stored panels need the A8 panel bodies: an AVX-512 VNNI CPU")
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
-    if shapes not in ("300m", "smollm2"):
-        raise typer.BadParameter("--shapes: 300m or smollm2")
-    n_layers, linears = (LAYERS, LINEARS) if shapes == "300m" else (30, [(960, 576), (576, 576), (3072, 576), (576, 1536)])
+    forms = {"300m": (LAYERS, LINEARS), "smollm2": (30, [(960, 576), (576, 576), (3072, 576), (576, 1536)]),
+             "big": (6, [(16384, 4096)])}
+    if shapes not in forms:
+        raise typer.BadParameter("--shapes: 300m, smollm2 or big")
+    n_layers, linears = forms[shapes]
+    if bits not in (4, 8) or (bits == 8 and zeros):
+        raise typer.BadParameter("--bits: 4, or 8 without --zeros")
     layers: dict[str, list[QmmLinear]] = {"rows": [], "panels": []}
     for _ in range(n_layers):
         for n, k in linears:
-            q = QuantizedLinear(k, n, QuantScheme(4, 32, zero_point=zeros))
-            lo, hi = (0, 16) if zeros else (-8, 8)
+            q = QuantizedLinear(k, n, QuantScheme(bits, 32, zero_point=zeros))
+            lo, hi = (0, 16) if zeros else (-8, 8) if bits == 4 else (-128, 128)
             q.qweight.copy_(torch.randint(lo, hi, (n, k), dtype=torch.int8, generator=gen))
             q.weight_scale = (torch.rand(n, k // 32, generator=gen) * 0.02 + 0.001).to(getattr(torch, scales))
             if zeros:
@@ -223,10 +230,12 @@ def panels(rows: str = "1,2,4,8,16,32,64", repeats: int = 12, threads: int = 2,
             if name == "panel GEMM":
                 lib.a8_panel_rows(1)
                 lib.a8_lanes_rows(0)
+            elif name == "panels" and bits == 8:  # the lanes body at every row count (the engine: below 6 rows)
+                lib.a8_panel_rows(0)
             try:
                 for m, out in zip(ms, outs[name]):
                     rc = m.a8(x[m.K].data_ptr(), 1, m.codes.data_ptr(), m.scale.data_ptr(), out.data_ptr(), M, m.N,
-                              m.K, 4, 32, threads, m.desc_ptr)
+                              m.K, bits, 32, threads, m.desc_ptr)
                     assert rc == 0, rc
             finally:
                 lib.a8_panel_rows(panel_rows)

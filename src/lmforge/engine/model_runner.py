@@ -238,7 +238,7 @@ class ModelRunner:
         self.quantized_linears = swap_backend(model, backend, dtype) if backend is not None else 0
         self.panel_linears = store_layer_panels(model) if self.quantized_linears else 0
         if self.panel_linears:
-            self.linear_backend += f"; {self.panel_linears} int4 linears stored as 16-row panels"
+            self.linear_backend += f"; {self.panel_linears} int4/int8 linears stored as 16-row panels"
         c_gemm = gemm_on(lib)
         bf16_units = kernels.cpu_has_bf16()
         # many rows of bf16 weights on the CPU's bf16 units: lmforge's bf16 panel GEMM (AVX512-BF16) from its

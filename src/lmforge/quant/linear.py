@@ -320,18 +320,23 @@ class QmmLinear(nn.Module):
 
     PANEL = 16  # weight rows a stored panel (common.h's LMF_PANELS16)
 
-    def store_panels(self) -> bool:
-        """Keep symmetric int4 codes and their scales as 16-row panels (common.h's LMF_PANELS16), the A8 panel's own
-        interleave, where the A8 panel bodies run every call of this layer (an AVX-512 VNNI CPU). A decode step's few
-        rows then take `a8_lanes_avx512vnni` (qmm_a8_panel.c) and prefill skips the panel's per-call transpose.
-        Same bytes, moved; `dequantized` reads them back. False (nothing changed) where it does not apply."""
-        if not (self.a8_panel and self.bits == 4 and self.scale_super is None
+    def store_panels(self, int8: bool = False) -> bool:
+        """Keep int4 codes (zero offsets or none) or int8 codes (none) and their scales as 16-row panels (common.h's
+        LMF_PANELS16), the A8 panel's own interleave, where the A8 panel bodies run every call of this layer (an AVX-512
+        VNNI CPU). A decode step's few rows then take `a8_lanes_avx512vnni` (qmm_a8_panel.c) and prefill skips the
+        panel's per-call transpose.
+        Same bytes, moved; `dequantized` reads them back. False (nothing changed) where it does not apply. int8 codes
+        only with `int8`: through `LLM.generate` a Q8_0 file's one-sequence decode lost ~5% on them (78-82 against
+        83-85 tok/s, the random 300M, alternating `LMFORGE_A8_PANELS=all` and `0`) and its batch cell did not move."""
+        if not (self.a8_panel and self.bits in ((4, 8) if int8 else (4,)) and self.scale_super is None
                 and self.scale.dtype in (torch.float32, torch.float16)
-                and (self.zero is None or self.zero.dtype == self.scale.dtype) and self.N % self.PANEL == 0
-                and self.gs % 32 == 0 and self.layout == 0 and self.codes.device.type == "cpu"):
+                and (self.zero is None or (self.bits == 4 and self.zero.dtype == self.scale.dtype))
+                and self.N % self.PANEL == 0 and self.gs % 32 == 0 and self.layout == 0
+                and self.codes.device.type == "cpu"):
             return False
         P, G = self.PANEL, self.K // self.gs
-        self.codes = self.codes.view(self.N // P, P, self.K // 8, 4).transpose(1, 2).contiguous().view(self.N, -1)
+        words = self.codes.shape[1] * self.codes.element_size() // 4  # 4-byte words a row: K / 8 (int4), K / 4 (int8)
+        self.codes = self.codes.view(self.N // P, P, words, -1).transpose(1, 2).contiguous().view(self.N, -1)
         self.scale = self.scale.view(self.N // P, P, G).transpose(1, 2).contiguous().view(self.N, G)
         if self.zero is not None:
             self.zero = self.zero.view(self.N // P, P, G).transpose(1, 2).contiguous().view(self.N, G)
@@ -344,7 +349,8 @@ class QmmLinear(nn.Module):
         if self.layout == 0:
             return self.codes, self.scale, self.zero
         P, G = self.PANEL, self.K // self.gs
-        codes = self.codes.view(self.N // P, self.K // 8, P, 4).transpose(1, 2).reshape(self.N, -1)
+        words = self.codes.shape[1] * self.codes.element_size() // 4
+        codes = self.codes.view(self.N // P, words, P, -1).transpose(1, 2).reshape(self.N, -1)
         rows = lambda t: None if t is None else t.view(self.N // P, G, P).transpose(1, 2).reshape(self.N, G)  # noqa: E731
         return codes, rows(self.scale), rows(self.zero)
 
@@ -609,16 +615,20 @@ def select_backend(model: nn.Module, device: torch.device, reference: bool = Fal
 def store_layer_panels(model: nn.Module) -> int:
     """`QmmLinear.store_panels` for every linear of the decoder layers (`model.model.layers`) and the LM head; how
     many took it. Not the LM head whose codes the input embedding shares (a `QuantizedEmbedding` over it: moving
-    them would keep two copies). `LMFORGE_A8_PANELS=0`: none (the rows layout, to compare)."""
+    them would keep two copies). `LMFORGE_A8_PANELS`: 1 (default) int4 codes, `all` int8 codes too, 0 none (the
+    rows layout, to compare)."""
     backbone = getattr(model, "model", None)
     layers = getattr(backbone, "layers", None)
-    if layers is None or os.environ.get("LMFORGE_A8_PANELS", "1") == "0":
+    which = os.environ.get("LMFORGE_A8_PANELS", "1").strip().lower()
+    if which not in ("0", "1", "all"):
+        raise ValueError(f"LMFORGE_A8_PANELS={which!r}: 1 (int4 weights), all (int4 and int8) or 0 (none)")
+    if layers is None or which == "0":
         return 0
     mods = [m for m in layers.modules() if isinstance(m, QmmLinear)]
     head = getattr(model, "lm_head", None)
     if isinstance(head, QmmLinear) and not isinstance(getattr(backbone, "embed_tokens", None), QuantizedEmbedding):
         mods.append(head)
-    return sum(m.store_panels() for m in mods)
+    return sum(m.store_panels(int8=which == "all") for m in mods)
 
 
 def swap_backend(model: nn.Module, backend, dtype: torch.dtype) -> int:

@@ -264,8 +264,7 @@ def _bind(path: Path) -> CpuKernels:
           "qmm_s8": ("lmf_qmm_s8", [P, P, P, P, P, I64, I64, I64, I64, I64, I64, I64, P]),
           "quantize_s8": ("lmf_quantize_s8", [P, I64, I64, I64, I64, I64, P, P]),
           "a8_isa_supported": ("lmf_a8_isa_supported", [I64]),
-          "a8_panel_rows": ("lmf_a8_panel_rows", [I64]),
-          "a8_lanes_rows": ("lmf_a8_lanes_rows", [I64]),
+          "a8_panel_rows": ("lmf_a8_panel_rows", [I64]), "a8_lanes_rows": ("lmf_a8_lanes_rows", [I64]),
           "bf16_panel_rows": ("lmf_bf16_panel_rows", [I64]),
           "gemm_bf16": ("lmf_gemm_bf16", [P, P, P, P, I64, I64, I64, I64]),
           "gemm_f32": ("lmf_gemm_f32", [P, P, P, P, I64, I64, I64, I64, I64, I64, P]),
@@ -279,7 +278,7 @@ def _bind(path: Path) -> CpuKernels:
         fn = getattr(lib, name, None)
         if fn is None:  # an older revision's build (the A/B scripts)
             continue
-        fn.restype, fn.argtypes = (ctypes.c_int64 if field.endswith(("panel_rows", "lanes_rows")) else ctypes.c_int), argtypes
+        fn.restype, fn.argtypes = (ctypes.c_int64 if field.endswith("_rows") else ctypes.c_int), argtypes  # thresholds
         fns[field] = fn
     _panel_thresholds_from_env(fns)
     one = (ctypes.c_float * 1)(1.0)

@@ -151,7 +151,8 @@ static inline int lohi_code(const uint8_t *row, int64_t bits, int64_t K, int64_t
  * offsets in the kernels' terms (an int4 code is read as nibble - 8, so + 8 * scale). */
 enum { LMF_SCALES_F32 = 0, LMF_SCALES_F16 = 1, LMF_SCALES_SUPER = 2 };
 /* `layout`: how the codes and scales lie. LMF_ROWS: a weight row after another (codes (N, row bytes), scales (N, G)).
- * LMF_PANELS16 (int4, float32 or float16 scales and zeros, N % 16 == 0, AVX-512 VNNI only; qmm_a8_panel.c): 16
+ * LMF_PANELS16 (int4 with or without zeros, int8 without; float32 or float16 scales; N % 16 == 0; AVX-512 VNNI only;
+ * qmm_a8_panel.c): 16
  * rows at a time side by side, the A8 panel's own interleave kept in memory instead of rebuilt every call:
  *     codes[p][w][i] = bytes 4w .. 4w + 3 of weight row 16p + i   (a 64-byte vector: one 4-byte word of 16 rows)
  *     scales[p][g][i] = scale of row 16p + i, group g              (16 contiguous: one vector a group; zeros alike)
@@ -450,8 +451,8 @@ static inline size_t a8_panel_scratch(int64_t K, int64_t G) {
     return (2 * per + (size_t)K + 2 * LMF_MAX_G * sizeof(float) + 63) / 64 * 64;
 }
 
-/* On weights stored as panels the lanes body takes calls below this many rows (`lmf_a8_lanes_rows` sets it), the panel
- * GEMM from it: the panel's
+/* On int4 weights stored as panels the lanes body takes calls below this many rows (`lmf_a8_lanes_rows` sets it), the
+ * panel GEMM from it (int8 ones: the panel's own threshold, `lmf_qmm_s8`): the panel's
  * per-call build (2 panels of bytes, 32 KB at K = 1,024: past Zen 4's L1) costs more than re-reading the
  * nibbles a pass of 4 rows. The 300M's 96 layer matmuls, Q4_0-like weights, 2 threads, Zen 4, panel / lanes time:
  * 1 row 1.68, 4 1.44, 8 1.37, 16 1.17, 32 1.13, 64 1.01, 128 1.00 (`python scripts/kernels_ab.py panels`). */

@@ -80,8 +80,12 @@ __attribute__((target(TP), always_inline)) static inline __m512 stored_zeros16(c
  * one, so a word of 16 rows is one load (no transpose), then its nibbles as panel_build's. */
 __attribute__((target(TP))) static void panel_build16(const a8_job *j, int64_t n0, int32_t *P, float *S, float *Z) {
     const int64_t K = j->K, G = j->G, p = n0 / PANEL;
-    const uint8_t *W = (const uint8_t *)j->w + p * (K / 2) * PANEL;
-    const __m512i low = _mm512_set1_epi8(0x0F), k78 = _mm512_set1_epi8(0x78);
+    const uint8_t *W = (const uint8_t *)j->w + p * (j->bits == 8 ? K : K / 2) * PANEL;
+    const __m512i low = _mm512_set1_epi8(0x0F), k78 = _mm512_set1_epi8(0x78), k80 = _mm512_set1_epi8((char)0x80);
+    if (j->bits == 8)  /* a word: 4 codes of 16 rows, as the panel holds them (+ 128) */
+        for (int64_t pw = 0; pw < K / 4; pw++)
+            _mm512_storeu_si512(P + pw * PANEL, _mm512_xor_si512(_mm512_loadu_si512(W + pw * 64), k80));
+    else
     for (int64_t pw = 0; pw < K / 8; pw++) {  /* word pw: codes 4 (pw % 4) .. of block pw / 4's two halves */
         const __m512i r = _mm512_loadu_si512(W + pw * 64);
         const int64_t at = (pw / 4) * 8 + pw % 4;
@@ -266,30 +270,36 @@ __attribute__((target(TP))) LMF_HIDDEN void a8_panel_avx512vnni(const a8_job *j)
  * the panel GEMM's terms in its order (group order per output): the same bits as `a8_panel_avx512vnni`. */
 __attribute__((target(TP), always_inline)) static inline void lanes_rows(
         const a8_job *j, int64_t p0, const int8_t *q, const float *xs, const int32_t *qsum, const float *qs, float *out,
-        const int NP, const int R) {
-    const int64_t K = j->K, G = j->G, gs = j->gs, A = j->A, ab = j->ab, words = gs / 8;
-    const __m512i lo4 = _mm512_set1_epi8(0x0F), hi4 = _mm512_set1_epi8((char)0xF0);
-    const int zeros = j->sc->z != NULL;  /* then j->qs: xs * sum(q) a group */
+        const int NP, const int R, const int B8) {
+    const int64_t K = j->K, G = j->G, gs = j->gs, A = j->A, ab = j->ab, words = B8 ? gs / 4 : gs / 8;
+    const __m512i lo4 = _mm512_set1_epi8(0x0F), hi4 = _mm512_set1_epi8((char)0xF0), k80 = _mm512_set1_epi8((char)0x80);
+    const int zeros = j->sc->z != NULL;  /* then j->qs: xs * sum(q) a group (int4 only) */
     const uint8_t *W[2];
     __m512 f[2][A8_MAX_R];
     for (int p = 0; p < NP; p++) {
-        W[p] = (const uint8_t *)j->w + (p0 + p) * (K / 2) * PANEL;
+        W[p] = (const uint8_t *)j->w + (p0 + p) * (B8 ? K : K / 2) * PANEL;
         for (int r = 0; r < R; r++) f[p][r] = _mm512_setzero_ps();
     }
     for (int64_t g = 0; g < G; g++) {
         __m512i lo[2][A8_MAX_R], hi[2][A8_MAX_R];
         for (int r = 0; r < R; r++) {
-            const __m512i c = _mm512_set1_epi32(-8 * qsum[r * G + g]);
+            const __m512i c = _mm512_set1_epi32((B8 ? -128 : -8) * qsum[r * G + g]);
             for (int p = 0; p < NP; p++) lo[p][r] = c, hi[p][r] = _mm512_setzero_si512();
         }
         const int8_t *qg = q + g * gs;
         for (int64_t w = 0; w < words; w++) {
-            const int64_t at = (w / 4) * 32 + 4 * (w % 4);  /* the word's 4 even k; its 4 odd k 16 further */
+            /* int4: the word's 4 even k, its 4 odd k 16 further; int8: its 4 k, words alternating between two chains */
+            const int64_t at = B8 ? 4 * w : (w / 4) * 32 + 4 * (w % 4);
             for (int p = 0; p < NP; p++) {
                 /* 512 bytes ahead. A throwaway A/B with the distance as a variable (the 300M's 96 matmuls, 2 threads,
                  * Zen 4), against none: 0.97x the time at 1 row (noise), 0.89x at 4, 0.96x at 16; 256-4,096 alike */
                 _mm_prefetch((const char *)(W[p] + (g * words + w) * 64 + 512), _MM_HINT_T0);
                 const __m512i v = _mm512_loadu_si512(W[p] + (g * words + w) * 64);
+                if (B8) {  /* code + 128, unsigned; the group's -128 * sum(q) takes it back */
+                    const __m512i u = _mm512_xor_si512(v, k80);
+                    for (int r = 0; r < R; r++) dpbusd_bcast(w % 2 ? &hi[p][r] : &lo[p][r], u, qg + r * K + at);
+                    continue;
+                }
                 const __m512i vl = _mm512_and_si512(v, lo4), vh = _mm512_and_si512(v, hi4);
                 for (int r = 0; r < R; r++) {
                     dpbusd_bcast(&lo[p][r], vl, qg + r * K + at);
@@ -301,7 +311,8 @@ __attribute__((target(TP), always_inline)) static inline void lanes_rows(
         for (int p = 0; p < NP; p++) {
             const __m512 sv = stored_scales16(j->sc, p0 + p, G, g);
             for (int r = 0; r < R; r++)
-                f[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo[p][r], _mm512_srai_epi32(hi[p][r], 4))),
+                f[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo[p][r], B8 ? hi[p][r]
+                                                                                            : _mm512_srai_epi32(hi[p][r], 4))),
                                           _mm512_mul_ps(sv, _mm512_set1_ps(xs[r * A + a])), f[p][r]);
             if (zeros) {  /* + (zero + 8 * scale) * xs * sum(q), the panel GEMM's term */
                 const __m512 zv = stored_zeros16(j->sc, p0 + p, G, g, sv);
@@ -312,6 +323,19 @@ __attribute__((target(TP), always_inline)) static inline void lanes_rows(
     for (int p = 0; p < NP; p++)
         for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * j->N + p * PANEL, f[p][r]);
 }
+
+#define LANES_CASES(B8) do {                                                                                  \
+        switch (NP * 8 + R) {                                                                                  \
+            case 17: lanes_rows(j, p0, q, xs, qsum, qs, out, 2, 1, B8); break;                                  \
+            case 18: lanes_rows(j, p0, q, xs, qsum, qs, out, 2, 2, B8); break;                                  \
+            case 19: lanes_rows(j, p0, q, xs, qsum, qs, out, 2, 3, B8); break;                                  \
+            case 20: lanes_rows(j, p0, q, xs, qsum, qs, out, 2, 4, B8); break;                                  \
+            case 9: lanes_rows(j, p0, q, xs, qsum, qs, out, 1, 1, B8); break;                                   \
+            case 10: lanes_rows(j, p0, q, xs, qsum, qs, out, 1, 2, B8); break;                                  \
+            case 11: lanes_rows(j, p0, q, xs, qsum, qs, out, 1, 3, B8); break;                                  \
+            default: lanes_rows(j, p0, q, xs, qsum, qs, out, 1, 4, B8); break;                                  \
+        }                                                                                                      \
+    } while (0)
 
 /* Weight rows [j->n0, j->n1) (whole panels), two panels side by side, for all j->M activation rows (signed q and
  * qsum), 4 at a time. */
@@ -327,16 +351,8 @@ __attribute__((target(TP))) LMF_HIDDEN void a8_lanes_avx512vnni(const a8_job *j)
             const float *qs = j->qs != NULL ? j->qs + m0 * G : NULL;
             float *out = j->out + m0 * j->N + n0;
             const int64_t p0 = n0 / PANEL;
-            switch (NP * 8 + R) {
-                case 17: lanes_rows(j, p0, q, xs, qsum, qs, out, 2, 1); break;
-                case 18: lanes_rows(j, p0, q, xs, qsum, qs, out, 2, 2); break;
-                case 19: lanes_rows(j, p0, q, xs, qsum, qs, out, 2, 3); break;
-                case 20: lanes_rows(j, p0, q, xs, qsum, qs, out, 2, 4); break;
-                case 9: lanes_rows(j, p0, q, xs, qsum, qs, out, 1, 1); break;
-                case 10: lanes_rows(j, p0, q, xs, qsum, qs, out, 1, 2); break;
-                case 11: lanes_rows(j, p0, q, xs, qsum, qs, out, 1, 3); break;
-                default: lanes_rows(j, p0, q, xs, qsum, qs, out, 1, 4); break;
-            }
+            if (j->bits == 8) LANES_CASES(1);
+            else LANES_CASES(0);
         }
     }
 }
