@@ -193,3 +193,28 @@ def test_int8_panels_are_opt_in_and_the_setting_is_checked(tmp_path, monkeypatch
     monkeypatch.setenv("LMFORGE_A8_PANELS", "yes")
     with pytest.raises(ValueError, match="1 \\(int4 weights\\), all"):
         store_layer_panels(torch.nn.Module())
+
+
+@needs_panels
+def test_two_level_scales_as_panels_give_the_panel_gemm_bits():
+    """A GGUF Q4_K's form (nibbles; int8 scales and minimums under a float16 a super-block of 8 groups): stored as
+    panels it reads back to the same weight and gives the rows layout's panel GEMM bits at every row count."""
+    torch.manual_seed(3)
+    N, K, per = 48, 512, 8
+    G = K // 32
+    q = QuantizedLinear(K, N, QuantScheme(4, 32, zero_point=True), scale_per=per)
+    q.qweight.copy_(torch.randint(0, 16, (N, K), dtype=torch.int8))
+    q.weight_scale.copy_(torch.randint(0, 64, (N, G), dtype=torch.int8))
+    q.weight_zero.copy_(-torch.randint(0, 64, (N, G), dtype=torch.int8))
+    q.weight_scale_super.copy_((torch.rand(N, G // per) * 0.01 + 0.001).half())
+    q.weight_zero_super.copy_((torch.rand(N, G // per) * 0.01).half())
+    rows, panels = QmmLinear(q, torch.float32, a8=LIB.a8()), QmmLinear(q, torch.float32, a8=LIB.a8())
+    assert panels.store_panels() and panels.desc[0] == 2 and panels.desc[1] == per
+    assert torch.equal(panels.dequantized().clone(), rows.dequantized().clone())
+    before = LIB.a8_panel_rows(1)
+    try:
+        for M in (1, 4, 5, 9, 70):
+            x = torch.randn(M, K)
+            assert torch.equal(panels(x), rows(x)), M
+    finally:
+        LIB.a8_panel_rows(before)

@@ -298,8 +298,8 @@ class QmmLinear(nn.Module):
     def _take_scales(self, q: QuantizedLinear) -> None:
         """The scales (and zeros) in the form the layer stores them, which the kernels read as they are (common.h's
         `lmf_scales`): float32; float16 (a GGUF file's block scales and minimums); int8 under a float16 a super-block
-        (the K-quants'). `desc` (six int64: form, groups a super-block, four addresses) is None for float32 scales
-        without zeros: the kernels' plain float32 argument, as before these forms."""
+        (the K-quants'). `desc` (seven int64: form, groups a super-block, four addresses, the layout) is None for
+        float32 scales without zeros in rows: the kernels' plain float32 argument, as before these forms."""
         per, s, z = q.scale_per, q.weight_scale, getattr(q, "weight_zero", None)
         if per is None and s.dtype not in (torch.float32, torch.float16):  # bf16 scales: widened once (exact)
             s, z = s.float(), None if z is None else z.float()
@@ -321,38 +321,42 @@ class QmmLinear(nn.Module):
     PANEL = 16  # weight rows a stored panel (common.h's LMF_PANELS16)
 
     def store_panels(self, int8: bool = False) -> bool:
-        """Keep int4 codes (zero offsets or none) or int8 codes (none) and their scales as 16-row panels (common.h's
-        LMF_PANELS16), the A8 panel's own interleave, where the A8 panel bodies run every call of this layer (an AVX-512
-        VNNI CPU). A decode step's few rows then take `a8_lanes_avx512vnni` (qmm_a8_panel.c) and prefill skips the
-        panel's per-call transpose.
+        """Keep int4 codes (zero offsets or none; float32, float16 or two-level scales: Q4_0, Q4_1, Q4_K, w4a16) or int8
+        codes (none; one-level scales) and their scales as 16-row panels (common.h's LMF_PANELS16), the A8 panel's own
+        interleave, where the A8 panel bodies run every call of this layer (an AVX-512 VNNI CPU). A decode step's few
+        rows then take `a8_lanes_avx512vnni` (qmm_a8_panel.c) and prefill skips the panel's per-call transpose.
         Same bytes, moved; `dequantized` reads them back. False (nothing changed) where it does not apply. int8 codes
         only with `int8`: through `LLM.generate` a Q8_0 file's one-sequence decode lost ~5% on them (78-82 against
         83-85 tok/s, the random 300M, alternating `LMFORGE_A8_PANELS=all` and `0`) and its batch cell did not move."""
-        if not (self.a8_panel and self.bits in ((4, 8) if int8 else (4,)) and self.scale_super is None
-                and self.scale.dtype in (torch.float32, torch.float16)
+        two_level = self.scale_super is not None  # the K-quants' int8 scales under a float16 a super-block (int4 only)
+        if not (self.a8_panel and self.bits in ((4, 8) if int8 else (4,)) and (not two_level or self.bits == 4)
+                and self.scale.dtype in ((torch.int8,) if two_level else (torch.float32, torch.float16))
                 and (self.zero is None or (self.bits == 4 and self.zero.dtype == self.scale.dtype))
                 and self.N % self.PANEL == 0 and self.gs % 32 == 0 and self.layout == 0
                 and self.codes.device.type == "cpu"):
             return False
-        P, G = self.PANEL, self.K // self.gs
+        P = self.PANEL
         words = self.codes.shape[1] * self.codes.element_size() // 4  # 4-byte words a row: K / 8 (int4), K / 4 (int8)
         self.codes = self.codes.view(self.N // P, P, words, -1).transpose(1, 2).contiguous().view(self.N, -1)
-        self.scale = self.scale.view(self.N // P, P, G).transpose(1, 2).contiguous().view(self.N, G)
-        if self.zero is not None:
-            self.zero = self.zero.view(self.N // P, P, G).transpose(1, 2).contiguous().view(self.N, G)
+        panels = lambda t: t.view(self.N // P, P, -1).transpose(1, 2).contiguous().view(self.N, -1)  # noqa: E731
+        for name in ("scale", "scale_super", "zero", "zero_super"):
+            if getattr(self, name) is not None:
+                setattr(self, name, panels(getattr(self, name)))
         self.layout = P
-        self._describe(1 if self.scale.dtype == torch.float16 else 0, 1)
+        form = 2 if two_level else 1 if self.scale.dtype == torch.float16 else 0
+        self._describe(form, self.scale.shape[1] // self.scale_super.shape[1] if two_level else 1)
         return True
 
-    def _row_major(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(codes, scale, zero) a weight row after another, whatever the stored layout."""
+    def _row_major(self) -> tuple[torch.Tensor, ...]:
+        """(codes, scale, zero, scale_super, zero_super) a weight row after another, whatever the stored layout."""
+        parts = (self.scale, self.zero, self.scale_super, self.zero_super)
         if self.layout == 0:
-            return self.codes, self.scale, self.zero
-        P, G = self.PANEL, self.K // self.gs
+            return (self.codes, *parts)
+        P = self.PANEL
         words = self.codes.shape[1] * self.codes.element_size() // 4
         codes = self.codes.view(self.N // P, words, P, -1).transpose(1, 2).reshape(self.N, -1)
-        rows = lambda t: None if t is None else t.view(self.N // P, G, P).transpose(1, 2).reshape(self.N, G)  # noqa: E731
-        return codes, rows(self.scale), rows(self.zero)
+        rows = lambda t: None if t is None else t.view(self.N // P, -1, P).transpose(1, 2).reshape(self.N, -1)  # noqa: E731
+        return (codes, *(rows(t) for t in parts))
 
     @property
     def desc_ptr(self) -> int | None:
@@ -365,8 +369,8 @@ class QmmLinear(nn.Module):
             if t is None:
                 return None
             return t.float() if sup is None else sup.float().repeat_interleave(t.shape[1] // sup.shape[1], 1) * t
-        _, scale, zero = self._row_major()
-        return widen(scale, self.scale_super), widen(zero, self.zero_super)
+        _, scale, zero, scale_super, zero_super = self._row_major()
+        return widen(scale, scale_super), widen(zero, zero_super)
 
     @classmethod
     def _dense(cls, linear: nn.Linear, qmm, dtype: torch.dtype, bits: int) -> "QmmLinear":

@@ -151,11 +151,12 @@ static inline int lohi_code(const uint8_t *row, int64_t bits, int64_t K, int64_t
  * offsets in the kernels' terms (an int4 code is read as nibble - 8, so + 8 * scale). */
 enum { LMF_SCALES_F32 = 0, LMF_SCALES_F16 = 1, LMF_SCALES_SUPER = 2 };
 /* `layout`: how the codes and scales lie. LMF_ROWS: a weight row after another (codes (N, row bytes), scales (N, G)).
- * LMF_PANELS16 (int4 with or without zeros, int8 without; float32 or float16 scales; N % 16 == 0; AVX-512 VNNI only;
- * qmm_a8_panel.c): 16
+ * LMF_PANELS16 (int4 with or without zeros, int8 without; float32, float16 or two-level scales, the two-level ones
+ * int4 only; N % 16 == 0; AVX-512 VNNI only; qmm_a8_panel.c): 16
  * rows at a time side by side, the A8 panel's own interleave kept in memory instead of rebuilt every call:
  *     codes[p][w][i] = bytes 4w .. 4w + 3 of weight row 16p + i   (a 64-byte vector: one 4-byte word of 16 rows)
- *     scales[p][g][i] = scale of row 16p + i, group g              (16 contiguous: one vector a group; zeros alike)
+ *     scales[p][g][i] = scale of row 16p + i, group g              (16 contiguous: one vector a group; zeros alike,
+ *                                                                    and a two-level form's super-blocks [p][g / per][i])
  * Only the A8 panel bodies read it (`lmf_qmm_s8` refuses it elsewhere). */
 enum { LMF_ROWS = 0, LMF_PANELS16 = 16 };
 typedef struct { int64_t fmt, per; const void *s, *sd, *z, *zd; int64_t layout; } lmf_scales;

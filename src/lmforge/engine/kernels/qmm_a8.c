@@ -269,7 +269,7 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
     /* int4 weights stored as panels (LMF_PANELS16): only the panel bodies read them, on an AVX-512 VNNI CPU */
     const int panels16 = sc != NULL && sc->layout == LMF_PANELS16;
     if (sc != NULL && sc->layout != LMF_ROWS && !panels16) return -1;
-    if (panels16 && ((bits != 4 && bits != 8) || (bits == 8 && zero != NULL) || sc->fmt == LMF_SCALES_SUPER ||
+    if (panels16 && ((bits != 4 && bits != 8) || (bits == 8 && (zero != NULL || sc->fmt == LMF_SCALES_SUPER)) ||
                      N % A8_PANEL || gs % 32))
         return -1;
     if (panels16 && (lmf_dispatch.a8_panel == NULL || (isa != A8_AVX512_VNNI && isa != A8_AVX512_VNNI_256))) return -2;

@@ -59,21 +59,31 @@ static void panel_row_codes(const a8_job *j, int64_t n, int8_t *out) {
  * half, its high nibbles the same 4 of the second half: the activations' nibble order); 5- and 6-bit rows
  * code by code. */
 /* A panel's 16 scales of group g, from the stored panels' float16 or float32 scales (LMF_PANELS16), as float32. */
+__attribute__((target(TP), always_inline)) static inline __m512 stored16(const lmf_scales *sc, const void *v,
+                                                                         const void *vd, int64_t p, int64_t G, int64_t g) {
+    if (sc->fmt == LMF_SCALES_F16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + (p * G + g) * PANEL)));
+    if (sc->fmt == LMF_SCALES_SUPER) {  /* int8 a group times its super-block's float16 (stored as panels too): fl(d * q),
+                                         * as `expand_groups` makes it for the rows layout */
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const __m128i *)((const int8_t *)v + (p * G + g) * PANEL))));
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(
+            (const __m256i *)((const uint16_t *)vd + (p * (G / sc->per) + g / sc->per) * PANEL)));
+        return _mm512_mul_ps(d, q);
+    }
+    return _mm512_loadu_ps((const float *)v + (p * G + g) * PANEL);
+}
+
 __attribute__((target(TP), always_inline)) static inline __m512 stored_scales16(const lmf_scales *sc, int64_t p,
                                                                                 int64_t G, int64_t g) {
-    if (sc->fmt == LMF_SCALES_F16)
-        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)sc->s + (p * G + g) * PANEL)));
-    return _mm512_loadu_ps((const float *)sc->s + (p * G + g) * PANEL);
+    return stored16(sc, sc->s, sc->sd, p, G, g);
 }
 
 /* Their zero offsets in the kernels' terms (a code read as nibble - 8: zero + 8 * scale, as `row_scales` makes them),
  * from the stored panels' zeros and the group's scales sv. */
 __attribute__((target(TP), always_inline)) static inline __m512 stored_zeros16(const lmf_scales *sc, int64_t p,
                                                                                int64_t G, int64_t g, __m512 sv) {
-    const __m512 z = sc->fmt == LMF_SCALES_F16
-        ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)sc->z + (p * G + g) * PANEL)))
-        : _mm512_loadu_ps((const float *)sc->z + (p * G + g) * PANEL);
-    return _mm512_fmadd_ps(_mm512_set1_ps(8.0f), sv, z);
+    return _mm512_fmadd_ps(_mm512_set1_ps(8.0f), sv, stored16(sc, sc->z, sc->zd, p, G, g));
 }
 
 /* The panel of rows [n0, n0 + 16) from int4 weights stored as panels (LMF_PANELS16): the interleave is the stored
