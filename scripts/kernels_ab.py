@@ -187,9 +187,10 @@ def panels(rows: str = "1,2,4,8,16,32,64", repeats: int = 12, threads: int = 2,
                                                    "big (six 16,384 x 4,096 weights: the bodies without the calls' "
                                                    "fixed costs)."))\
         -> None:
-    """A decode step's 96 int4 (or int8) g32 matmuls in this checkout, the weights stored as rows against as 16-row panels
-    (`QmmLinear.store_panels`; rows: the row bodies, from 6 rows the panel GEMM; panels: the lanes body, from 64
-    rows the panel GEMM), and on panels the lanes body against the panel GEMM at every row count."""
+    """A decode step's int4 (or int8) g32 matmuls in this checkout (the 300M's 96 by default), the weights stored as
+    rows against as 16-row panels (`QmmLinear.store_panels`; rows: the row bodies, from 6 rows the panel GEMM; panels:
+    the lanes body, int4 from 64 rows the panel GEMM, int8 the lanes body at every row count where the engine takes the
+    panel GEMM from 6), and on panels the lanes body against the panel GEMM at every row count."""
     from lmforge.quant import QuantScheme
     from lmforge.quant.linear import QmmLinear, QuantizedLinear
     lib = kernels.load()

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from a8_codes import nibble_order, pack4
 from lmforge.engine import LLM, SamplingParams, kernels
 from lmforge.engine.config import EngineConfig
 from lmforge.engine.model_runner import ModelRunner
@@ -29,19 +30,6 @@ CPU = torch.device("cpu")
 # gives 0.6-0.75% relative error on a whole output (measured, K = 256); 2% leaves room for other inputs,
 # not for a wrong kernel.
 A8_REL_TOL = 0.02
-
-
-def _pack4(c_NK: np.ndarray) -> np.ndarray:
-    """int4 codes (N, K) in [-8, 7] -> the kernels' packing (N, K/2): low nibble = even k, code + 8."""
-    u = (c_NK + 8).astype(np.uint8)
-    return np.ascontiguousarray(u[:, 0::2] | (u[:, 1::2] << 4))
-
-
-def _nibble_order(q_MK: np.ndarray) -> np.ndarray:
-    """Activations as the int4 body reads them: each block of 32 as its even k, then its odd k."""
-    M, K = q_MK.shape
-    b = q_MK.reshape(M, K // 32, 32)
-    return np.ascontiguousarray(np.concatenate([b[..., 0::2], b[..., 1::2]], -1).reshape(M, K))
 
 
 def _a8_block(bits: int, gs: int, K: int) -> int:
@@ -101,7 +89,7 @@ def test_integer_dot_products_are_exact(isa, bits, gs, K):
             w, G, q_in = c, 1, q
         else:
             c = rng.integers(-8, 8, (N, K), dtype=np.int8)
-            w, G, q_in = _pack4(c), K // gs, _nibble_order(q)
+            w, G, q_in = pack4(c), K // gs, nibble_order(q)
         with panel_from(panel):
             rc, out = _qmm_s8(isa, q_in, np.ones(M, np.float32), w, np.ones((N, G), np.float32), N, bits, gs)
         assert rc == 0
@@ -193,7 +181,7 @@ def test_quantizer_equals_torch_round_and_clamp(dtype, nibble, block):
     want_q = torch.where(want_s[..., None] > 0, torch.round(xb / want_s[..., None]), 0).clamp(-127, 127)
     want = want_q.to(torch.int8).reshape(5, 96).numpy()
     assert torch.equal(torch.from_numpy(s), want_s)
-    assert np.array_equal(q, _nibble_order(want) if nibble else want)
+    assert np.array_equal(q, nibble_order(want) if nibble else want)
     if block == 32:  # the outlier's neighbours in other blocks keep their resolution
         assert np.abs(q[2, 32:]).max() >= 100
 
@@ -372,7 +360,7 @@ def test_bodies_are_chosen_at_run_time_not_compile_time(flags, tmp_path):
     want = q.astype(np.int64) @ c.astype(np.int64).T
     for isa in lib.a8_isas():
         out = np.zeros((3, 5), np.float32)
-        assert lib.qmm_s8(_nibble_order(q).ctypes.data, np.ones((3, 8), np.float32).ctypes.data, _pack4(c).ctypes.data,
+        assert lib.qmm_s8(nibble_order(q).ctypes.data, np.ones((3, 8), np.float32).ctypes.data, pack4(c).ctypes.data,
                           np.ones((5, 8), np.float32).ctypes.data, out.ctypes.data, 3, 5, 256, 4, 32, 1,
                           kernels.A8_ISAS[isa], None) == 0
         assert np.array_equal(out.astype(np.int64), want), isa

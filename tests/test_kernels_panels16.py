@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from a8_codes import nibble_order
 from lmforge.engine import LLM, SamplingParams, kernels
 from lmforge.model.reference import save_hf_model
 from lmforge.quant import QuantScheme
@@ -46,12 +47,6 @@ def _raw(layer: QmmLinear, q_MK: np.ndarray, M: int, threads: int = 2) -> tuple[
     return rc, out.numpy()
 
 
-def _nibble_order(q_MK: np.ndarray) -> np.ndarray:
-    M, K = q_MK.shape
-    b = q_MK.reshape(M, K // 32, 32)
-    return np.ascontiguousarray(np.concatenate([b[..., 0::2], b[..., 1::2]], -1).reshape(M, K))
-
-
 @needs_panels
 @pytest.mark.parametrize("bits,N,K,gs", [(4, 48, 96, 32), (4, 32, 1024, 32), (4, 80, 256, 128), (4, 16, 64, 64),
                                          (8, 48, 96, 32), (8, 32, 1024, 1024), (8, 16, 160, 32)])
@@ -71,7 +66,7 @@ def test_stored_panels_give_exact_integer_dot_products(bits, N, K, gs, half):
     for M in (1, 2, 3, 4, 5, 63, 64, 65):
         q = rng.integers(-127, 128, (M, K), dtype=np.int8)
         q[0, :4] = (127, -127, 127, -127)
-        rc, out = _raw(layer, _nibble_order(q) if bits == 4 else q, M)
+        rc, out = _raw(layer, nibble_order(q) if bits == 4 else q, M)
         assert rc == 0
         want = q.astype(np.int64) @ c.astype(np.int64).T
         assert np.array_equal(out.astype(np.int64), want), (M, np.abs(out - want).max())

@@ -193,13 +193,17 @@ class Backbone(nn.Module):
     def forward(self, input_ids_BT, position_ids_BT, attn: AttentionFn) -> torch.Tensor:
         x_BTD = self.embed_tokens(input_ids_BT)
         cos_BTH, sin_BTH = self.rotary_emb(position_ids_BT, x_BTD.dtype)
+        return self.norm(self.run_layers(x_BTD, cos_BTH, sin_BTH, attn))
+
+    def run_layers(self, x_BTD: torch.Tensor, cos_BTH, sin_BTH, attn: AttentionFn) -> torch.Tensor:
+        """The decoder layers in order (the engine's C stack replaces this loop on a step it runs whole)."""
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
                 x_BTD = torch.utils.checkpoint.checkpoint(layer, x_BTD, cos_BTH, sin_BTH, attn,
                                                           use_reentrant=False)
             else:
                 x_BTD = layer(x_BTD, cos_BTH, sin_BTH, attn)
-        return self.norm(x_BTD)
+        return x_BTD
 
 
 def positions_from_doc_ids(doc_ids_BT: torch.Tensor) -> torch.Tensor:

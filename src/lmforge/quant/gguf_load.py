@@ -39,7 +39,7 @@ from lmforge.model import ModelConfig, Transformer
 from lmforge.model import checkpoint
 
 from .gguf_file import GGUFError, GGUFFile, TensorInfo, open_gguf
-from .gguf_types import UNPACK, GroupCodes
+from .gguf_types import ROWS_F32, UNPACK, GroupCodes
 from .linear import QuantizedEmbedding, QuantizedLinear
 
 Q = gguf.GGMLQuantizationType
@@ -152,30 +152,12 @@ class BlockEmbedding(torch.nn.Module):
         self.num_embeddings, self.embedding_dim = blocks.shape[0], dim
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.blocks.device.type == "cpu" and self.qtype in (gguf.GGMLQuantizationType.Q4_0,
-                                                               gguf.GGMLQuantizationType.Q8_0):
-            w = torch.from_numpy(self._rows_q4_0_q8_0(self.blocks.numpy()[ids.reshape(-1).cpu().numpy()]))
+        if self.blocks.device.type == "cpu" and self.qtype in ROWS_F32:  # Q4_0 / Q8_0: a direct row lookup
+            w = torch.from_numpy(ROWS_F32[self.qtype](self.blocks.numpy()[ids.reshape(-1).cpu().numpy()]))
             return w.to(self.dtype).to(ids.device).reshape(*ids.shape, w.shape[1])
         rows = self.blocks[ids.reshape(-1).to(self.blocks.device)].cpu().numpy()
         w = torch.from_numpy(UNPACK[self.qtype](rows).dequantize()).to(self.dtype)
         return w.to(ids.device).reshape(*ids.shape, w.shape[1])
-
-    def _rows_q4_0_q8_0(self, rows: np.ndarray) -> np.ndarray:
-        """Q4_0 / Q8_0 rows as float32 in a few numpy operations (a decode step looks up one token: the general
-        unpacker's ~25 operations took ~0.2 ms of a step there, its caches cold after the layers' weights went
-        through): d * code, the same products as `gguf_types`' `dequantize`, so the same bits (tested)."""
-        n = rows.shape[0]
-        q4 = self.qtype == gguf.GGMLQuantizationType.Q4_0
-        b = rows.reshape(n, -1, 18 if q4 else 34)
-        d = np.ascontiguousarray(b[..., :2]).view(np.float16).astype(np.float32)  # (n, blocks, 1)
-        if q4:  # byte j: element j in its low nibble, j + 16 in its high one; code = nibble - 8
-            w = np.empty((n, b.shape[1], 32), np.float32)
-            np.subtract(b[..., 2:] & 0x0F, 8, out=w[..., :16], dtype=np.float32)
-            np.subtract(b[..., 2:] >> 4, 8, out=w[..., 16:], dtype=np.float32)
-        else:
-            w = b[..., 2:].view(np.int8).astype(np.float32)
-        w *= d
-        return w.reshape(n, -1)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype.name} blocks"

@@ -131,12 +131,13 @@ static void *a8_range_panel(void *arg) {  /* a thread's share of panels: chunks 
     return NULL;
 }
 
-static void *a8_range_lanes(void *arg) {  /* as a8_range_panel, on weights stored as panels (few rows) */
+static void *a8_range_lanes(void *arg) {  /* as a8_range_panel, on weights stored as panels (few rows; x86 only) */
 #ifdef LMF_X86
     a8_job j = *(const a8_job *)arg;
     while (take_chunk(j.next, j.chunk, j.N, &j.n0, &j.n1)) a8_lanes_avx512vnni(&j);
-#endif
+#else
     (void)arg;
+#endif
     return NULL;
 }
 
@@ -266,7 +267,7 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
     const int64_t ab = a8_block(gs), A = K / ab;
     if (isa < 0) isa = lmf_a8_best_isa();
     if (isa >= A8_ISAS || !lmf_a8_isa_supported(isa)) return -2;
-    /* int4 weights stored as panels (LMF_PANELS16): only the panel bodies read them, on an AVX-512 VNNI CPU */
+    /* weights stored as panels (LMF_PANELS16): only the panel bodies read them, on an AVX-512 VNNI CPU */
     const int panels16 = sc != NULL && sc->layout == LMF_PANELS16;
     if (sc != NULL && sc->layout != LMF_ROWS && !panels16) return -1;
     if (panels16 && ((bits != 4 && bits != 8) || (bits == 8 && (zero != NULL || sc->fmt == LMF_SCALES_SUPER)) ||

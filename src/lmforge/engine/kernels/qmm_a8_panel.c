@@ -52,13 +52,23 @@ static void panel_row_codes(const a8_job *j, int64_t n, int8_t *out) {
     }
 }
 
-/* The panel of weight rows [n0, n0 + live): codes P (K / 4 vectors of 16 words: c + 128 as bytes, the dot
- * product's unsigned operand), and per group the scales S and the zero offsets Z (when the weight has them), G
- * vectors each. Lanes past `live` repeat the last row (their outputs are never stored). int8 and int4 rows: 16
- * rows' words a step through a 16 x 16 transpose (an int4 word's low nibbles are 4 codes of its block's first
- * half, its high nibbles the same 4 of the second half: the activations' nibble order); 5- and 6-bit rows
- * code by code. */
-/* A panel's 16 scales of group g, from the stored panels' float16 or float32 scales (LMF_PANELS16), as float32. */
+/* Word pw of 16 rows (`r`: lane i holds row i's 4 bytes) into the panel P as the dot product's unsigned operand,
+ * code + 128: int8, 4 codes; int4, its low nibbles (4 codes of block pw / 4's first half) and its high nibbles (the
+ * same 4 of its second half), each nibble - 8 + 128. */
+__attribute__((target(TP), always_inline)) static inline void panel_word(int32_t *P, int64_t pw, __m512i r,
+                                                                         const int bits) {
+    if (bits == 8) {
+        _mm512_storeu_si512(P + pw * PANEL, _mm512_xor_si512(r, _mm512_set1_epi8((char)0x80)));
+        return;
+    }
+    const __m512i low = _mm512_set1_epi8(0x0F), k78 = _mm512_set1_epi8(0x78);
+    const int64_t at = (pw / 4) * 8 + pw % 4;
+    _mm512_storeu_si512(P + at * PANEL, _mm512_add_epi8(_mm512_and_si512(r, low), k78));
+    _mm512_storeu_si512(P + (at + 4) * PANEL, _mm512_add_epi8(_mm512_and_si512(_mm512_srli_epi32(r, 4), low), k78));
+}
+
+/* A panel's 16 values of group g (scales `v`, or zeros; a two-level form's super-blocks `vd`) from weights stored as
+ * panels (LMF_PANELS16), as float32. */
 __attribute__((target(TP), always_inline)) static inline __m512 stored16(const lmf_scales *sc, const void *v,
                                                                          const void *vd, int64_t p, int64_t G, int64_t g) {
     if (sc->fmt == LMF_SCALES_F16)
@@ -86,22 +96,16 @@ __attribute__((target(TP), always_inline)) static inline __m512 stored_zeros16(c
     return _mm512_fmadd_ps(_mm512_set1_ps(8.0f), sv, stored16(sc, sc->z, sc->zd, p, G, g));
 }
 
-/* The panel of rows [n0, n0 + 16) from int4 weights stored as panels (LMF_PANELS16): the interleave is the stored
+/* The panel of rows [n0, n0 + 16) from weights stored as panels (LMF_PANELS16): the interleave is the stored
  * one, so a word of 16 rows is one load (no transpose), then its nibbles as panel_build's. */
 __attribute__((target(TP))) static void panel_build16(const a8_job *j, int64_t n0, int32_t *P, float *S, float *Z) {
     const int64_t K = j->K, G = j->G, p = n0 / PANEL;
-    const uint8_t *W = (const uint8_t *)j->w + p * (j->bits == 8 ? K : K / 2) * PANEL;
-    const __m512i low = _mm512_set1_epi8(0x0F), k78 = _mm512_set1_epi8(0x78), k80 = _mm512_set1_epi8((char)0x80);
-    if (j->bits == 8)  /* a word: 4 codes of 16 rows, as the panel holds them (+ 128) */
-        for (int64_t pw = 0; pw < K / 4; pw++)
-            _mm512_storeu_si512(P + pw * PANEL, _mm512_xor_si512(_mm512_loadu_si512(W + pw * 64), k80));
+    const int64_t words = j->bits == 8 ? K / 4 : K / 8;
+    const uint8_t *W = (const uint8_t *)j->w + p * words * 4 * PANEL;
+    if (j->bits == 8)
+        for (int64_t pw = 0; pw < words; pw++) panel_word(P, pw, _mm512_loadu_si512(W + pw * 64), 8);
     else
-    for (int64_t pw = 0; pw < K / 8; pw++) {  /* word pw: codes 4 (pw % 4) .. of block pw / 4's two halves */
-        const __m512i r = _mm512_loadu_si512(W + pw * 64);
-        const int64_t at = (pw / 4) * 8 + pw % 4;
-        _mm512_storeu_si512(P + at * PANEL, _mm512_add_epi8(_mm512_and_si512(r, low), k78));
-        _mm512_storeu_si512(P + (at + 4) * PANEL, _mm512_add_epi8(_mm512_and_si512(_mm512_srli_epi32(r, 4), low), k78));
-    }
+        for (int64_t pw = 0; pw < words; pw++) panel_word(P, pw, _mm512_loadu_si512(W + pw * 64), 4);
     for (int64_t g = 0; g < G; g++) {
         const __m512 sv = stored_scales16(j->sc, p, G, g);
         _mm512_storeu_ps(S + g * PANEL, sv);
@@ -109,6 +113,12 @@ __attribute__((target(TP))) static void panel_build16(const a8_job *j, int64_t n
     }
 }
 
+/* The panel of weight rows [n0, n0 + live): codes P (K / 4 vectors of 16 words: c + 128 as bytes, the dot
+ * product's unsigned operand), and per group the scales S and the zero offsets Z (when the weight has them), G
+ * vectors each. Lanes past `live` repeat the last row (their outputs are never stored). int8 and int4 rows: 16
+ * rows' words a step through a 16 x 16 transpose (an int4 word's low nibbles are 4 codes of its block's first
+ * half, its high nibbles the same 4 of the second half: the activations' nibble order); 5- and 6-bit rows
+ * code by code. */
 __attribute__((target(TP))) static void panel_build(const a8_job *j, int64_t n0, int live, int8_t *row, int32_t *P,
                                                     float *S, float *Z, float *ws_buf, float *wz_buf) {
     const int64_t K = j->K, G = j->G, bits = j->bits, row_bytes = row_bytes_of(bits, K);
@@ -120,7 +130,6 @@ __attribute__((target(TP))) static void panel_build(const a8_job *j, int64_t n0,
         const uint8_t *rows[PANEL];
         for (int i = 0; i < PANEL; i++)
             rows[i] = (const uint8_t *)j->w + (n0 + (i < live ? i : live - 1)) * row_bytes;
-        const __m512i k80 = _mm512_set1_epi8((char)0x80), low = _mm512_set1_epi8(0x0F), k78 = _mm512_set1_epi8(0x78);
         for (int64_t c = 0; c < row_bytes; c += 64) {  /* row_bytes: a multiple of 16 */
             const int words = row_bytes - c >= 64 ? 16 : (int)((row_bytes - c) / 4);
             const __mmask16 m = (__mmask16)((1u << words) - 1);
@@ -133,16 +142,9 @@ __attribute__((target(TP))) static void panel_build(const a8_job *j, int64_t n0,
                     _mm_prefetch((const char *)(rows[i] + 2 * PANEL * row_bytes + c), _MM_HINT_T1);
             for (int i = 0; i < PANEL; i++) r[i] = _mm512_maskz_loadu_epi32(m, rows[i] + c);
             lmf_transpose16(r);
-            for (int t = 0; t < words; t++) {
-                const int64_t pw = c / 4 + t;  /* the rows' word pw */
-                if (bits == 8) {
-                    _mm512_storeu_si512(P + pw * PANEL, _mm512_xor_si512(r[t], k80));
-                } else {  /* block pw / 4, its word pw % 4: codes 4 (pw % 4) .. of each half, nibble - 8 + 128 */
-                    const int64_t at = (pw / 4) * 8 + pw % 4;
-                    _mm512_storeu_si512(P + at * PANEL, _mm512_add_epi8(_mm512_and_si512(r[t], low), k78));
-                    _mm512_storeu_si512(P + (at + 4) * PANEL,
-                                        _mm512_add_epi8(_mm512_and_si512(_mm512_srli_epi32(r[t], 4), low), k78));
-                }
+            for (int t = 0; t < words; t++) {  /* the rows' word c / 4 + t */
+                if (bits == 8) panel_word(P, c / 4 + t, r[t], 8);
+                else panel_word(P, c / 4 + t, r[t], 4);
             }
         }
     } else {
