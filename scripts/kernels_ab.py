@@ -185,7 +185,11 @@ def panels(rows: str = "1,2,4,8,16,32,64", repeats: int = 12, threads: int = 2,
            shapes: str = typer.Option("300m", help="300m (24 layers of the random 300M), smollm2 (SmolLM2-135M's "
                                                    "30 layers: hidden 576, 9 / 3 heads of 64, intermediate 1,536) or "
                                                    "big (six 16,384 x 4,096 weights: the bodies without the calls' "
-                                                   "fixed costs)."))\
+                                                   "fixed costs)."),
+           weights: str = typer.Option("int", help="int (int4 / int8 codes, --bits) or bf16 (bf16 weights on float32 "
+                                                   "activations: the row kernel and the bf16 panel GEMM building its "
+                                                   "panels a call, against the lanes body and the panel GEMM on "
+                                                   "stored panels)."))\
         -> None:
     """A decode step's int4 (or int8) g32 matmuls in this checkout (the 300M's 96 by default), the weights stored as
     rows against as 16-row panels (`QmmLinear.store_panels`; rows: the row bodies, from 6 rows the panel GEMM; panels:
@@ -194,15 +198,13 @@ def panels(rows: str = "1,2,4,8,16,32,64", repeats: int = 12, threads: int = 2,
     from lmforge.quant import QuantScheme
     from lmforge.quant.linear import QmmLinear, QuantizedLinear
     lib = kernels.load()
+    if weights == "bf16":
+        return _panels_bf16(lib, rows, repeats, threads, shapes)
     if lib is None or lib.a8_panel_rows(-1) <= 0:
         raise typer.BadParameter("stored panels need the A8 panel bodies: an AVX-512 VNNI CPU")
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
-    forms = {"300m": (LAYERS, LINEARS), "smollm2": (30, [(960, 576), (576, 576), (3072, 576), (576, 1536)]),
-             "big": (6, [(16384, 4096)])}
-    if shapes not in forms:
-        raise typer.BadParameter("--shapes: 300m, smollm2 or big")
-    n_layers, linears = forms[shapes]
+    n_layers, linears = _shapes(shapes)
     if bits not in (4, 8) or (bits == 8 and zeros):
         raise typer.BadParameter("--bits: 4, or 8 without --zeros")
     layers: dict[str, list[QmmLinear]] = {"rows": [], "panels": []}
@@ -249,6 +251,52 @@ def panels(rows: str = "1,2,4,8,16,32,64", repeats: int = 12, threads: int = 2,
                                         for name in outs)
               + f"; rows / panels {best['rows'] / best['panels']:.2f}, panel GEMM / lanes on panels "
                 f"{best['panel GEMM'] / best['panels']:.2f}", flush=True)
+
+
+def _shapes(shapes: str) -> tuple[int, list[tuple[int, int]]]:
+    """(layers, the (out, in) linears of a layer) for `panels --shapes`."""
+    forms = {"300m": (LAYERS, LINEARS), "smollm2": (30, [(960, 576), (576, 576), (3072, 576), (576, 1536)]),
+             "big": (6, [(16384, 4096)])}
+    if shapes not in forms:
+        raise typer.BadParameter("--shapes: 300m, smollm2 or big")
+    return forms[shapes]
+
+
+def _panels_bf16(lib, rows: str, repeats: int, threads: int, shapes: str) -> None:
+    """`panels --weights bf16`: the engine's bf16 layers (`QmmLinear.from_bf16` with the bf16 panel GEMM from its
+    threshold) as rows against as stored panels, through the layers' own `forward` (rows: the row kernel, then the
+    panel GEMM building its panels; panels: the lanes body, then the panel GEMM on the stored panels)."""
+    from lmforge.quant.linear import QmmLinear
+    panel = lib.bf16_panel_rows(-1) if lib is not None and lib.bf16_panel_rows is not None else 0
+    if panel <= 0:
+        raise typer.BadParameter("bf16 panels need the bf16 panel GEMM: a CPU with AVX512-BF16")
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    n_layers, linears = _shapes(shapes)
+    layers: dict[str, list[QmmLinear]] = {"rows": [], "panels": []}
+    for _ in range(n_layers):
+        for n, k in linears:
+            lin = torch.nn.Linear(k, n, bias=False).to(torch.bfloat16)
+            for name in layers:
+                m = QmmLinear.from_bf16(lin, lib.qmm_f32, c_gemm=True, bf16_units=True, bf16_panel=(lib.gemm_bf16, panel))
+                m.threads = threads
+                assert name == "rows" or m.store_panels()
+                layers[name].append(m)
+    nbytes = sum(m.codes.numel() * 2 for m in layers["rows"])
+    for M in (int(r) for r in rows.split(",")):
+        x = {k: torch.randn(M, k, generator=gen) for _, k in linears}
+        outs = {name: [None] * len(layers["rows"]) for name in layers}
+
+        def run(name: str) -> None:
+            for i, m in enumerate(layers[name]):
+                outs[name][i] = m(x[m.K])
+        best = _alternate(list(outs), run, repeats)
+        diff = max((a - b).abs().max().item() / max(a.abs().max().item(), 1e-30)
+                   for a, b in zip(outs["rows"], outs["panels"]))
+        assert diff < 1e-5, f"the two layouts' outputs differ by {diff:.2e}"
+        print(f"{M} rows: " + ", ".join(f"{name} {best[name] * 1e3:.2f} ms ({nbytes / best[name] / 1e9:.1f} GB/s)"
+                                        for name in outs)
+              + f"; rows / panels {best['rows'] / best['panels']:.2f}", flush=True)
 
 
 @app.command()

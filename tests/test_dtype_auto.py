@@ -145,7 +145,7 @@ def test_bf16_units_run_decode_on_the_float32_kernels_and_prefill_on_bf16(folder
     q = next(m for m in runner.model.modules() if isinstance(m, QmmLinear))
     assert q.bf16_panel_rows == panel
     x = torch.randn(panel or QmmLinear.BF16_UNITS_ROWS, q.K)
-    w = q.codes.view(torch.bfloat16).float()
+    w = q.dequantized().clone()  # the weight as rows, whichever layout the layer stores
     few, many = q(x[:-1]), q(x)  # the float32 kernel; then bf16 dot products on bf16-rounded activations
     torch.testing.assert_close(few, x[:-1] @ w.T, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(many, x.bfloat16().float() @ w.T, rtol=2e-2, atol=2e-2)
@@ -236,10 +236,10 @@ def test_bf16_panel_gemm_is_the_float64_product_of_rounded_activations():
         want = (x.bfloat16().double() @ w.double().T) * scale.double()
         for threads in (1, 2, 3):
             out = torch.full((M, N), float("nan"))
-            rc = lib.gemm_bf16(x.data_ptr(), w.data_ptr(), scale.data_ptr(), out.data_ptr(), M, N, K, threads)
+            rc = lib.gemm_bf16(x.data_ptr(), w.data_ptr(), scale.data_ptr(), out.data_ptr(), M, N, K, threads, 0)
             assert rc == (0 if has else -1)
             if has:
                 err = (out.double() - want).abs().max().item()
                 assert err <= 1e-5 * max(want.abs().max().item(), 1.0), (M, N, K, threads, err)
     x, w, out = torch.randn(2, 40), torch.zeros(4, 40, dtype=torch.bfloat16), torch.empty(2, 4)
-    assert lib.gemm_bf16(x.data_ptr(), w.data_ptr(), torch.ones(4).data_ptr(), out.data_ptr(), 2, 4, 40, 1) == -1  # K % 32
+    assert lib.gemm_bf16(x.data_ptr(), w.data_ptr(), torch.ones(4).data_ptr(), out.data_ptr(), 2, 4, 40, 1, 0) == -1  # K % 32

@@ -248,11 +248,13 @@ class ModelRunner:
                                                (lib.gemm_bf16, bf16_panel) if bf16_panel else None)
                              if bf16_weights else 0)
         if self.bf16_linears:
+            self.panel_linears += store_layer_panels(model)
             self.linear_backend = ("bf16 weights x float32 activations (lmforge lmf_qmm_f32, bits 16; " + (
                 f"from {bf16_panel} rows its bf16 panel GEMM on the CPU's bf16 units)" if bf16_panel else
                 f"from {QmmLinear.BF16_UNITS_ROWS} rows oneDNN bf16 GEMM on the CPU's bf16 units)" if bf16_units else
                 f"prefill on lmf_gemm_f32 from {QmmLinear.GEMM_MIN_ROWS[16]} rows)" if c_gemm else
-                "widen + sgemm above 32 rows)"))
+                "widen + sgemm above 32 rows)")) + (
+                f"; {self.panel_linears} bf16 linears stored as 16-row panels" if self.panel_linears else "")
         self.weight_bytes = weight_bytes(model)
         # every weight under its checkpoint name, captured before any swap below: the fused stand-ins
         # hold these same tensors (not copies), so `load_weights` can write through them in place

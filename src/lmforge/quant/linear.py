@@ -328,6 +328,8 @@ class QmmLinear(nn.Module):
         Same bytes, moved; `dequantized` reads them back. False (nothing changed) where it does not apply. int8 codes
         only with `int8`: through `LLM.generate` a Q8_0 file's one-sequence decode lost ~5% on them (78-82 against
         83-85 tok/s, the random 300M, alternating `LMFORGE_A8_PANELS=all` and `0`) and its batch cell did not move."""
+        if self.bits == 16:
+            return self._store_bf16_panels()
         two_level = self.scale_super is not None  # the K-quants' int8 scales under a float16 a super-block (int4 only)
         if not (self.a8_panel and self.bits in ((4, 8) if int8 else (4,)) and (not two_level or self.bits == 4)
                 and self.scale.dtype in ((torch.int8,) if two_level else (torch.float32, torch.float16))
@@ -345,6 +347,20 @@ class QmmLinear(nn.Module):
         self.layout = P
         form = 2 if two_level else 1 if self.scale.dtype == torch.float16 else 0
         self._describe(form, self.scale.shape[1] // self.scale_super.shape[1] if two_level else 1)
+        return True
+
+    def _store_bf16_panels(self) -> bool:
+        """bf16 weights as 16-row panels of input pairs (gemm_bf16.c's own interleave, one 4-byte word the pair k, k + 1
+        of a row), where this layer's many rows run the bf16 panel GEMM (`bf16_panel_rows`, AVX512-BF16): it no longer
+        builds them every call (a 16-row decode batch of the 300M spent 30% of its time there), and fewer rows take
+        `bf16_lanes_f32` on float32 activations. The scale (one float32 a row) stays as it is."""
+        if not (self.bf16_panel_rows and self.N % self.PANEL == 0 and self.K % 32 == 0 and self.layout == 0
+                and self.zero is None and self.codes.device.type == "cpu"):
+            return False
+        P = self.PANEL
+        self.codes = self.codes.view(self.N // P, P, self.K // 2, 2).transpose(1, 2).contiguous().view(self.N, -1)
+        self.layout = P
+        self._describe(0, 1)
         return True
 
     def _row_major(self) -> tuple[torch.Tensor, ...]:
@@ -469,7 +485,7 @@ class QmmLinear(nn.Module):
             return self.codes
         w_NK = scratch(self.N * self.K, torch.float32, self.codes.device).view(self.N, self.K)
         if self.bits == 16:  # bf16 weights, scale 1: widening is exact
-            return w_NK.copy_(self.codes.view(torch.bfloat16))
+            return w_NK.copy_(self._row_major()[0].view(torch.bfloat16))
         scale, zero = self.float_scales()
         codes = self._row_major()[0]
         if self.bits == 8:
@@ -513,7 +529,7 @@ class QmmLinear(nn.Module):
             x_MK = x.reshape(-1, self.K).float().contiguous()
             out_MN = torch.empty(rows, self.N)
             rc = self.bf16_gemm(x_MK.data_ptr(), self.codes.data_ptr(), self.scale.data_ptr(), out_MN.data_ptr(), rows,
-                                self.N, self.K, self.threads)
+                                self.N, self.K, self.threads, self.layout)
             if rc != 0:
                 raise RuntimeError(f"lmf_gemm_bf16 refused {self.N}x{self.K}")
             if self.bias is not None:
@@ -521,7 +537,7 @@ class QmmLinear(nn.Module):
             return out_MN.to(x.dtype).reshape(*x.shape[:-1], self.N)
         if self.bf16_rows and rows >= self.bf16_rows:
             if self.bits == 16:  # the bf16 weight as it is
-                w_NK = self.codes.view(torch.bfloat16)
+                w_NK = self._row_major()[0].view(torch.bfloat16)
             else:
                 w_NK = scratch(self.N * self.K, torch.bfloat16, self.codes.device).view(self.N, self.K)
                 w_NK.copy_(self.dequantized())
@@ -618,21 +634,28 @@ def select_backend(model: nn.Module, device: torch.device, reference: bool = Fal
 
 def store_layer_panels(model: nn.Module) -> int:
     """`QmmLinear.store_panels` for every linear of the decoder layers (`model.model.layers`) and the LM head; how
-    many took it. Not the LM head whose codes the input embedding shares (a `QuantizedEmbedding` over it: moving
-    them would keep two copies). `LMFORGE_A8_PANELS`: 1 (default) int4 codes, `all` int8 codes too, 0 none (the
-    rows layout, to compare)."""
+    many took it. Not an LM head whose weight the input embedding shares (a `QuantizedEmbedding` over its codes, or a
+    tied bf16 weight): moving it would keep two copies. `LMFORGE_A8_PANELS`: 1 (default) int4 codes, `all` int8 codes
+    too, 0 none (the rows layout, to compare); `LMFORGE_BF16_PANELS`: 1 (default) bf16 weights, 0 none."""
     backbone = getattr(model, "model", None)
     layers = getattr(backbone, "layers", None)
     which = os.environ.get("LMFORGE_A8_PANELS", "1").strip().lower()
     if which not in ("0", "1", "all"):
         raise ValueError(f"LMFORGE_A8_PANELS={which!r}: 1 (int4 weights), all (int4 and int8) or 0 (none)")
-    if layers is None or which == "0":
+    bf16 = os.environ.get("LMFORGE_BF16_PANELS", "1").strip()
+    if bf16 not in ("0", "1"):
+        raise ValueError(f"LMFORGE_BF16_PANELS={bf16!r}: 1 (bf16 weights as panels) or 0 (as rows)")
+    if layers is None:
         return 0
     mods = [m for m in layers.modules() if isinstance(m, QmmLinear)]
-    head = getattr(model, "lm_head", None)
-    if isinstance(head, QmmLinear) and not isinstance(getattr(backbone, "embed_tokens", None), QuantizedEmbedding):
+    head, embed = getattr(model, "lm_head", None), getattr(backbone, "embed_tokens", None)
+    embed_w = getattr(embed, "weight", None)
+    if (isinstance(head, QmmLinear) and not isinstance(embed, QuantizedEmbedding)
+            and not (isinstance(embed_w, torch.Tensor) and embed_w.untyped_storage().data_ptr()
+                     == head.codes.untyped_storage().data_ptr())):
         mods.append(head)
-    return sum(m.store_panels(int8=which == "all") for m in mods)
+    take = lambda m: bf16 == "1" if m.bits == 16 else which != "0"  # noqa: E731
+    return sum(m.store_panels(int8=which == "all") for m in mods if take(m))
 
 
 def swap_backend(model: nn.Module, backend, dtype: torch.dtype) -> int:

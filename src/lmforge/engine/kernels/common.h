@@ -152,12 +152,13 @@ static inline int lohi_code(const uint8_t *row, int64_t bits, int64_t K, int64_t
 enum { LMF_SCALES_F32 = 0, LMF_SCALES_F16 = 1, LMF_SCALES_SUPER = 2 };
 /* `layout`: how the codes and scales lie. LMF_ROWS: a weight row after another (codes (N, row bytes), scales (N, G)).
  * LMF_PANELS16 (int4 with or without zeros, int8 without; float32, float16 or two-level scales, the two-level ones
- * int4 only; N % 16 == 0; AVX-512 VNNI only; qmm_a8_panel.c): 16
+ * int4 only; N % 16 == 0; AVX-512 VNNI only; qmm_a8_panel.c; and bf16 weights, gemm_bf16.c's own interleave): 16
  * rows at a time side by side, the A8 panel's own interleave kept in memory instead of rebuilt every call:
  *     codes[p][w][i] = bytes 4w .. 4w + 3 of weight row 16p + i   (a 64-byte vector: one 4-byte word of 16 rows)
  *     scales[p][g][i] = scale of row 16p + i, group g              (16 contiguous: one vector a group; zeros alike,
  *                                                                    and a two-level form's super-blocks [p][g / per][i])
- * Only the A8 panel bodies read it (`lmf_qmm_s8` refuses it elsewhere). */
+ * Only the A8 panel bodies read it (`lmf_qmm_s8` refuses it elsewhere), and for bf16 weights (bits 16, one word
+ * a pair of inputs, scale one float32 a row) gemm_bf16.c's bodies (`lmf_qmm_f32` hands its few rows there). */
 enum { LMF_ROWS = 0, LMF_PANELS16 = 16 };
 typedef struct { int64_t fmt, per; const void *s, *sd, *z, *zd; int64_t layout; } lmf_scales;
 #define LMF_MAX_G 4096  /* groups a row: K < 65536 in groups of 16 or more */
@@ -476,6 +477,9 @@ typedef struct {
 
 LMF_HIDDEN extern lmf_dispatch_table lmf_dispatch;
 LMF_HIDDEN int bf16_panel_cpu(void);  /* gemm_bf16.c: 1 where this build has its body and this CPU runs it */
+/* gemm_bf16.c: float32 rows on bf16 weights stored as panels (`lmf_qmm_f32` below the panel GEMM's threshold) */
+LMF_HIDDEN int bf16_lanes_f32(const float *x, const uint16_t *w, const float *scale, float *out, int64_t M, int64_t N,
+                              int64_t K, int64_t threads);
 
 /* ---- the exported API (ctypes: `kernels._bind`) --------------------------------------------------------- */
 
@@ -538,7 +542,7 @@ int64_t lmf_a8_lanes_rows(int64_t rows);
 int64_t lmf_bf16_panel_rows(int64_t rows);
 /* gemm_bf16.c */
 int lmf_gemm_bf16(const float *x, const uint16_t *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
-                  int64_t threads);
+                  int64_t threads, int64_t layout);
 const char *lmf_kernels_chosen(void);
 
 #endif

@@ -36,7 +36,8 @@ static int linear(int64_t isa, const int64_t *p, int l, const float *x, float *o
     const float *scales = (const float *)w[1];
     const lmf_scales *sc = (const lmf_scales *)w[2];
     if (isa >= 0) return lmf_qmm_a8(isa, x, 1, codes, scales, out, M, n_out, n_in, w[3], w[4], th, sc);
-    if (w[6] > 0 && w[3] == 16 && M >= w[6] && lmf_gemm_bf16(x, (const uint16_t *)codes, scales, out, M, n_out, n_in, th) == 0)
+    if (w[6] > 0 && w[3] == 16 && M >= w[6] &&  /* stored as panels or not, as the descriptor says */
+        lmf_gemm_bf16(x, (const uint16_t *)codes, scales, out, M, n_out, n_in, th, sc ? sc->layout : LMF_ROWS) == 0)
         return 0;
     return lmf_qmm_f32(x, codes, scales, out, M, n_out, n_in, w[3], w[4], th, w[5], sc);
 }

@@ -16,6 +16,13 @@
  *
  * `lmf_qmm_f32` (bits 16, per-row scales) runs it from `lmf_bf16_panel_rows()` rows on a CPU with AVX512-BF16
  * (dispatch.c); elsewhere `lmf_gemm_bf16` returns -1 and the caller keeps its other paths.
+ *
+ * Stored panels (layout LMF_PANELS16, `QmmLinear.store_panels`): the weight kept in memory as those panels, panel p
+ * (rows 16p .. 16p + 15) at w + 16 p K, so no call builds them. A 16-row decode batch of the 300M spent as long
+ * building panels (30% of its samples) as multiplying them (37%): each weight was transposed once per call for
+ * only 16 rows. Fewer rows than the panel GEMM's threshold run `bf16_lanes_f32` over the same panels: float32
+ * activations as they are, each 64-byte word split into its 16 even-k and 16 odd-k weights (a shift and a mask:
+ * exact), two FMAs a word, 16 outputs at once and no horizontal sum.
  */
 #include "common.h"
 
@@ -78,8 +85,13 @@ typedef struct {
     const float *scale;
     float *out;
     int64_t M, N, K, chunk, *next;
-    int32_t *scratch;  /* this thread's two panels */
+    int32_t *scratch;  /* this thread's two panels (NULL: the weight is stored as panels) */
 } bf16_job;
+
+/* Panel n0 / 16 of a weight stored as panels (LMF_PANELS16): K / 2 words of 16 rows */
+static inline const int32_t *stored_panel(const uint16_t *w, int64_t K, int64_t n0) {
+    return (const int32_t *)(w + n0 * K);
+}
 
 __attribute__((target(TB))) static void *bf16_range(void *arg) {
     const bf16_job *j = (const bf16_job *)arg;
@@ -90,28 +102,34 @@ __attribute__((target(TB))) static void *bf16_range(void *arg) {
         for (int64_t n0 = c0; n0 < c1; n0 += 2 * BP) {
             const int live0 = c1 - n0 < BP ? (int)(c1 - n0) : BP;
             const int live1 = c1 - n0 - BP < BP ? (int)(c1 - n0 - BP) : BP;
-            bf16_panel_build(j->w, K, N, n0, live0, P0);
-            if (live1 > 0) bf16_panel_build(j->w, K, N, n0 + BP, live1, P1);
+            const int32_t *Q0 = P0, *Q1 = P1;
+            if (j->scratch == NULL) {  /* stored: N % 16 == 0, so whole panels */
+                Q0 = stored_panel(j->w, K, n0);
+                Q1 = live1 > 0 ? stored_panel(j->w, K, n0 + BP) : Q0;
+            } else {
+                bf16_panel_build(j->w, K, N, n0, live0, P0);
+                if (live1 > 0) bf16_panel_build(j->w, K, N, n0 + BP, live1, P1);
+                else Q1 = P0;  /* no second panel: the first again, nothing stored */
+            }
             const __mmask16 m0 = (__mmask16)((1u << live0) - 1), m1 = live1 > 0 ? (__mmask16)((1u << live1) - 1) : 0;
-            const int32_t *Q1 = live1 > 0 ? P1 : P0;  /* no second panel: the first again, nothing stored */
             for (int64_t r0 = 0; r0 < j->M; r0 += BR) {
                 const int R = j->M - r0 < BR ? (int)(j->M - r0) : BR;
                 const uint16_t *xb = j->xb + r0 * K;
                 const float *sc = j->scale + n0;
                 float *out = j->out + r0 * N + n0;
                 switch (R) {
-                    case 1: bf16_rows(P0, Q1, xb, K, sc, out, N, m0, m1, 1); break;
-                    case 2: bf16_rows(P0, Q1, xb, K, sc, out, N, m0, m1, 2); break;
-                    case 3: bf16_rows(P0, Q1, xb, K, sc, out, N, m0, m1, 3); break;
-                    case 4: bf16_rows(P0, Q1, xb, K, sc, out, N, m0, m1, 4); break;
-                    case 5: bf16_rows(P0, Q1, xb, K, sc, out, N, m0, m1, 5); break;
-                    case 6: bf16_rows(P0, Q1, xb, K, sc, out, N, m0, m1, 6); break;
-                    case 7: bf16_rows(P0, Q1, xb, K, sc, out, N, m0, m1, 7); break;
-                    case 8: bf16_rows(P0, Q1, xb, K, sc, out, N, m0, m1, 8); break;
-                    case 9: bf16_rows(P0, Q1, xb, K, sc, out, N, m0, m1, 9); break;
-                    case 10: bf16_rows(P0, Q1, xb, K, sc, out, N, m0, m1, 10); break;
-                    case 11: bf16_rows(P0, Q1, xb, K, sc, out, N, m0, m1, 11); break;
-                    default: bf16_rows(P0, Q1, xb, K, sc, out, N, m0, m1, BR); break;
+                    case 1: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, 1); break;
+                    case 2: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, 2); break;
+                    case 3: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, 3); break;
+                    case 4: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, 4); break;
+                    case 5: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, 5); break;
+                    case 6: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, 6); break;
+                    case 7: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, 7); break;
+                    case 8: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, 8); break;
+                    case 9: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, 9); break;
+                    case 10: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, 10); break;
+                    case 11: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, 11); break;
+                    default: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, BR); break;
                 }
             }
         }
@@ -129,6 +147,74 @@ __attribute__((target(TB))) static void bf16_round_rows(const float *x, int64_t 
     for (; i < n; i++) xb[i] = f32_to_bf16(x[i]);
 }
 
+/* ---- a few rows of float32 activations on stored panels ------------------------------------------------------ */
+
+#define LR 4  /* activation rows a pass */
+
+/* R activation rows (x, rows K apart) against NP stored panels from P: out[r, 0 .. 16 NP) = scale * the dot
+ * products. A word is one weight pair of 16 rows: shifted left 16 bits it is their even-k weights, masked to its
+ * high half their odd-k weights, both exact in float32; even and odd k sum apart and are added at the end. */
+__attribute__((target(TB), always_inline)) static inline void f32_lanes(const int32_t *P, const float *x, int64_t K,
+                                                                        const float *sc, float *out, int64_t N,
+                                                                        const int NP, const int R) {
+    const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
+    __m512 e[2][LR], o[2][LR];
+    for (int p = 0; p < NP; p++)
+        for (int r = 0; r < R; r++) e[p][r] = o[p][r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < K / 2; d++)
+        for (int p = 0; p < NP; p++) {
+            const int32_t *at = P + (p * K / 2 + d) * BP;
+            _mm_prefetch((const char *)(at + 8 * BP), _MM_HINT_T0);
+            const __m512i v = _mm512_loadu_si512(at);
+            const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+            const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+            for (int r = 0; r < R; r++) {
+                e[p][r] = _mm512_fmadd_ps(we, _mm512_set1_ps(x[r * K + 2 * d]), e[p][r]);
+                o[p][r] = _mm512_fmadd_ps(wo, _mm512_set1_ps(x[r * K + 2 * d + 1]), o[p][r]);
+            }
+        }
+    for (int p = 0; p < NP; p++) {
+        const __m512 s = _mm512_loadu_ps(sc + p * BP);
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * N + p * BP, _mm512_mul_ps(_mm512_add_ps(e[p][r], o[p][r]), s));
+    }
+}
+
+typedef struct {
+    const float *x;
+    const uint16_t *w;
+    const float *scale;
+    float *out;
+    int64_t M, N, K, threads, *next;
+} lanes_job;
+
+/* A thread's share: pairs of panels (`take_rows` over pairs: one long run each, then the rest in single pairs) */
+__attribute__((target(TB))) static void *lanes_range(void *arg) {
+    const lanes_job *j = (const lanes_job *)arg;
+    const int64_t K = j->K, N = j->N, pairs = (N + 2 * BP - 1) / (2 * BP);
+    int64_t u0, u1;
+    while (take_rows(j->next, 1, pairs, j->threads, &u0, &u1))
+        for (int64_t n0 = u0 * 2 * BP; n0 < u1 * 2 * BP && n0 < N; n0 += 2 * BP) {
+            const int NP = N - n0 >= 2 * BP ? 2 : 1;
+            const int32_t *P = stored_panel(j->w, K, n0);
+            for (int64_t m0 = 0; m0 < j->M; m0 += LR) {
+                const int R = j->M - m0 < LR ? (int)(j->M - m0) : LR;
+                const float *x = j->x + m0 * K;
+                float *out = j->out + m0 * N + n0;
+                switch (NP * 8 + R) {
+                    case 17: f32_lanes(P, x, K, j->scale + n0, out, N, 2, 1); break;
+                    case 18: f32_lanes(P, x, K, j->scale + n0, out, N, 2, 2); break;
+                    case 19: f32_lanes(P, x, K, j->scale + n0, out, N, 2, 3); break;
+                    case 20: f32_lanes(P, x, K, j->scale + n0, out, N, 2, 4); break;
+                    case 9: f32_lanes(P, x, K, j->scale + n0, out, N, 1, 1); break;
+                    case 10: f32_lanes(P, x, K, j->scale + n0, out, N, 1, 2); break;
+                    case 11: f32_lanes(P, x, K, j->scale + n0, out, N, 1, 3); break;
+                    default: f32_lanes(P, x, K, j->scale + n0, out, N, 1, 4); break;
+                }
+            }
+        }
+    return NULL;
+}
+
 LMF_HIDDEN int bf16_panel_cpu(void) {
     return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl");
@@ -139,19 +225,42 @@ LMF_HIDDEN int bf16_panel_cpu(void) {
 }
 #endif
 
+/* Fewer rows on a weight stored as panels (`lmf_qmm_f32` hands them here): -1 where this CPU or build lacks the
+ * body or the shape is not a stored one (N % 16, K % 32). */
+LMF_HIDDEN int bf16_lanes_f32(const float *x, const uint16_t *w, const float *scale, float *out, int64_t M, int64_t N,
+                              int64_t K, int64_t threads) {
+#ifdef LMF_BF16_PANEL
+    if (!lmf_dispatch.bf16_panel || M < 1 || N < 1 || N % BP || K < 32 || K % 32 || scale == NULL) return -1;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    const int64_t pairs = (N + 2 * BP - 1) / (2 * BP);
+    if (threads > pairs) threads = pairs;
+    int64_t next = 0;
+    lanes_job jobs[MAX_THREADS];
+    for (int64_t t = 0; t < threads; t++) jobs[t] = (lanes_job){x, w, scale, out, M, N, K, threads, &next};
+    run_jobs(lanes_range, jobs, sizeof jobs[0], threads);
+    return 0;
+#else
+    (void)x, (void)w, (void)scale, (void)out, (void)M, (void)N, (void)K, (void)threads;
+    return -1;
+#endif
+}
+
+/* `layout`: LMF_ROWS (the weight (N, K) as it is; panels built a call) or LMF_PANELS16 (stored as panels). */
 int lmf_gemm_bf16(const float *x, const uint16_t *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
-                  int64_t threads) {
+                  int64_t threads, int64_t layout) {
 #ifdef LMF_BF16_PANEL
     if (!lmf_dispatch.bf16_panel || M < 1 || N < 1 || K < 32 || K % 32 || scale == NULL) return -1;
+    if (layout != LMF_ROWS && (layout != LMF_PANELS16 || N % BP)) return -1;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     const int64_t pairs = (N + 2 * BP - 1) / (2 * BP), per = pairs / (4 * threads);
     const int64_t chunk = 2 * BP * (per > 1 ? per : 1);  /* whole pairs of panels, about four chunks a thread */
     if (threads > (N + chunk - 1) / chunk) threads = (N + chunk - 1) / chunk;
-    const size_t panels = (size_t)K * BP * 4;  /* two panels: K / 2 pairs x 16 lanes x 4 bytes each */
+    const size_t panels = layout == LMF_ROWS ? (size_t)K * BP * 4 : 0;  /* two panels: K / 2 pairs x 16 lanes x 4 bytes */
     uint16_t *xb = (uint16_t *)malloc((size_t)(M * K) * sizeof(uint16_t));
-    int32_t *scratch = (int32_t *)aligned_alloc(64, panels * (size_t)threads);
-    if (xb == NULL || scratch == NULL) {
+    int32_t *scratch = panels ? (int32_t *)aligned_alloc(64, panels * (size_t)threads) : NULL;
+    if (xb == NULL || (panels && scratch == NULL)) {
         free(xb);
         free(scratch);
         return -1;
@@ -160,13 +269,14 @@ int lmf_gemm_bf16(const float *x, const uint16_t *w, const float *scale, float *
     int64_t next = 0;
     bf16_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (bf16_job){xb, w, scale, out, M, N, K, chunk, &next, (int32_t *)((char *)scratch + panels * t)};
+        jobs[t] = (bf16_job){xb, w, scale, out, M, N, K, chunk, &next,
+                             scratch ? (int32_t *)((char *)scratch + panels * t) : NULL};
     run_jobs(bf16_range, jobs, sizeof jobs[0], threads);
     free(scratch);
     free(xb);
     return 0;
 #else
-    (void)x, (void)w, (void)scale, (void)out, (void)M, (void)N, (void)K, (void)threads;
+    (void)x, (void)w, (void)scale, (void)out, (void)M, (void)N, (void)K, (void)threads, (void)layout;
     return -1;
 #endif
 }

@@ -174,7 +174,7 @@ int lmf_gemm_f32(const float *x, const void *w, const float *scale, float *out, 
                  int64_t bits, int64_t gs, int64_t threads, const lmf_scales *sc) {
 #ifdef LMF_AVX2
     static const float one = 1.0f;
-    if (M < 1 || N < 1 || K < 1) return -1;
+    if (M < 1 || N < 1 || K < 1 || (sc != NULL && sc->layout != LMF_ROWS)) return -1;
     if (bits != 32 && bits != 16 && bits != 8 && bits != 6 && bits != 5 && bits != 4) return -1;
     const void *zero = sc != NULL ? sc->z : NULL;
     if (scale == NULL && sc == NULL && bits < 16) return -1;

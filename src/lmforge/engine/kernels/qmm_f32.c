@@ -277,6 +277,9 @@ static float *group_sums(const float *x, int64_t M, int64_t K, int64_t gs) {
 int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
                 int64_t bits, int64_t gs, int64_t threads, int64_t gemm_rows, const lmf_scales *sc) {
     if (bits != 32 && bits != 16 && bits != 8 && bits != 6 && bits != 5 && bits != 4) return -1;
+    if (sc != NULL && sc->layout != LMF_ROWS)  /* stored panels: bf16 weights only, on gemm_bf16.c's bodies */
+        return bits == 16 && sc->layout == LMF_PANELS16 && sc->z == NULL
+                   ? bf16_lanes_f32(x, (const uint16_t *)w, scale, out, M, N, K, threads) : -1;
     const void *zero = sc != NULL ? sc->z : NULL;
     if (sc == NULL && scale == NULL) return -1;
     if (bits >= 8 && (gs <= 0 || gs == K) && zero == NULL) gs = K;
