@@ -168,11 +168,12 @@ def matmuls(old_rev: str = typer.Option(..., help="The revision to compare again
 
 def _matmul(lib: kernels.CpuKernels, kind: str, threads: int):
     """(x, w, scales, out, M, N, K) -> rc: int4 g32 codes on `lmf_qmm_a8` (float32 x), or bf16 weights on
-    `lmf_gemm_bf16` (from 1 row: the panel, which is what its prefetch changed)."""
+    `lmf_gemm_bf16` (from 1 row: the panel, which is what its prefetch changed; the weight as rows, layout 0, an
+    argument that revisions before the stored bf16 panels do not read)."""
     if kind == "bf16":
         if lib.gemm_bf16 is None:
             raise typer.BadParameter("--weights bf16: this library has no lmf_gemm_bf16 (an older revision?)")
-        return lambda x, w, ws, out, M, N, K: lib.gemm_bf16(x, w, ws, out, M, N, K, threads)
+        return lambda x, w, ws, out, M, N, K: lib.gemm_bf16(x, w, ws, out, M, N, K, threads, 0)
     a8 = lib.a8()
     return lambda x, w, ws, out, M, N, K: a8(x, 1, w, ws, out, M, N, K, 4, 32, threads, None)
 

@@ -59,14 +59,21 @@ __attribute__((target(TB), always_inline)) static inline void dpbf16_bcast(__m51
 #endif
 }
 
-/* R activation rows (xb + m0 * K) against panels P0, P1: out[r, 0..32) masked by live0 / live1, times the scales */
+/* R activation rows (xb + m0 * K) against panels P0, P1: out[r, 0..32) masked by live0 / live1, times the scales.
+ * `ahead` (stored panels, the first pass of rows; else NULL): the next pair of panels, fetched into L2 a line of each
+ * a step, so that memory streams them while these are multiplied rather than when they are reached. */
 __attribute__((target(TB), always_inline)) static inline void bf16_rows(const int32_t *P0, const int32_t *P1,
                                                                         const uint16_t *xb, int64_t K, const float *sc,
                                                                         float *out, int64_t N, __mmask16 live0,
-                                                                        __mmask16 live1, const int R) {
+                                                                        __mmask16 live1, const int32_t *ahead,
+                                                                        const int R) {
     __m512 acc[2][BR];
     for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
     for (int64_t d = 0; d < K / 2; d++) {
+        if (ahead != NULL) {
+            _mm_prefetch((const char *)(ahead + d * BP), _MM_HINT_T1);
+            _mm_prefetch((const char *)(ahead + (K / 2 + d) * BP), _MM_HINT_T1);
+        }
         const __m512i w0 = _mm512_loadu_si512(P0 + d * BP), w1 = _mm512_loadu_si512(P1 + d * BP);
         for (int r = 0; r < R; r++) {
             dpbf16_bcast(&acc[0][r], w0, xb + r * K + 2 * d);
@@ -102,10 +109,11 @@ __attribute__((target(TB))) static void *bf16_range(void *arg) {
         for (int64_t n0 = c0; n0 < c1; n0 += 2 * BP) {
             const int live0 = c1 - n0 < BP ? (int)(c1 - n0) : BP;
             const int live1 = c1 - n0 - BP < BP ? (int)(c1 - n0 - BP) : BP;
-            const int32_t *Q0 = P0, *Q1 = P1;
+            const int32_t *Q0 = P0, *Q1 = P1, *next = NULL;
             if (j->scratch == NULL) {  /* stored: N % 16 == 0, so whole panels */
                 Q0 = stored_panel(j->w, K, n0);
                 Q1 = live1 > 0 ? stored_panel(j->w, K, n0 + BP) : Q0;
+                next = n0 + 2 * BP < N ? stored_panel(j->w, K, n0 + 2 * BP) : NULL;
             } else {
                 bf16_panel_build(j->w, K, N, n0, live0, P0);
                 if (live1 > 0) bf16_panel_build(j->w, K, N, n0 + BP, live1, P1);
@@ -114,22 +122,23 @@ __attribute__((target(TB))) static void *bf16_range(void *arg) {
             const __mmask16 m0 = (__mmask16)((1u << live0) - 1), m1 = live1 > 0 ? (__mmask16)((1u << live1) - 1) : 0;
             for (int64_t r0 = 0; r0 < j->M; r0 += BR) {
                 const int R = j->M - r0 < BR ? (int)(j->M - r0) : BR;
+                const int32_t *pf = r0 == 0 ? next : NULL;
                 const uint16_t *xb = j->xb + r0 * K;
                 const float *sc = j->scale + n0;
                 float *out = j->out + r0 * N + n0;
                 switch (R) {
-                    case 1: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, 1); break;
-                    case 2: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, 2); break;
-                    case 3: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, 3); break;
-                    case 4: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, 4); break;
-                    case 5: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, 5); break;
-                    case 6: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, 6); break;
-                    case 7: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, 7); break;
-                    case 8: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, 8); break;
-                    case 9: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, 9); break;
-                    case 10: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, 10); break;
-                    case 11: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, 11); break;
-                    default: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, BR); break;
+                    case 1: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, 1); break;
+                    case 2: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, 2); break;
+                    case 3: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, 3); break;
+                    case 4: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, 4); break;
+                    case 5: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, 5); break;
+                    case 6: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, 6); break;
+                    case 7: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, 7); break;
+                    case 8: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, 8); break;
+                    case 9: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, 9); break;
+                    case 10: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, 10); break;
+                    case 11: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, 11); break;
+                    default: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, BR); break;
                 }
             }
         }
