@@ -161,6 +161,17 @@ enum { LMF_SCALES_F32 = 0, LMF_SCALES_F16 = 1, LMF_SCALES_SUPER = 2 };
  * a pair of inputs, scale one float32 a row) gemm_bf16.c's bodies (`lmf_qmm_f32` hands its few rows there). */
 enum { LMF_ROWS = 0, LMF_PANELS16 = 16 };
 typedef struct { int64_t fmt, per; const void *s, *sd, *z, *zd; int64_t layout; } lmf_scales;
+/* Unroll the loop that follows completely (its count a constant after inlining): the register-blocked bodies index
+ * arrays of accumulators by its variable, and a loop left rolled keeps them in memory. GCC decides by the body's
+ * size: the lanes body's 4-row pass went 2.1x slower when its scales' epilogue grew a third form (the 300M's 96
+ * matmuls at 16 rows, 19.4 -> 40.8 ms, `kernels_ab.py panels`), so the bodies say it rather than leave it to it. */
+#if defined(__clang__)
+#define LMF_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define LMF_UNROLL _Pragma("GCC unroll 16")
+#else
+#define LMF_UNROLL
+#endif
 #define LMF_MAX_G 4096  /* groups a row: K < 65536 in groups of 16 or more */
 
 static inline float f16_to_f32(uint16_t h) {  /* exact, subnormals and infinities included */

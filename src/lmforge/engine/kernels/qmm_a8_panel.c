@@ -184,35 +184,35 @@ __attribute__((target(TP), always_inline)) static inline void panel_rows(
         const float *qs, const int32_t *qsum, float *out, const __mmask16 *live, const int NP, const int R) {
     const int64_t K = j->K, G = j->G, gs = j->gs, A = j->A, ab = j->ab, quads = gs / 4;
     __m512 f[2][PANEL_R];
-    for (int p = 0; p < NP; p++)
-        for (int r = 0; r < R; r++) f[p][r] = _mm512_setzero_ps();
+    LMF_UNROLL for (int p = 0; p < NP; p++)
+        LMF_UNROLL for (int r = 0; r < R; r++) f[p][r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         __m512i acc[2][PANEL_R];
-        for (int r = 0; r < R; r++) {
+        LMF_UNROLL for (int r = 0; r < R; r++) {
             const __m512i c = _mm512_set1_epi32(-128 * qsum[r * G + g]);
-            for (int p = 0; p < NP; p++) acc[p][r] = c;
+            LMF_UNROLL for (int p = 0; p < NP; p++) acc[p][r] = c;
         }
         const int8_t *qg = q + g * gs;
         for (int64_t d = 0; d < quads; d++) {
             __m512i wv[2];
-            for (int p = 0; p < NP; p++) wv[p] = _mm512_loadu_si512(P[p] + (g * quads + d) * PANEL);
-            for (int r = 0; r < R; r++)
-                for (int p = 0; p < NP; p++) dpbusd_bcast(&acc[p][r], wv[p], qg + r * K + 4 * d);
+            LMF_UNROLL for (int p = 0; p < NP; p++) wv[p] = _mm512_loadu_si512(P[p] + (g * quads + d) * PANEL);
+            LMF_UNROLL for (int r = 0; r < R; r++)
+                LMF_UNROLL for (int p = 0; p < NP; p++) dpbusd_bcast(&acc[p][r], wv[p], qg + r * K + 4 * d);
         }
         const int64_t a = g * gs / ab;
-        for (int p = 0; p < NP; p++) {
+        LMF_UNROLL for (int p = 0; p < NP; p++) {
             const __m512 sv = _mm512_loadu_ps(S[p] + g * PANEL);
-            for (int r = 0; r < R; r++)
+            LMF_UNROLL for (int r = 0; r < R; r++)
                 f[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[p][r]), _mm512_mul_ps(sv, _mm512_set1_ps(xs[r * A + a])),
                                           f[p][r]);
             if (Z[p] != NULL) {
                 const __m512 zv = _mm512_loadu_ps(Z[p] + g * PANEL);
-                for (int r = 0; r < R; r++) f[p][r] = _mm512_fmadd_ps(zv, _mm512_set1_ps(qs[r * G + g]), f[p][r]);
+                LMF_UNROLL for (int r = 0; r < R; r++) f[p][r] = _mm512_fmadd_ps(zv, _mm512_set1_ps(qs[r * G + g]), f[p][r]);
             }
         }
     }
-    for (int p = 0; p < NP; p++)
-        for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + r * j->N + p * PANEL, live[p], f[p][r]);
+    LMF_UNROLL for (int p = 0; p < NP; p++)
+        LMF_UNROLL for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + r * j->N + p * PANEL, live[p], f[p][r]);
 }
 
 #define PANEL_ROWS_CASES(NP, RMAX) do {                                                                        \
@@ -288,52 +288,55 @@ __attribute__((target(TP), always_inline)) static inline void lanes_rows(
     const int zeros = j->sc->z != NULL;  /* then j->qs: xs * sum(q) a group (int4 only) */
     const uint8_t *W[2];
     __m512 f[2][A8_MAX_R];
-    for (int p = 0; p < NP; p++) {
+    LMF_UNROLL for (int p = 0; p < NP; p++) {
         W[p] = (const uint8_t *)j->w + (p0 + p) * (B8 ? K : K / 2) * PANEL;
-        for (int r = 0; r < R; r++) f[p][r] = _mm512_setzero_ps();
+        LMF_UNROLL for (int r = 0; r < R; r++) f[p][r] = _mm512_setzero_ps();
     }
     for (int64_t g = 0; g < G; g++) {
         __m512i lo[2][A8_MAX_R], hi[2][A8_MAX_R];
-        for (int r = 0; r < R; r++) {
+        LMF_UNROLL for (int r = 0; r < R; r++) {
             const __m512i c = _mm512_set1_epi32((B8 ? -128 : -8) * qsum[r * G + g]);
-            for (int p = 0; p < NP; p++) lo[p][r] = c, hi[p][r] = _mm512_setzero_si512();
+            LMF_UNROLL for (int p = 0; p < NP; p++) lo[p][r] = c, hi[p][r] = _mm512_setzero_si512();
         }
         const int8_t *qg = q + g * gs;
         for (int64_t w = 0; w < words; w++) {
             /* int4: the word's 4 even k, its 4 odd k 16 further; int8: its 4 k, words alternating between two chains */
             const int64_t at = B8 ? 4 * w : (w / 4) * 32 + 4 * (w % 4);
-            for (int p = 0; p < NP; p++) {
+            LMF_UNROLL for (int p = 0; p < NP; p++) {
                 /* 512 bytes ahead. A throwaway A/B with the distance as a variable (the 300M's 96 matmuls, 2 threads,
                  * Zen 4), against none: 0.97x the time at 1 row (noise), 0.89x at 4, 0.96x at 16; 256-4,096 alike */
                 _mm_prefetch((const char *)(W[p] + (g * words + w) * 64 + 512), _MM_HINT_T0);
                 const __m512i v = _mm512_loadu_si512(W[p] + (g * words + w) * 64);
                 if (B8) {  /* code + 128, unsigned; the group's -128 * sum(q) takes it back */
                     const __m512i u = _mm512_xor_si512(v, k80);
-                    for (int r = 0; r < R; r++) dpbusd_bcast(w % 2 ? &hi[p][r] : &lo[p][r], u, qg + r * K + at);
+                    if (w % 2)  /* a branch, not a pointer picked at run time: that kept lo / hi in memory */
+                        LMF_UNROLL for (int r = 0; r < R; r++) dpbusd_bcast(&hi[p][r], u, qg + r * K + at);
+                    else
+                        LMF_UNROLL for (int r = 0; r < R; r++) dpbusd_bcast(&lo[p][r], u, qg + r * K + at);
                     continue;
                 }
                 const __m512i vl = _mm512_and_si512(v, lo4), vh = _mm512_and_si512(v, hi4);
-                for (int r = 0; r < R; r++) {
+                LMF_UNROLL for (int r = 0; r < R; r++) {
                     dpbusd_bcast(&lo[p][r], vl, qg + r * K + at);
                     dpbusd_bcast(&hi[p][r], vh, qg + r * K + at + 16);
                 }
             }
         }
         const int64_t a = g * gs / ab;
-        for (int p = 0; p < NP; p++) {
+        LMF_UNROLL for (int p = 0; p < NP; p++) {
             const __m512 sv = stored_scales16(j->sc, p0 + p, G, g);
-            for (int r = 0; r < R; r++)
+            LMF_UNROLL for (int r = 0; r < R; r++)
                 f[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo[p][r], B8 ? hi[p][r]
                                                                                             : _mm512_srai_epi32(hi[p][r], 4))),
                                           _mm512_mul_ps(sv, _mm512_set1_ps(xs[r * A + a])), f[p][r]);
             if (zeros) {  /* + (zero + 8 * scale) * xs * sum(q), the panel GEMM's term */
                 const __m512 zv = stored_zeros16(j->sc, p0 + p, G, g, sv);
-                for (int r = 0; r < R; r++) f[p][r] = _mm512_fmadd_ps(zv, _mm512_set1_ps(qs[r * G + g]), f[p][r]);
+                LMF_UNROLL for (int r = 0; r < R; r++) f[p][r] = _mm512_fmadd_ps(zv, _mm512_set1_ps(qs[r * G + g]), f[p][r]);
             }
         }
     }
-    for (int p = 0; p < NP; p++)
-        for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * j->N + p * PANEL, f[p][r]);
+    LMF_UNROLL for (int p = 0; p < NP; p++)
+        LMF_UNROLL for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * j->N + p * PANEL, f[p][r]);
 }
 
 #define LANES_CASES(B8) do {                                                                                  \
