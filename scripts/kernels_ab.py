@@ -194,8 +194,8 @@ def panels(rows: str = "1,2,4,8,16,32,64", repeats: int = 12, threads: int = 2,
         -> None:
     """A decode step's int4 (or int8) g32 matmuls in this checkout (the 300M's 96 by default), the weights stored as
     rows against as 16-row panels (`QmmLinear.store_panels`; rows: the row bodies, from 6 rows the panel GEMM; panels:
-    the lanes body, int4 from 64 rows the panel GEMM, int8 the lanes body at every row count where the engine takes the
-    panel GEMM from 6), and on panels the lanes body against the panel GEMM at every row count."""
+    the lanes body, from 64 rows the panel GEMM, as the engine runs them), and on panels the lanes body against the
+    panel GEMM at every row count."""
     from lmforge.quant import QuantScheme
     from lmforge.quant.linear import QmmLinear, QuantizedLinear
     lib = kernels.load()
@@ -220,7 +220,7 @@ def panels(rows: str = "1,2,4,8,16,32,64", repeats: int = 12, threads: int = 2,
             for name in layers:
                 m = QmmLinear(q, torch.float32, a8=lib.a8())
                 m.threads = threads
-                assert name == "rows" or m.store_panels()
+                assert name == "rows" or m.store_panels(int8=bits == 8)
                 layers[name].append(m)
     nbytes = sum(m.codes.numel() + m.scale.numel() * m.scale.element_size() * (2 if zeros else 1)
                  for m in layers["rows"])
@@ -234,8 +234,6 @@ def panels(rows: str = "1,2,4,8,16,32,64", repeats: int = 12, threads: int = 2,
             if name == "panel GEMM":
                 lib.a8_panel_rows(1)
                 lib.a8_lanes_rows(0)
-            elif name == "panels" and bits == 8:  # the lanes body at every row count (the engine: below 6 rows)
-                lib.a8_panel_rows(0)
             try:
                 for m, out in zip(ms, outs[name]):
                     rc = m.a8(x[m.K].data_ptr(), 1, m.codes.data_ptr(), m.scale.data_ptr(), out.data_ptr(), M, m.N,

@@ -275,12 +275,11 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
         return -1;
     if (panels16 && (lmf_dispatch.a8_panel == NULL || (isa != A8_AVX512_VNNI && isa != A8_AVX512_VNNI_256))) return -2;
     /* many rows on an AVX-512 VNNI CPU: the panel GEMM (qmm_a8_panel.c), whatever the weight's form; fewer on
-     * stored panels: the lanes body beside it, int4 below `a8_lanes_rows`, int8 below the panel's own threshold (each
-     * pass of 4 rows reads an int8 weight again: from 8 rows it loses to the panel, 0.91x at 8, 0.56x at 32; `python
-     * scripts/kernels_ab.py panels --bits 8`) */
+     * stored panels (int4 or int8 codes): the lanes body beside it, below `a8_lanes_rows` (on int8, the panel ÷ lanes
+     * time: 1.30 at 1 row, 1.32 at 8, 1.16 at 32; `python scripts/kernels_ab.py panels --bits 8`) */
     const int panel = (isa == A8_AVX512_VNNI || isa == A8_AVX512_VNNI_256) && lmf_dispatch.a8_panel != NULL &&
                       lmf_dispatch.a8_panel_rows > 0 && M >= lmf_dispatch.a8_panel_rows &&
-                      (!panels16 || bits == 8 || M >= lmf_dispatch.a8_lanes_rows);
+                      (!panels16 || M >= lmf_dispatch.a8_lanes_rows);
     const int lanes = panels16 && !panel;
     if (panel || lanes) isa = A8_AVX512_VNNI;
     if (!panel && isa == A8_AVX512_VNNI && (g16 || bits == 5 || bits == 6))  /* groups of 16, 5/6-bit codes: the 256-bit body */
