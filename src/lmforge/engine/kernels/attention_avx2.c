@@ -119,7 +119,11 @@ __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline))
  * as the others, arranged for the memory and the core:
  *   - tile-outer, head-inner: a tile's 16 tokens are read for all the heads [g0, g1) together, so each
  *     token's rows of those heads are one contiguous run of the pool ((g1 - g0) * H values; the whole token
- *     row when one thread takes every head), and the next tile's runs are prefetched while this one computes.
+ *     row when one thread takes every head), and the next tile's rows are prefetched while this one computes,
+ *     each kv head's K rows before its scores and V rows before its values: spread so, not issued at the tile's
+ *     start in one burst of 512 prefetches that stalled on the full miss queue (perf: 12.6% of the samples on
+ *     one `prefetcht1`), 16 sequences at 1,100 tokens read 13.7 -> 23.7 GB/s, one 14.2 -> 24.3 (bf16 pool,
+ *     `python scripts/kernels_ab.py attention --old-rev fbb96be --kv bfloat16 --seqs 16 --contexts 200,1100`).
  *     Head-outer order (one head over every token, then the next) read 128-256 B pieces 1-2 KB apart and
  *     ran at ~5 GB/s from memory against ~25 for a streaming read (Zen 4, 2 threads).
  *   - scores 8 tokens at a time: 8 independent FMA chains, then one transposing reduction (`hsum8x8`)
@@ -145,19 +149,14 @@ __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline))
     tile_rows(table, t_begin, len < TILE ? len : TILE, B, K, g0, row);
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {
         const int64_t nt = len - t0 < TILE ? len - t0 : TILE;
-        /* the next tile's runs, into L2 (into L1 they evicted this tile's: 1.1-1.3x slower, a throwaway
-         * variant); a partition's last tile prefetches the next partition's first (pf_len: the tokens left in
-         * the sequence from t_begin) */
-        const int64_t left = pf_len - t0 - nt, nn = left < TILE ? left : TILE;
-        if (nn > 0) {
-            tile_rows(table, t_begin + t0 + TILE, nn, B, K, g0, next);
-            for (int64_t i = 0; i < nn; i++)
-                for (int64_t b = 0; b < run; b += 64) {
-                    _mm_prefetch(k_pool + next[i] * rb + b, _MM_HINT_T1);
-                    _mm_prefetch(v_pool + next[i] * rb + b, _MM_HINT_T1);
-                }
-        }
-        for (int64_t g = 0; g < g1 - g0; g++)  /* scores: query heads in pairs where G is even (a K row widened once) */
+        /* the next tile's rows, into L2 (into L1 they evicted this tile's: 1.1-1.3x slower, a throwaway
+         * variant), a head at a time in the loops below; a partition's last tile prefetches the next partition's
+         * first (pf_len: the tokens left in the sequence from t_begin) */
+        const int64_t left = pf_len - t0 - nt, pf_n = left <= 0 ? 0 : left < TILE ? left : TILE;
+        if (pf_n > 0) tile_rows(table, t_begin + t0 + TILE, pf_n, B, K, g0, next);
+        for (int64_t g = 0; g < g1 - g0; g++) {  /* scores: query heads in pairs where G is even (a K row widened once) */
+            for (int64_t i = 0; i < pf_n; i++)  /* the next tile's K rows of this head, a head at a time */
+                for (int64_t b = 0; b < rb; b += 64) _mm_prefetch(k_pool + (next[i] + g) * rb + b, _MM_HINT_T1);
             for (int64_t n = 0; n < G; n += G % 2 ? 1 : 2) {
                 const int64_t st = g * G + n;
                 const float *qn = q + ((g0 + g) * G + n) * H;
@@ -166,6 +165,7 @@ __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline))
                 else
                     heads_scores(qn, k_pool, row, g, nt, H, rb, scale, p[st], p[st + 1], 2, bf16);
             }
+        }
         for (int64_t st = 0; st < NS; st++) {  /* the tile's online softmax; padding lanes end as 0 */
             for (int64_t i = nt; i < TILE; i++) p[st][i] = -INFINITY;
             const __m256 a = _mm256_load_ps(p[st]), b2 = _mm256_load_ps(p[st] + 8);
@@ -185,7 +185,9 @@ __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline))
             sum[st] = sum[st] * alpha[st] + tile_sum;
             mx[st] = m;
         }
-        for (int64_t g = 0; g < g1 - g0; g++)  /* acc = acc * alpha + sum_i p_i * V_i, a V row widened once a pair */
+        for (int64_t g = 0; g < g1 - g0; g++) {  /* acc = acc * alpha + sum_i p_i * V_i, a V row widened once a pair */
+            for (int64_t i = 0; i < pf_n; i++)  /* and its V rows */
+                for (int64_t b = 0; b < rb; b += 64) _mm_prefetch(v_pool + (next[i] + g) * rb + b, _MM_HINT_T1);
             for (int64_t n = 0; n < G; n += G % 2 ? 1 : 2) {
                 const int64_t st = g * G + n;
                 if (G % 2)
@@ -194,6 +196,7 @@ __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline))
                     heads_values(v_pool, row, g, nt, H, rb, p[st], p[st + 1], alpha[st], alpha[st + 1], acc + st * H,
                                  acc + (st + 1) * H, 2, bf16);
             }
+        }
         memcpy(row, next, sizeof row);
     }
     if (part != NULL) {  /* a partition of the context: its unnormalized state, merged by `merge_parts` */
