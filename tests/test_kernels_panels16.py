@@ -151,9 +151,9 @@ def test_other_bodies_refuse_stored_panels():
 
 
 @needs_panels
-@pytest.mark.parametrize("scheme,panels", [("w4a16", "1"), ("w8a16", "all")])
+@pytest.mark.parametrize("scheme,panels", [("w4a16", "1"), ("w8a16", None)])
 def test_the_engine_stores_its_layers_as_panels_and_its_tokens_do_not_move(tmp_path, scheme, panels):
-    """An int4 g32 / int8 per-channel model (`LMFORGE_A8_PANELS=all`: int8 is opt-in) with int8 activations: every
+    """An int4 g32 (`LMFORGE_A8_PANELS=1`) / int8 per-channel model (the default, `all`) with int8 activations: every
     layer linear stored as panels, named in the backend's line; greedy tokens equal to the rows layout's (LMFORGE_A8_PANELS=0) for one and for several
     sequences."""
     src = save_hf_model("llama", tmp_path / "src", seed=3, hidden_size=128)
@@ -164,7 +164,10 @@ def test_the_engine_stores_its_layers_as_panels_and_its_tokens_do_not_move(tmp_p
     got = {}
     for which in (panels, "0"):
         with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("LMFORGE_A8_PANELS", which)
+            if which is None:
+                mp.delenv("LMFORGE_A8_PANELS", raising=False)
+            else:
+                mp.setenv("LMFORGE_A8_PANELS", which)
             llm = LLM(str(path), quant_activations="int8", enable_prefix_caching=False)
             runner = llm.llm_engine.model_runner
             if which != "0":
@@ -179,14 +182,14 @@ def test_the_engine_stores_its_layers_as_panels_and_its_tokens_do_not_move(tmp_p
     assert got[panels] == got["0"]
 
 
-def test_int8_panels_are_opt_in_and_the_setting_is_checked(tmp_path, monkeypatch):
-    """By default only int4 layers are stored as panels (int8 lost ~5% of a one-sequence decode on them); a wrong
-    `LMFORGE_A8_PANELS` is an error that names the values it takes."""
+def test_int8_panels_follow_the_setting_which_is_checked(tmp_path, monkeypatch):
+    """A layer stores int8 codes only when asked (`int8`); the engine asks by default and not under
+    `LMFORGE_A8_PANELS=1` (int4 only); a wrong setting is an error that names the values it takes."""
     layer = _layer(32, 64, 32, torch.ones(32, 2), torch.zeros(32, 64, dtype=torch.int8), bits=8)
     assert not layer.store_panels() and layer.layout == 0
     from lmforge.quant.linear import store_layer_panels
     monkeypatch.setenv("LMFORGE_A8_PANELS", "yes")
-    with pytest.raises(ValueError, match="1 \\(int4 weights\\), all"):
+    with pytest.raises(ValueError, match="all \\(int4 and int8 weights, the default\\), 1"):
         store_layer_panels(torch.nn.Module())
 
 

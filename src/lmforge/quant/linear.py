@@ -326,9 +326,7 @@ class QmmLinear(nn.Module):
         interleave, where the A8 panel bodies run every call of this layer (an AVX-512 VNNI CPU). A decode step's few
         rows then take `a8_lanes_avx512vnni` (qmm_a8_panel.c) and prefill skips the panel's per-call transpose.
         Same bytes, moved; `dequantized` reads them back. False (nothing changed) where it does not apply. int8 codes
-        only with `int8`: through `LLM.generate` a Q8_0 file's one-sequence decode reads lower on them (the random
-        300M at depth 128, alternating `LMFORGE_A8_PANELS=all` and `0`, best of 3: 70.6 / 72.7 against 81.7 / 77.9
-        tok/s) while its 16-row decode step gains ~7% (48.0 / 44.8 against 50.4 / 49.6 ms)."""
+        only with `int8` (the engine passes it by default, `store_layer_panels`)."""
         if self.bits == 16:
             return self._store_bf16_panels()
         two_level = self.scale_super is not None  # the K-quants' int8 scales under a float16 a super-block (int4 only)
@@ -636,13 +634,17 @@ def select_backend(model: nn.Module, device: torch.device, reference: bool = Fal
 def store_layer_panels(model: nn.Module) -> int:
     """`QmmLinear.store_panels` for every linear of the decoder layers (`model.model.layers`) and the LM head; how
     many took it. Not an LM head whose weight the input embedding shares (a `QuantizedEmbedding` over its codes, or a
-    tied bf16 weight): moving it would keep two copies. `LMFORGE_A8_PANELS`: 1 (default) int4 codes, `all` int8 codes
-    too, 0 none (the rows layout, to compare); `LMFORGE_BF16_PANELS`: 1 (default) bf16 weights, 0 none."""
+    tied bf16 weight): moving it would keep two copies. `LMFORGE_A8_PANELS`: `all` (default) int4 and int8 codes, 1
+    int4 codes only, 0 none (the rows layout, to compare); `LMFORGE_BF16_PANELS`: 1 (default) bf16 weights, 0 none.
+    int8 codes joined the default when the lanes body's int8 pass was mended: `scripts/vs_openvino.py --precision 8-bit
+    --engine lmforge`, `all` against 1 alternating, three pairs (Zen 4, 2026-12-06 17:37-17:44): the batch cell 277.5 /
+    268.0 / 281.4 against 248.1 / 264.9 / 265.8 tok/s, one sequence at depth 128 87.0 / 84.0 / 82.1 against 89.5 /
+    84.3 / 81.6."""
     backbone = getattr(model, "model", None)
     layers = getattr(backbone, "layers", None)
-    which = os.environ.get("LMFORGE_A8_PANELS", "1").strip().lower()
+    which = os.environ.get("LMFORGE_A8_PANELS", "all").strip().lower()
     if which not in ("0", "1", "all"):
-        raise ValueError(f"LMFORGE_A8_PANELS={which!r}: 1 (int4 weights), all (int4 and int8) or 0 (none)")
+        raise ValueError(f"LMFORGE_A8_PANELS={which!r}: all (int4 and int8 weights, the default), 1 (int4) or 0 (none)")
     bf16 = os.environ.get("LMFORGE_BF16_PANELS", "1").strip()
     if bf16 not in ("0", "1"):
         raise ValueError(f"LMFORGE_BF16_PANELS={bf16!r}: 1 (bf16 weights as panels) or 0 (as rows)")
