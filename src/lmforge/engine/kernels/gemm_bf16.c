@@ -68,20 +68,20 @@ __attribute__((target(TB), always_inline)) static inline void bf16_rows(const in
                                                                         __mmask16 live1, const int32_t *ahead,
                                                                         const int R) {
     __m512 acc[2][BR];
-    for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+    LMF_UNROLL for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
     for (int64_t d = 0; d < K / 2; d++) {
         if (ahead != NULL) {
             _mm_prefetch((const char *)(ahead + d * BP), _MM_HINT_T1);
             _mm_prefetch((const char *)(ahead + (K / 2 + d) * BP), _MM_HINT_T1);
         }
         const __m512i w0 = _mm512_loadu_si512(P0 + d * BP), w1 = _mm512_loadu_si512(P1 + d * BP);
-        for (int r = 0; r < R; r++) {
+        LMF_UNROLL for (int r = 0; r < R; r++) {
             dpbf16_bcast(&acc[0][r], w0, xb + r * K + 2 * d);
             dpbf16_bcast(&acc[1][r], w1, xb + r * K + 2 * d);
         }
     }
     const __m512 s0 = _mm512_maskz_loadu_ps(live0, sc), s1 = _mm512_maskz_loadu_ps(live1, sc + BP);
-    for (int r = 0; r < R; r++) {
+    LMF_UNROLL for (int r = 0; r < R; r++) {
         _mm512_mask_storeu_ps(out + r * N, live0, _mm512_mul_ps(acc[0][r], s0));
         _mm512_mask_storeu_ps(out + r * N + BP, live1, _mm512_mul_ps(acc[1][r], s1));
     }
@@ -168,23 +168,23 @@ __attribute__((target(TB), always_inline)) static inline void f32_lanes(const in
                                                                         const int NP, const int R) {
     const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
     __m512 e[2][LR], o[2][LR];
-    for (int p = 0; p < NP; p++)
-        for (int r = 0; r < R; r++) e[p][r] = o[p][r] = _mm512_setzero_ps();
+    LMF_UNROLL for (int p = 0; p < NP; p++)
+        LMF_UNROLL for (int r = 0; r < R; r++) e[p][r] = o[p][r] = _mm512_setzero_ps();
     for (int64_t d = 0; d < K / 2; d++)
-        for (int p = 0; p < NP; p++) {
+        LMF_UNROLL for (int p = 0; p < NP; p++) {
             const int32_t *at = P + (p * K / 2 + d) * BP;
-            _mm_prefetch((const char *)(at + 8 * BP), _MM_HINT_T0);
+            _mm_prefetch((const char *)(at + 8 * BP), _MM_HINT_T0);  /* 512 bytes ahead, as a8_lanes_avx512vnni */
             const __m512i v = _mm512_loadu_si512(at);
             const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
             const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
-            for (int r = 0; r < R; r++) {
+            LMF_UNROLL for (int r = 0; r < R; r++) {
                 e[p][r] = _mm512_fmadd_ps(we, _mm512_set1_ps(x[r * K + 2 * d]), e[p][r]);
                 o[p][r] = _mm512_fmadd_ps(wo, _mm512_set1_ps(x[r * K + 2 * d + 1]), o[p][r]);
             }
         }
-    for (int p = 0; p < NP; p++) {
+    LMF_UNROLL for (int p = 0; p < NP; p++) {
         const __m512 s = _mm512_loadu_ps(sc + p * BP);
-        for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * N + p * BP, _mm512_mul_ps(_mm512_add_ps(e[p][r], o[p][r]), s));
+        LMF_UNROLL for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * N + p * BP, _mm512_mul_ps(_mm512_add_ps(e[p][r], o[p][r]), s));
     }
 }
 
@@ -200,9 +200,9 @@ typedef struct {
 __attribute__((target(TB))) static void *lanes_range(void *arg) {
     const lanes_job *j = (const lanes_job *)arg;
     const int64_t K = j->K, N = j->N, pairs = (N + 2 * BP - 1) / (2 * BP);
-    int64_t u0, u1;
-    while (take_rows(j->next, 1, pairs, j->threads, &u0, &u1))
-        for (int64_t n0 = u0 * 2 * BP; n0 < u1 * 2 * BP && n0 < N; n0 += 2 * BP) {
+    int64_t u0, u1;  /* in eighths of a pair, so that take_rows's multiples of 8 are whole pairs, not 8 of them */
+    while (take_rows(j->next, 8, 8 * pairs, j->threads, &u0, &u1))
+        for (int64_t n0 = u0 / 8 * 2 * BP; n0 < u1 / 8 * 2 * BP && n0 < N; n0 += 2 * BP) {
             const int NP = N - n0 >= 2 * BP ? 2 : 1;
             const int32_t *P = stored_panel(j->w, K, n0);
             for (int64_t m0 = 0; m0 < j->M; m0 += LR) {
