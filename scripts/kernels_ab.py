@@ -243,13 +243,18 @@ def panels(rows: str = "1,2,4,8,16,32,64", repeats: int = 12, threads: int = 2,
                 lib.a8_panel_rows(panel_rows)
                 lib.a8_lanes_rows(lanes_rows)
         best = _alternate(list(outs), run, repeats)
-        diff = max((a - b).abs().max().item() / max(a.abs().max().item(), 1e-30)
-                   for a, b in zip(outs["rows"], outs["panels"]))
-        assert diff < 1e-5, f"the two layouts' outputs differ by {diff:.2e}"
-        print(f"{M} rows: " + ", ".join(f"{name} {best[name] * 1e3:.2f} ms ({nbytes / best[name] / 1e9:.1f} GB/s)"
-                                        for name in outs)
-              + f"; rows / panels {best['rows'] / best['panels']:.2f}, panel GEMM / lanes on panels "
-                f"{best['panel GEMM'] / best['panels']:.2f}", flush=True)
+        _layouts_line(M, outs, best, nbytes, f", panel GEMM / lanes on panels {best['panel GEMM'] / best['panels']:.2f}")
+
+
+def _layouts_line(M: int, outs: dict, best: dict, nbytes: int, more: str = "") -> None:
+    """`panels`' line for M rows: the rows and panels layouts' outputs agree to float32 rounding, and each form's
+    best time, its weight GB/s and rows / panels."""
+    diff = max((a - b).abs().max().item() / max(a.abs().max().item(), 1e-30)
+               for a, b in zip(outs["rows"], outs["panels"]))
+    assert diff < 1e-5, f"the two layouts' outputs differ by {diff:.2e}"
+    print(f"{M} rows: " + ", ".join(f"{name} {best[name] * 1e3:.2f} ms ({nbytes / best[name] / 1e9:.1f} GB/s)"
+                                    for name in outs)
+          + f"; rows / panels {best['rows'] / best['panels']:.2f}{more}", flush=True)
 
 
 def _shapes(shapes: str) -> tuple[int, list[tuple[int, int]]]:
@@ -289,13 +294,7 @@ def _panels_bf16(lib, rows: str, repeats: int, threads: int, shapes: str) -> Non
         def run(name: str) -> None:
             for i, m in enumerate(layers[name]):
                 outs[name][i] = m(x[m.K])
-        best = _alternate(list(outs), run, repeats)
-        diff = max((a - b).abs().max().item() / max(a.abs().max().item(), 1e-30)
-                   for a, b in zip(outs["rows"], outs["panels"]))
-        assert diff < 1e-5, f"the two layouts' outputs differ by {diff:.2e}"
-        print(f"{M} rows: " + ", ".join(f"{name} {best[name] * 1e3:.2f} ms ({nbytes / best[name] / 1e9:.1f} GB/s)"
-                                        for name in outs)
-              + f"; rows / panels {best['rows'] / best['panels']:.2f}", flush=True)
+        _layouts_line(M, outs, _alternate(list(outs), run, repeats), nbytes)
 
 
 @app.command()

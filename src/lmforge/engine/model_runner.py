@@ -236,9 +236,6 @@ class ModelRunner:
         backend = linear_backend(model, device, reference, lib, quant_activations)
         self.linear_backend = backend.name if backend is not None else "dense"
         self.quantized_linears = swap_backend(model, backend, dtype) if backend is not None else 0
-        self.panel_linears = store_layer_panels(model) if self.quantized_linears else 0
-        if self.panel_linears:
-            self.linear_backend += f"; {self.panel_linears} int4/int8 linears stored as 16-row panels"
         c_gemm = gemm_on(lib)
         bf16_units = kernels.cpu_has_bf16()
         # many rows of bf16 weights on the CPU's bf16 units: lmforge's bf16 panel GEMM (AVX512-BF16) from its
@@ -248,13 +245,16 @@ class ModelRunner:
                                                (lib.gemm_bf16, bf16_panel) if bf16_panel else None)
                              if bf16_weights else 0)
         if self.bf16_linears:
-            self.panel_linears += store_layer_panels(model)
             self.linear_backend = ("bf16 weights x float32 activations (lmforge lmf_qmm_f32, bits 16; " + (
                 f"from {bf16_panel} rows its bf16 panel GEMM on the CPU's bf16 units)" if bf16_panel else
                 f"from {QmmLinear.BF16_UNITS_ROWS} rows oneDNN bf16 GEMM on the CPU's bf16 units)" if bf16_units else
                 f"prefill on lmf_gemm_f32 from {QmmLinear.GEMM_MIN_ROWS[16]} rows)" if c_gemm else
-                "widen + sgemm above 32 rows)")) + (
-                f"; {self.panel_linears} bf16 linears stored as 16-row panels" if self.panel_linears else "")
+                "widen + sgemm above 32 rows)"))
+        # once both swaps are done: int4 / int8 and bf16 layers alike
+        self.panel_linears = store_layer_panels(model) if self.quantized_linears or self.bf16_linears else 0
+        if self.panel_linears:
+            kinds = "bf16" if self.bf16_linears and not self.quantized_linears else "int4/int8"
+            self.linear_backend += f"; {self.panel_linears} {kinds} linears stored as 16-row panels"
         self.weight_bytes = weight_bytes(model)
         # every weight under its checkpoint name, captured before any swap below: the fused stand-ins
         # hold these same tensors (not copies), so `load_weights` can write through them in place

@@ -321,23 +321,15 @@ class QmmLinear(nn.Module):
     PANEL = 16  # weight rows a stored panel (common.h's LMF_PANELS16)
 
     def store_panels(self, int8: bool = False) -> bool:
-        """Keep int4 codes (zero offsets or none; float32, float16 or two-level scales: Q4_0, Q4_1, Q4_K, w4a16) or int8
-        codes (none; one-level scales) and their scales as 16-row panels (common.h's LMF_PANELS16), the A8 panel's own
-        interleave, where the A8 panel bodies run every call of this layer (an AVX-512 VNNI CPU). A decode step's few
-        rows then take `a8_lanes_avx512vnni` (qmm_a8_panel.c) and prefill skips the panel's per-call transpose.
-        Same bytes, moved; `dequantized` reads them back. False (nothing changed) where it does not apply. int8 codes
-        only with `int8` (the engine passes it by default, `store_layer_panels`)."""
-        if self.bits == 16:
-            return self._store_bf16_panels()
-        two_level = self.scale_super is not None  # the K-quants' int8 scales under a float16 a super-block (int4 only)
-        if not (self.a8_panel and self.bits in ((4, 8) if int8 else (4,)) and (not two_level or self.bits == 4)
-                and self.scale.dtype in ((torch.int8,) if two_level else (torch.float32, torch.float16))
-                and (self.zero is None or (self.bits == 4 and self.zero.dtype == self.scale.dtype))
-                and self.N % self.PANEL == 0 and self.gs % 32 == 0 and self.layout == 0
+        """Keep the codes and their scales as 16-row panels (common.h's LMF_PANELS16): 16 weight rows' 4-byte words
+        side by side, the panel GEMMs' own interleave, so that no call rebuilds it. Same bytes, moved; `dequantized`
+        reads them back. False (nothing changed) where it does not apply (`_panels_apply`). int8 codes only with
+        `int8` (the engine passes it by default, `store_layer_panels`)."""
+        if not (self._panels_apply(int8) and self.N % self.PANEL == 0 and self.layout == 0
                 and self.codes.device.type == "cpu"):
             return False
-        P = self.PANEL
-        words = self.codes.shape[1] * self.codes.element_size() // 4  # 4-byte words a row: K / 8 (int4), K / 4 (int8)
+        P, two_level = self.PANEL, self.scale_super is not None
+        words = self.codes.shape[1] * self.codes.element_size() // 4  # 4-byte words a row: K / 8 (int4), K / 4, K / 2
         self.codes = self.codes.view(self.N // P, P, words, -1).transpose(1, 2).contiguous().view(self.N, -1)
         panels = lambda t: t.view(self.N // P, P, -1).transpose(1, 2).contiguous().view(self.N, -1)  # noqa: E731
         for name in ("scale", "scale_super", "zero", "zero_super"):
@@ -348,19 +340,22 @@ class QmmLinear(nn.Module):
         self._describe(form, self.scale.shape[1] // self.scale_super.shape[1] if two_level else 1)
         return True
 
-    def _store_bf16_panels(self) -> bool:
-        """bf16 weights as 16-row panels of input pairs (gemm_bf16.c's own interleave, one 4-byte word the pair k, k + 1
-        of a row), where this layer's many rows run the bf16 panel GEMM (`bf16_panel_rows`, AVX512-BF16): it no longer
-        builds them every call (a 16-row decode batch of the 300M spent 30% of its time there), and fewer rows take
-        `bf16_lanes_f32` on float32 activations. The scale (one float32 a row) stays as it is."""
-        if not (self.bf16_panel_rows and self.N % self.PANEL == 0 and self.K % 32 == 0 and self.layout == 0
-                and self.zero is None and self.codes.device.type == "cpu"):
-            return False
-        P = self.PANEL
-        self.codes = self.codes.view(self.N // P, P, self.K // 2, 2).transpose(1, 2).contiguous().view(self.N, -1)
-        self.layout = P
-        self._describe(0, 1)
-        return True
+    def _panels_apply(self, int8: bool) -> bool:
+        """Whether the bodies that read stored panels run every call of this layer, on its form:
+        - int4 codes (zero offsets or none; float32, float16 or two-level scales: Q4_0, Q4_1, Q4_K, w4a16) or int8 codes
+          (none; one-level scales: Q8_0, w8a16), where the A8 panel bodies run (an AVX-512 VNNI CPU): a decode step's
+          few rows take `a8_lanes_avx512vnni` (qmm_a8_panel.c), prefill skips the panel's per-call transpose;
+        - bf16 weights (one word the input pair k, k + 1 of a row; the scale, one float32 a row, stays as it lies),
+          where this layer's many rows run the bf16 panel GEMM (`bf16_panel_rows`, AVX512-BF16): it no longer builds
+          them every call (a 16-row decode batch of the 300M spent 30% of its time there), and fewer rows take
+          `bf16_lanes_f32` (gemm_bf16.c) on float32 activations."""
+        if self.bits == 16:
+            return bool(self.bf16_panel_rows) and self.K % 32 == 0 and self.zero is None
+        two_level = self.scale_super is not None  # the K-quants' int8 scales under a float16 a super-block (int4 only)
+        return (self.a8_panel and self.bits in ((4, 8) if int8 else (4,)) and (not two_level or self.bits == 4)
+                and self.scale.dtype in ((torch.int8,) if two_level else (torch.float32, torch.float16))
+                and (self.zero is None or (self.bits == 4 and self.zero.dtype == self.scale.dtype))
+                and self.gs % 32 == 0)
 
     def _row_major(self) -> tuple[torch.Tensor, ...]:
         """(codes, scale, zero, scale_super, zero_super) a weight row after another, whatever the stored layout."""

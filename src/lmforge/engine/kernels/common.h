@@ -464,11 +464,11 @@ static inline size_t a8_panel_scratch(int64_t K, int64_t G) {
     return (2 * per + (size_t)K + 2 * LMF_MAX_G * sizeof(float) + 63) / 64 * 64;
 }
 
-/* On int4 weights stored as panels the lanes body takes calls below this many rows (`lmf_a8_lanes_rows` sets it), the
- * panel GEMM from it (int8 ones: the panel's own threshold, `lmf_qmm_s8`): the panel's
- * per-call build (2 panels of bytes, 32 KB at K = 1,024: past Zen 4's L1) costs more than re-reading the
- * nibbles a pass of 4 rows. The 300M's 96 layer matmuls, Q4_0-like weights, 2 threads, Zen 4, panel / lanes time:
- * 1 row 1.68, 4 1.44, 8 1.37, 16 1.17, 32 1.13, 64 1.01, 128 1.00 (`python scripts/kernels_ab.py panels`). */
+/* On int4 and int8 weights stored as panels the lanes body takes calls below this many rows (`lmf_a8_lanes_rows` sets
+ * it), the panel GEMM from it: the panel's per-call build (2 panels of bytes, 32 KB at K = 1,024: past Zen 4's L1)
+ * costs more than re-reading the codes a pass of 4 rows. The 300M's 96 layer matmuls, 2 threads, Zen 4, panel / lanes
+ * time (`python scripts/kernels_ab.py panels [--bits 8]`): Q4_0-like, 1 row 1.47, 4 1.64, 8 1.51, 16 1.23, 64 1.00;
+ * int8 in groups of 32, 1 row 1.30, 8 1.32, 16 1.21, 32 1.16, 64 1.02. */
 #define A8_LANES_MAX_ROWS 64
 
 /* ---- the dispatch table (dispatch.c) ------------------------------------------------------------------- */
