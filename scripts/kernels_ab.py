@@ -4,6 +4,10 @@ in one process, so that the machine's drift between sittings cancels out. Best o
     attention  decode attention (`lmf_paged_decode_any`, float32 queries over a float32 or bf16 pool) on the
                random 300M Llama's shapes (24 layers, 16 query / 8 kv heads of 64), pool blocks in random order
                as a long-running server's are; outputs equal to float32 rounding
+    prefill    paged prefill attention (`lmf_paged_prefill`) of one `--length`-token prompt on the same shapes, 24
+               layers, a bf16 pool: OLD_REV's float32 arithmetic against this checkout's and its bf16 dot products
+               (kv 2; float32 arithmetic where the CPU lacks AVX512-BF16); float32 outputs equal to rounding, the
+               bf16 ones within bf16 rounding
     matmuls    a decode step's 96 layer matmuls of the same model (int4 groups of 32 on int8 activations,
                `lmf_qmm_a8`; or `--weights bf16`, `lmf_gemm_bf16`), distinct weights streamed from memory, at
                `--rows` activation rows; outputs equal
@@ -17,6 +21,7 @@ in one process, so that the machine's drift between sittings cancels out. Best o
                check for a refactor of the kernels that must not change a number
 
     python scripts/kernels_ab.py attention --old-rev 1455d4a --contexts 200,700,1400 [--kv bfloat16] [--seqs 16]
+    python scripts/kernels_ab.py prefill --old-rev 5841e6c --length 512
     python scripts/kernels_ab.py matmuls --old-rev efd2024 --rows 1,4,16 [--weights bf16]
     python scripts/kernels_ab.py panels --rows 1,2,4,8,16,32,64 [--scales float32] [--zeros] [--bits 8] [--shapes smollm2|big]
     python scripts/kernels_ab.py stack runs/vs-llamacpp/random-llama-300m/model-q4_0.gguf
@@ -127,6 +132,40 @@ def attention(old_rev: str = typer.Option(..., help="The revision to compare aga
         kv_bytes = LAYERS * L * seqs * KV_HEADS * HEAD * dtype.itemsize * 2
         print(f"context {L}: " + ", ".join(f"{name} {best[name] * 1e3:.2f} ms ({kv_bytes / best[name] / 1e9:.1f} GB/s)"
                                            for name in libs), flush=True)
+
+
+@app.command()
+def prefill(old_rev: str = typer.Option(..., help="The revision to compare against (its kernels' C sources)."),
+            length: int = 512, repeats: int = 10, threads: int = 2) -> None:
+    """Paged prefill attention of one prompt, ms for 24 layers: float32 arithmetic here and at OLD_REV, bf16 dots."""
+    libs = _libraries(old_rev, threads)
+    gen = torch.Generator().manual_seed(0)
+    blocks = -(-length // BLOCK)
+    shape = (BLOCKS, BLOCK, KV_HEADS, HEAD)
+    ks = [torch.randn(shape, generator=gen).bfloat16() for _ in range(LAYERS)]
+    vs = [torch.randn(shape, generator=gen).bfloat16() for _ in range(LAYERS)]
+    q = torch.randn(length, HEADS, HEAD, generator=gen)
+    table = torch.tensor(np.random.default_rng(length).permutation(BLOCKS)[:blocks], dtype=torch.int32)[None]
+    chunks = torch.tensor([[0, length, 0]], dtype=torch.int64)
+    sides = {f"{name}, float32": (lib, 0) for name, lib in libs.items()}
+    sides["this checkout, bf16 dots"] = (libs["this checkout"], 2)
+    outs = {name: torch.empty(length, HEADS, HEAD) for name in sides}
+
+    def run(name: str) -> None:
+        lib, kv = sides[name]
+        for k, v in zip(ks, vs):
+            rc = lib.prefill(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), kv, table.data_ptr(),
+                             blocks, chunks.data_ptr(), 1, HEADS, KV_HEADS, HEAD, BLOCK, HEAD ** -0.5,
+                             outs[name].data_ptr(), threads)
+            assert rc == 0, rc
+    best = _alternate(list(sides), run, repeats)
+    a, b, c = outs.values()
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a, c, rtol=0, atol=3e-2)
+    pairs = length * (length + 1) // 2
+    gflop = LAYERS * HEADS * pairs * HEAD * 4 / 1e9
+    print(f"{length} tokens, 24 layers ({gflop:.1f} GFLOP causal): " + ", ".join(
+        f"{name} {best[name] * 1e3:.1f} ms ({gflop / best[name]:.0f} GFLOP/s)" for name in sides), flush=True)
 
 
 @app.command()
@@ -410,14 +449,14 @@ def _small_cases(compare: _Compare, rng: np.random.Generator) -> None:
         for D in (64, 72, 1000):  # a tail past the vector width
             bufs = {"x": make(3, D), "w": make(D), "out": make(3, D) * 0}
             compare(f"rmsnorm{sfx} D{D}", lambda lib, b: getattr(lib, "rmsnorm" + sfx)(
-                _ptr(b["x"]), _ptr(b["w"]), _ptr(b["out"]), 3, D, 1e-6), bufs)
+                _ptr(b["x"]), _ptr(b["w"]), _ptr(b["out"]), 3, D, 1e-6, 1), bufs)
             bufs = {"g": make(3, D), "u": make(3, D), "out": make(3, D) * 0}
             compare(f"silu_mul{sfx} n{3 * D}", lambda lib, b: getattr(lib, "silu_mul" + sfx)(
                 _ptr(b["g"]), _ptr(b["u"]), _ptr(b["out"]), 3 * D), bufs)
         for H in (32, 48, 128):
             bufs = {"x": make(3, 4, H), "cos": make(3, H), "sin": make(3, H)}
             compare(f"rope{sfx} H{H}", lambda lib, b: getattr(lib, "rope" + sfx)(
-                _ptr(b["x"]), _ptr(b["cos"]), _ptr(b["sin"]), 3, 4, H), bufs)
+                _ptr(b["x"]), _ptr(b["cos"]), _ptr(b["sin"]), 3, 4, H, 1), bufs)
 
 
 def _weights(rng: np.random.Generator, bits: int, N: int, K: int, gs: int) -> tuple[np.ndarray, np.ndarray]:

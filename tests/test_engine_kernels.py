@@ -195,7 +195,7 @@ def test_elementwise_kernels_round_as_torch(portable):
     cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
     want = apply_rope(x, cos, sin)
     got = x.clone()
-    lib.rope(got.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, N, H)
+    lib.rope(got.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, N, H, 1)
     assert torch.equal(got, want)
 
     norm = RMSNorm(D).bfloat16()
@@ -204,7 +204,7 @@ def test_elementwise_kernels_round_as_torch(portable):
     h = (torch.randn(T, D) * 5).bfloat16()
     want = norm(h).detach()
     got = torch.empty_like(h)
-    lib.rmsnorm(h.data_ptr(), norm.weight.data_ptr(), got.data_ptr(), T, D, norm.variance_epsilon)
+    lib.rmsnorm(h.data_ptr(), norm.weight.data_ptr(), got.data_ptr(), T, D, norm.variance_epsilon, 1)
     d = _ulps_bf16(got, want)
     assert d.max() <= 1 and (d > 0).float().mean() < 0.02
 
@@ -411,14 +411,14 @@ def test_elementwise_float32_bodies_match_torch():
     x = torch.randn(1, T, N, H) * 3
     emb = torch.cat([torch.arange(T)[None, :, None].float() * (1.0 / 10000 ** (torch.arange(0, H, 2) / H))] * 2, -1)
     got, cos, sin = x.clone(), emb.cos(), emb.sin()  # named: a temporary's memory could be freed before the call
-    lib.rope_f32(got.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, N, H)
+    lib.rope_f32(got.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, N, H, 1)
     torch.testing.assert_close(got, apply_rope(x, cos, sin), rtol=1e-6, atol=1e-6)
     norm = RMSNorm(D)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(D))
     h = torch.randn(T, D) * 5
     got = torch.empty_like(h)
-    lib.rmsnorm_f32(h.data_ptr(), norm.weight.data_ptr(), got.data_ptr(), T, D, norm.variance_epsilon)
+    lib.rmsnorm_f32(h.data_ptr(), norm.weight.data_ptr(), got.data_ptr(), T, D, norm.variance_epsilon, 1)
     torch.testing.assert_close(got, norm(h).detach(), rtol=1e-5, atol=1e-5)
     g, u = torch.randn(T, 999) * 4, torch.randn(T, 999)
     got = torch.empty_like(g)
@@ -427,14 +427,40 @@ def test_elementwise_float32_bodies_match_torch():
     # on a fused gate_up output as it is (each row [gate | up]), float32 and bf16, as silu_mul on its halves
     gu = torch.cat([g, u], dim=-1)
     got = torch.full_like(g, float("nan"))
-    lib.silu_mul_rows_f32(gu.data_ptr(), got.data_ptr(), T, 999)
+    lib.silu_mul_rows_f32(gu.data_ptr(), got.data_ptr(), T, 999, 1)
     torch.testing.assert_close(got, torch.nn.functional.silu(g) * u, rtol=1e-5, atol=1e-6)
     gu16, want16 = gu.bfloat16(), torch.empty(T, 999, dtype=torch.bfloat16)
     g16, u16 = (t.contiguous() for t in gu16.chunk(2, dim=-1))
     lib.silu_mul(g16.data_ptr(), u16.data_ptr(), want16.data_ptr(), g16.numel())
     got16 = torch.empty_like(want16)
-    lib.silu_mul_rows(gu16.data_ptr(), got16.data_ptr(), T, 999)
+    lib.silu_mul_rows(gu16.data_ptr(), got16.data_ptr(), T, 999, 1)
     assert torch.equal(got16, want16)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_elementwise_rows_split_across_threads_change_no_bit(dtype):
+    """A prefill chunk's row ops split their rows across threads: 1, 2 and 3 threads give the same bytes (each row
+    computed alike whatever its share), on a call large enough to be split (rows x width >= 65,536) and one not."""
+    lib = kernels.load()
+    torch.manual_seed(1)
+    sfx = "_f32" if dtype == torch.float32 else ""
+    for T in (7, 300):  # 300 x 1,000 wide: split; 7 rows: on the calling thread
+        D, N, H, I = 1000, 8, 64, 1000
+        x, w = (torch.randn(T, D) * 3).to(dtype), torch.randn(D).to(dtype)
+        q0 = (torch.randn(T, N, H) * 3).to(dtype)
+        cos, sin = torch.randn(T, H).to(dtype), torch.randn(T, H).to(dtype)
+        gu = (torch.randn(T, 2 * I) * 3).to(dtype)
+        outs = []
+        for threads in (1, 2, 3):
+            norm, q, h = torch.full_like(x, float("nan")), q0.clone(), torch.full((T, I), float("nan"), dtype=dtype)
+            getattr(lib, "rmsnorm" + sfx)(x.data_ptr(), w.data_ptr(), norm.data_ptr(), T, D, 1e-6, threads)
+            getattr(lib, "rope" + sfx)(q.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, N, H, threads)
+            getattr(lib, "silu_mul_rows" + sfx)(gu.data_ptr(), h.data_ptr(), T, I, threads)
+            outs.append((norm, q, h))
+        for other in outs[1:]:
+            for a, b in zip(outs[0], other):
+                assert not a.float().isnan().any() and torch.equal(a, b)
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")

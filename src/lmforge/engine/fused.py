@@ -46,7 +46,8 @@ class FusedRMSNorm(nn.Module):
         x = x.contiguous()
         out = torch.empty_like(x)
         D = x.shape[-1]
-        self.fn(x.data_ptr(), self.weight.data_ptr(), out.data_ptr(), x.numel() // D, D, self.variance_epsilon)
+        self.fn(x.data_ptr(), self.weight.data_ptr(), out.data_ptr(), x.numel() // D, D, self.variance_epsilon,
+                torch.get_num_threads())
         return out
 
 
@@ -134,9 +135,9 @@ class FusedAttention(Attention):
         q_BTNH, k_BTKH = q_BTNH.contiguous(), k_BTKH.contiguous()  # fresh projections: no copy
         cos_BTH, sin_BTH = cos_BTH.contiguous(), sin_BTH.contiguous()
         rows = q_BTNH.shape[0] * q_BTNH.shape[1]
-        rope = _kernel(self.lib, "rope", q_BTNH.dtype)
+        rope, threads = _kernel(self.lib, "rope", q_BTNH.dtype), torch.get_num_threads()
         for t, heads in ((q_BTNH, self.n_heads), (k_BTKH, self.n_kv_heads)):  # in place: nothing else holds them
-            rope(t.data_ptr(), cos_BTH.data_ptr(), sin_BTH.data_ptr(), rows, heads, self.head_dim)
+            rope(t.data_ptr(), cos_BTH.data_ptr(), sin_BTH.data_ptr(), rows, heads, self.head_dim, threads)
         return q_BTNH, k_BTKH
 
 
@@ -158,7 +159,7 @@ class FusedMLP(nn.Module):
             rows, half = _kernel(self.lib, "silu_mul_rows", gu.dtype), gu.shape[-1] // 2
             if rows is not None:  # the fused output as it is, each row [gate | up]: no copy of its halves
                 h = torch.empty(*gu.shape[:-1], half, dtype=gu.dtype)
-                rows(gu.data_ptr(), h.data_ptr(), gu.numel() // (2 * half), half)
+                rows(gu.data_ptr(), h.data_ptr(), gu.numel() // (2 * half), half, torch.get_num_threads())
                 return self.down_proj(h)
             g, u = gu[..., :half].contiguous(), gu[..., half:].contiguous()  # an older revision's library (A/B)
         else:

@@ -54,6 +54,13 @@ class KernelBackend(AttentionBackend):
         # queries take attend_groups)
         self.prefill_kernel = (kernels.prefill is not None and kv.dtype == torch.float32 and kv.device.type == "cpu"
                                and not kv.int8 and kv.store_dtype in (torch.bfloat16, torch.float32))
+        # the prefill kernel's bf16 dot products (queries and probabilities rounded to bf16, float32 sums) over a
+        # bf16 pool: the model runner turns them on where the linears already round their activations
+        self.prefill_bf16 = False
+
+    @property
+    def name(self) -> str:
+        return super().name + ("; prefill attention on bf16 dot products" if self.prefill_bf16 else "")
 
     def build(self, step: StepIndex) -> KernelMetadata:
         B, device = self.kv.block_size, self.kv.device
@@ -95,8 +102,9 @@ class KernelBackend(AttentionBackend):
         if q_TNH.stride(2) != 1:
             q_TNH = q_TNH.contiguous()
         N, (K, H) = q_TNH.shape[1], k_cache.shape[1:]
+        kv = 1 if k_cache.dtype == torch.float32 else 2 if self.prefill_bf16 else 0  # f32 | bf16 dots | bf16 pool
         rc = self.kernels.prefill(q_TNH.data_ptr(), q_TNH.stride(0), q_TNH.stride(1), k_cache.data_ptr(),
-                                  v_cache.data_ptr(), int(k_cache.dtype == torch.float32), tables_CM.data_ptr(),
+                                  v_cache.data_ptr(), kv, tables_CM.data_ptr(),
                                   tables_CM.shape[1], chunks_C3.data_ptr(), len(chunks_C3), N, K, H,
                                   self.kv.block_size, H ** -0.5, out_TNH.data_ptr(), torch.get_num_threads())
         if rc != 0:

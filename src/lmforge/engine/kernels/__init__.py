@@ -76,8 +76,8 @@ class CpuKernels:
     path: Path
     decode: ctypes._CFuncPtr  # lmf_paged_decode_bf16(..., threads) -> 0 | -1 (shape not handled)
     write_kv: ctypes._CFuncPtr  # lmf_write_kv_bf16(k, v, slots, T, row_len, k_pool, v_pool)
-    rmsnorm: ctypes._CFuncPtr  # lmf_rmsnorm_bf16(x, w, out, rows, D, eps)
-    rope: ctypes._CFuncPtr  # lmf_rope_bf16(x, cos, sin, T, heads, H), in place
+    rmsnorm: ctypes._CFuncPtr  # lmf_rmsnorm_bf16(x, w, out, rows, D, eps, threads)
+    rope: ctypes._CFuncPtr  # lmf_rope_bf16(x, cos, sin, T, heads, H, threads), in place
     silu_mul: ctypes._CFuncPtr  # lmf_silu_mul_bf16(g, u, out, n)
     decode_any: ctypes._CFuncPtr  # lmf_paged_decode_any(q, k, v, k_scales, v_scales, ..., threads, act, kv)
     write_kv_bytes: ctypes._CFuncPtr  # lmf_write_kv_bytes(k, v, slots, T, row_bytes, k_pool, v_pool)
@@ -87,8 +87,8 @@ class CpuKernels:
     rmsnorm_f32: ctypes._CFuncPtr
     rope_f32: ctypes._CFuncPtr
     silu_mul_f32: ctypes._CFuncPtr
-    silu_mul_rows: ctypes._CFuncPtr | None = None  # lmf_silu_mul_rows_bf16(gu, out, rows, I): gu's rows [gate | up]
-    silu_mul_rows_f32: ctypes._CFuncPtr | None = None  # lmf_silu_mul_rows_f32(gu, out, rows, I)
+    silu_mul_rows: ctypes._CFuncPtr | None = None  # lmf_silu_mul_rows_bf16(gu, out, rows, I, threads): rows [gate | up]
+    silu_mul_rows_f32: ctypes._CFuncPtr | None = None  # lmf_silu_mul_rows_f32(gu, out, rows, I, threads)
     qmm_f32: ctypes._CFuncPtr | None = None  # lmf_qmm_f32(x, codes, scales, out, M, N, K, bits, gs, threads,
     #                                          gemm_rows): from gemm_rows rows (> 0) on the panel GEMM
     qmm_a8: ctypes._CFuncPtr | None = None  # lmf_qmm_a8(isa, x, act, codes, scales, out, M, N, K, bits, gs, threads)
@@ -112,7 +112,8 @@ class CpuKernels:
     #                                                  every decoder layer of a decode step in one call
     prefill: ctypes._CFuncPtr | None = None  # lmf_paged_prefill(q, q_row_stride, q_head_stride, k_pool, v_pool, kv,
     #                                          tables, tables_M, chunks, S, N, K, H, B, scale, out, threads): every
-    #                                          prefill chunk of a step, causal, over the pool in place
+    #                                          prefill chunk of a step, causal, over the pool in place (kv 0 bf16,
+    #                                          1 float32, 2 bf16 on the CPU's bf16 dot products where it has them)
     bodies: dict[str, str] = field(default_factory=dict)  # lmf_kernels_chosen: kernel -> the body dispatch.c
     #                                                      chose at load ({} for an older revision's build)
 
@@ -237,9 +238,10 @@ def _bind(path: Path) -> CpuKernels:
     decode.restype = ctypes.c_int
     decode.argtypes = [P, P, P, P, I64, P, P, I64, I64, I64, I64, I64, ctypes.c_float, P, I64]
     fns = {}
-    for name, argtypes in (("write_kv", [P, P, P, I64, I64, P, P]), ("rmsnorm", [P, P, P, I64, I64, ctypes.c_float]),
-                           ("rope", [P, P, P, I64, I64, I64]), ("silu_mul", [P, P, P, I64]),
-                           ("silu_mul_rows", [P, P, I64, I64])):
+    for name, argtypes in (("write_kv", [P, P, P, I64, I64, P, P]),
+                           ("rmsnorm", [P, P, P, I64, I64, ctypes.c_float, I64]),
+                           ("rope", [P, P, P, I64, I64, I64, I64]), ("silu_mul", [P, P, P, I64]),
+                           ("silu_mul_rows", [P, P, I64, I64, I64])):
         for suffix in ("bf16", "f32"):
             fn = getattr(lib, f"lmf_{name}_{suffix}", None)
             if fn is None:

@@ -6,7 +6,8 @@
  * ctx + i of its sequence, and attends over the sequence's tokens [0, ctx + i]; token j lives in pool row
  * tables[c * tables_M + j / B] * B + j % B. Float32 queries and output, a bfloat16 (kv 0) or float32 (kv 1)
  * pool, all arithmetic in float32 (a bf16 row widened is exact): the same numbers as SDPA over the pool's K/V,
- * up to summation order.
+ * up to summation order. kv 2: a bfloat16 pool on the CPU's bf16 dot products (queries and probabilities rounded
+ * to bf16, sums in float32; below, "bf16 dot products"), where this CPU and build have them, else as kv 0.
  *
  * The layout is the one that keeps the online softmax vertical: a vector's lanes are VL consecutive queries of
  * one head, so a tile of VL keys gives VL score vectors (one per key), and their max, exp and sum over the
@@ -92,6 +93,25 @@ typedef struct {
     float *scratch;  /* this thread's: queries and outputs transposed, the tile's widened K and V */
 } prefill_job;
 
+/* an item's outputs, H vectors of VL queries (ot), times inv, into nq rows of dst `stride` floats apart: 16 x 16
+ * transposes where the lanes are 16 (each row's dimensions stored together), else lane by lane. Stored lane by lane,
+ * 16 rows 4 KB apart (the 300M's N x H) hit one cache set: ~20% of a bf16 item's samples. */
+static void store_rows(const vf *ot, const vf inv, float *dst, int64_t nq, int64_t stride, int64_t H) {
+    int64_t h = 0;
+#if defined(LMF_X86) && VL == 16
+    for (; h + 16 <= H; h += 16) {
+        __m512i r[16];
+        for (int k = 0; k < 16; k++) r[k] = (__m512i)(ot[h + k] * inv);
+        lmf_transpose16(r);
+        for (int64_t i = 0; i < nq; i++) _mm512_storeu_si512(dst + i * stride + h, r[i]);
+    }
+#endif
+    for (; h < H; h++) {
+        const vf v = ot[h] * inv;
+        for (int64_t i = 0; i < nq; i++) dst[i * stride + h] = v[i];
+    }
+}
+
 /* one item: chunk c, kv head g, queries [p0, p0 + nq) of the chunk */
 static void prefill_item(const prefill_job *j, int64_t c, int64_t g, int64_t p0, int64_t nq, float *scr) {
     const int64_t H = j->H, G = j->N / j->K, q_row = j->chunks[3 * c], ctx = j->chunks[3 * c + 2];
@@ -158,15 +178,150 @@ static void prefill_item(const prefill_job *j, int64_t c, int64_t g, int64_t p0,
             }
         }
     }
-    for (int64_t hh = 0; hh < G; hh++) {
-        const vf inv = SPLAT(1.0f) / sum[hh];
-        float *dst = j->out + ((q_row + p0) * j->N + g * G + hh) * H;
-        for (int64_t h = 0; h < H; h++) {
-            const vf v = ot[hh * H + h] * inv;
-            for (int64_t i = 0; i < nq; i++) dst[i * j->N * H + h] = v[i];
+    for (int64_t hh = 0; hh < G; hh++)
+        store_rows(ot + hh * H, SPLAT(1.0f) / sum[hh], j->out + ((q_row + p0) * j->N + g * G + hh) * H, nq, j->N * H, H);
+}
+
+#if defined(LMF_BF16_DOTS) && VL == 16
+#define PREFILL_BF16 1
+/* ---- bf16 dot products (kv 2: a bf16 pool, on a CPU with AVX512-BF16) ---------------------------------------------
+ *
+ * The same item, layout and online softmax with both products on `vdpbf16ps` (two bf16 products summed into a
+ * float32 lane, twice the float32 FMA's work an instruction): the queries (scaled) and each tile's probabilities are
+ * rounded to bf16, the K/V are the pool's own bf16, every sum stays float32 (FlashAttention's precision, and
+ * OpenVINO's on this CPU). The engine asks for it only where the linears already round their activations (the bf16
+ * panel GEMM, int8 activations), so the queries come out of a GEMM on bf16-rounded inputs anyway.
+ *   scores: a query vector holds dimensions (h, h + 1) of the 16 queries, one dword a lane, and each key row's dword
+ *     at h is broadcast from the pool as it lies: H / 2 instructions a key, no widening;
+ *   output: the tile's probabilities as pairs of keys (t, t + 1) a lane, and V as the same pairs a dimension (the
+ *     tile's rows interleaved two by two once per kv head, for its G query heads). */
+
+/* lane i: (bf16(a_i), bf16(b_i)), a in the low half */
+__attribute__((target(LMF_TARGET_BF16))) static inline __m512i pair_bf16(const __m512 a, const __m512 b) {
+    const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);  /* words 0..15: a, 16..31: b */
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(order, ab);
+}
+
+/* acc + vdpbf16ps(w, the bf16 pair at p broadcast), by value (dpbf16_bcast's asm operand through a pointer left
+ * this body's 16 score accumulators on the stack: a load and a store around every instruction) */
+__attribute__((target(LMF_TARGET_BF16), always_inline)) static inline __m512 dp_pair(__m512 acc, const __m512i w,
+                                                                                    const void *p) {
+#if defined(__GNUC__) && !defined(__clang__)
+    __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
+    return acc;
+#else
+    int32_t a;
+    memcpy(&a, p, 4);
+    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_set1_epi32(a));
+#endif
+}
+
+/* the tile's K rows (pointers, bf16) side by side in kt (16 x H), and its V rows as pairs of tokens:
+ * vw[e * H + h] = (v[2e][h], v[2e + 1][h]) */
+__attribute__((target(LMF_TARGET_BF16), always_inline)) static inline void copy_tile(
+        const uint16_t *const *kr, const uint16_t *const *vr, uint16_t *kt, uint32_t *vw, const int H) {
+    LMF_UNROLL for (int t = 0; t < VL; t++)
+        LMF_UNROLL for (int h = 0; h < H; h += 32)
+            _mm512_storeu_si512(kt + t * H + h, _mm512_loadu_si512(kr[t] + h));
+    LMF_UNROLL for (int e = 0; e < VL / 2; e++)
+        LMF_UNROLL for (int h = 0; h < H; h += 16) {
+            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr[2 * e] + h)));
+            const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr[2 * e + 1] + h)));
+            _mm512_storeu_si512(vw + e * H + h, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
+}
+
+/* one query head's tile: scores against the 16 key rows, the online softmax update, the output's update. H a
+ * constant, so that every key's and V pair's broadcast is one pointer plus a fixed displacement. */
+__attribute__((target(LMF_TARGET_BF16), always_inline)) static inline void tile_head_bf16(
+        const __m512i *qp, const uint16_t *kt, const uint32_t *vw, int masked, vi pos, int64_t t0, vf *mx, vf *sum,
+        vf *o, const int H) {
+    __m512 s[VL];
+    LMF_UNROLL for (int t = 0; t < VL; t++) s[t] = _mm512_setzero_ps();
+    for (int d = 0; d < H / 2; d++) {
+        const __m512i a = qp[d];
+        LMF_UNROLL for (int t = 0; t < VL; t++) s[t] = dp_pair(s[t], a, kt + t * H + 2 * d);
+    }
+    vf m = *mx;
+    LMF_UNROLL for (int t = 0; t < VL; t++) {
+        if (masked) s[t] = SELECT(pos >= (vi){0} + (int32_t)(t0 + t), s[t], SPLAT(-INFINITY));
+        m = vmax(m, s[t]);
+    }
+    const vf alpha = vexp(*mx - m);
+    vf tile_sum = SPLAT(0.0f);
+    __m512i pp[VL / 2];
+    LMF_UNROLL for (int e = 0; e < VL / 2; e++) {
+        const vf p0 = vexp(s[2 * e] - m), p1 = vexp(s[2 * e + 1] - m);
+        tile_sum += p0 + p1;
+        pp[e] = pair_bf16(p0, p1);
+    }
+    *sum = *sum * alpha + tile_sum;
+    *mx = m;
+    for (int h = 0; h < H; h += 8) {  /* eight dimensions at a time: eight independent chains */
+        __m512 acc[8];
+        LMF_UNROLL for (int i = 0; i < 8; i++) acc[i] = o[h + i] * alpha;
+        LMF_UNROLL for (int e = 0; e < VL / 2; e++)
+            LMF_UNROLL for (int i = 0; i < 8; i++) acc[i] = dp_pair(acc[i], pp[e], vw + e * H + h + i);
+        LMF_UNROLL for (int i = 0; i < 8; i++) o[h + i] = acc[i];
     }
 }
+
+/* prefill_item on bf16 dot products, H a constant (64 or 128) */
+__attribute__((target(LMF_TARGET_BF16), always_inline)) static inline void item_bf16(
+        const prefill_job *j, int64_t c, int64_t g, int64_t p0, int64_t nq, float *scr, const int H) {
+    const int64_t G = j->N / j->K, q_row = j->chunks[3 * c], ctx = j->chunks[3 * c + 2];
+    const int32_t *table = j->tables + c * j->tables_M;
+    __m512i *qp = (__m512i *)scr;              /* (G, H / 2): query pairs, a lane a query */
+    vf *ot = (vf *)(qp + G * H / 2);           /* (G, H): outputs, transposed */
+    uint32_t *vw = (uint32_t *)(ot + G * H);   /* (VL / 2, H): the tile's V as pairs of tokens */
+    uint16_t *kt = (uint16_t *)(vw + VL / 2 * H);  /* (VL, H): the tile's K rows */
+    vf mx[MAX_G], sum[MAX_G];
+    vi pos;
+    for (int64_t i = 0; i < VL; i++) pos[i] = (int32_t)(ctx + p0 + (i < nq ? i : nq - 1));
+    for (int64_t hh = 0; hh < G; hh++) {
+        const float *qh = j->q + (q_row + p0) * j->q_row_stride + (g * G + hh) * j->q_head_stride;
+        for (int64_t h = 0; h < H; h += 2) {
+            vf a, b;
+            for (int64_t i = 0; i < VL; i++) {
+                const float *qi = qh + (i < nq ? i : nq - 1) * j->q_row_stride + h;
+                a[i] = qi[0] * j->scale;
+                b[i] = qi[1] * j->scale;
+            }
+            qp[hh * H / 2 + h / 2] = pair_bf16(a, b);
+            ot[hh * H + h] = ot[hh * H + h + 1] = SPLAT(0.0f);
+        }
+        mx[hh] = SPLAT(-INFINITY);
+        sum[hh] = SPLAT(0.0f);
+    }
+    const int64_t last = ctx + p0 + nq - 1, first = ctx + p0;
+    const uint16_t *kp = (const uint16_t *)j->k_pool, *vp = (const uint16_t *)j->v_pool;
+    for (int64_t t0 = 0; t0 <= last; t0 += VL) {
+        const int64_t nt = last + 1 - t0 < VL ? last + 1 - t0 : VL;
+        int64_t row[VL];
+        tile_rows(table, t0, nt, j->B, j->K, g, row);
+        const uint16_t *kr[VL], *vr[VL];
+        for (int64_t t = 0; t < VL; t++) {  /* rows past nt repeat the last: read, then masked to probability 0 */
+            kr[t] = kp + row[t < nt ? t : nt - 1] * H;
+            vr[t] = vp + row[t < nt ? t : nt - 1] * H;
+        }
+        copy_tile(kr, vr, kt, vw, H);
+        const int masked = t0 + VL - 1 > first;
+        for (int64_t hh = 0; hh < G; hh++)
+            tile_head_bf16(qp + hh * H / 2, kt, vw, masked, pos, t0, &mx[hh], &sum[hh], ot + hh * H, H);
+    }
+    for (int64_t hh = 0; hh < G; hh++)
+        store_rows(ot + hh * H, SPLAT(1.0f) / sum[hh], j->out + ((q_row + p0) * j->N + g * G + hh) * H, nq,
+                   j->N * H, H);
+}
+
+__attribute__((target(LMF_TARGET_BF16))) static void prefill_item_bf16(const prefill_job *j, int64_t c, int64_t g,
+                                                                       int64_t p0, int64_t nq, float *scr) {
+    if (j->H == 64) item_bf16(j, c, g, p0, nq, scr, 64);
+    else item_bf16(j, c, g, p0, nq, scr, 128);  /* lmf_paged_prefill takes kv 2 for these two only */
+}
+#endif
 
 static void *prefill_range(void *arg) {
     const prefill_job *j = (const prefill_job *)arg;
@@ -178,8 +333,14 @@ static void *prefill_range(void *arg) {
         while (j->first_item[c + 1] <= i) c++;
         const int64_t local = i - j->first_item[c], q_len = j->chunks[3 * c + 1];
         const int64_t blocks = (q_len + VL - 1) / VL, b = blocks - 1 - local / j->K, g = local % j->K;
-        const int64_t p0 = b * VL;
-        prefill_item(j, c, g, p0, q_len - p0 < VL ? q_len - p0 : VL, j->scratch);
+        const int64_t p0 = b * VL, nq = q_len - p0 < VL ? q_len - p0 : VL;
+#ifdef PREFILL_BF16
+        if (j->kv == 2) {
+            prefill_item_bf16(j, c, g, p0, nq, j->scratch);
+            continue;
+        }
+#endif
+        prefill_item(j, c, g, p0, nq, j->scratch);
     }
     return NULL;
 }
@@ -188,8 +349,13 @@ int lmf_paged_prefill(const float *q, int64_t q_row_stride, int64_t q_head_strid
                       const void *v_pool, int64_t kv, const int32_t *tables, int64_t tables_M, const int64_t *chunks,
                       int64_t S, int64_t N, int64_t K, int64_t H, int64_t B, float scale, float *out,
                       int64_t threads) {
-    if ((kv != 0 && kv != 1) || S < 1 || K < 1 || N % K || N / K > MAX_G || H < 4 || H % 4 || H > MAX_H || B < 1)
+    if (kv < 0 || kv > 2 || S < 1 || K < 1 || N % K || N / K > MAX_G || H < 4 || H % 4 || H > MAX_H || B < 1)
         return -1;
+#ifdef PREFILL_BF16
+    if (kv == 2 && (!lmf_dispatch.bf16_panel || (H != 64 && H != 128))) kv = 0;  /* float32 math, same pool */
+#else
+    if (kv == 2) kv = 0;
+#endif
     int64_t *first_item = (int64_t *)malloc((size_t)(S + 1) * sizeof(int64_t));
     if (first_item == NULL) return -1;
     first_item[0] = 0;

@@ -174,6 +174,27 @@ typedef struct { int64_t fmt, per; const void *s, *sd, *z, *zd; int64_t layout; 
 #endif
 #define LMF_MAX_G 4096  /* groups a row: K < 65536 in groups of 16 or more */
 
+/* AVX512-BF16 bodies (`vdpbf16ps`): compiled with their own target on every x86 build whose compiler knows the
+ * instruction, run where the CPU has it (lmf_dispatch.bf16_panel): the bf16 panel GEMM (gemm_bf16.c) and the bf16
+ * dot products of paged prefill attention (attention_prefill.c). */
+#if defined(LMF_X86) && (defined(__clang__) ? (__clang_major__ >= 9) : (__GNUC__ >= 10))
+#define LMF_BF16_DOTS 1
+#define LMF_TARGET_BF16 "avx512f,avx512bw,avx512vl,avx512bf16"
+
+/* acc += vdpbf16ps(w, the bf16 pair at p broadcast to every lane), the broadcast as the instruction's memory operand */
+__attribute__((target(LMF_TARGET_BF16), always_inline)) static inline void dpbf16_bcast(__m512 *acc, const __m512i w,
+                                                                                       const uint16_t *p) {
+#if defined(__GNUC__) && !defined(__clang__)
+    __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(*acc) : "v"(w), "m"(*(const int32_t *)p));
+#else
+    int32_t a;
+    memcpy(&a, p, 4);
+    *acc = _mm512_dpbf16_ps(*acc, (__m512bh)w, (__m512bh)_mm512_set1_epi32(a));
+#endif
+}
+#endif
+
+
 static inline float f16_to_f32(uint16_t h) {  /* exact, subnormals and infinities included */
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
     union { uint32_t u; float f; } c;
@@ -322,6 +343,20 @@ static inline int take_rows(int64_t *next, int64_t chunk, int64_t N, int64_t thr
     *n0 = big > 0 ? threads * big + (i - threads) * chunk : i * chunk;  /* too few rows for a share: chunks only */
     if (*n0 >= N) return 0;
     *n1 = *n0 + chunk < N ? *n0 + chunk : N;
+    return 1;
+}
+
+/* As take_rows, for the panel bodies' unit of work, a pair of 16-row panels (32 weight rows): [*n0, *n1) of [0, N),
+ * whole pairs but the last. take_rows counts in eighths of a pair here, so that its contiguous 7/8 of a share and
+ * its single-unit tail are whole pairs. Chunks of about a quarter of a share (the panel GEMMs' split before
+ * 2026-12-06) left one thread waiting up to one chunk at the end of every call: at a prefill chunk's 512 rows, the
+ * main thread sat in libgomp's barrier for ~8% of a bf16 prefill's samples. */
+static inline int take_pairs(int64_t *next, int64_t N, int64_t threads, int64_t *n0, int64_t *n1) {
+    const int64_t pairs = (N + 31) / 32;
+    int64_t u0, u1;
+    if (!take_rows(next, 8, 8 * pairs, threads, &u0, &u1)) return 0;
+    *n0 = u0 / 8 * 32;
+    *n1 = u1 / 8 * 32 < N ? u1 / 8 * 32 : N;
     return 1;
 }
 
@@ -518,14 +553,16 @@ void lmf_write_kv_f32_bf16(const float *k, const float *v, const int64_t *slots,
 int lmf_write_kv_int8(const void *k, const void *v, const int64_t *slots, int64_t T, int64_t K, int64_t H,
                       int64_t act, int8_t *k_pool, int8_t *v_pool, uint16_t *k_scales, uint16_t *v_scales);
 /* elementwise.c */
-void lmf_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t rows, int64_t D, float eps);
-void lmf_rope_bf16(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t T, int64_t heads, int64_t H);
+void lmf_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t rows, int64_t D, float eps,
+                      int64_t threads);
+void lmf_rope_bf16(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t T, int64_t heads, int64_t H,
+                   int64_t threads);
 void lmf_silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, int64_t n);
-void lmf_rmsnorm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t D, float eps);
-void lmf_rope_f32(float *x, const float *cos, const float *sin, int64_t T, int64_t heads, int64_t H);
+void lmf_rmsnorm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t D, float eps, int64_t threads);
+void lmf_rope_f32(float *x, const float *cos, const float *sin, int64_t T, int64_t heads, int64_t H, int64_t threads);
 void lmf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n);
-void lmf_silu_mul_rows_f32(const float *gu, float *out, int64_t rows, int64_t I);
-void lmf_silu_mul_rows_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t I);
+void lmf_silu_mul_rows_f32(const float *gu, float *out, int64_t rows, int64_t I, int64_t threads);
+void lmf_silu_mul_rows_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t I, int64_t threads);
 /* qmm_f32.c, gemm_f32.c */
 int lmf_qmm_f32(const float *x, const void *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
                 int64_t bits, int64_t gs, int64_t threads, int64_t gemm_rows, const lmf_scales *sc);

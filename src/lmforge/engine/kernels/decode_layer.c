@@ -89,10 +89,10 @@ int lmf_decode_layer_q(int64_t isa, const int64_t *p, float *x, int64_t M, const
     float *h = buf, *qkv = h + M * D, *q = qkv + M * NQKV, *k = q + M * NQ, *v = k + M * NK, *att = v + M * NK;
     float *gu = att + M * NQ, *act = gu + M * 2 * F, *o = act + M * F;
     int rc = 0;
-    lmf_rmsnorm_f32(x, in_w, h, M, D, eps);
+    lmf_rmsnorm_f32(x, in_w, h, M, D, eps, 1);
     if ((rc = project_qkv(isa, p, h, qkv, q, k, v, M, D, NQ, NK))) goto done;
-    lmf_rope_f32(q, cos, sin, M, N, H);
-    lmf_rope_f32(k, cos, sin, M, K, H);
+    lmf_rope_f32(q, cos, sin, M, N, H, 1);
+    lmf_rope_f32(k, cos, sin, M, K, H, 1);
     if (kv == 0)
         lmf_write_kv_f32_bf16(k, v, slots, M, NK, (uint16_t *)p[8], (uint16_t *)p[9]);
     else
@@ -102,7 +102,7 @@ int lmf_decode_layer_q(int64_t isa, const int64_t *p, float *x, int64_t M, const
         goto done;
     if ((rc = linear(isa, p, o_l, att, o, M, D, NQ))) goto done;
     for (int64_t i = 0; i < M * D; i++) x[i] = x[i] + o[i];
-    lmf_rmsnorm_f32(x, post_w, h, M, D, eps);
+    lmf_rmsnorm_f32(x, post_w, h, M, D, eps, 1);
     if ((rc = gate_up(isa, p, gu_l, h, gu, act, M, D, F))) goto done;
     if ((rc = linear(isa, p, down_l, act, o, M, D, F))) goto done;
     for (int64_t i = 0; i < M * D; i++) x[i] = x[i] + o[i];

@@ -1,8 +1,41 @@
 /* The elementwise ops of a Llama layer, one call each instead of 5-14 torch ops (`lmforge.engine.fused` puts
  * them in the model): RMSNorm, RoPE and SwiGLU's silu * up, on bfloat16 (AVX-512 where the compiler targets
  * it, else portable C) and on float32 (plain loops the compiler vectorizes).
+ *
+ * The row ops take `threads` and split their rows into that many contiguous shares when a call has at least
+ * SPLIT_MIN elements (a prefill chunk; a decode step's few rows stay on the calling thread). Every row is computed
+ * the same way whatever the split, so the thread count changes no number. On one thread a 512-token bf16 prefill of
+ * the 300M spent ~60 ms of its ~890 in them while the other core waited (2026-12-06).
  */
 #include "common.h"
+
+#define SPLIT_MIN 65536  /* elements a call before its rows are split across threads */
+
+typedef void (*rows_fn)(const void *args, int64_t r0, int64_t r1);
+typedef struct {
+    rows_fn fn;
+    const void *args;
+    int64_t r0, r1;
+} rows_job;
+
+static void *rows_range(void *arg) {
+    const rows_job *j = (const rows_job *)arg;
+    if (j->r0 < j->r1) j->fn(j->args, j->r0, j->r1);
+    return NULL;
+}
+
+/* fn(args, r0, r1) over rows [0, rows), in `threads` contiguous shares when rows x width is large enough */
+static void split_rows(rows_fn fn, const void *args, int64_t rows, int64_t width, int64_t threads) {
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > rows) threads = rows;
+    if (threads < 2 || rows * width < SPLIT_MIN) {
+        fn(args, 0, rows);
+        return;
+    }
+    rows_job jobs[MAX_THREADS];
+    for (int64_t t = 0; t < threads; t++) jobs[t] = (rows_job){fn, args, rows * t / threads, rows * (t + 1) / threads};
+    run_jobs(rows_range, jobs, sizeof jobs[0], threads);
+}
 
 /* ---- bfloat16 in and out ------------------------------------------------------------------------------
  * Each follows the rounding of the torch ops it replaces (every torch bf16 op computes in float32
@@ -24,9 +57,21 @@ static inline void store_bf16(uint16_t *p, __m512 x) {  /* x must already be a b
 }
 #endif
 
+typedef struct {
+    const void *x, *w;
+    void *out;
+    int64_t D;
+    float eps;
+} norm_args;
+
 /* RMSNorm as transformers computes it: y = bf16(x * rsqrt(mean(x^2) + eps)); out = bf16(w * y). */
-void lmf_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t rows, int64_t D, float eps) {
-    for (int64_t r = 0; r < rows; r++) {
+static void rmsnorm_bf16_rows(const void *args, int64_t r0, int64_t r1) {
+    const norm_args *a = (const norm_args *)args;
+    const uint16_t *x = (const uint16_t *)a->x, *w = (const uint16_t *)a->w;
+    uint16_t *out = (uint16_t *)a->out;
+    const int64_t D = a->D;
+    const float eps = a->eps;
+    for (int64_t r = r0; r < r1; r++) {
         const uint16_t *xr = x + r * D;
         uint16_t *o = out + r * D;
         int64_t h = 0;
@@ -53,11 +98,26 @@ void lmf_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64
     }
 }
 
+void lmf_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t rows, int64_t D, float eps,
+                      int64_t threads) {
+    const norm_args a = {x, w, out, D, eps};
+    split_rows(rmsnorm_bf16_rows, &a, rows, D, threads);
+}
+
+typedef struct {
+    void *x;
+    const void *cos, *sin;
+    int64_t heads, H;
+} rope_args;
+
 /* Rotary embedding in place on x (T, heads, H) with cos/sin (T, H): x*cos + rotate_half(x)*sin,
  * rotate_half(x) = (-x2, x1); both products and the sum rounded as torch rounds them. */
-void lmf_rope_bf16(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t T, int64_t heads, int64_t H) {
-    const int64_t half = H / 2;
-    for (int64_t t = 0; t < T; t++) {
+static void rope_bf16_rows(const void *args, int64_t t0, int64_t t1) {
+    const rope_args *a = (const rope_args *)args;
+    uint16_t *x = (uint16_t *)a->x;
+    const uint16_t *cos = (const uint16_t *)a->cos, *sin = (const uint16_t *)a->sin;
+    const int64_t heads = a->heads, H = a->H, half = H / 2;
+    for (int64_t t = t0; t < t1; t++) {
         const uint16_t *c = cos + t * H, *s = sin + t * H;
         for (int64_t n = 0; n < heads; n++) {
             uint16_t *lo = x + (t * heads + n) * H, *hi = lo + half;
@@ -86,6 +146,12 @@ void lmf_rope_bf16(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_
     }
 }
 
+void lmf_rope_bf16(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t T, int64_t heads, int64_t H,
+                   int64_t threads) {
+    const rope_args a = {x, cos, sin, heads, H};
+    split_rows(rope_bf16_rows, &a, T, heads * H, threads);
+}
+
 #ifdef LMF_AVX512
 /* silu(g) = g / (1 + exp(-g)), 16 at a time. exp_ps clamps its argument at -87 (g > 87: exp(-g) ~1.6e-38, silu g
  * as torch's) and gives inf above 88.7 (g < -88.7: silu -0 where torch gives a denormal). */
@@ -109,20 +175,45 @@ void lmf_silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, int6
     }
 }
 
-/* Float32 bodies of the elementwise ops, in torch's float32 order (plain loops; -O3 vectorizes them). */
-void lmf_rmsnorm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t D, float eps) {
-    for (int64_t r = 0; r < rows; r++) {
+/* Float32 bodies of the elementwise ops, in torch's float32 arithmetic (plain loops; -O3 vectorizes them). */
+
+/* sum of x[h]^2: 32 partial sums (x[h] into sum h % 32, each in order), then halved pairwise. The compiler keeps
+ * the partial sums in vector registers: a sum in one chain cost a 1,024-wide row ~4,100 cycles of FMA latency
+ * (~1 ms a prefill chunk's 512 rows), this ~150. */
+static float sum_squares_f32(const float *x, int64_t D) {
+    float a[32] = {0};
+    int64_t h = 0;
+    for (; h + 32 <= D; h += 32)
+        for (int i = 0; i < 32; i++) a[i] += x[h + i] * x[h + i];
+    for (int i = 0; h < D; h++, i++) a[i] += x[h] * x[h];
+    for (int w = 16; w > 0; w /= 2)
+        for (int i = 0; i < w; i++) a[i] += a[i + w];
+    return a[0];
+}
+
+static void rmsnorm_f32_rows(const void *args, int64_t r0, int64_t r1) {
+    const norm_args *a = (const norm_args *)args;
+    const float *x = (const float *)a->x, *w = (const float *)a->w;
+    float *out = (float *)a->out;
+    const int64_t D = a->D;
+    for (int64_t r = r0; r < r1; r++) {
         const float *xr = x + r * D;
-        float ss = 0.0f;
-        for (int64_t h = 0; h < D; h++) ss += xr[h] * xr[h];
-        const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+        const float inv = 1.0f / sqrtf(sum_squares_f32(xr, D) / (float)D + a->eps);
         for (int64_t h = 0; h < D; h++) out[r * D + h] = w[h] * (xr[h] * inv);
     }
 }
 
-void lmf_rope_f32(float *x, const float *cos, const float *sin, int64_t T, int64_t heads, int64_t H) {
-    const int64_t half = H / 2;
-    for (int64_t t = 0; t < T; t++) {
+void lmf_rmsnorm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t D, float eps, int64_t threads) {
+    const norm_args a = {x, w, out, D, eps};
+    split_rows(rmsnorm_f32_rows, &a, rows, D, threads);
+}
+
+static void rope_f32_rows(const void *args, int64_t t0, int64_t t1) {
+    const rope_args *a = (const rope_args *)args;
+    float *x = (float *)a->x;
+    const float *cos = (const float *)a->cos, *sin = (const float *)a->sin;
+    const int64_t heads = a->heads, H = a->H, half = H / 2;
+    for (int64_t t = t0; t < t1; t++) {
         const float *c = cos + t * H, *s = sin + t * H;
         for (int64_t n = 0; n < heads; n++) {
             float *lo = x + (t * heads + n) * H, *hi = lo + half;
@@ -133,6 +224,11 @@ void lmf_rope_f32(float *x, const float *cos, const float *sin, int64_t T, int64
             }
         }
     }
+}
+
+void lmf_rope_f32(float *x, const float *cos, const float *sin, int64_t T, int64_t heads, int64_t H, int64_t threads) {
+    const rope_args a = {x, cos, sin, heads, H};
+    split_rows(rope_f32_rows, &a, T, heads * H, threads);
 }
 
 /* silu(g) * u: 16 at a time (`silu_ps`) where the build has AVX-512 (relative error ~2e-7 against libm's expf,
@@ -151,12 +247,34 @@ void lmf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n) {
     silu_mul_f32_span(g, u, out, n);
 }
 
-/* The MLP's middle on a fused gate_up output gu (rows, 2 I), each row [gate | up], into out (rows, I): no copy of
- * the two halves first (two chunk().contiguous() copies of a prefill chunk's 512 x 5,632 cost more than the op). */
-void lmf_silu_mul_rows_f32(const float *gu, float *out, int64_t rows, int64_t I) {
-    for (int64_t r = 0; r < rows; r++) silu_mul_f32_span(gu + r * 2 * I, gu + r * 2 * I + I, out + r * I, I);
+typedef struct {
+    const void *gu;
+    void *out;
+    int64_t I;
+} silu_args;
+
+static void silu_mul_f32_rows(const void *args, int64_t r0, int64_t r1) {
+    const silu_args *a = (const silu_args *)args;
+    const float *gu = (const float *)a->gu;
+    const int64_t I = a->I;
+    for (int64_t r = r0; r < r1; r++) silu_mul_f32_span(gu + r * 2 * I, gu + r * 2 * I + I, (float *)a->out + r * I, I);
 }
 
-void lmf_silu_mul_rows_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t I) {
-    for (int64_t r = 0; r < rows; r++) lmf_silu_mul_bf16(gu + r * 2 * I, gu + r * 2 * I + I, out + r * I, I);
+static void silu_mul_bf16_rows(const void *args, int64_t r0, int64_t r1) {
+    const silu_args *a = (const silu_args *)args;
+    const uint16_t *gu = (const uint16_t *)a->gu;
+    const int64_t I = a->I;
+    for (int64_t r = r0; r < r1; r++) lmf_silu_mul_bf16(gu + r * 2 * I, gu + r * 2 * I + I, (uint16_t *)a->out + r * I, I);
+}
+
+/* The MLP's middle on a fused gate_up output gu (rows, 2 I), each row [gate | up], into out (rows, I): no copy of
+ * the two halves first (two chunk().contiguous() copies of a prefill chunk's 512 x 5,632 cost more than the op). */
+void lmf_silu_mul_rows_f32(const float *gu, float *out, int64_t rows, int64_t I, int64_t threads) {
+    const silu_args a = {gu, out, I};
+    split_rows(silu_mul_f32_rows, &a, rows, I, threads);
+}
+
+void lmf_silu_mul_rows_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t I, int64_t threads) {
+    const silu_args a = {gu, out, I};
+    split_rows(silu_mul_bf16_rows, &a, rows, I, threads);
 }

@@ -26,9 +26,9 @@
  */
 #include "common.h"
 
-#if defined(LMF_X86) && (defined(__clang__) ? (__clang_major__ >= 9) : (__GNUC__ >= 10))
+#ifdef LMF_BF16_DOTS
 #define LMF_BF16_PANEL 1
-#define TB "avx512f,avx512bw,avx512vl,avx512bf16"
+#define TB LMF_TARGET_BF16
 #define BP 16     /* weight rows a panel: one vector of float32 lanes */
 #define BR 12     /* activation rows a pass over two panels side by side */
 
@@ -45,18 +45,6 @@ __attribute__((target(TB))) static void bf16_panel_build(const uint16_t *w, int6
         lmf_transpose16(r);
         for (int t = 0; t < 16; t++) _mm512_storeu_si512(P + (c / 2 + t) * BP, r[t]);
     }
-}
-
-/* acc += vdpbf16ps(w, the pair at p broadcast to every lane), the broadcast as the instruction's memory operand */
-__attribute__((target(TB), always_inline)) static inline void dpbf16_bcast(__m512 *acc, const __m512i w,
-                                                                           const uint16_t *p) {
-#if defined(__GNUC__) && !defined(__clang__)
-    __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(*acc) : "v"(w), "m"(*(const int32_t *)p));
-#else
-    int32_t a;
-    memcpy(&a, p, 4);
-    *acc = _mm512_dpbf16_ps(*acc, (__m512bh)w, (__m512bh)_mm512_set1_epi32(a));
-#endif
 }
 
 /* R activation rows (xb + m0 * K) against panels P0, P1: out[r, 0..32) masked by live0 / live1, times the scales.
@@ -91,7 +79,7 @@ typedef struct {
     const uint16_t *xb, *w;
     const float *scale;
     float *out;
-    int64_t M, N, K, chunk, *next;
+    int64_t M, N, K, threads, *next;
     int32_t *scratch;  /* this thread's two panels (NULL: the weight is stored as panels) */
 } bf16_job;
 
@@ -105,7 +93,7 @@ __attribute__((target(TB))) static void *bf16_range(void *arg) {
     const int64_t K = j->K, N = j->N;
     int32_t *P0 = j->scratch, *P1 = j->scratch + K / 2 * BP;
     int64_t c0, c1;
-    while (take_chunk(j->next, j->chunk, N, &c0, &c1)) {
+    while (take_pairs(j->next, N, j->threads, &c0, &c1)) {
         for (int64_t n0 = c0; n0 < c1; n0 += 2 * BP) {
             const int live0 = c1 - n0 < BP ? (int)(c1 - n0) : BP;
             const int live1 = c1 - n0 - BP < BP ? (int)(c1 - n0 - BP) : BP;
@@ -263,9 +251,8 @@ int lmf_gemm_bf16(const float *x, const uint16_t *w, const float *scale, float *
     if (layout != LMF_ROWS && (layout != LMF_PANELS16 || N % BP)) return -1;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
-    const int64_t pairs = (N + 2 * BP - 1) / (2 * BP), per = pairs / (4 * threads);
-    const int64_t chunk = 2 * BP * (per > 1 ? per : 1);  /* whole pairs of panels, about four chunks a thread */
-    if (threads > (N + chunk - 1) / chunk) threads = (N + chunk - 1) / chunk;
+    const int64_t pairs = (N + 2 * BP - 1) / (2 * BP);
+    if (threads > pairs) threads = pairs;
     const size_t panels = layout == LMF_ROWS ? (size_t)K * BP * 4 : 0;  /* two panels: K / 2 pairs x 16 lanes x 4 bytes */
     uint16_t *xb = (uint16_t *)malloc((size_t)(M * K) * sizeof(uint16_t));
     int32_t *scratch = panels ? (int32_t *)aligned_alloc(64, panels * (size_t)threads) : NULL;
@@ -278,7 +265,7 @@ int lmf_gemm_bf16(const float *x, const uint16_t *w, const float *scale, float *
     int64_t next = 0;
     bf16_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (bf16_job){xb, w, scale, out, M, N, K, chunk, &next,
+        jobs[t] = (bf16_job){xb, w, scale, out, M, N, K, threads, &next,
                              scratch ? (int32_t *)((char *)scratch + panels * t) : NULL};
     run_jobs(bf16_range, jobs, sizeof jobs[0], threads);
     free(scratch);

@@ -125,16 +125,16 @@ static void *a8_range(void *arg) {  /* a thread's share: chunks of weight rows (
     return NULL;
 }
 
-static void *a8_range_panel(void *arg) {  /* a thread's share of panels: chunks of whole pairs of them (take_chunk) */
+static void *a8_range_panel(void *arg) {  /* a thread's share of panels: whole pairs of them (take_pairs) */
     a8_job j = *(const a8_job *)arg;
-    while (take_chunk(j.next, j.chunk, j.N, &j.n0, &j.n1)) lmf_dispatch.a8_panel(&j);
+    while (take_pairs(j.next, j.N, j.threads, &j.n0, &j.n1)) lmf_dispatch.a8_panel(&j);
     return NULL;
 }
 
 static void *a8_range_lanes(void *arg) {  /* as a8_range_panel, on weights stored as panels (few rows; x86 only) */
 #ifdef LMF_X86
     a8_job j = *(const a8_job *)arg;
-    while (take_chunk(j.next, j.chunk, j.N, &j.n0, &j.n1)) a8_lanes_avx512vnni(&j);
+    while (take_pairs(j.next, j.N, j.threads, &j.n0, &j.n1)) a8_lanes_avx512vnni(&j);
 #else
     (void)arg;
 #endif
@@ -336,10 +336,9 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
                     for (int i = 0; i < 8; i++) xp[(m * (K / 64) + p) * 8 + i] = xs[m * A + 2 * p + (i >= 4)];
     }
     int64_t next = 0;
-    /* the panel body: chunks of whole pairs of panels (32 rows, its unit of work), about four a thread, and each
-     * thread's panel buffers, taken here so that a failed allocation is this call's -1, not a row left unwritten */
-    const int64_t pairs32 = (N + 31) / 32, per = pairs32 / (4 * threads);
-    const int64_t chunk = panel || lanes ? 32 * (per > 1 ? per : 1) : chunk_rows(N, threads);
+    /* the panel bodies take whole pairs of panels (take_pairs); each thread's panel buffers are taken here so that a
+     * failed allocation is this call's -1, not a row left unwritten */
+    const int64_t chunk = chunk_rows(N, threads);
     const size_t scratch = panel ? a8_panel_scratch(K, K / gs) : 0;
     char *panels = NULL;
     if (panel && (panels = (char *)aligned_alloc(64, scratch * (size_t)threads)) == NULL) {
