@@ -238,8 +238,7 @@ def _bind(path: Path) -> CpuKernels:
     decode.restype = ctypes.c_int
     decode.argtypes = [P, P, P, P, I64, P, P, I64, I64, I64, I64, I64, ctypes.c_float, P, I64]
     fns = {}
-    for name, argtypes in (("write_kv", [P, P, P, I64, I64, P, P]),
-                           ("rmsnorm", [P, P, P, I64, I64, ctypes.c_float, I64]),
+    for name, argtypes in (("write_kv", [P, P, P, I64, I64, P, P]), ("rmsnorm", [P, P, P, I64, I64, ctypes.c_float, I64]),
                            ("rope", [P, P, P, I64, I64, I64, I64]), ("silu_mul", [P, P, P, I64]),
                            ("silu_mul_rows", [P, P, I64, I64, I64])):
         for suffix in ("bf16", "f32"):
