@@ -149,6 +149,11 @@ def prefill(old_rev: str = typer.Option(..., help="The revision to compare again
     chunks = torch.tensor([[0, length, 0]], dtype=torch.int64)
     sides = {f"{name}, float32": (lib, 0) for name, lib in libs.items()}
     sides["this checkout, bf16 dots"] = (libs["this checkout"], 2)
+    probe = torch.empty(length, HEADS, HEAD)
+    if libs[old_rev].prefill(q.data_ptr(), q.stride(0), q.stride(1), ks[0].data_ptr(), vs[0].data_ptr(), 2,
+                             table.data_ptr(), blocks, chunks.data_ptr(), 1, HEADS, KV_HEADS, HEAD, BLOCK, HEAD ** -0.5,
+                             probe.data_ptr(), threads) == 0:  # OLD_REV has bf16 dots too (kv 2): time them as well
+        sides[f"{old_rev}, bf16 dots"] = (libs[old_rev], 2)
     outs = {name: torch.empty(length, HEADS, HEAD) for name in sides}
 
     def run(name: str) -> None:
@@ -159,9 +164,11 @@ def prefill(old_rev: str = typer.Option(..., help="The revision to compare again
                              outs[name].data_ptr(), threads)
             assert rc == 0, rc
     best = _alternate(list(sides), run, repeats)
-    a, b, c = outs.values()
+    a, b, c, *d = outs.values()
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(a, c, rtol=0, atol=3e-2)
+    for other in d:  # the two revisions' bf16 dots: the same rounding, so equal to float32 summation order
+        torch.testing.assert_close(c, other, rtol=1e-5, atol=1e-5)
     pairs = length * (length + 1) // 2
     gflop = LAYERS * HEADS * pairs * HEAD * 4 / 1e9
     print(f"{length} tokens, 24 layers ({gflop:.1f} GFLOP causal): " + ", ".join(

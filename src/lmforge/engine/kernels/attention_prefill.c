@@ -192,7 +192,8 @@ static void prefill_item(const prefill_job *j, int64_t c, int64_t g, int64_t p0,
  * OpenVINO's on this CPU). The engine asks for it only where the linears already round their activations (the bf16
  * panel GEMM, int8 activations), so the queries come out of a GEMM on bf16-rounded inputs anyway.
  *   scores: a query vector holds dimensions (h, h + 1) of the 16 queries, one dword a lane, and each key row's dword
- *     at h is broadcast from the pool as it lies: H / 2 instructions a key, no widening;
+ *     at h is broadcast from a copy of the tile's 16 rows side by side (bf16 as the pool holds them, no widening):
+ *     H / 2 instructions a key;
  *   output: the tile's probabilities as pairs of keys (t, t + 1) a lane, and V as the same pairs a dimension (the
  *     tile's rows interleaved two by two once per kv head, for its G query heads). */
 
@@ -202,20 +203,6 @@ __attribute__((target(LMF_TARGET_BF16))) static inline __m512i pair_bf16(const _
     const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                            6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     return _mm512_permutexvar_epi16(order, ab);
-}
-
-/* acc + vdpbf16ps(w, the bf16 pair at p broadcast), by value (dpbf16_bcast's asm operand through a pointer left
- * this body's 16 score accumulators on the stack: a load and a store around every instruction) */
-__attribute__((target(LMF_TARGET_BF16), always_inline)) static inline __m512 dp_pair(__m512 acc, const __m512i w,
-                                                                                    const void *p) {
-#if defined(__GNUC__) && !defined(__clang__)
-    __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
-    return acc;
-#else
-    int32_t a;
-    memcpy(&a, p, 4);
-    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_set1_epi32(a));
-#endif
 }
 
 /* the tile's K rows (pointers, bf16) side by side in kt (16 x H), and its V rows as pairs of tokens:
@@ -242,7 +229,7 @@ __attribute__((target(LMF_TARGET_BF16), always_inline)) static inline void tile_
     LMF_UNROLL for (int t = 0; t < VL; t++) s[t] = _mm512_setzero_ps();
     for (int d = 0; d < H / 2; d++) {
         const __m512i a = qp[d];
-        LMF_UNROLL for (int t = 0; t < VL; t++) s[t] = dp_pair(s[t], a, kt + t * H + 2 * d);
+        LMF_UNROLL for (int t = 0; t < VL; t++) s[t] = dpbf16_bcast(s[t], a, kt + t * H + 2 * d);
     }
     vf m = *mx;
     LMF_UNROLL for (int t = 0; t < VL; t++) {
@@ -263,7 +250,7 @@ __attribute__((target(LMF_TARGET_BF16), always_inline)) static inline void tile_
         __m512 acc[8];
         LMF_UNROLL for (int i = 0; i < 8; i++) acc[i] = o[h + i] * alpha;
         LMF_UNROLL for (int e = 0; e < VL / 2; e++)
-            LMF_UNROLL for (int i = 0; i < 8; i++) acc[i] = dp_pair(acc[i], pp[e], vw + e * H + h + i);
+            LMF_UNROLL for (int i = 0; i < 8; i++) acc[i] = dpbf16_bcast(acc[i], pp[e], vw + e * H + h + i);
         LMF_UNROLL for (int i = 0; i < 8; i++) o[h + i] = acc[i];
     }
 }
@@ -280,18 +267,17 @@ __attribute__((target(LMF_TARGET_BF16), always_inline)) static inline void item_
     vf mx[MAX_G], sum[MAX_G];
     vi pos;
     for (int64_t i = 0; i < VL; i++) pos[i] = (int32_t)(ctx + p0 + (i < nq ? i : nq - 1));
-    for (int64_t hh = 0; hh < G; hh++) {
+    const __m512 scale = _mm512_set1_ps(j->scale);
+    for (int64_t hh = 0; hh < G; hh++) {  /* 16 dimensions of the 16 query rows at a time, transposed to a lane each */
         const float *qh = j->q + (q_row + p0) * j->q_row_stride + (g * G + hh) * j->q_head_stride;
-        for (int64_t h = 0; h < H; h += 2) {
-            vf a, b;
-            for (int64_t i = 0; i < VL; i++) {
-                const float *qi = qh + (i < nq ? i : nq - 1) * j->q_row_stride + h;
-                a[i] = qi[0] * j->scale;
-                b[i] = qi[1] * j->scale;
-            }
-            qp[hh * H / 2 + h / 2] = pair_bf16(a, b);
-            ot[hh * H + h] = ot[hh * H + h + 1] = SPLAT(0.0f);
+        for (int h0 = 0; h0 < H; h0 += 16) {
+            __m512i r[16];
+            for (int64_t i = 0; i < VL; i++)
+                r[i] = (__m512i)(_mm512_loadu_ps(qh + (i < nq ? i : nq - 1) * j->q_row_stride + h0) * scale);
+            lmf_transpose16(r);
+            for (int k = 0; k < 16; k += 2) qp[hh * H / 2 + (h0 + k) / 2] = pair_bf16((__m512)r[k], (__m512)r[k + 1]);
         }
+        for (int h = 0; h < H; h++) ot[hh * H + h] = SPLAT(0.0f);
         mx[hh] = SPLAT(-INFINITY);
         sum[hh] = SPLAT(0.0f);
     }

@@ -181,19 +181,21 @@ typedef struct { int64_t fmt, per; const void *s, *sd, *z, *zd; int64_t layout; 
 #define LMF_BF16_DOTS 1
 #define LMF_TARGET_BF16 "avx512f,avx512bw,avx512vl,avx512bf16"
 
-/* acc += vdpbf16ps(w, the bf16 pair at p broadcast to every lane), the broadcast as the instruction's memory operand */
-__attribute__((target(LMF_TARGET_BF16), always_inline)) static inline void dpbf16_bcast(__m512 *acc, const __m512i w,
-                                                                                       const uint16_t *p) {
+/* acc + vdpbf16ps(w, the bf16 pair at p broadcast to every lane), the broadcast as the instruction's memory operand;
+ * by value: through a pointer, GCC left paged prefill attention's 16 score accumulators on the stack (a load and a
+ * store around every instruction) */
+__attribute__((target(LMF_TARGET_BF16), always_inline)) static inline __m512 dpbf16_bcast(__m512 acc, const __m512i w,
+                                                                                         const void *p) {
 #if defined(__GNUC__) && !defined(__clang__)
-    __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(*acc) : "v"(w), "m"(*(const int32_t *)p));
+    __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
+    return acc;
 #else
     int32_t a;
     memcpy(&a, p, 4);
-    *acc = _mm512_dpbf16_ps(*acc, (__m512bh)w, (__m512bh)_mm512_set1_epi32(a));
+    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_set1_epi32(a));
 #endif
 }
 #endif
-
 
 static inline float f16_to_f32(uint16_t h) {  /* exact, subnormals and infinities included */
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;

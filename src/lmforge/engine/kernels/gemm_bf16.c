@@ -64,8 +64,8 @@ __attribute__((target(TB), always_inline)) static inline void bf16_rows(const in
         }
         const __m512i w0 = _mm512_loadu_si512(P0 + d * BP), w1 = _mm512_loadu_si512(P1 + d * BP);
         LMF_UNROLL for (int r = 0; r < R; r++) {
-            dpbf16_bcast(&acc[0][r], w0, xb + r * K + 2 * d);
-            dpbf16_bcast(&acc[1][r], w1, xb + r * K + 2 * d);
+            acc[0][r] = dpbf16_bcast(acc[0][r], w0, xb + r * K + 2 * d);
+            acc[1][r] = dpbf16_bcast(acc[1][r], w1, xb + r * K + 2 * d);
         }
     }
     const __m512 s0 = _mm512_maskz_loadu_ps(live0, sc), s1 = _mm512_maskz_loadu_ps(live1, sc + BP);

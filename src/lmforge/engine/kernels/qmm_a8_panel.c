@@ -274,17 +274,19 @@ __attribute__((target(TP))) LMF_HIDDEN void a8_panel_avx512vnni(const a8_job *j)
  * A decode step's 1-5 rows. The row bodies (qmm_a8_avx256.c) spend ~0.4 instructions a weight byte on a row's
  * nibbles, pairs and scales and its horizontal sums; one thread reads ~11 GB/s that way, two do not fill this
  * VM's ~28 GB/s. On panels stored in memory (llama.cpp's repacked Q4_0 GEMV is the precedent) one load is a word
- * of 16 rows: its low nibbles (codes c + 8 of 4 even k) and its high nibbles kept in place (16 (c + 8), 4 odd k)
- * each take one `vpdpbusd` against 4 activation bytes broadcast, 16 outputs at once, no horizontal sum: ~0.11
- * 512-bit instructions a byte. Per group and row, lo starts at -8 * sum(q) and hi at 0; hi / 16 is exact (every
- * term a multiple of 16), so dot(q, c) = lo + hi / 16 exactly, and then
+ * of 16 rows: its low nibbles (codes c + 8 of 4 even k) and its high nibbles shifted down (c + 8, 4 odd k) each
+ * take one `vpdpbusd` against 4 activation bytes broadcast, 16 outputs at once, no horizontal sum: ~0.11 512-bit
+ * instructions a byte. Per group and row both go into one accumulator that starts at -8 * sum(q), so it ends at
+ * dot(q, c) exactly. (Until 2026-12-06 the high nibbles stayed in place, 16 (c + 8), in a second accumulator
+ * divided by 16 at the group's end: one shift a word of 16 rows now instead of a shift and an add a group, row and
+ * panel, and half the accumulators; the same integers, so the same bits.) Then
  *     out[m, n] += float(dot) * (scale[n, g] * xs[m, a(g)])    (+ (zero + 8 scale)[n, g] * qs[m, g] with zeros)
  * the panel GEMM's terms in its order (group order per output): the same bits as `a8_panel_avx512vnni`. */
 __attribute__((target(TP), always_inline)) static inline void lanes_rows(
         const a8_job *j, int64_t p0, const int8_t *q, const float *xs, const int32_t *qsum, const float *qs, float *out,
         const int NP, const int R, const int B8) {
     const int64_t K = j->K, G = j->G, gs = j->gs, A = j->A, ab = j->ab, words = B8 ? gs / 4 : gs / 8;
-    const __m512i lo4 = _mm512_set1_epi8(0x0F), hi4 = _mm512_set1_epi8((char)0xF0), k80 = _mm512_set1_epi8((char)0x80);
+    const __m512i lo4 = _mm512_set1_epi8(0x0F), k80 = _mm512_set1_epi8((char)0x80);
     const int zeros = j->sc->z != NULL;  /* then j->qs: xs * sum(q) a group (int4 only) */
     const uint8_t *W[2];
     __m512 f[2][A8_MAX_R];
@@ -293,7 +295,7 @@ __attribute__((target(TP), always_inline)) static inline void lanes_rows(
         LMF_UNROLL for (int r = 0; r < R; r++) f[p][r] = _mm512_setzero_ps();
     }
     for (int64_t g = 0; g < G; g++) {
-        __m512i lo[2][A8_MAX_R], hi[2][A8_MAX_R];
+        __m512i lo[2][A8_MAX_R], hi[2][A8_MAX_R];  /* hi: int8's second chain (int4 sums into lo alone) */
         LMF_UNROLL for (int r = 0; r < R; r++) {
             const __m512i c = _mm512_set1_epi32((B8 ? -128 : -8) * qsum[r * G + g]);
             LMF_UNROLL for (int p = 0; p < NP; p++) lo[p][r] = c, hi[p][r] = _mm512_setzero_si512();
@@ -315,10 +317,10 @@ __attribute__((target(TP), always_inline)) static inline void lanes_rows(
                         LMF_UNROLL for (int r = 0; r < R; r++) dpbusd_bcast(&lo[p][r], u, qg + r * K + at);
                     continue;
                 }
-                const __m512i vl = _mm512_and_si512(v, lo4), vh = _mm512_and_si512(v, hi4);
+                const __m512i vl = _mm512_and_si512(v, lo4), vh = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
                 LMF_UNROLL for (int r = 0; r < R; r++) {
                     dpbusd_bcast(&lo[p][r], vl, qg + r * K + at);
-                    dpbusd_bcast(&hi[p][r], vh, qg + r * K + at + 16);
+                    dpbusd_bcast(&lo[p][r], vh, qg + r * K + at + 16);
                 }
             }
         }
@@ -326,8 +328,7 @@ __attribute__((target(TP), always_inline)) static inline void lanes_rows(
         LMF_UNROLL for (int p = 0; p < NP; p++) {
             const __m512 sv = stored_scales16(j->sc, p0 + p, G, g);
             LMF_UNROLL for (int r = 0; r < R; r++)
-                f[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo[p][r], B8 ? hi[p][r]
-                                                                                            : _mm512_srai_epi32(hi[p][r], 4))),
+                f[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(B8 ? _mm512_add_epi32(lo[p][r], hi[p][r]) : lo[p][r]),
                                           _mm512_mul_ps(sv, _mm512_set1_ps(xs[r * A + a])), f[p][r]);
             if (zeros) {  /* + (zero + 8 * scale) * xs * sum(q), the panel GEMM's term */
                 const __m512 zv = stored_zeros16(j->sc, p0 + p, G, g, sv);
