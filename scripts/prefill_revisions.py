@@ -1,5 +1,5 @@
-"""Prefill tok/s of one prompt (512 random token ids, one output token, prefix cache off) through `LLM.generate`
-with default flags, for two or more checkouts' `src` folders taking turns in fresh processes (`PYTHONPATH`), so that
+"""Prefill tok/s of one prompt (512 random token ids, one output token; each prompt its own, so the prefix cache
+finds nothing) through `LLM.generate` with default flags, for two or more checkouts' `src` folders taking turns in fresh processes (`PYTHONPATH`), so that
 the VM's drift hits every side alike (issue 44: this VM moves ±10-20% between sittings; only alternating runs decide).
 Each turn: a warm-up prompt, then `--prompts` timed prompts; a side's figure is its best over every turn.
 
@@ -23,7 +23,7 @@ import json, random, sys, time, torch
 from lmforge.engine import LLM, SamplingParams
 model, length, prompts, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 torch.set_num_threads(threads)
-llm = LLM(model, enable_prefix_caching=False)
+llm = LLM(model)
 vocab = llm.llm_engine.model_runner.model.config.vocab_size
 rng = random.Random(0)
 params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

@@ -31,7 +31,6 @@ from lmforge.quant.linear import select_backend as select_linear_backend
 
 from . import decode_layer, kernels
 from .attention import kv_bytes_per_token, kv_store_dtype, select_backend
-from .attention.cpu_kernels import KernelBackend
 from .fused import fuse_elementwise, fuse_projections
 from .scheduler import ScheduledSeq
 
@@ -207,15 +206,7 @@ class ModelRunner:
         c = model.config
         n_heads, n_kv_heads = local_heads(model)
         self.attn = select_backend(c.num_hidden_layers, num_blocks, block_size, n_heads, n_kv_heads, c.head_dim,
-                                   p.dtype, p.device, reference, lib, kv_cache_dtype)
-        # prefill attention on the CPU's bf16 dot products where the linears already round their activations (the
-        # bf16 panel GEMM, int8 activations): queries and probabilities rounded to bf16 as OpenVINO's bf16 SDPA does,
-        # float32 sums. bf16 prefill of the 300M: 112 -> 58 ms of attention a 512-token prompt (docs/engine.md).
-        # LMFORGE_PREFILL_BF16=0 keeps float32 arithmetic.
-        if (isinstance(self.attn, KernelBackend) and self.rounded_activations and self.attn.prefill_kernel
-                and self.attn.kv.store_dtype == torch.bfloat16 and lib.bf16_panel_rows and lib.bf16_panel_rows(-1) > 0
-                and os.environ.get("LMFORGE_PREFILL_BF16", "1") != "0"):
-            self.attn.prefill_bf16 = True
+                                   p.dtype, p.device, reference, lib, kv_cache_dtype, self.rounded_activations)
         self.attention_backend = self.attn.name
         # all-decode steps on float32 activations (int8/int4, bf16 or float32 weights): a layer a C call
         # (engine.decode_layer); not where the linears are wrapped later (LoRA) or sharded (tensor parallel): the

@@ -37,7 +37,8 @@ def kv_store_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
 
 def select_backend(num_layers: int, num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int,
                    head_dim: int, dtype: torch.dtype, device: torch.device, reference: bool = False,
-                   kernels: CpuKernels | None = None, kv_cache_dtype: str = "auto") -> AttentionBackend:
+                   kernels: CpuKernels | None = None, kv_cache_dtype: str = "auto",
+                   rounded_activations: bool = False) -> AttentionBackend:
     """The one backend this engine uses, over a fresh pool of `num_blocks` blocks per layer. `kernels`:
     the loaded C library (None: torch only); used for attention when its decode kernel takes these heads."""
     if reference or (kernels is not None and not supports(num_heads, num_kv_heads, head_dim)):
@@ -50,5 +51,5 @@ def select_backend(num_layers: int, num_blocks: int, block_size: int, num_heads:
     if reference:
         return ReferenceBackend(kv)
     if kernels is not None:
-        return KernelBackend(kv, kernels)
+        return KernelBackend(kv, kernels, rounded_activations)
     return SdpaBackend(kv)

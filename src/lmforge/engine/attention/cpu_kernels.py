@@ -18,6 +18,7 @@ M blocks per sequence (padded).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -47,16 +48,20 @@ def _tables(step: StepIndex, seqs: list[int], M: int) -> torch.Tensor:
 class KernelBackend(AttentionBackend):
     label = "paged-decode kernel (C)"
 
-    def __init__(self, kv: KVPool, kernels: CpuKernels):
+    def __init__(self, kv: KVPool, kernels: CpuKernels, rounded_activations: bool = False):
         super().__init__(kv)
         self.kernels = kernels
         # prefill chunks on the prefill kernel: float32 queries over a bf16 or float32 pool (int8 codes and bf16
         # queries take attend_groups)
         self.prefill_kernel = (kernels.prefill is not None and kv.dtype == torch.float32 and kv.device.type == "cpu"
                                and not kv.int8 and kv.store_dtype in (torch.bfloat16, torch.float32))
-        # the prefill kernel's bf16 dot products (queries and probabilities rounded to bf16, float32 sums) over a
-        # bf16 pool: the model runner turns them on where the linears already round their activations
-        self.prefill_bf16 = False
+        # the prefill kernel's bf16 dot products (queries and probabilities rounded to bf16, float32 sums, as OpenVINO's
+        # bf16 SDPA) over a bf16 pool, on a CPU with them, where the linears already round their activations
+        # (`rounded_activations`: the bf16 panel GEMM, int8 activations). A bf16 prefill of the 300M: 92.6 -> 59.0 ms
+        # of attention a 512-token prompt (`scripts/kernels_ab.py prefill`). LMFORGE_PREFILL_BF16=0 keeps float32.
+        self.prefill_bf16 = (rounded_activations and self.prefill_kernel and kv.store_dtype == torch.bfloat16
+                             and kernels.bf16_panel_rows is not None and kernels.bf16_panel_rows(-1) > 0
+                             and os.environ.get("LMFORGE_PREFILL_BF16", "1") != "0")
 
     @property
     def name(self) -> str:

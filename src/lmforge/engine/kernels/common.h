@@ -309,6 +309,35 @@ static inline void run_jobs(void *(*fn)(void *), void *jobs, size_t size, int64_
 #endif
 }
 
+/* fn(args, r0, r1) over rows [0, rows) in contiguous shares, one a thread, each at least `per` rows (too few rows:
+ * all on the calling thread). The row-parallel preparations and elementwise ops: a row's result never depends on
+ * its share, so the thread count changes no number. */
+typedef void (*rows_fn)(const void *args, int64_t r0, int64_t r1);
+typedef struct {
+    rows_fn fn;
+    const void *args;
+    int64_t r0, r1;
+} rows_job;
+
+static inline void *rows_range(void *arg) {
+    const rows_job *j = (const rows_job *)arg;
+    if (j->r0 < j->r1) j->fn(j->args, j->r0, j->r1);
+    return NULL;
+}
+
+static inline void split_rows(rows_fn fn, const void *args, int64_t rows, int64_t per, int64_t threads) {
+    if (per < 1) per = 1;
+    if (threads > rows / per) threads = rows / per;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads < 2) {
+        if (rows > 0) fn(args, 0, rows);
+        return;
+    }
+    rows_job jobs[MAX_THREADS];
+    for (int64_t t = 0; t < threads; t++) jobs[t] = (rows_job){fn, args, rows * t / threads, rows * (t + 1) / threads};
+    run_jobs(rows_range, jobs, sizeof jobs[0], threads);
+}
+
 /* Work handed out in chunks from a shared counter (`next`), ~16 chunks a thread and at least 8 rows
  * each, so that a thread that starts late or runs slower (a busy sibling core) takes fewer and none
  * waits long for it (matmul rows: after a contiguous 7/8 of each share, `take_rows`). */

@@ -9,33 +9,8 @@
  */
 #include "common.h"
 
-#define SPLIT_MIN 65536  /* elements a call before its rows are split across threads */
-
-typedef void (*rows_fn)(const void *args, int64_t r0, int64_t r1);
-typedef struct {
-    rows_fn fn;
-    const void *args;
-    int64_t r0, r1;
-} rows_job;
-
-static void *rows_range(void *arg) {
-    const rows_job *j = (const rows_job *)arg;
-    if (j->r0 < j->r1) j->fn(j->args, j->r0, j->r1);
-    return NULL;
-}
-
-/* fn(args, r0, r1) over rows [0, rows), in `threads` contiguous shares when rows x width is large enough */
-static void split_rows(rows_fn fn, const void *args, int64_t rows, int64_t width, int64_t threads) {
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > rows) threads = rows;
-    if (threads < 2 || rows * width < SPLIT_MIN) {
-        fn(args, 0, rows);
-        return;
-    }
-    rows_job jobs[MAX_THREADS];
-    for (int64_t t = 0; t < threads; t++) jobs[t] = (rows_job){fn, args, rows * t / threads, rows * (t + 1) / threads};
-    run_jobs(rows_range, jobs, sizeof jobs[0], threads);
-}
+#define SPLIT_MIN 65536  /* elements a call before its rows are split across threads: a share at least half that */
+#define PER(width) ((SPLIT_MIN / 2 + (width) - 1) / (width))
 
 /* ---- bfloat16 in and out ------------------------------------------------------------------------------
  * Each follows the rounding of the torch ops it replaces (every torch bf16 op computes in float32
@@ -101,7 +76,7 @@ static void rmsnorm_bf16_rows(const void *args, int64_t r0, int64_t r1) {
 void lmf_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t rows, int64_t D, float eps,
                       int64_t threads) {
     const norm_args a = {x, w, out, D, eps};
-    split_rows(rmsnorm_bf16_rows, &a, rows, D, threads);
+    split_rows(rmsnorm_bf16_rows, &a, rows, PER(D), threads);
 }
 
 typedef struct {
@@ -149,7 +124,7 @@ static void rope_bf16_rows(const void *args, int64_t t0, int64_t t1) {
 void lmf_rope_bf16(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t T, int64_t heads, int64_t H,
                    int64_t threads) {
     const rope_args a = {x, cos, sin, heads, H};
-    split_rows(rope_bf16_rows, &a, T, heads * H, threads);
+    split_rows(rope_bf16_rows, &a, T, PER(heads * H), threads);
 }
 
 #ifdef LMF_AVX512
@@ -205,7 +180,7 @@ static void rmsnorm_f32_rows(const void *args, int64_t r0, int64_t r1) {
 
 void lmf_rmsnorm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t D, float eps, int64_t threads) {
     const norm_args a = {x, w, out, D, eps};
-    split_rows(rmsnorm_f32_rows, &a, rows, D, threads);
+    split_rows(rmsnorm_f32_rows, &a, rows, PER(D), threads);
 }
 
 static void rope_f32_rows(const void *args, int64_t t0, int64_t t1) {
@@ -228,7 +203,7 @@ static void rope_f32_rows(const void *args, int64_t t0, int64_t t1) {
 
 void lmf_rope_f32(float *x, const float *cos, const float *sin, int64_t T, int64_t heads, int64_t H, int64_t threads) {
     const rope_args a = {x, cos, sin, heads, H};
-    split_rows(rope_f32_rows, &a, T, heads * H, threads);
+    split_rows(rope_f32_rows, &a, T, PER(heads * H), threads);
 }
 
 /* silu(g) * u: 16 at a time (`silu_ps`) where the build has AVX-512 (relative error ~2e-7 against libm's expf,
@@ -271,10 +246,10 @@ static void silu_mul_bf16_rows(const void *args, int64_t r0, int64_t r1) {
  * the two halves first (two chunk().contiguous() copies of a prefill chunk's 512 x 5,632 cost more than the op). */
 void lmf_silu_mul_rows_f32(const float *gu, float *out, int64_t rows, int64_t I, int64_t threads) {
     const silu_args a = {gu, out, I};
-    split_rows(silu_mul_f32_rows, &a, rows, I, threads);
+    split_rows(silu_mul_f32_rows, &a, rows, PER(I), threads);
 }
 
 void lmf_silu_mul_rows_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t I, int64_t threads) {
     const silu_args a = {gu, out, I};
-    split_rows(silu_mul_bf16_rows, &a, rows, I, threads);
+    split_rows(silu_mul_bf16_rows, &a, rows, PER(I), threads);
 }

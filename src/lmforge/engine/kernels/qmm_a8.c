@@ -212,42 +212,28 @@ int lmf_quantize_s8(const void *x, int64_t act, int64_t M, int64_t K, int64_t ni
     return 0;
 }
 
-/* Row-parallel preparation of the activations, `threads` contiguous shares of the M rows (a prefill chunk's 512 x
- * 2,816 inputs took 0.8 ms to quantize on one thread, every layer's every matmul). */
+/* Row-parallel preparation of the activations (`split_rows`: contiguous shares of the M rows, 8 or more each; a prefill
+ * chunk's 512 x 2,816 inputs took 0.8 ms to quantize on one thread, every layer's every matmul). */
 typedef struct {
-    const int8_t *q; const void *x; int64_t act, m0, m1, K, nibble_order, ab; int8_t *qo; float *s; int32_t *qsum;
+    const int8_t *q; const void *x; int64_t act, K, nibble_order, ab; int8_t *qo; float *s; int32_t *qsum;
 } row_job;
 
-static void *quantize_rows(void *arg) {
+static void quantize_rows(const void *arg, int64_t m0, int64_t m1) {
     const row_job *r = (const row_job *)arg;
     const size_t es = r->act ? 4 : 2;
-    if (r->m1 > r->m0)
-        lmf_quantize_s8((const char *)r->x + (size_t)(r->m0 * r->K) * es, r->act, r->m1 - r->m0, r->K, r->nibble_order,
-                        r->ab, r->qo + r->m0 * r->K, r->s + r->m0 * (r->K / r->ab));
-    return NULL;
+    lmf_quantize_s8((const char *)r->x + (size_t)(m0 * r->K) * es, r->act, m1 - m0, r->K, r->nibble_order, r->ab,
+                    r->qo + m0 * r->K, r->s + m0 * (r->K / r->ab));
 }
 
-static void *group_sums(void *arg) {  /* sum(q) of each group of ab (here: the weight's gs) inputs */
+static void group_sums(const void *arg, int64_t m0, int64_t m1) {  /* sum(q) of each group of ab (the weight's gs) */
     const row_job *r = (const row_job *)arg;
     const int64_t G = r->K / r->ab;
-    for (int64_t m = r->m0; m < r->m1; m++)
+    for (int64_t m = m0; m < m1; m++)
         for (int64_t g = 0; g < G; g++) {
             int32_t sum = 0;
             for (int64_t k = g * r->ab; k < (g + 1) * r->ab; k++) sum += r->q[m * r->K + k];
             r->qsum[m * G + g] = sum;
         }
-    return NULL;
-}
-
-static void row_jobs(void *(*fn)(void *), const int8_t *q, const void *x, int64_t act, int64_t M, int64_t K,
-                     int64_t nibble_order, int64_t ab, int8_t *qo, float *s, int32_t *qsum, int64_t threads) {
-    if (threads > M / 8) threads = M / 8;  /* a few rows: one thread */
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    row_job jobs[MAX_THREADS];
-    for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (row_job){q, x, act, M * t / threads, M * (t + 1) / threads, K, nibble_order, ab, qo, s, qsum};
-    run_jobs(fn, jobs, sizeof jobs[0], threads);
 }
 
 /* out (M, N) float32 = the A8 product of quantized rows (q, xs (M, K / a8_block(gs)): `lmf_quantize_s8` with that
@@ -311,7 +297,7 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
             free(u);
             return -1;
         }
-        row_jobs(group_sums, q, NULL, 0, M, K, 0, gs, NULL, NULL, qsum, threads);
+        split_rows(group_sums, &(row_job){q, NULL, 0, K, 0, gs, NULL, NULL, qsum}, M, 8, threads);
         if (want_qs)
             for (int64_t m = 0; m < M; m++)
                 for (int64_t g = 0; g < K / gs; g++)
@@ -370,7 +356,7 @@ int lmf_qmm_a8(int64_t isa, const void *x, int64_t act, const void *w, const flo
     if (q == NULL) return -1;
     float *xs = (float *)(q + M * K);  /* M * K is a multiple of 32: aligned for float */
     int rc = lmf_quantize_s8(x, act, 0, K, bits == 4, ab, q, xs);  /* the shape's checks, no rows */
-    if (rc == 0) row_jobs(quantize_rows, NULL, x, act, M, K, bits == 4, ab, q, xs, NULL, threads);
+    if (rc == 0) split_rows(quantize_rows, &(row_job){NULL, x, act, K, bits == 4, ab, q, xs, NULL}, M, 8, threads);
     if (rc == 0) rc = lmf_qmm_s8(q, xs, w, ws, out, M, N, K, bits, gs, threads, isa, sc);
     free(q);
     return rc;
