@@ -18,7 +18,10 @@ the same folder). Cells, on token-id prompts written once to prompts.json and gi
   after the first (greedy, `ignore_eos`): tok/s over those 128;
 * batch: 32 requests of 128 prompt and 128 output tokens, 16 in flight: output tok/s = 32 x 128 / wall.
 
-Best of `--repeats` each. How each engine runs them:
+Best of `--repeats` each; with `--rounds N` the engines take N turns at each precision (every other round in
+reverse order) and each cell is the best of every round, each round's figures kept in the report: on this
+shared VM a compute-bound cell moved ~15% between minutes-long phases, and a single run let such a phase
+fall on one engine. How each engine runs them:
 
 * OpenVINO GenAI: `scripts/openvino_bench.py` in its own environment (`--openvino-python`, default
   .venv-openvino/bin/python: `make openvino-env`), `LLMPipeline` for prefill and decode,
@@ -39,7 +42,8 @@ dependencies (docs/engine.md, "Against OpenVINO GenAI").
     make openvino-env
     python scripts/vs_openvino.py --out runs/vs-openvino --threads 2 \\
         --llama-bench /opt/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-bench \\
-        --llama-batched-bench /opt/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-batched-bench
+        --llama-batched-bench /opt/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-batched-bench \\
+        --rounds 2
 
 `LMFORGE_SHORT=1` (or `--short`): a 2-layer 128-wide model, prefill 64, depths 16 and 64, 16 decode
 tokens, 8 requests of 16 + 16 tokens, 4 in flight, one repeat: the same code end to end, not figures to quote.
@@ -283,27 +287,53 @@ def cells(sizes: dict) -> list[tuple[str, str]]:
             + [("batch_tok_s", f"{sizes['requests']} req, {sizes['concurrency']} in flight (output)")])
 
 
+def _engine_run(engine: str, prec: str, out: Path, model: Path, prompts_path: Path, prompts: dict, threads: int,
+                repeats: int, ov_python: Path, llama_bench: Path | None, llama_batched: Path | None,
+                quant_activations: str | None, sizes: dict) -> dict:
+    """One engine's cells at one precision (its files made first when missing)."""
+    _, lm_file, cpp_type = PRECISIONS[prec]
+    if engine == "openvino":
+        ov_dir, export = ov_export(ov_python, model, out, prec)
+        return openvino_run(ov_python, ov_dir, prompts_path, threads) | export | {"format": OV_NAMES[prec]}
+    if engine == "llama_cpp":
+        f = gguf_file(model, out, cpp_type)
+        return llama_cpp_run(llama_bench, llama_batched, f, threads, repeats, sizes) | {"format": cpp_type.upper()}
+    path = model if lm_file == "folder" else gguf_file(model, out, lm_file)
+    res = lmforge_run(path, prompts, threads, quant_activations)
+    return res | {"format": "bf16 folder" if lm_file == "folder" else lm_file.upper()}
+
+
+def merge_rounds(results: list[dict]) -> dict:
+    """An engine's rounds as one result: each cell the best of every round (as the repeats within one), the
+    first round's other fields, and each round's cells under `rounds`."""
+    merged = dict(results[0])
+    keys = sorted({k for r in results for k in r if k.endswith("_tok_s")})
+    for k in keys:
+        merged[k] = max(r[k] for r in results if r.get(k) is not None)
+    merged["rounds"] = [{k: r.get(k) for k in keys} for r in results]
+    return merged
+
+
 def run(out: Path, model: Path, precisions: list[str], engines: list[str], threads: int, repeats: int,
         ov_python: Path, llama_bench: Path | None, llama_batched: Path | None, quant_activations: str | None,
-        sizes: dict) -> dict:
+        sizes: dict, rounds: int = 1) -> dict:
+    """Every precision in turn; within one, `rounds` rounds of the engines, every other round in reverse order
+    (lmforge first, then last), so that a slow phase of a shared VM (minutes long, ~15% on compute-bound cells)
+    falls on all of them alike rather than on one."""
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     prompts_path, prompts = write_prompts(out, vocab, sizes, repeats)
+    order = [e for e in ("openvino", "llama_cpp", "lmforge")
+             if e.replace("_", "") in engines and (e != "llama_cpp" or llama_bench is not None)]
     rows = []
     for prec in precisions:
-        _, lm_file, cpp_type = PRECISIONS[prec]
         row: dict = {"precision": prec, "load_before": loadavg()}
-        if "openvino" in engines:
-            ov_dir, export = ov_export(ov_python, model, out, prec)
-            row["openvino"] = openvino_run(ov_python, ov_dir, prompts_path, threads) | export
-            row["openvino"]["format"] = OV_NAMES[prec]
-        if "llamacpp" in engines and llama_bench is not None:
-            f = gguf_file(model, out, cpp_type)
-            row["llama_cpp"] = llama_cpp_run(llama_bench, llama_batched, f, threads, repeats, sizes)
-            row["llama_cpp"]["format"] = cpp_type.upper()
-        if "lmforge" in engines:
-            path = model if lm_file == "folder" else gguf_file(model, out, lm_file)
-            row["lmforge"] = lmforge_run(path, prompts, threads, quant_activations)
-            row["lmforge"]["format"] = "bf16 folder" if lm_file == "folder" else lm_file.upper()
+        results: dict = {e: [] for e in order}
+        for i in range(rounds):
+            for e in (order if i % 2 == 0 else order[::-1]):
+                results[e].append(_engine_run(e, prec, out, model, prompts_path, prompts, threads, repeats, ov_python,
+                                              llama_bench, llama_batched, quant_activations, sizes))
+        row.update({e: merge_rounds(rs) for e, rs in results.items()})
+        if "lmforge" in row:
             for key, _ in cells(sizes):
                 others = [row[e][key] for e in ("openvino", "llama_cpp") if e in row and row[e].get(key)]
                 if others:
@@ -316,7 +346,7 @@ def run(out: Path, model: Path, precisions: list[str], engines: list[str], threa
     prov["threads"] = threads
     prov["cpu_flags"] = cpu_flags()
     return {"rows": rows, "sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in sizes.items()},
-            "repeats": repeats, "model": str(model), "short": short_mode(), "provenance": prov,
+            "repeats": repeats, "rounds": rounds, "model": str(model), "short": short_mode(), "provenance": prov,
             "lmforge_kernels": lmforge_kernels()}
 
 
@@ -331,7 +361,8 @@ def to_markdown(rep: dict) -> str:
     lines = ["# lmforge beside OpenVINO GenAI and llama.cpp, engines alone" + (" (SHORT: not figures to quote)"
                                                                               if rep["short"] else ""), "",
              f"{p['machine']}; {p['threads']} threads; CPU flags: {flags}; {p['date']}; model `{rep['model']}`; "
-             f"best of {rep['repeats']}; token-id prompts; load before each precision: "
+             f"best of {rep['repeats']} x {rep.get('rounds', 1)} rounds (engines in turns); token-id prompts; "
+             "load before each precision: "
              + ", ".join(str(r["load_before"]) for r in rep["rows"]), ""]
     ov = next((r["openvino"]["plugin"] for r in rep["rows"] if "openvino" in r), None)
     if ov:
@@ -361,6 +392,13 @@ def to_markdown(rep: dict) -> str:
             lines.append(f"| {r['precision']} | **lmforge ÷ best other** | "
                          + " | ".join(f"{r['ratio_vs_best'][key]:.2f}x" if key in r["ratio_vs_best"] else "—"
                                       for key, _ in cs) + " |")
+    if rep.get("rounds", 1) > 1:  # each round's cells, to show how far a cell moved between rounds
+        lines += ["", "Each round (in the order run; the table gives the best):"]
+        for r in rep["rows"]:
+            for e in ("openvino", "llama_cpp", "lmforge"):
+                if e in r:
+                    per = " | ".join(" / ".join(_fmt(x.get(key)) for x in r[e]["rounds"]) for key, _ in cs)
+                    lines.append(f"- {r['precision']} {r[e]['format']}: {per}")
     lm = [r["lmforge"] for r in rep["rows"] if "lmforge" in r]
     if lm:
         lines += ["", "lmforge paths: " + "; ".join(f"{x['format']}: {x.get('dtype')}, {x.get('linear_backend')}, "
@@ -385,6 +423,8 @@ def main(out: Annotated[Path, typer.Option(help="Folder for the model, its expor
          tokenizer: Annotated[Optional[Path], typer.Option(help="A tokenizer folder for the random model (default: "
                                                                 "runs/quickstart/tokenizer if there, else one trained "
                                                                 "here on generated words).")] = None,
+         rounds: Annotated[int, typer.Option(help="Rounds of the engines at each precision, in turns (every other "
+                                                  "round reversed); each cell the best of all.")] = 1,
          short: bool = typer.Option(False, "--short", help="As LMFORGE_SHORT=1.")) -> None:
     if short:
         os.environ["LMFORGE_SHORT"] = "1"
@@ -403,7 +443,8 @@ def main(out: Annotated[Path, typer.Option(help="Folder for the model, its expor
     tok = tokenizer or Path("runs/quickstart/tokenizer")
     folder = model or build_model(out, tok, is_short)
     rep = run(out, folder, precisions, engines, threads, 1 if is_short else repeats, openvino_python,
-              llama_bench, llama_batched_bench, quant_activations, SHORT_SIZES if is_short else FULL_SIZES)
+              llama_bench, llama_batched_bench, quant_activations, SHORT_SIZES if is_short else FULL_SIZES,
+              max(1, rounds))
     emit(rep, to_markdown, out, "vs_openvino")
 
 
