@@ -179,10 +179,12 @@ class LLMEngine:
     def _log_ready(self, model_dir: Path, num_blocks: int) -> None:
         """One line: what was chosen (dtype, weights, activations, K/V, attention, kernels) and why."""
         r, config = self.model_runner, self.config
-        log.info("engine ready: %s, %s (%s) on %s; weights %.1f MiB (linear: %s; activations: %s, %s); %d KV blocks "
+        log.info("engine ready: %s, %s (%s) on %s; weights %.1f MiB (%.1f MiB in huge pages; linear: %s; activations: "
+                 "%s, %s); %d KV blocks "
                  "of %d tokens (%.1f MiB, %d B/token, %s K/V: %s, %d tokens); attention: %s; %d packed linears, %d fused "
                  "modules; kernels: %s",
-                 model_dir, r.dtype, self.dtype_choice, r.device, r.weight_bytes / 2**20, r.linear_backend,
+                 model_dir, r.dtype, self.dtype_choice, r.device, r.weight_bytes / 2**20, r.hugepage_bytes / 2**20,
+                 r.linear_backend,
                  config.quant_activations, self.quant_activations_choice, num_blocks,
                  config.block_size,
                  num_blocks * r.attn.bytes_per_block / 2**20, r.attn.bytes_per_block // config.block_size,
@@ -587,7 +589,8 @@ class LLMEngine:
     def memory_stats(self) -> dict:
         """What the chosen schemes cost: weight bytes, KV bytes per token, pool capacity in tokens."""
         r, bs = self.model_runner, self.config.block_size
-        return dict(weight_bytes=r.weight_bytes, linear_backend=r.linear_backend, attention_backend=r.attention_backend,
+        return dict(weight_bytes=r.weight_bytes, weight_hugepage_bytes=r.hugepage_bytes,
+                    linear_backend=r.linear_backend, attention_backend=r.attention_backend,
                     dtype=str(r.dtype).removeprefix("torch."), dtype_choice=self.dtype_choice,
                     quant_activations=self.config.quant_activations,
                     quant_activations_choice=self.quant_activations_choice,

@@ -29,7 +29,7 @@ from lmforge.model import Transformer
 from lmforge.quant.linear import QmmLinear, QuantizedLinear, store_layer_panels, swap_backend
 from lmforge.quant.linear import select_backend as select_linear_backend
 
-from . import decode_layer, kernels
+from . import decode_layer, hugepages, kernels
 from .attention import kv_bytes_per_token, kv_store_dtype, select_backend
 from .fused import fuse_elementwise, fuse_projections
 from .scheduler import ScheduledSeq
@@ -258,6 +258,8 @@ class ModelRunner:
         if self.panel_linears:
             kinds = "bf16" if self.bf16_linears and not self.quantized_linears else "int4/int8"
             self.linear_backend += f"; {self.panel_linears} {kinds} linears stored as 16-row panels"
+        # the integer and bf16 weights in transparent huge pages, before the C decoder layers record their addresses
+        self.hugepage_bytes = hugepages.place_linears(model) if self.quantized_linears or self.bf16_linears else 0
         self.weight_bytes = weight_bytes(model)
         # every weight under its checkpoint name, captured before any swap below: the fused stand-ins
         # hold these same tensors (not copies), so `load_weights` can write through them in place

@@ -318,6 +318,11 @@ class QmmLinear(nn.Module):
         self.desc = None if form == 0 and self.zero is None and self.layout == 0 else torch.tensor(
             [form, per, *(0 if t is None else t.data_ptr() for t in parts), self.layout], dtype=torch.int64)
 
+    def redescribe(self) -> None:
+        """`desc` again after the stored tensors moved (`engine.hugepages`): the same form, their new addresses."""
+        if self.desc is not None:
+            self._describe(int(self.desc[0]), int(self.desc[1]))
+
     PANEL = 16  # weight rows a stored panel (common.h's LMF_PANELS16)
 
     def store_panels(self, int8: bool = False) -> bool:

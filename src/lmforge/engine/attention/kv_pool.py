@@ -109,7 +109,8 @@ def prefault_in_background(pools: list[torch.Tensor]) -> threading.Thread | None
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed tensor. On CPU from numpy's calloc: the OS hands out zero pages when they are first
     touched, so a pool of gigabytes costs neither the seconds of `torch.zeros`' memset at start nor
-    resident memory until requests fill it."""
+    resident memory until requests fill it. numpy's allocator also asks Linux for transparent huge pages
+    (`madvise(MADV_HUGEPAGE)` from 4 MB), so the pool faults in 2 MB at a time (`tests/test_hugepages.py`)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
