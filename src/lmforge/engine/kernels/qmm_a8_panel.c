@@ -305,9 +305,13 @@ __attribute__((target(TP), always_inline)) static inline void lanes_rows(
             /* int4: the word's 4 even k, its 4 odd k 16 further; int8: its 4 k, words alternating between two chains */
             const int64_t at = B8 ? 4 * w : (w / 4) * 32 + 4 * (w % 4);
             LMF_UNROLL for (int p = 0; p < NP; p++) {
-                /* 512 bytes ahead. A throwaway A/B with the distance as a variable (the 300M's 96 matmuls, 2 threads,
-                 * Zen 4), against none: 0.97x the time at 1 row (noise), 0.89x at 4, 0.96x at 16; 256-4,096 alike */
-                _mm_prefetch((const char *)(W[p] + (g * words + w) * 64 + 512), _MM_HINT_T0);
+                /* 4 KB ahead at one row, 2 KB at more. On a Zen 4 (a throwaway A/B, the distance a variable; the 300M's
+                 * 96 matmuls, 2 threads) against none: 0.97x the time at 1 row, 0.89x at 4, 0.96x at 16, and 256-4,096
+                 * bytes alike; on a Zen 5, whose cores stream faster than the next line arrives at 512 bytes ahead,
+                 * `kernels_ab.py panels`, this against 512 in turns: 1 row 6.58 / 6.20 -> 5.49 / 5.90 ms, 2 rows 6.75 /
+                 * 6.40 -> 5.79 / 5.95, 4 rows 7.05 / 6.96 -> 6.20 / 6.25, 16 rows 14.84 / 14.51 -> 14.34 / 14.12 (4 KB at
+                 * every row count: no better) */
+                _mm_prefetch((const char *)(W[p] + (g * words + w) * 64 + (R == 1 ? 4096 : 2048)), _MM_HINT_T0);
                 const __m512i v = _mm512_loadu_si512(W[p] + (g * words + w) * 64);
                 if (B8) {  /* code + 128, unsigned; the group's -128 * sum(q) takes it back */
                     const __m512i u = _mm512_xor_si512(v, k80);
