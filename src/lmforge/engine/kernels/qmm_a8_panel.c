@@ -178,11 +178,15 @@ __attribute__((target(TP), always_inline)) static inline void dpbusd_bcast(__m51
 }
 
 /* R activation rows (q + m0 * K ...) against NP panels side by side (16 NP weight rows): out[m0 + r, n0 ..). Each
- * step loads NP panel vectors and R broadcasts for NP * R dot products. */
+ * step loads NP panel vectors and R broadcasts for NP * R dot products. QD: the group's 4-byte steps (gs / 4) as a
+ * compile-time constant, or 0 to read them from the job. With it the group's loop unrolls whole and its addresses
+ * are constant offsets; a group of 32 is only 8 steps, and the loop's own counting and addressing had cost ~20% of a
+ * prefill's matmul time: `kernels_ab.py panels --rows 512` (Zen 5, 96 matmuls of the 300M, 2 threads), int8 292 / 300
+ * -> 243 / 242 ms, int4 305 / 297 -> 246 / 235, and at 64 rows int4 44 / 47 -> 40 / 36; the same bits. */
 __attribute__((target(TP), always_inline)) static inline void panel_rows(
         const a8_job *j, int32_t *const *P, float *const *S, float *const *Z, const int8_t *q, const float *xs,
-        const float *qs, const int32_t *qsum, float *out, const __mmask16 *live, const int NP, const int R) {
-    const int64_t K = j->K, G = j->G, gs = j->gs, A = j->A, ab = j->ab, quads = gs / 4;
+        const float *qs, const int32_t *qsum, float *out, const __mmask16 *live, const int NP, const int R, const int QD) {
+    const int64_t K = j->K, G = j->G, gs = QD ? 4 * QD : j->gs, A = j->A, ab = j->ab, quads = QD ? QD : gs / 4;
     __m512 f[2][PANEL_R];
     LMF_UNROLL for (int p = 0; p < NP; p++)
         LMF_UNROLL for (int r = 0; r < R; r++) f[p][r] = _mm512_setzero_ps();
@@ -217,12 +221,12 @@ __attribute__((target(TP), always_inline)) static inline void panel_rows(
 
 #define PANEL_ROWS_CASES(NP, RMAX) do {                                                                        \
         switch (R) {                                                                                           \
-            case 1: panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, NP, 1); break;                             \
-            case 2: panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, NP, 2); break;                             \
-            case 3: panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, NP, 3); break;                             \
-            case 4: panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, NP, 4); break;                             \
-            case 5: panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, NP, 5); break;                             \
-            default: panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, NP, RMAX); break;                         \
+            case 1: panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, NP, 1, 0); break;                             \
+            case 2: panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, NP, 2, 0); break;                             \
+            case 3: panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, NP, 3, 0); break;                             \
+            case 4: panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, NP, 4, 0); break;                             \
+            case 5: panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, NP, 5, 0); break;                             \
+            default: panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, NP, RMAX, 0); break;                         \
         }                                                                                                      \
     } while (0)
 
@@ -260,11 +264,16 @@ __attribute__((target(TP))) LMF_HIDDEN void a8_panel_avx512vnni(const a8_job *j)
             const float *xm = j->xs + m0 * j->A, *qm = zeros ? j->qs + m0 * G : NULL;
             const int32_t *cm = j->qsum + m0 * G;
             float *om = j->out + m0 * j->N + n0;
-            if (NP == 2) PANEL_ROWS_CASES(2, PANEL_R2);
+            /* the full pass over two panels (nearly all of a prefill's work) with the group's length a compile-time
+             * constant for the common groups, so that its dot-product loop unrolls whole (`panel_rows`) */
+            if (NP == 2 && R == PANEL_R2 && j->gs == 32) panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, 2, PANEL_R2, 8);
+            else if (NP == 2 && R == PANEL_R2 && j->gs == 128)
+                panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, 2, PANEL_R2, 32);
+            else if (NP == 2) PANEL_ROWS_CASES(2, PANEL_R2);
             else if (R <= 5) PANEL_ROWS_CASES(1, 5);
-            else if (R == 6) panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, 1, 6);
-            else if (R == 7) panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, 1, 7);
-            else panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, 1, PANEL_R);
+            else if (R == 6) panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, 1, 6, 0);
+            else if (R == 7) panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, 1, 7, 0);
+            else panel_rows(j, P, S, Z, am, xm, qm, cm, om, mask, 1, PANEL_R, 0);
         }
     }
 }
