@@ -293,8 +293,9 @@ __attribute__((target(TP))) LMF_HIDDEN void a8_panel_avx512vnni(const a8_job *j)
  * the panel GEMM's terms in its order (group order per output): the same bits as `a8_panel_avx512vnni`. */
 __attribute__((target(TP), always_inline)) static inline void lanes_rows(
         const a8_job *j, int64_t p0, const int8_t *q, const float *xs, const int32_t *qsum, const float *qs, float *out,
-        const int NP, const int R, const int B8) {
-    const int64_t K = j->K, G = j->G, gs = j->gs, A = j->A, ab = j->ab, words = B8 ? gs / 4 : gs / 8;
+        const int NP, const int R, const int B8, const int WD) {
+    const int64_t K = j->K, G = j->G, A = j->A, ab = j->ab;
+    const int64_t words = WD ? WD : B8 ? j->gs / 4 : j->gs / 8, gs = B8 ? 4 * words : 8 * words;
     const __m512i lo4 = _mm512_set1_epi8(0x0F), k80 = _mm512_set1_epi8((char)0x80);
     const int zeros = j->sc->z != NULL;  /* then j->qs: xs * sum(q) a group (int4 only) */
     const uint8_t *W[2];
@@ -353,16 +354,16 @@ __attribute__((target(TP), always_inline)) static inline void lanes_rows(
         LMF_UNROLL for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * j->N + p * PANEL, f[p][r]);
 }
 
-#define LANES_CASES(B8) do {                                                                                  \
+#define LANES_CASES(B8, WD) do {                                                                                  \
         switch (NP * 8 + R) {                                                                                  \
-            case 17: lanes_rows(j, p0, q, xs, qsum, qs, out, 2, 1, B8); break;                                  \
-            case 18: lanes_rows(j, p0, q, xs, qsum, qs, out, 2, 2, B8); break;                                  \
-            case 19: lanes_rows(j, p0, q, xs, qsum, qs, out, 2, 3, B8); break;                                  \
-            case 20: lanes_rows(j, p0, q, xs, qsum, qs, out, 2, 4, B8); break;                                  \
-            case 9: lanes_rows(j, p0, q, xs, qsum, qs, out, 1, 1, B8); break;                                   \
-            case 10: lanes_rows(j, p0, q, xs, qsum, qs, out, 1, 2, B8); break;                                  \
-            case 11: lanes_rows(j, p0, q, xs, qsum, qs, out, 1, 3, B8); break;                                  \
-            default: lanes_rows(j, p0, q, xs, qsum, qs, out, 1, 4, B8); break;                                  \
+            case 17: lanes_rows(j, p0, q, xs, qsum, qs, out, 2, 1, B8, WD); break;                                  \
+            case 18: lanes_rows(j, p0, q, xs, qsum, qs, out, 2, 2, B8, WD); break;                                  \
+            case 19: lanes_rows(j, p0, q, xs, qsum, qs, out, 2, 3, B8, WD); break;                                  \
+            case 20: lanes_rows(j, p0, q, xs, qsum, qs, out, 2, 4, B8, WD); break;                                  \
+            case 9: lanes_rows(j, p0, q, xs, qsum, qs, out, 1, 1, B8, WD); break;                                   \
+            case 10: lanes_rows(j, p0, q, xs, qsum, qs, out, 1, 2, B8, WD); break;                                  \
+            case 11: lanes_rows(j, p0, q, xs, qsum, qs, out, 1, 3, B8, WD); break;                                  \
+            default: lanes_rows(j, p0, q, xs, qsum, qs, out, 1, 4, B8, WD); break;                                  \
         }                                                                                                      \
     } while (0)
 
@@ -380,8 +381,11 @@ __attribute__((target(TP))) LMF_HIDDEN void a8_lanes_avx512vnni(const a8_job *j)
             const float *qs = j->qs != NULL ? j->qs + m0 * G : NULL;
             float *out = j->out + m0 * j->N + n0;
             const int64_t p0 = n0 / PANEL;
-            if (j->bits == 8) LANES_CASES(1);
-            else LANES_CASES(0);
+            /* groups of 32 (GGUF's blocks) with the group's words a compile-time constant, as panel_rows' QD */
+            if (j->bits == 8 && j->gs == 32) LANES_CASES(1, 8);
+            else if (j->gs == 32) LANES_CASES(0, 4);
+            else if (j->bits == 8) LANES_CASES(1, 0);
+            else LANES_CASES(0, 0);
         }
     }
 }
