@@ -27,7 +27,9 @@ from torch import nn
 from lmforge.engine import LLM, SamplingParams
 
 
-def _timed(obj, attr: str, acc: dict, key: str) -> None:
+def timed(obj, attr: str, acc: dict, key: str) -> None:
+    """Wrap obj.attr (an instance's method, or a class's for every instance) so that each call adds its seconds to
+    acc[key] and one to acc[key + "_calls"] (also `scripts/prefill_breakdown.py`'s)."""
     fn = getattr(obj, attr)
 
     def wrapper(*a, **kw):
@@ -54,12 +56,12 @@ def profile(model: str, quant_activations: str = "auto", threads: int = 2, steps
                if type(m).__name__ in ("QmmLinear", "PackedLinear", "Int8Linear", "Int4Linear", "DequantLinear")
                or type(m) is nn.Linear]
     for m in linears:
-        _timed(m, "forward", acc, "linear")
+        timed(m, "forward", acc, "linear")
     libs = {id(m.lib): m.lib for m in runner.model.modules() if type(m).__name__ == "CDecodeLayer"}
     for lib in libs.values():  # the decoder layers as C calls (engine.decode_layer): linears and attention inside
-        _timed(lib, "decode_layer_q", acc, "c_layer")  # a call a layer
-        _timed(lib, "decode_stack_q", acc, "c_layer")  # or the whole stack in one
-    _timed(runner.attn, "__call__", acc, "attention")
+        timed(lib, "decode_layer_q", acc, "c_layer")  # a call a layer
+        timed(lib, "decode_stack_q", acc, "c_layer")  # or the whole stack in one
+    timed(runner.attn, "__call__", acc, "attention")
 
     # the steps one by one: the prefill step first, then the counters from zero for the `steps` decode steps
     eng.add_request("profile", prompt, params)

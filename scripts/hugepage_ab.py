@@ -7,8 +7,8 @@ be equal (the same bytes at other addresses).
     python scripts/hugepage_ab.py runs/vs-openvino/random-llama-300m --batch 16 --depth 128          # 16 at once
     python scripts/hugepage_ab.py MODEL --prefill 512                                                # a 512-token prefill
 
-Prints, per engine, decode tok/s (the tokens after the first, per sequence x sequences; or prefill tok/s) best and
-median over `--rounds`, and how many MiB of weights each engine holds in huge pages.
+Prints, per engine, decode tok/s (the tokens generated after every prompt has its first token, over that span; or
+prefill tok/s) best and median over `--rounds`, and how many MiB of weights each engine holds in huge pages.
 """
 
 from __future__ import annotations
@@ -31,6 +31,14 @@ def _engine(model: str, huge: bool, batch: int):
         return LLM(model, max_num_seqs=max(batch, 1))
     finally:
         os.environ.pop("LMFORGE_HUGEPAGES", None)
+
+
+def decode_rate(times: list[list[float]]) -> float:
+    """Tokens a second once every sequence has its first token (all prompts prefilled), to the last: with several
+    sequences, the window from the first sequence's first token counted the later prompts' prefills as decode time.
+    One sequence: its tokens after the first over their span."""
+    start, end = max(t[0] for t in times), max(t[-1] for t in times)
+    return sum(1 for t in times for x in t if x > start) / (end - start)
 
 
 def main(model: str, depth: int = 128, tokens: int = 128, batch: int = 1, rounds: int = 6, threads: int = 2,
@@ -61,8 +69,7 @@ def main(model: str, depth: int = 128, tokens: int = 128, batch: int = 1, rounds
             if prefill:
                 rates[name].append(batch * prefill / wall)
             else:
-                tt = [o.outputs[0].token_times for o in res]
-                rates[name].append(batch * tokens / (max(t[-1] for t in tt) - min(t[0] for t in tt)))
+                rates[name].append(decode_rate([o.outputs[0].token_times for o in res]))
     assert outs["4 KB pages"] == outs["huge pages"], "greedy tokens differ between the two engines"
     what = f"prefill {prefill} tokens" if prefill else f"decode {tokens} tokens at depth {depth}, {batch} sequence(s)"
     print(f"{model}: {what}, {threads} threads, {rounds} rounds in turns; greedy tokens equal; built first: {order[0][0]}")

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import collections
 import random
+import sys
 import time
+from pathlib import Path
 from typing import Annotated
 
 import torch
 import typer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_step_profile import timed  # noqa: E402  the same call-timing wrapper
 
 
 def main(model: Annotated[str, typer.Argument(help="HF folder or GGUF file.")], length: int = 512, prompts: int = 6,
@@ -29,21 +34,10 @@ def main(model: Annotated[str, typer.Argument(help="HF folder or GGUF file.")], 
     torch.set_num_threads(threads)
     llm = LLM(model)
     spent: collections.Counter = collections.Counter()
-
-    def timed(cls, name: str, key: str) -> None:
-        f = getattr(cls, name)
-
-        def g(*a, **k):
-            t = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                spent[key] += time.perf_counter() - t
-        setattr(cls, name, g)
     for cls, name, key in ((linear.QmmLinear, "forward", "linears"), (ck.KernelBackend, "_prefill", "attention"),
                            (fused.FusedRMSNorm, "forward", "rmsnorm"), (fused.FusedAttention, "rope", "rope"),
                            (kp.KVPool, "write", "kv writes")):
-        timed(cls, name, key)
+        timed(cls, name, spent, key)
     prefault = llm.llm_engine.model_runner.attn.kv.prefault
     if join_prefault and prefault is not None:
         prefault.join()
@@ -60,9 +54,10 @@ def main(model: Annotated[str, typer.Argument(help="HF folder or GGUF file.")], 
         dt = time.perf_counter() - t
         total, best = total + dt, min(best, dt)
     print(f"{model}: best {length / best:.1f} tok/s, mean {total / prompts * 1e3:.1f} ms a prompt")
-    for key, s in spent.most_common():
+    secs = {k: v for k, v in spent.items() if not k.endswith("_calls")}
+    for key, s in sorted(secs.items(), key=lambda kv: -kv[1]):
         print(f"  {key:10s} {s / prompts * 1e3:7.1f} ms")
-    print(f"  {'other':10s} {(total - sum(spent.values())) / prompts * 1e3:7.1f} ms")
+    print(f"  {'other':10s} {(total - sum(secs.values())) / prompts * 1e3:7.1f} ms")
 
 
 if __name__ == "__main__":

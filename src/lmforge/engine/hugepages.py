@@ -29,7 +29,6 @@ from torch import nn
 
 HUGE = 2 << 20  # bytes of an x86-64 transparent huge page
 ALIGN = 64  # each tensor's start in the arena: a cache line (the kernels' vector loads)
-MIN_BYTES = HUGE  # below this in all, an arena cannot hold one aligned huge page: nothing moves
 
 
 def enabled() -> bool:
@@ -48,11 +47,15 @@ class Arena:
         self.map.madvise(mmap.MADV_HUGEPAGE)
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
-        n = t.numel() * t.element_size()
-        dst = self.buf[self.off:self.off + n].view(t.dtype).view(t.shape)
+        dst = self.buf[self.off:self.off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         dst.copy_(t)
-        self.off += -(-n // ALIGN) * ALIGN
+        self.off += padded(t)
         return dst
+
+
+def padded(t: torch.Tensor) -> int:
+    """t's bytes in the arena: its size rounded up to ALIGN."""
+    return -(-t.numel() * t.element_size() // ALIGN) * ALIGN
 
 
 def _weights(m: nn.Module) -> list[str]:
@@ -67,21 +70,24 @@ def place_linears(model: nn.Module) -> int:
     records the weights' addresses (the C decoder layers' parameter arrays)."""
     from lmforge.quant.linear import QmmLinear
 
+    if not enabled():
+        return 0
     mods = [m for m in model.modules() if isinstance(m, QmmLinear) and m.bits != 32 and m.codes.device.type == "cpu"]
     # not a layer whose tensors another module reads too (a tied LM head's codes under a `QuantizedEmbedding`): the
     # copy would leave two
     others = {t.data_ptr() for o in model.modules() if not isinstance(o, QmmLinear)
               for t in [*o.parameters(recurse=False), *o.buffers(recurse=False)]}
-    mods = [m for m in mods if not any(getattr(m, n).data_ptr() in others for n in _weights(m))]
-    sizes = [-(-t.numel() * t.element_size() // ALIGN) * ALIGN for m in mods for t in (getattr(m, n) for n in _weights(m))]
-    if not enabled() or sum(sizes) < MIN_BYTES:
+    moves = [(m, _weights(m)) for m in mods]
+    moves = [(m, names) for m, names in moves if not any(getattr(m, n).data_ptr() in others for n in names)]
+    nbytes = sum(padded(getattr(m, n)) for m, names in moves for n in names)
+    if nbytes < HUGE:  # an arena this small holds no aligned huge page
         return 0
     try:
-        arena = Arena(sum(sizes))
+        arena = Arena(nbytes)
     except (OSError, ValueError, AttributeError):  # no mapping to be had, or no MADV_HUGEPAGE on this platform
         return 0
-    for m in mods:
-        for name in _weights(m):
-            setattr(m, name, arena.copy(getattr(m, name)))
+    for m, names in moves:
+        for n in names:
+            setattr(m, n, arena.copy(getattr(m, n)))
         m.redescribe()
-    return sum(sizes)
+    return nbytes

@@ -179,13 +179,11 @@ class LLMEngine:
     def _log_ready(self, model_dir: Path, num_blocks: int) -> None:
         """One line: what was chosen (dtype, weights, activations, K/V, attention, kernels) and why."""
         r, config = self.model_runner, self.config
-        log.info("engine ready: %s, %s (%s) on %s; weights %.1f MiB (%.1f MiB in huge pages; linear: %s; activations: "
-                 "%s, %s); %d KV blocks "
-                 "of %d tokens (%.1f MiB, %d B/token, %s K/V: %s, %d tokens); attention: %s; %d packed linears, %d fused "
-                 "modules; kernels: %s",
+        log.info("engine ready: %s, %s (%s) on %s; weights %.1f MiB (%.1f MiB in huge pages; linear: %s; "
+                 "activations: %s, %s); %d KV blocks of %d tokens (%.1f MiB, %d B/token, %s K/V: %s, %d tokens); "
+                 "attention: %s; %d packed linears, %d fused modules; kernels: %s",
                  model_dir, r.dtype, self.dtype_choice, r.device, r.weight_bytes / 2**20, r.hugepage_bytes / 2**20,
-                 r.linear_backend,
-                 config.quant_activations, self.quant_activations_choice, num_blocks,
+                 r.linear_backend, config.quant_activations, self.quant_activations_choice, num_blocks,
                  config.block_size,
                  num_blocks * r.attn.bytes_per_block / 2**20, r.attn.bytes_per_block // config.block_size,
                  config.kv_cache_dtype, self.kv_choice, num_blocks * config.block_size, r.attention_backend,

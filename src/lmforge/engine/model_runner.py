@@ -259,7 +259,7 @@ class ModelRunner:
             kinds = "bf16" if self.bf16_linears and not self.quantized_linears else "int4/int8"
             self.linear_backend += f"; {self.panel_linears} {kinds} linears stored as 16-row panels"
         # the integer and bf16 weights in transparent huge pages, before the C decoder layers record their addresses
-        self.hugepage_bytes = hugepages.place_linears(model) if self.quantized_linears or self.bf16_linears else 0
+        self.hugepage_bytes = hugepages.place_linears(model)
         self.weight_bytes = weight_bytes(model)
         # every weight under its checkpoint name, captured before any swap below: the fused stand-ins
         # hold these same tensors (not copies), so `load_weights` can write through them in place

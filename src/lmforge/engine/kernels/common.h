@@ -174,6 +174,16 @@ typedef struct { int64_t fmt, per; const void *s, *sd, *z, *zd; int64_t layout; 
 #endif
 #define LMF_MAX_G 4096  /* groups a row: K < 65536 in groups of 16 or more */
 
+#ifdef LMF_X86
+/* The 4 bytes at p in every 32-bit lane, in a register: one load that several instructions share (the panel GEMMs use
+ * each activation row's 4 bytes for both panels; as each instruction's `{1to16}` memory operand they were loaded twice) */
+__attribute__((target("avx512f"), always_inline)) static inline __m512i bcast32(const void *p) {
+    int32_t a;
+    memcpy(&a, p, 4);
+    return _mm512_set1_epi32(a);
+}
+#endif
+
 /* AVX512-BF16 bodies (`vdpbf16ps`): compiled with their own target on every x86 build whose compiler knows the
  * instruction, run where the CPU has it (lmf_dispatch.bf16_panel): the bf16 panel GEMM (gemm_bf16.c) and the bf16
  * dot products of paged prefill attention (attention_prefill.c). */

@@ -67,9 +67,7 @@ __attribute__((target(TB), always_inline)) static inline void bf16_rows(const in
          * loaded twice, 26 loads a step for 24 products (Zen 5, which issues two of these a cycle: 512 rows of the
          * 300M's 96 matmuls 332 / 358 / 367 -> 322 / 331 / 333 ms in turns; a bf16 prefill +3%) */
         LMF_UNROLL for (int r = 0; r < R; r++) {
-            int32_t a;
-            memcpy(&a, xb + r * K + 2 * d, 4);
-            const __m512bh xv = (__m512bh)_mm512_set1_epi32(a);
+            const __m512bh xv = (__m512bh)bcast32(xb + r * K + 2 * d);
             acc[0][r] = _mm512_dpbf16_ps(acc[0][r], (__m512bh)w0, xv);
             acc[1][r] = _mm512_dpbf16_ps(acc[1][r], (__m512bh)w1, xv);
         }

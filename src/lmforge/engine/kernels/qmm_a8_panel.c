@@ -11,7 +11,8 @@
  * and one `vpdpbusd` multiplies it by 4 inputs of one activation row broadcast to the 16 lanes (in the panel GEMM
  * once a step into a register for both panels; in the lanes body the EVEX `{1to16}` memory operand): 16 outputs at
  * once, no horizontal sum, each panel vector used by R activation rows while it sits in a register. dpbusd
- * multiplies unsigned by signed bytes: the panel holds c + 128 (unsigned) and the activations stay signed q, so it accumulates dot(q, c) + 128 * sum(q); each group's accumulator starts at
+ * multiplies unsigned by signed bytes: the panel holds c + 128 (unsigned) and the activations stay signed q, so it
+ * accumulates dot(q, c) + 128 * sum(q); each group's accumulator starts at
  * -128 * sum(q) of its activation row (`qsum`, made once a call by `lmf_qmm_s8`), which leaves the exact integer
  * dot product at the group's end (|dot| < 2^31 for K < 65536). Then, per group g and row m,
  *     out[m, n0..n0+15] += float(dot) * (scale[n, g] * xs[m, a(g)])  (+ zero[n, g] * qs[m, g] with zero offsets)
@@ -200,10 +201,8 @@ __attribute__((target(TP), always_inline)) static inline void panel_rows(
         for (int64_t d = 0; d < quads; d++) {
             __m512i wv[2];
             LMF_UNROLL for (int p = 0; p < NP; p++) wv[p] = _mm512_loadu_si512(P[p] + (g * quads + d) * PANEL);
-            LMF_UNROLL for (int r = 0; r < R; r++) {  /* a row's 4 bytes broadcast once for both panels (gemm_bf16.c) */
-                int32_t a;
-                memcpy(&a, qg + r * K + 4 * d, 4);
-                const __m512i xv = _mm512_set1_epi32(a);
+            LMF_UNROLL for (int r = 0; r < R; r++) {
+                const __m512i xv = bcast32(qg + r * K + 4 * d);  /* once for both panels */
                 LMF_UNROLL for (int p = 0; p < NP; p++) acc[p][r] = _mm512_dpbusd_epi32(acc[p][r], wv[p], xv);
             }
         }
