@@ -1,6 +1,6 @@
 """Weights and K/V pools in transparent huge pages (`lmforge.engine.hugepages`): the layers read the same bytes at their
 new addresses (outputs and greedy tokens equal), the scale descriptors follow the move, shared tensors stay, the
-switch keeps torch's memory, and where the kernel grants huge pages the moved weights and an advised pool lie in them."""
+switch keeps torch's memory, and where the kernel has them the moved weights and the pools are advised for huge pages."""
 
 from __future__ import annotations
 
@@ -26,18 +26,20 @@ def thp_available() -> bool:
     return THP.is_file() and "[never]" not in THP.read_text()
 
 
-def huge_kb(t: torch.Tensor) -> int:
-    """AnonHugePages (kB) of the mappings t's bytes overlap, from /proc/self/smaps (an advised range splits its mapping:
-    the huge pages lie in the aligned middle)."""
-    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-    kb, inside = 0, False
+def advised(t: torch.Tensor) -> bool:
+    """Whether every mapping t's bytes overlap in /proc/self/smaps, past its first page, carries the huge-page advice
+    (VmFlags `hg`). What the project controls: whether the kernel then grants 2 MB pages depends on its free memory's
+    fragmentation (a long test run can leave none to compact: CI read 0 kB of AnonHugePages under the advice), so the
+    grant is measured by `scripts/hugepage_ab.py`, not asserted here."""
+    lo, hi = t.data_ptr() + 4096, t.data_ptr() + t.numel() * t.element_size()
+    flags, inside = [], False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
         if m:
             inside = int(m.group(1), 16) < hi and lo < int(m.group(2), 16)
-        elif inside and line.startswith("AnonHugePages:"):
-            kb += int(line.split()[1])
-    return kb
+        elif inside and line.startswith("VmFlags:"):
+            flags.append("hg" in line.split()[1:])
+    return bool(flags) and all(flags)
 
 
 def linears(bits: int, scales: torch.dtype) -> nn.Sequential:
@@ -76,7 +78,7 @@ def test_place_linears_moves_the_weights_and_keeps_the_outputs(bits, scales, mon
     after = [m(x) for m in model]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     if thp_available():
-        assert huge_kb(model[0].codes) >= 2048, "the arena holds no huge page"
+        assert all(advised(m.codes) for m in model), "the arena is not advised for huge pages"
 
 
 def test_switch_and_shared_tensors_stay(monkeypatch):
@@ -92,13 +94,13 @@ def test_switch_and_shared_tensors_stay(monkeypatch):
     assert model[0].codes.data_ptr() == ptrs[0] and model[1].codes.data_ptr() != ptrs[1]
 
 
-def test_a_lazily_zeroed_pool_faults_in_huge_pages():
+def test_a_lazily_zeroed_pool_is_advised_for_huge_pages():
     """numpy's allocator advises huge pages for the K/V pools (`lazy_zeros`); a change of allocator must keep that."""
     pool = lazy_zeros((64, 1 << 16), torch.float32, torch.device("cpu"))  # 16 MB, untouched
     assert torch.count_nonzero(pool) == 0
     pool.fill_(1.0)
     if thp_available():
-        assert huge_kb(pool) >= 2048
+        assert advised(pool), "the pool's mapping is not advised for huge pages"
     assert float(pool.sum()) == pool.numel()
 
 
