@@ -11,7 +11,9 @@
  * and one `vdpbf16ps` multiplies it by one activation pair broadcast to the 16 lanes (once a step into a register,
  * shared by both panels): 16 outputs, no horizontal sum, each panel vector used by 12 activation rows while it sits
  * in a register (2 panels x 12 rows = 24 float32 accumulators). The activations are rounded to bfloat16 once a call
- * (nearest even, as torch's `.to(torch.bfloat16)`), as a bf16 GEMM's are; products and sums in float32.
+ * (nearest even, as torch's `.to(torch.bfloat16)`), as a bf16 GEMM's are, and interleaved in blocks of 12 rows (a
+ * step's 12 pairs side by side: one pointer walks them), by both threads; products and sums in float32. The work
+ * is a pair of panels times a slice of the rows, so that the last units of a call are short.
  * out[m, n] = scale[n] * sum_k w[n, k] x[m, k] (scale: one a row, 1 for a dense checkpoint).
  *
  * `lmf_qmm_f32` (bits 16, per-row scales) runs it from `lmf_bf16_panel_rows()` rows on a CPU with AVX512-BF16
@@ -47,27 +49,28 @@ __attribute__((target(TB))) static void bf16_panel_build(const uint16_t *w, int6
     }
 }
 
-/* R activation rows (xb + m0 * K) against panels P0, P1: out[r, 0..32) masked by live0 / live1, times the scales.
- * `ahead` (stored panels, the first pass of rows; else NULL): the next pair of panels, fetched into L2 a line of each
- * a step, so that memory streams them while these are multiplied rather than when they are reached. */
+/* R activation rows against panels P0, P1, the rows' pairs interleaved (`xp`: step d's pair of row r at xp[d R + r],
+ * one pointer for all rows): out[r, 0..32) masked by live0 / live1, times the scales. `ahead` (stored panels, the
+ * first rows of a pair; else NULL): the next pair of panels, fetched into L2 a line of each a step, so that memory
+ * streams them while these are multiplied rather than when they are reached. */
 __attribute__((target(TB), always_inline)) static inline void bf16_rows(const int32_t *P0, const int32_t *P1,
-                                                                        const uint16_t *xb, int64_t K, const float *sc,
-                                                                        float *out, int64_t N, __mmask16 live0,
-                                                                        __mmask16 live1, const int32_t *ahead,
-                                                                        const int R) {
+                                                                        const int32_t *xp, int64_t K2,
+                                                                        const float *sc, float *out, int64_t N,
+                                                                        __mmask16 live0, __mmask16 live1,
+                                                                        const int32_t *ahead, const int R) {
     __m512 acc[2][BR];
     LMF_UNROLL for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < K / 2; d++) {
+    for (int64_t d = 0; d < K2; d++) {
         if (ahead != NULL) {
             _mm_prefetch((const char *)(ahead + d * BP), _MM_HINT_T1);
-            _mm_prefetch((const char *)(ahead + (K / 2 + d) * BP), _MM_HINT_T1);
+            _mm_prefetch((const char *)(ahead + (K2 + d) * BP), _MM_HINT_T1);
         }
         const __m512i w0 = _mm512_loadu_si512(P0 + d * BP), w1 = _mm512_loadu_si512(P1 + d * BP);
         /* each row's pair broadcast once into a register for both panels: as the instructions' memory operand it was
          * loaded twice, 26 loads a step for 24 products (Zen 5, which issues two of these a cycle: 512 rows of the
          * 300M's 96 matmuls 332 / 358 / 367 -> 322 / 331 / 333 ms in turns; a bf16 prefill +3%) */
         LMF_UNROLL for (int r = 0; r < R; r++) {
-            const __m512bh xv = (__m512bh)bcast32(xb + r * K + 2 * d);
+            const __m512bh xv = (__m512bh)bcast32(xp + d * R + r);
             acc[0][r] = _mm512_dpbf16_ps(acc[0][r], (__m512bh)w0, xv);
             acc[1][r] = _mm512_dpbf16_ps(acc[1][r], (__m512bh)w1, xv);
         }
@@ -80,11 +83,13 @@ __attribute__((target(TB), always_inline)) static inline void bf16_rows(const in
 }
 
 typedef struct {
-    const uint16_t *xb, *w;
+    const int32_t *xp;
+    const uint16_t *w;
     const float *scale;
     float *out;
     int64_t M, N, K, threads, *next;
-    int32_t *scratch;  /* this thread's two panels (NULL: the weight is stored as panels) */
+    int64_t slices, slice;  /* the rows in `slices` runs of `slice` rows (a multiple of BR; the last the rest) */
+    int32_t *scratch;       /* this thread's two panels (NULL: the weight is stored as panels) */
 } bf16_job;
 
 /* Panel n0 / 16 of a weight stored as panels (LMF_PANELS16): K / 2 words of 16 rows */
@@ -92,60 +97,91 @@ static inline const int32_t *stored_panel(const uint16_t *w, int64_t K, int64_t 
     return (const int32_t *)(w + n0 * K);
 }
 
+/* Rows [m0, m1) (m0 a multiple of BR) against panels Q0, Q1 (output columns n0 ..) */
+__attribute__((target(TB))) static void bf16_slice(const bf16_job *j, const int32_t *Q0, const int32_t *Q1,
+                                                   const int32_t *next, int64_t n0, int64_t m0, int64_t m1,
+                                                   __mmask16 m0k, __mmask16 m1k) {
+    const int64_t K2 = j->K / 2, N = j->N;
+    for (int64_t r0 = m0; r0 < m1; r0 += BR) {
+        const int R = m1 - r0 < BR ? (int)(m1 - r0) : BR;
+        const int32_t *pf = r0 == m0 ? next : NULL, *xp = j->xp + r0 * K2;
+        const float *sc = j->scale + n0;
+        float *out = j->out + r0 * N + n0;
+        switch (R) {
+            case 1: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, 1); break;
+            case 2: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, 2); break;
+            case 3: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, 3); break;
+            case 4: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, 4); break;
+            case 5: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, 5); break;
+            case 6: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, 6); break;
+            case 7: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, 7); break;
+            case 8: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, 8); break;
+            case 9: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, 9); break;
+            case 10: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, 10); break;
+            case 11: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, 11); break;
+            default: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, BR); break;
+        }
+    }
+}
+
+/* A thread's share of the units (a pair of panels times a slice of the rows, pair-major: consecutive units of one
+ * thread reuse the pair from its L2), handed out by take_rows: a contiguous 7/8 of a share, then single units. With
+ * whole pairs as the unit (every row of a pair), a thread waited up to one pair's time at the end of each call: at
+ * 512 rows one pair of the down projection is ~90 MFLOP (~0.2 ms). */
 __attribute__((target(TB))) static void *bf16_range(void *arg) {
     const bf16_job *j = (const bf16_job *)arg;
-    const int64_t K = j->K, N = j->N;
+    const int64_t K = j->K, N = j->N, S = j->slices, units = (N + 2 * BP - 1) / (2 * BP) * S;
     int32_t *P0 = j->scratch, *P1 = j->scratch + K / 2 * BP;
-    int64_t c0, c1;
-    while (take_pairs(j->next, N, j->threads, &c0, &c1)) {
-        for (int64_t n0 = c0; n0 < c1; n0 += 2 * BP) {
-            const int live0 = c1 - n0 < BP ? (int)(c1 - n0) : BP;
-            const int live1 = c1 - n0 - BP < BP ? (int)(c1 - n0 - BP) : BP;
+    int64_t built = -1, u0, u1;  /* the pair whose panels P0, P1 hold */
+    while (take_rows(j->next, 1, units, j->threads, &u0, &u1))
+        for (int64_t u = u0; u < u1; u++) {
+            const int64_t n0 = u / S * 2 * BP, m0 = u % S * j->slice, m1 = m0 + j->slice < j->M ? m0 + j->slice : j->M;
+            const int live0 = N - n0 < BP ? (int)(N - n0) : BP;
+            const int live1 = N - n0 - BP < BP ? (int)(N - n0 - BP) : BP;
             const int32_t *Q0 = P0, *Q1 = P1, *next = NULL;
             if (j->scratch == NULL) {  /* stored: N % 16 == 0, so whole panels */
                 Q0 = stored_panel(j->w, K, n0);
                 Q1 = live1 > 0 ? stored_panel(j->w, K, n0 + BP) : Q0;
-                next = n0 + 2 * BP < N ? stored_panel(j->w, K, n0 + 2 * BP) : NULL;
+                next = n0 + 2 * BP < N && u % S == 0 ? stored_panel(j->w, K, n0 + 2 * BP) : NULL;
             } else {
-                bf16_panel_build(j->w, K, N, n0, live0, P0);
-                if (live1 > 0) bf16_panel_build(j->w, K, N, n0 + BP, live1, P1);
-                else Q1 = P0;  /* no second panel: the first again, nothing stored */
-            }
-            const __mmask16 m0 = (__mmask16)((1u << live0) - 1), m1 = live1 > 0 ? (__mmask16)((1u << live1) - 1) : 0;
-            for (int64_t r0 = 0; r0 < j->M; r0 += BR) {
-                const int R = j->M - r0 < BR ? (int)(j->M - r0) : BR;
-                const int32_t *pf = r0 == 0 ? next : NULL;
-                const uint16_t *xb = j->xb + r0 * K;
-                const float *sc = j->scale + n0;
-                float *out = j->out + r0 * N + n0;
-                switch (R) {
-                    case 1: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, 1); break;
-                    case 2: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, 2); break;
-                    case 3: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, 3); break;
-                    case 4: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, 4); break;
-                    case 5: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, 5); break;
-                    case 6: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, 6); break;
-                    case 7: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, 7); break;
-                    case 8: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, 8); break;
-                    case 9: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, 9); break;
-                    case 10: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, 10); break;
-                    case 11: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, 11); break;
-                    default: bf16_rows(Q0, Q1, xb, K, sc, out, N, m0, m1, pf, BR); break;
+                if (built != n0) {
+                    bf16_panel_build(j->w, K, N, n0, live0, P0);
+                    if (live1 > 0) bf16_panel_build(j->w, K, N, n0 + BP, live1, P1);
+                    built = n0;
                 }
+                if (live1 <= 0) Q1 = P0;  /* no second panel: the first again, nothing stored */
             }
+            const __mmask16 k0 = (__mmask16)((1u << live0) - 1), k1 = live1 > 0 ? (__mmask16)((1u << live1) - 1) : 0;
+            bf16_slice(j, Q0, Q1, next, n0, m0, m1, k0, k1);
         }
-    }
     return NULL;
 }
 
-/* x (M, K) float32 rounded to bf16 (nearest even) into xb */
-__attribute__((target(TB))) static void bf16_round_rows(const float *x, int64_t n, uint16_t *xb) {
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
-        _mm512_storeu_si512(xb + i, (__m512i)b);
+typedef struct {
+    const float *x;
+    int64_t M, K;
+    int32_t *xp;
+} pack_args;
+
+/* Blocks [b0, b1) of BR rows of x (M, K) float32, rounded to bf16 (nearest even) and interleaved into xp: block b
+ * (rows r0 = b BR .., R of them, the last block the rest) at xp + r0 K / 2, step d's pair of row r at d R + r */
+__attribute__((target(TB))) static void bf16_pack_rows(const void *args, int64_t b0, int64_t b1) {
+    const pack_args *a = (const pack_args *)args;
+    const int64_t M = a->M, K = a->K;
+    for (int64_t r0 = b0 * BR; r0 < b1 * BR && r0 < M; r0 += BR) {
+        const int R = M - r0 < BR ? (int)(M - r0) : BR;
+        const __mmask16 keep = (__mmask16)((1u << R) - 1);
+        int32_t *blk = a->xp + r0 * (K / 2);
+        for (int64_t c = 0; c < K; c += 32) {  /* 16 pairs of each row: one 16 x 16 transpose, R lanes stored */
+            __m512i v[16];
+            for (int r = 0; r < 16; r++) {
+                const float *row = a->x + (r0 + (r < R ? r : 0)) * K + c;
+                v[r] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row));
+            }
+            lmf_transpose16(v);
+            for (int t = 0; t < 16; t++) _mm512_mask_storeu_epi32(blk + (c / 2 + t) * R, keep, v[t]);
+        }
     }
-    for (; i < n; i++) xb[i] = f32_to_bf16(x[i]);
 }
 
 /* ---- a few rows of float32 activations on stored panels ------------------------------------------------------ */
@@ -258,22 +294,27 @@ int lmf_gemm_bf16(const float *x, const uint16_t *w, const float *scale, float *
     const int64_t pairs = (N + 2 * BP - 1) / (2 * BP);
     if (threads > pairs) threads = pairs;
     const size_t panels = layout == LMF_ROWS ? (size_t)K * BP * 4 : 0;  /* two panels: K / 2 pairs x 16 lanes x 4 bytes */
-    uint16_t *xb = (uint16_t *)malloc((size_t)(M * K) * sizeof(uint16_t));
+    int32_t *xp = (int32_t *)malloc((size_t)(M * K / 2) * sizeof(int32_t));
     int32_t *scratch = panels ? (int32_t *)aligned_alloc(64, panels * (size_t)threads) : NULL;
-    if (xb == NULL || (panels && scratch == NULL)) {
-        free(xb);
+    if (xp == NULL || (panels && scratch == NULL)) {
+        free(xp);
         free(scratch);
         return -1;
     }
-    bf16_round_rows(x, M * K, xb);
+    const pack_args pa = {x, M, K, xp};
+    split_rows(bf16_pack_rows, &pa, (M + BR - 1) / BR, 4, threads);
+    /* rows in slices of >= 8 passes (96 rows: a pair's panels reused that often from L2), up to 4 a pair (8 passes
+     * and 4, 4 and 8, 16 and 2: alike at 512 rows) */
+    const int64_t S = M / (8 * BR) < 1 ? 1 : M / (8 * BR) > 4 ? 4 : M / (8 * BR);
+    const int64_t slice = ((M + S - 1) / S + BR - 1) / BR * BR;
     int64_t next = 0;
     bf16_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (bf16_job){xb, w, scale, out, M, N, K, threads, &next,
+        jobs[t] = (bf16_job){xp, w, scale, out, M, N, K, threads, &next, (M + slice - 1) / slice, slice,
                              scratch ? (int32_t *)((char *)scratch + panels * t) : NULL};
     run_jobs(bf16_range, jobs, sizeof jobs[0], threads);
     free(scratch);
-    free(xb);
+    free(xp);
     return 0;
 #else
     (void)x, (void)w, (void)scale, (void)out, (void)M, (void)N, (void)K, (void)threads, (void)layout;
