@@ -124,10 +124,19 @@ __attribute__((target(TB))) static void bf16_slice(const bf16_job *j, const int3
     }
 }
 
-/* A thread's share of the units (a pair of panels times a slice of the rows, pair-major: consecutive units of one
- * thread reuse the pair from its L2), handed out by take_rows: a contiguous 7/8 of a share, then single units. With
- * whole pairs as the unit (every row of a pair), a thread waited up to one pair's time at the end of each call: at
- * 512 rows one pair of the down projection is ~90 MFLOP (~0.2 ms). */
+/* The unit of work at many rows: a pair of panels times a slice of the activation rows, so that the last units of a
+ * call are short (a whole pair of the 300M's down projection at 512 rows is ~0.2 ms, which the other thread spent in
+ * libgomp's barrier at the end of every call). Slices of >= 96 rows (a pair's panels reused that often from L2), at
+ * most 4, each a multiple of `unit` (rows a pass); units pair-major, so that a thread's consecutive units reuse a
+ * pair. 96 and 4, 48 and 8, 192 and 2: alike at 512 rows (Zen 5). The A8 panel GEMM split the same way was no faster
+ * at 128 or 512 rows (`kernels_ab.py matmuls`; its pairs take half the time), so it keeps whole pairs. */
+static int64_t row_slice(int64_t M, int64_t unit) {
+    const int64_t S = M / 96 < 1 ? 1 : M / 96 > 4 ? 4 : M / 96;
+    return ((M + S - 1) / S + unit - 1) / unit * unit;
+}
+
+/* A thread's share of the units (a pair of panels times a slice of the rows: `row_slice`), handed out by take_rows:
+ * a contiguous 7/8 of a share, then single units */
 __attribute__((target(TB))) static void *bf16_range(void *arg) {
     const bf16_job *j = (const bf16_job *)arg;
     const int64_t K = j->K, N = j->N, S = j->slices, units = (N + 2 * BP - 1) / (2 * BP) * S;
@@ -303,10 +312,7 @@ int lmf_gemm_bf16(const float *x, const uint16_t *w, const float *scale, float *
     }
     const pack_args pa = {x, M, K, xp};
     split_rows(bf16_pack_rows, &pa, (M + BR - 1) / BR, 4, threads);
-    /* rows in slices of >= 8 passes (96 rows: a pair's panels reused that often from L2), up to 4 a pair (8 passes
-     * and 4, 4 and 8, 16 and 2: alike at 512 rows) */
-    const int64_t S = M / (8 * BR) < 1 ? 1 : M / (8 * BR) > 4 ? 4 : M / (8 * BR);
-    const int64_t slice = ((M + S - 1) / S + BR - 1) / BR * BR;
+    const int64_t slice = row_slice(M, BR);
     int64_t next = 0;
     bf16_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
