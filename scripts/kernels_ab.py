@@ -171,8 +171,11 @@ def prefill(old_rev: str = typer.Option(..., help="The revision to compare again
         torch.testing.assert_close(c, other, rtol=1e-5, atol=1e-5)
     pairs = length * (length + 1) // 2
     gflop = LAYERS * HEADS * pairs * HEAD * 4 / 1e9
+    same = [kind for kind in ("float32", "bf16 dots") if f"{old_rev}, {kind}" in outs
+            and torch.equal(outs[f"this checkout, {kind}"], outs[f"{old_rev}, {kind}"])]
     print(f"{length} tokens, 24 layers ({gflop:.1f} GFLOP causal): " + ", ".join(
-        f"{name} {best[name] * 1e3:.1f} ms ({gflop / best[name]:.0f} GFLOP/s)" for name in sides), flush=True)
+        f"{name} {best[name] * 1e3:.1f} ms ({gflop / best[name]:.0f} GFLOP/s)" for name in sides)
+        + f"; bit for bit equal to {old_rev}: {', '.join(same) or 'none'}", flush=True)
 
 
 @app.command()

@@ -38,7 +38,28 @@ typedef uint16_t vh_u __attribute__((vector_size(VL * 2), aligned(2)));
 #define SPLAT(x) ((vf){0} + (float)(x))
 #define SELECT(m, a, b) ((vf)(((vi)(a) & (m)) | ((vi)(b) & ~(m))))  /* lane-wise m ? a : b, m all ones or zeros */
 
-static inline vf vmax(vf a, vf b) { return SELECT(a > b, a, b); }
+/* a > b ? a : b lane-wise (MAXPS's own rule, so the same lanes whichever form runs) */
+static inline vf vmax(vf a, vf b) {
+#if defined(LMF_AVX512) && VL == 16
+    return (vf)_mm512_max_ps((__m512)a, (__m512)b);
+#elif defined(LMF_AVX2) && VL == 8
+    return (vf)_mm256_max_ps((__m256)a, (__m256)b);
+#else
+    return SELECT(a > b, a, b);
+#endif
+}
+
+/* max(m, s[0], ..., s[VL - 1]) lane-wise as a tree, log2(VL) + 1 deep. One chain of VL compares and blends (~4
+ * cycles each) had been the critical path between a tile's scores and its exponentials. Max is exact, so the order
+ * changes no number (with no NaN among the scores; a +0 / -0 tie is the only choice it can flip, and s - m is then
+ * the same). */
+static inline vf tile_max(vf m, const vf *s) {
+    vf t[VL / 2];
+    LMF_UNROLL for (int i = 0; i < VL / 2; i++) t[i] = vmax(s[i], s[i + VL / 2]);
+    LMF_UNROLL for (int w = VL / 4; w >= 1; w /= 2)
+        LMF_UNROLL for (int i = 0; i < w; i++) t[i] = vmax(t[i], t[i + w]);
+    return vmax(m, t[0]);
+}
 
 /* exp(x): lanes below -87.3 (-inf included) give 0 exactly, the rest within ~2 ulp: 2^n times a degree-7
  * polynomial of the remainder r = x - n ln 2 in [-ln 2 / 2, ln 2 / 2] (the Cephes expf coefficients) */
@@ -148,11 +169,9 @@ static void prefill_item(const prefill_job *j, int64_t c, int64_t g, int64_t p0,
                 const vf a = qv[h];
                 for (int64_t t = 0; t < VL; t++) s[t] += a * kf[t * H + h];
             }
-            vf m = mx[hh];
-            for (int64_t t = 0; t < VL; t++) {
-                if (masked) s[t] = SELECT(pos >= (vi){0} + (int32_t)(t0 + t), s[t], SPLAT(-INFINITY));
-                m = vmax(m, s[t]);
-            }
+            if (masked)
+                for (int64_t t = 0; t < VL; t++) s[t] = SELECT(pos >= (vi){0} + (int32_t)(t0 + t), s[t], SPLAT(-INFINITY));
+            const vf m = tile_max(mx[hh], s);
             const vf alpha = vexp(mx[hh] - m);  /* 0 on the first tile: exp(-inf) */
             vf tile_sum = SPLAT(0.0f);
             for (int64_t t = 0; t < VL; t++) {
@@ -231,11 +250,9 @@ __attribute__((target(LMF_TARGET_BF16), always_inline)) static inline void tile_
         const __m512i a = qp[d];
         LMF_UNROLL for (int t = 0; t < VL; t++) s[t] = dpbf16_bcast(s[t], a, kt + t * H + 2 * d);
     }
-    vf m = *mx;
-    LMF_UNROLL for (int t = 0; t < VL; t++) {
-        if (masked) s[t] = SELECT(pos >= (vi){0} + (int32_t)(t0 + t), s[t], SPLAT(-INFINITY));
-        m = vmax(m, s[t]);
-    }
+    if (masked)
+        LMF_UNROLL for (int t = 0; t < VL; t++) s[t] = SELECT(pos >= (vi){0} + (int32_t)(t0 + t), s[t], SPLAT(-INFINITY));
+    const vf m = tile_max(*mx, (const vf *)s);
     const vf alpha = vexp(*mx - m);
     vf tile_sum = SPLAT(0.0f);
     __m512i pp[VL / 2];
