@@ -50,20 +50,20 @@ __attribute__((target(TB))) static void bf16_panel_build(const uint16_t *w, int6
 }
 
 /* R activation rows against panels P0, P1, the rows' pairs interleaved (`xp`: step d's pair of row r at xp[d R + r],
- * one pointer for all rows): out[r, 0..32) masked by live0 / live1, times the scales. `ahead` (stored panels, the
- * first rows of a pair; else NULL): the next pair of panels, fetched into L2 a line of each a step, so that memory
- * streams them while these are multiplied rather than when they are reached. */
+ * one pointer for all rows): out[r, 0..32) masked by live0 / live1, times the scales. `ahead` (stored panels; else
+ * NULL): lines of the next pair of panels fetched into L2, one a step (`two`: two, the line K / 2 steps on as well),
+ * so that memory streams them while these are multiplied rather than when they are reached. */
 __attribute__((target(TB), always_inline)) static inline void bf16_rows(const int32_t *P0, const int32_t *P1,
                                                                         const int32_t *xp, int64_t K2,
                                                                         const float *sc, float *out, int64_t N,
                                                                         __mmask16 live0, __mmask16 live1,
-                                                                        const int32_t *ahead, const int R) {
+                                                                        const int32_t *ahead, int two, const int R) {
     __m512 acc[2][BR];
     LMF_UNROLL for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
     for (int64_t d = 0; d < K2; d++) {
         if (ahead != NULL) {
             _mm_prefetch((const char *)(ahead + d * BP), _MM_HINT_T1);
-            _mm_prefetch((const char *)(ahead + (K2 + d) * BP), _MM_HINT_T1);
+            if (two) _mm_prefetch((const char *)(ahead + (K2 + d) * BP), _MM_HINT_T1);
         }
         const __m512i w0 = _mm512_loadu_si512(P0 + d * BP), w1 = _mm512_loadu_si512(P1 + d * BP);
         /* each row's pair broadcast once into a register for both panels: as the instructions' memory operand it was
@@ -88,7 +88,8 @@ typedef struct {
     const float *scale;
     float *out;
     int64_t M, N, K, threads, *next;
-    int64_t slices, slice;  /* the rows in `slices` runs of `slice` rows (a multiple of BR; the last the rest) */
+    int64_t br;             /* rows a pass (<= BR), the rows' blocks in xp */
+    int64_t slices, slice;  /* the rows in `slices` runs of `slice` rows (a multiple of br; the last the rest) */
     int32_t *scratch;       /* this thread's two panels (NULL: the weight is stored as panels) */
 } bf16_job;
 
@@ -97,29 +98,38 @@ static inline const int32_t *stored_panel(const uint16_t *w, int64_t K, int64_t 
     return (const int32_t *)(w + n0 * K);
 }
 
-/* Rows [m0, m1) (m0 a multiple of BR) against panels Q0, Q1 (output columns n0 ..) */
+/* Rows [m0, m1) (m0 a multiple of br) against panels Q0, Q1 (output columns n0 ..), in passes of br rows. `next`: the
+ * pair after, fetched a line a step over the first two passes (one pass: two lines a step). Until 2026-12-07 the first
+ * pass fetched both panels and a 16-row call ran passes of 12 and 4 rows; in even passes (8 and 8) with the fetches
+ * spread, the 300M's 96 matmuls (566 MB of bf16 weights, memory-bound below ~16 rows) in turns, best of 6: 16 rows
+ * 17.4 -> 15.4 ms, 13 rows 16.6 -> 14.6, 20 rows 18.9 -> 17.9, 32 rows 26.4 -> 25.4; 4, 8 and 512 rows alike (Zen 5,
+ * 2 threads, ~44 GB/s read by torch.sum that hour). */
 __attribute__((target(TB))) static void bf16_slice(const bf16_job *j, const int32_t *Q0, const int32_t *Q1,
                                                    const int32_t *next, int64_t n0, int64_t m0, int64_t m1,
                                                    __mmask16 m0k, __mmask16 m1k) {
     const int64_t K2 = j->K / 2, N = j->N;
-    for (int64_t r0 = m0; r0 < m1; r0 += BR) {
-        const int R = m1 - r0 < BR ? (int)(m1 - r0) : BR;
-        const int32_t *pf = r0 == m0 ? next : NULL, *xp = j->xp + r0 * K2;
+    const int64_t br = j->br, passes = (m1 - m0 + br - 1) / br;
+    for (int64_t r0 = m0; r0 < m1; r0 += br) {
+        const int R = m1 - r0 < br ? (int)(m1 - r0) : (int)br;
+        const int64_t i = (r0 - m0) / br;
+        const int32_t *pf = next != NULL && i < 2 ? next + (passes > 1 ? i * K2 * BP : 0) : NULL;
+        const int two = passes == 1;
+        const int32_t *xp = j->xp + r0 * K2;
         const float *sc = j->scale + n0;
         float *out = j->out + r0 * N + n0;
         switch (R) {
-            case 1: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, 1); break;
-            case 2: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, 2); break;
-            case 3: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, 3); break;
-            case 4: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, 4); break;
-            case 5: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, 5); break;
-            case 6: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, 6); break;
-            case 7: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, 7); break;
-            case 8: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, 8); break;
-            case 9: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, 9); break;
-            case 10: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, 10); break;
-            case 11: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, 11); break;
-            default: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, BR); break;
+            case 1: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, two, 1); break;
+            case 2: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, two, 2); break;
+            case 3: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, two, 3); break;
+            case 4: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, two, 4); break;
+            case 5: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, two, 5); break;
+            case 6: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, two, 6); break;
+            case 7: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, two, 7); break;
+            case 8: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, two, 8); break;
+            case 9: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, two, 9); break;
+            case 10: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, two, 10); break;
+            case 11: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, two, 11); break;
+            default: bf16_rows(Q0, Q1, xp, K2, sc, out, N, m0k, m1k, pf, two, BR); break;
         }
     }
 }
@@ -168,17 +178,17 @@ __attribute__((target(TB))) static void *bf16_range(void *arg) {
 
 typedef struct {
     const float *x;
-    int64_t M, K;
+    int64_t M, K, br;
     int32_t *xp;
 } pack_args;
 
-/* Blocks [b0, b1) of BR rows of x (M, K) float32, rounded to bf16 (nearest even) and interleaved into xp: block b
- * (rows r0 = b BR .., R of them, the last block the rest) at xp + r0 K / 2, step d's pair of row r at d R + r */
+/* Blocks [b0, b1) of br rows of x (M, K) float32, rounded to bf16 (nearest even) and interleaved into xp: block b
+ * (rows r0 = b br .., R of them, the last block the rest) at xp + r0 K / 2, step d's pair of row r at d R + r */
 __attribute__((target(TB))) static void bf16_pack_rows(const void *args, int64_t b0, int64_t b1) {
     const pack_args *a = (const pack_args *)args;
-    const int64_t M = a->M, K = a->K;
-    for (int64_t r0 = b0 * BR; r0 < b1 * BR && r0 < M; r0 += BR) {
-        const int R = M - r0 < BR ? (int)(M - r0) : BR;
+    const int64_t M = a->M, K = a->K, br = a->br;
+    for (int64_t r0 = b0 * br; r0 < b1 * br && r0 < M; r0 += br) {
+        const int R = M - r0 < br ? (int)(M - r0) : (int)br;
         const __mmask16 keep = (__mmask16)((1u << R) - 1);
         int32_t *blk = a->xp + r0 * (K / 2);
         for (int64_t c = 0; c < K; c += 32) {  /* 16 pairs of each row: one 16 x 16 transpose, R lanes stored */
@@ -310,13 +320,14 @@ int lmf_gemm_bf16(const float *x, const uint16_t *w, const float *scale, float *
         free(scratch);
         return -1;
     }
-    const pack_args pa = {x, M, K, xp};
-    split_rows(bf16_pack_rows, &pa, (M + BR - 1) / BR, 4, threads);
-    const int64_t slice = row_slice(M, BR);
+    /* passes of even size: 16 rows as 8 and 8, not 12 and 4 */
+    const int64_t br = (M + (M + BR - 1) / BR - 1) / ((M + BR - 1) / BR), slice = row_slice(M, br);
+    const pack_args pa = {x, M, K, br, xp};
+    split_rows(bf16_pack_rows, &pa, (M + br - 1) / br, 4, threads);
     int64_t next = 0;
     bf16_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (bf16_job){xp, w, scale, out, M, N, K, threads, &next, (M + slice - 1) / slice, slice,
+        jobs[t] = (bf16_job){xp, w, scale, out, M, N, K, threads, &next, br, (M + slice - 1) / slice, slice,
                              scratch ? (int32_t *)((char *)scratch + panels * t) : NULL};
     run_jobs(bf16_range, jobs, sizeof jobs[0], threads);
     free(scratch);
