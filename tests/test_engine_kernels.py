@@ -285,17 +285,18 @@ def _run_decode_any(lib, q, k_pool, v_pool, tables, rows, lens, B, k_scale=None,
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
-@pytest.mark.parametrize("portable", [False, True], ids=["auto", "portable"])
+@pytest.mark.parametrize("flags", [(), ("-DLMF_ATTN_AVX2",), ("-DLMF_PORTABLE",)], ids=["auto", "avx2", "portable"])
 @pytest.mark.parametrize("kv", ["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize("N,K,H,B", [(8, 2, 64, 4), (6, 3, 32, 5)])
-def test_paged_decode_any_float32_and_int8(kv, N, K, H, B, portable):
+@pytest.mark.parametrize("N,K,H,B", [(8, 2, 64, 4), (6, 3, 32, 5), (6, 2, 48, 5)])
+def test_paged_decode_any_float32_and_int8(kv, N, K, H, B, flags):
     """float32 q and K/V: the float32 reference to float32 rounding; a bf16 pool under float32 q: the very
     bits of the float32 pool holding the same (widened) values; int8 K/V (codes * scale): the same
-    reference over the dequantized cache, and within int8 error of the float32 one. Both the build
-    this CPU runs (float32 q, float32 or bf16 K/V with H % 8 == 0 on AVX2: the 8-wide body) and the portable one."""
+    reference over the dequantized cache, and within int8 error of the float32 one. The build this CPU runs
+    (float32 q, float32 or bf16 K/V: with AVX-512 and H % 16 == 0 the 16-wide body, else with H % 8 == 0 on AVX2
+    the 8-wide one; odd G, pairs of query heads), the AVX2 body kept by -DLMF_ATTN_AVX2, and the portable build."""
     from lmforge.engine.attention import quantize_kv
 
-    lib = kernels.load(("-DLMF_PORTABLE",) if portable else ())
+    lib = kernels.load(flags)
     rng = random.Random(1)
     lens = [1, 7, 33, 64, 5]
     q, k_pool, v_pool, tables, rows, ref = _case(rng, N, K, H, B, lens)

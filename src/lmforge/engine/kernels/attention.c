@@ -176,13 +176,24 @@ typedef struct {
     int act, kv;
 } decode_any_job;
 
+#ifdef LMF_X86
+/* The float32-query body for a float32 (kv 1) or bf16 (kv 0) pool: 512-bit where this build has it and H % 16 == 0 */
+static decode_heads_fn f32_body(int64_t kv, int64_t H) {
+#ifdef LMF_ATTN_F32_AVX512
+    if (H % 16 == 0) return kv == 1 ? decode_heads_f32_avx512 : decode_heads_bf16kv_avx512;
+#endif
+    (void)H;
+    return kv == 1 ? decode_heads_f32_avx2 : decode_heads_bf16kv_avx2;
+}
+#endif
+
 static void *decode_any_range(void *arg) {
     const decode_any_job *j = (const decode_any_job *)arg;
     const int64_t N = j->N, H = j->H, G = N / j->K, es = j->act ? 4 : 2;
 #ifdef LMF_X86
     const int avx2 = j->act == 1 && (j->kv == 1 || j->kv == 0) && H % 8 == 0 && (j->g1 - j->g0) * G <= MAX_N &&
                      lmf_dispatch.attn_avx2;
-    const decode_heads_fn body = j->kv == 1 ? decode_heads_f32_avx2 : decode_heads_bf16kv_avx2;
+    const decode_heads_fn body = f32_body(j->kv, H);
 #endif
     for (int64_t s = j->first; s < j->last; s++) {
         const int64_t base = j->rows[s] * N * H * es;
@@ -319,7 +330,7 @@ int lmf_paged_decode_any(const void *q, const void *k_pool, const void *v_pool, 
     if (S < pt && pt > 1 && total >= 2 * PART_TOKENS && act == 1 && (kv == 0 || kv == 1) && H % 8 == 0 &&
         N <= MAX_N && lmf_dispatch.attn_avx2)
         return decode_partitioned((const float *)q, k_pool, v_pool, block_tables, M, lens, rows, S, N, K, H, B, scale,
-                                  (float *)out, pt, kv == 1 ? decode_heads_f32_avx2 : decode_heads_bf16kv_avx2);
+                                  (float *)out, pt, f32_body(kv, H));
 #endif
     if (S < want && want > 1 && total * K >= 512) {
         /* fewer sequences than threads (batch 1) and enough K/V to read (at long context this is

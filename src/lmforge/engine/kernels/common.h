@@ -430,6 +430,16 @@ LMF_HIDDEN void decode_heads_bf16kv_avx2(const float *q, const void *k_pool, con
                                          int64_t t_begin, int64_t len, int64_t pf_len, int64_t g0, int64_t g1,
                                          int64_t G, int64_t K, int64_t H, int64_t B, float scale, float *out,
                                          float *part);
+#if defined(LMF_AVX512) && !defined(LMF_ATTN_AVX2)
+#define LMF_ATTN_F32_AVX512 1  /* the same in 512-bit vectors, H % 16 == 0 (attention_avx512.c) */
+LMF_HIDDEN void decode_heads_f32_avx512(const float *q, const void *k_pool, const void *v_pool, const int32_t *table,
+                                        int64_t t_begin, int64_t len, int64_t pf_len, int64_t g0, int64_t g1, int64_t G,
+                                        int64_t K, int64_t H, int64_t B, float scale, float *out, float *part);
+LMF_HIDDEN void decode_heads_bf16kv_avx512(const float *q, const void *k_pool, const void *v_pool,
+                                           const int32_t *table, int64_t t_begin, int64_t len, int64_t pf_len,
+                                           int64_t g0, int64_t g1, int64_t G, int64_t K, int64_t H, int64_t B,
+                                           float scale, float *out, float *part);
+#endif
 #endif
 
 /* ---- int8-activation (A8) matmul: shared by qmm_a8*.c and dispatch.c ------------------------------------ */

@@ -81,6 +81,12 @@ static char chosen[320];  /* lmf_kernels_chosen's line, written with the table *
  * the gain is a few percent on two shapes of three */
 #define BF16_PANEL_ROWS 4
 
+#ifdef LMF_ATTN_F32_AVX512
+#define ATTN_F32_WIDE "avx512"  /* the build targets AVX-512F, so the CPU has it (head sizes % 16; else avx2) */
+#else
+#define ATTN_F32_WIDE (lmf_dispatch.attn_avx2 ? "avx2" : "portable")
+#endif
+
 static void write_chosen(void) {
     char panel[48] = "none", bf16[48] = "none";  /* "avx512_vnni/16rows": the body, and from how many rows it runs */
     if (lmf_dispatch.bf16_panel && lmf_dispatch.bf16_panel_rows > 0)
@@ -90,7 +96,7 @@ static void write_chosen(void) {
     snprintf(chosen, sizeof chosen,
              "attention_bf16=" ATTN_BF16 " attention_f32=%s attention_prefill=" ATTN_PREFILL " elementwise_bf16=" ELEMENTWISE_BF16 " qmm_f32=" QMM_F32
              " gemm_f32=" GEMM_F32 " gemm_bf16=%s qmm_a8=%s qmm_a8_panel=%s",
-             lmf_dispatch.attn_avx2 ? "avx2" : "portable", bf16, a8_names[lmf_dispatch.a8_best], panel);
+             ATTN_F32_WIDE, bf16, a8_names[lmf_dispatch.a8_best], panel);
 }
 
 __attribute__((constructor)) static void lmf_dispatch_init(void) {
@@ -167,7 +173,7 @@ int64_t lmf_a8_best_isa(void) {
 }
 
 /* "concern=body ..." for every kernel with more than one body, as this CPU and build run them: attention_bf16
- * (avx512_bf16 | avx512 | portable), attention_f32 (float32 queries over float32 / bf16 pools: avx2 | portable;
+ * (avx512_bf16 | avx512 | portable), attention_f32 (float32 queries over float32 / bf16 pools: avx512 | avx2 | portable;
  * int8 pools always portable), attention_prefill (avx512 | avx2 | portable: the vector width its vector C was
  * compiled to), elementwise_bf16 (avx512 | portable), qmm_f32 (avx2 | portable), gemm_f32
  * (avx2 | none: the caller widens and runs sgemm), gemm_bf16 (bf16 weights on bf16 dot products for many rows,
