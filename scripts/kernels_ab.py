@@ -167,8 +167,8 @@ def prefill(old_rev: str = typer.Option(..., help="The revision to compare again
     a, b, c, *d = outs.values()
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(a, c, rtol=0, atol=3e-2)
-    for other in d:  # the two revisions' bf16 dots: the same rounding, so equal to float32 summation order
-        torch.testing.assert_close(c, other, rtol=1e-5, atol=1e-5)
+    for other in d:  # the two revisions' bf16 dots: within bf16 rounding (a change of exp flips some roundings)
+        torch.testing.assert_close(c, other, rtol=0, atol=3e-2)
     pairs = length * (length + 1) // 2
     gflop = LAYERS * HEADS * pairs * HEAD * 4 / 1e9
     same = [kind for kind in ("float32", "bf16 dots") if f"{old_rev}, {kind}" in outs

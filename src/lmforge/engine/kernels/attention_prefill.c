@@ -216,6 +216,15 @@ static void prefill_item(const prefill_job *j, int64_t c, int64_t g, int64_t p0,
  *   output: the tile's probabilities as pairs of keys (t, t + 1) a lane, and V as the same pairs a dimension (the
  *     tile's rows interleaved two by two once per kv head, for its G query heads). */
 
+/* exp(x) for the bf16 body: common.h's exp_ps (rel. error ~2e-7; AVX-512's rounding and scaling instructions, ~12
+ * instructions against `vexp`'s ~25, whose clamps and floor are written for any vector width), lanes below -87.3 (-inf
+ * included: masked keys, the first tile's old max) at 0 exactly. The probabilities are rounded to bf16 next, so its
+ * last bits against vexp's change nothing a bf16 product keeps; the sums move by float32 rounding. 512 tokens, 24
+ * layers, in turns (Zen 5, 2 threads): 28.1 -> 24.2 ms, outputs within 1.5e-4 of vexp's. */
+__attribute__((target(LMF_TARGET_BF16))) static inline vf exp_b(vf x) {
+    return (vf)_mm512_maskz_mov_ps(_mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ), exp_ps((__m512)x));
+}
+
 /* lane i: (bf16(a_i), bf16(b_i)), a in the low half */
 __attribute__((target(LMF_TARGET_BF16))) static inline __m512i pair_bf16(const __m512 a, const __m512 b) {
     const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);  /* words 0..15: a, 16..31: b */
@@ -253,11 +262,11 @@ __attribute__((target(LMF_TARGET_BF16), always_inline)) static inline void tile_
     if (masked)
         LMF_UNROLL for (int t = 0; t < VL; t++) s[t] = SELECT(pos >= (vi){0} + (int32_t)(t0 + t), s[t], SPLAT(-INFINITY));
     const vf m = tile_max(*mx, (const vf *)s);
-    const vf alpha = vexp(*mx - m);
+    const vf alpha = exp_b(*mx - m);
     vf tile_sum = SPLAT(0.0f);
     __m512i pp[VL / 2];
     LMF_UNROLL for (int e = 0; e < VL / 2; e++) {
-        const vf p0 = vexp(s[2 * e] - m), p1 = vexp(s[2 * e + 1] - m);
+        const vf p0 = exp_b(s[2 * e] - m), p1 = exp_b(s[2 * e + 1] - m);
         tile_sum += p0 + p1;
         pp[e] = pair_bf16(p0, p1);
     }
