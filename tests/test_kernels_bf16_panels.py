@@ -79,6 +79,29 @@ def test_bodies_that_read_rows_refuse_stored_bf16_panels():
     assert LIB.gemm_f32(*args, 32, 64, 16, 0, 1, layer.desc_ptr) == -1
 
 
+@pytest.mark.parametrize("stored", [True, False], ids=["panels", "rows"])
+def test_swiglu_in_the_panel_gemm_gives_the_bits_of_the_middle_then_the_layer(stored):
+    """`QmmLinear.forward_swiglu` (`lmf_gemm_bf16_swiglu`: silu(gate) * up computed in the panel GEMM's activation
+    pass) gives the bits of `lmf_silu_mul_rows_f32` then the layer, for row counts across the passes and slices
+    (a large gate saturating silu included); below the panel GEMM's threshold, on a non-float32 input or without the
+    entry it declines (None), and the caller runs the middle itself."""
+    N, K = 80, 96
+    layer, _ = _layer(N, K, 7)
+    if stored:
+        assert layer.store_panels()
+    g = torch.Generator().manual_seed(3)
+    for M in (PANEL_ROWS, 13, 16, 200, 517):
+        gu = torch.randn(M, 2 * K, generator=g) * 4
+        gu[0, :3] = torch.tensor([95.0, -95.0, 0.0])
+        mid = torch.empty(M, K)
+        LIB.silu_mul_rows_f32(gu.data_ptr(), mid.data_ptr(), M, K, 2)
+        fused = layer.forward_swiglu(gu, LIB.gemm_bf16_swiglu)
+        assert fused is not None and torch.equal(fused, layer(mid)), M
+    assert layer.forward_swiglu(torch.randn(PANEL_ROWS - 1, 2 * K), LIB.gemm_bf16_swiglu) is None
+    assert layer.forward_swiglu(torch.randn(8, 2 * K).bfloat16(), LIB.gemm_bf16_swiglu) is None
+    assert layer.forward_swiglu(torch.randn(8, 2 * K), None) is None
+
+
 def test_the_engine_stores_its_bf16_layers_as_panels_and_its_tokens_do_not_move(tmp_path, monkeypatch):
     """A bf16 checkpoint under `--dtype auto` on a CPU with AVX512-BF16: every layer linear and the untied LM head
     stored as panels (`LMFORGE_BF16_PANELS`, default 1), named in the backend's line; greedy tokens equal to the rows

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from lmforge.model.transformer import MLP, Attention, RMSNorm
-from lmforge.quant.linear import QuantizedLinear
+from lmforge.quant.linear import QmmLinear, QuantizedLinear
 
 from .kernels import MAX_H, CpuKernels
 
@@ -156,6 +156,10 @@ class FusedMLP(nn.Module):
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         if "gate_up_proj" in self._modules:
             gu = self.gate_up_proj(x_BTD).contiguous()
+            if isinstance(self.down_proj, QmmLinear):  # bf16 weights, many rows: the middle inside the down GEMM
+                out = self.down_proj.forward_swiglu(gu, getattr(self.lib, "gemm_bf16_swiglu", None))
+                if out is not None:
+                    return out
             rows, half = _kernel(self.lib, "silu_mul_rows", gu.dtype), gu.shape[-1] // 2
             if rows is not None:  # the fused output as it is, each row [gate | up]: no copy of its halves
                 h = torch.empty(*gu.shape[:-1], half, dtype=gu.dtype)

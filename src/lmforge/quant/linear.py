@@ -515,6 +515,20 @@ class QmmLinear(nn.Module):
             raise RuntimeError(f"lmf_qmm_a8 ({a8.isa}) refused {self.N}x{self.K} int{self.bits} group {self.gs}")
         return out_MN
 
+    def forward_swiglu(self, gu: torch.Tensor, fused) -> torch.Tensor | None:
+        """This layer on silu(gate) * up of gate_up rows `gu` (..., 2 K) float32, in one call of `fused`
+        (`lmf_gemm_bf16_swiglu`: SwiGLU's middle in the bf16 panel GEMM's activation pass, the bits of the middle
+        then `forward`), where these rows run that GEMM; None elsewhere (the caller runs the middle, then forward)."""
+        rows = gu.numel() // (2 * self.K)
+        if (fused is None or not self.bf16_panel_rows or rows < self.bf16_panel_rows or self.bias is not None
+                or gu.dtype != torch.float32 or not gu.is_contiguous()):
+            return None
+        out_MN = torch.empty(rows, self.N)
+        if fused(gu.data_ptr(), self.codes.data_ptr(), self.scale.data_ptr(), out_MN.data_ptr(), rows, self.N, self.K,
+                 self.threads, self.layout) != 0:
+            return None
+        return out_MN.reshape(*gu.shape[:-1], self.N)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.K
         a8_rows = (self.bf16_rows - 1 if self.prefill_bf16 else self.A8_MAX_ROWS if self.c_gemm

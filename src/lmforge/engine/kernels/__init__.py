@@ -104,6 +104,7 @@ class CpuKernels:
     #                                                  many rows lmf_qmm_f32 runs bf16 weights on the bf16 panel GEMM
     #                                                  (0: never, or no AVX512-BF16; rows < 0 only reads it)
     gemm_bf16: ctypes._CFuncPtr | None = None  # lmf_gemm_bf16(x, w, scales, out, M, N, K, threads, layout) -> 0 | -1
+    gemm_bf16_swiglu: ctypes._CFuncPtr | None = None  # the same on silu(gate) * up of gate_up rows (M, 2K)
     gemm_f32: ctypes._CFuncPtr | None = None  # lmf_gemm_f32(x, w, scales, out, M, N, K, bits, gs, threads) -> 0 | -1
     gemm_ok: bool = False  # whether this build has the panel GEMM's body (AVX2 + FMA): prefill chunks of bf16 weights
     decode_layer_q: ctypes._CFuncPtr | None = None  # lmf_decode_layer_q(isa, params, x, M, cos, sin, slots, tables,
@@ -268,6 +269,7 @@ def _bind(path: Path) -> CpuKernels:
           "a8_panel_rows": ("lmf_a8_panel_rows", [I64]), "a8_lanes_rows": ("lmf_a8_lanes_rows", [I64]),
           "bf16_panel_rows": ("lmf_bf16_panel_rows", [I64]),
           "gemm_bf16": ("lmf_gemm_bf16", [P, P, P, P, I64, I64, I64, I64, I64]),
+          "gemm_bf16_swiglu": ("lmf_gemm_bf16_swiglu", [P, P, P, P, I64, I64, I64, I64, I64]),
           "gemm_f32": ("lmf_gemm_f32", [P, P, P, P, I64, I64, I64, I64, I64, I64, P]),
           "decode_layer_q": ("lmf_decode_layer_q", [I64, P, P, I64, P, P, P, P, I64, P, P, I64, ctypes.c_float,
                                                     ctypes.c_float]),

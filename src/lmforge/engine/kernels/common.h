@@ -110,6 +110,13 @@ static inline __m512 exp_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
+
+/* silu(g) = g / (1 + exp(-g)), 16 at a time. exp_ps clamps its argument at -87 (g > 87: exp(-g) ~1.6e-38, silu g
+ * as torch's) and gives inf above 88.7 (g < -88.7: silu -0 where torch gives a denormal). SwiGLU's middle
+ * (elementwise.c) and the bf16 panel GEMM's fused form of it (gemm_bf16.c) share it, so both give the same bits. */
+static inline __m512 silu_ps(const __m512 g) {
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+}
 #endif
 
 /* ---- the weight formats' bytes ----------------------------------------------------------------------------- */
@@ -642,6 +649,11 @@ int64_t lmf_bf16_panel_rows(int64_t rows);
 /* gemm_bf16.c */
 int lmf_gemm_bf16(const float *x, const uint16_t *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
                   int64_t threads, int64_t layout);
+/* As lmf_gemm_bf16 on silu(gate) * up of a fused gate_up output gu (M, 2 K), each row [gate | up]: SwiGLU's middle
+ * computed in the GEMM's activation pass, the same float32 values as `lmf_silu_mul_rows_f32` (so the same bits) with
+ * no (M, K) tensor written and read back. -1 where the build lacks AVX-512 (or what lmf_gemm_bf16 refuses). */
+int lmf_gemm_bf16_swiglu(const float *gu, const uint16_t *w, const float *scale, float *out, int64_t M, int64_t N,
+                         int64_t K, int64_t threads, int64_t layout);
 const char *lmf_kernels_chosen(void);
 
 #endif

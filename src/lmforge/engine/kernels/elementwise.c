@@ -127,14 +127,6 @@ void lmf_rope_bf16(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_
     split_rows(rope_bf16_rows, &a, T, PER(heads * H), threads);
 }
 
-#ifdef LMF_AVX512
-/* silu(g) = g / (1 + exp(-g)), 16 at a time. exp_ps clamps its argument at -87 (g > 87: exp(-g) ~1.6e-38, silu g
- * as torch's) and gives inf above 88.7 (g < -88.7: silu -0 where torch gives a denormal). */
-static inline __m512 silu_ps(const __m512 g) {
-    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-}
-#endif
-
 /* SwiGLU's middle: out = bf16(bf16(silu(g)) * u), silu(g) = g / (1 + exp(-g)). */
 void lmf_silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, int64_t n) {
     int64_t i = 0;

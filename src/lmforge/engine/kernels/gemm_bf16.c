@@ -178,7 +178,7 @@ __attribute__((target(TB))) static void *bf16_range(void *arg) {
 
 typedef struct {
     const float *x;
-    int64_t M, K, br;
+    int64_t M, K, br, swiglu;  /* swiglu: x is (M, 2 K) [gate | up] rows, the activations silu(gate) * up */
     int32_t *xp;
 } pack_args;
 
@@ -194,7 +194,17 @@ __attribute__((target(TB))) static void bf16_pack_rows(const void *args, int64_t
         for (int64_t c = 0; c < K; c += 32) {  /* 16 pairs of each row: one 16 x 16 transpose, R lanes stored */
             __m512i v[16];
             for (int r = 0; r < 16; r++) {
-                const float *row = a->x + (r0 + (r < R ? r : 0)) * K + c;
+                const int64_t m = r0 + (r < R ? r : 0);
+#ifdef LMF_AVX512
+                if (a->swiglu) {
+                    const float *g = a->x + m * 2 * K + c, *u = g + K;
+                    v[r] = (__m512i)_mm512_cvtne2ps_pbh(
+                        _mm512_mul_ps(silu_ps(_mm512_loadu_ps(g + 16)), _mm512_loadu_ps(u + 16)),
+                        _mm512_mul_ps(silu_ps(_mm512_loadu_ps(g)), _mm512_loadu_ps(u)));
+                    continue;
+                }
+#endif
+                const float *row = a->x + m * K + c;
                 v[r] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row));
             }
             lmf_transpose16(v);
@@ -302,11 +312,14 @@ LMF_HIDDEN int bf16_lanes_f32(const float *x, const uint16_t *w, const float *sc
 #endif
 }
 
-/* `layout`: LMF_ROWS (the weight (N, K) as it is; panels built a call) or LMF_PANELS16 (stored as panels). */
-int lmf_gemm_bf16(const float *x, const uint16_t *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
-                  int64_t threads, int64_t layout) {
+/* lmf_gemm_bf16 (swiglu 0) and lmf_gemm_bf16_swiglu (1: x is (M, 2 K) gate_up rows) */
+static int gemm_bf16(const float *x, int64_t swiglu, const uint16_t *w, const float *scale, float *out, int64_t M,
+                     int64_t N, int64_t K, int64_t threads, int64_t layout) {
 #ifdef LMF_BF16_PANEL
     if (!lmf_dispatch.bf16_panel || M < 1 || N < 1 || K < 32 || K % 32 || scale == NULL) return -1;
+#ifndef LMF_AVX512
+    if (swiglu) return -1;  /* silu_ps is AVX-512's */
+#endif
     if (layout != LMF_ROWS && (layout != LMF_PANELS16 || N % BP)) return -1;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
@@ -322,7 +335,7 @@ int lmf_gemm_bf16(const float *x, const uint16_t *w, const float *scale, float *
     }
     /* passes of even size: 16 rows as 8 and 8, not 12 and 4 */
     const int64_t br = (M + (M + BR - 1) / BR - 1) / ((M + BR - 1) / BR), slice = row_slice(M, br);
-    const pack_args pa = {x, M, K, br, xp};
+    const pack_args pa = {x, M, K, br, swiglu, xp};
     split_rows(bf16_pack_rows, &pa, (M + br - 1) / br, 4, threads);
     int64_t next = 0;
     bf16_job jobs[MAX_THREADS];
@@ -334,7 +347,18 @@ int lmf_gemm_bf16(const float *x, const uint16_t *w, const float *scale, float *
     free(xp);
     return 0;
 #else
-    (void)x, (void)w, (void)scale, (void)out, (void)M, (void)N, (void)K, (void)threads, (void)layout;
+    (void)x, (void)swiglu, (void)w, (void)scale, (void)out, (void)M, (void)N, (void)K, (void)threads, (void)layout;
     return -1;
 #endif
+}
+
+/* `layout`: LMF_ROWS (the weight (N, K) as it is; panels built a call) or LMF_PANELS16 (stored as panels). */
+int lmf_gemm_bf16(const float *x, const uint16_t *w, const float *scale, float *out, int64_t M, int64_t N, int64_t K,
+                  int64_t threads, int64_t layout) {
+    return gemm_bf16(x, 0, w, scale, out, M, N, K, threads, layout);
+}
+
+int lmf_gemm_bf16_swiglu(const float *gu, const uint16_t *w, const float *scale, float *out, int64_t M, int64_t N,
+                         int64_t K, int64_t threads, int64_t layout) {
+    return gemm_bf16(gu, 1, w, scale, out, M, N, K, threads, layout);
 }
