@@ -183,6 +183,43 @@ static void a8_row_codes(const void *x, int act, int64_t K, float sc, int8_t *q)
     }
 }
 
+#ifdef LMF_AVX512
+/* a8_row_scale and a8_row_codes of one block of n float32 (n % 32 == 0), 16 lanes at a time, and with nibble_order
+ * each 32 codes stored as their even k, then their odd k: the same bits (the absolute maximum compared as bit
+ * patterns, one IEEE division a value, rounding to nearest even as nearbyintf's default mode, the same clamp).
+ * Why: the scalar loops took ~5% of a Q4_0 prefill's samples (512 rows x the 300M's 96 matmuls' inputs). */
+static float a8_block_f32_avx512(const float *x, int64_t n, int nibble_order, int8_t *q) {
+    __m512i amax = _mm512_setzero_si512();
+    for (int64_t k = 0; k < n; k += 16)
+        amax = _mm512_max_epu32(amax, _mm512_and_si512(_mm512_loadu_si512(x + k), _mm512_set1_epi32(0x7fffffff)));
+    union { uint32_t u; float f; } c = {(uint32_t)_mm512_reduce_max_epu32(amax)};
+    const float sc = c.f / 127.0f;
+    if (!(sc > 0.0f)) {  /* an all-zero block */
+        memset(q, 0, (size_t)n);
+        return sc;
+    }
+    const __m512 vs = _mm512_set1_ps(sc), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odds = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int64_t k = 0; k < n; k += 32) {
+        __m512i v[2];
+        for (int h = 0; h < 2; h++) {
+            const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + k + 16 * h), vs),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            v[h] = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+        }
+        if (nibble_order) {
+            const __m512i e = _mm512_permutex2var_epi32(v[0], evens, v[1]), o = _mm512_permutex2var_epi32(v[0], odds, v[1]);
+            v[0] = e;
+            v[1] = o;
+        }
+        _mm_storeu_si128((__m128i *)(q + k), _mm512_cvtepi32_epi8(v[0]));
+        _mm_storeu_si128((__m128i *)(q + k + 16), _mm512_cvtepi32_epi8(v[1]));
+    }
+    return sc;
+}
+#endif
+
 /* Dynamic int8 quantization of x (M, K) (act: 0 bf16, 1 f32) a block of ab inputs at a time (ab <= 0: the whole
  * row) into q (M, K) and scales s (M, K / ab); nibble_order 1 (int4 weights): each block of 32 stored as its even
  * k, then its odd k. */
@@ -192,6 +229,15 @@ int lmf_quantize_s8(const void *x, int64_t act, int64_t M, int64_t K, int64_t ni
     if (act < 0 || act > 1 || M < 0 || K < 1 || (nibble_order && K % 32) || K % ab || (ab != K && ab % 32)) return -1;
     const size_t es = act ? 4 : 2;
     const int64_t A = K / ab;
+#ifdef LMF_AVX512
+    if (act == 1 && ab % 32 == 0) {  /* float32 in blocks of 32s (a nibble-order block never straddles two) */
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t a = 0; a < A; a++)
+                s[m * A + a] = a8_block_f32_avx512((const float *)x + m * K + a * ab, ab, (int)nibble_order,
+                                                   q + m * K + a * ab);
+        return 0;
+    }
+#endif
     for (int64_t m = 0; m < M; m++) {
         int8_t *qr = q + m * K;
         for (int64_t a = 0; a < A; a++) {
