@@ -233,6 +233,33 @@ def test_a8_linear_within_tolerance_of_a16(scheme, dtype, panel):
 
 
 @pytest.mark.parametrize("scheme", [QuantScheme(8, None), QuantScheme(4, 32)], ids=["w8", "w4-g32"])
+@pytest.mark.parametrize("panel", [False, True], ids=["rows", "panel"])
+def test_a8_swiglu_gives_the_bits_of_the_middle_then_the_layer(scheme, panel):
+    """`QmmLinear.forward_swiglu` on int8 activations (`lmf_qmm_a8` act 2: silu(gate) * up taken while quantizing the
+    gate_up rows) gives the bits of `lmf_silu_mul_rows_f32` then the layer, 1-200 rows (the row bodies and, on an
+    AVX-512 VNNI CPU, the panel GEMM); with a bias it declines (None) and the caller runs the middle itself."""
+    if panel and not HAS_PANEL:
+        pytest.skip(f"no A8 panel GEMM on this CPU (AVX-512 VNNI; runs {LIB.a8_isas()})")
+    g = torch.Generator().manual_seed(5)
+    q = QuantizedLinear(256, 72, scheme, bias=False, scale_dtype=torch.float32)
+    qw, s = quantize_rtn(torch.randn(72, 256, generator=g), scheme, torch.float32)
+    q.qweight.copy_(qw)
+    q.weight_scale.copy_(s)
+    a8 = kernels.A8Matmul.bind(LIB.qmm_a8, LIB.a8().isa, LIB.a8_panel_rows(-1) if panel else 0)
+    layer = QmmLinear(q, torch.float32, qmm=LIB.qmm_f32, a8=a8)
+    with panel_from(LIB.a8_panel_rows(-1) if panel else 0):
+        for M in (1, 5, 16, 64, 200):
+            gu = torch.randn(M, 512, generator=g) * 4
+            gu[0, :2] = torch.tensor([95.0, -95.0])
+            mid = torch.empty(M, 256)
+            LIB.silu_mul_rows_f32(gu.data_ptr(), mid.data_ptr(), M, 256, 2)
+            got = layer.forward_swiglu(gu)
+            assert got is not None and torch.equal(got, layer(mid)), M
+    biased = QmmLinear(_layer(scheme, N=72, K=256), torch.float32, qmm=LIB.qmm_f32, a8=a8)
+    assert biased.forward_swiglu(torch.randn(4, 512)) is None
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme(8, None), QuantScheme(4, 32)], ids=["w8", "w4-g32"])
 def test_a8_prefill_bf16_gemm_above_its_rows(scheme):
     """With `prefill_bf16` (the engine sets it on CPUs with bf16 units) rows above `A8_BF16_PREFILL_ROWS` run
     oneDNN's bf16 GEMM on the dequantized weight: bf16 rounding of weights and activations, float32

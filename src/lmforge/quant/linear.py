@@ -515,25 +515,34 @@ class QmmLinear(nn.Module):
             raise RuntimeError(f"lmf_qmm_a8 ({a8.isa}) refused {self.N}x{self.K} int{self.bits} group {self.gs}")
         return out_MN
 
-    def forward_swiglu(self, gu: torch.Tensor, fused) -> torch.Tensor | None:
-        """This layer on silu(gate) * up of gate_up rows `gu` (..., 2 K) float32, in one call of `fused`
-        (`lmf_gemm_bf16_swiglu`: SwiGLU's middle in the bf16 panel GEMM's activation pass, the bits of the middle
-        then `forward`), where these rows run that GEMM; None elsewhere (the caller runs the middle, then forward)."""
+    def _a8_takes(self, rows: int) -> bool:
+        """Whether `rows` rows run on int8 activations (`forward_a8`)."""
+        a8_rows = (self.bf16_rows - 1 if self.prefill_bf16 else self.A8_MAX_ROWS if self.c_gemm
+                   else self.A8_PREFILL_ROWS)
+        return self.a8 is not None and (rows <= a8_rows or bool(self.a8_panel))
+
+    def forward_swiglu(self, gu: torch.Tensor, fused_bf16=None) -> torch.Tensor | None:
+        """This layer on silu(gate) * up of gate_up rows `gu` (..., 2 K) float32 in one call, SwiGLU's middle taken
+        where the activations are prepared: on int8 activations by `lmf_qmm_a8` (act 2), on bf16 weights from the
+        panel GEMM's rows by `fused_bf16` (`lmf_gemm_bf16_swiglu`); the bits of the middle, then `forward`. None
+        elsewhere (the caller runs the middle, then forward)."""
         rows = gu.numel() // (2 * self.K)
-        if (fused is None or not self.bf16_panel_rows or rows < self.bf16_panel_rows or self.bias is not None
-                or gu.dtype != torch.float32 or not gu.is_contiguous()):
+        if self.bias is not None or gu.dtype != torch.float32 or not gu.is_contiguous():
             return None
         out_MN = torch.empty(rows, self.N)
-        if fused(gu.data_ptr(), self.codes.data_ptr(), self.scale.data_ptr(), out_MN.data_ptr(), rows, self.N, self.K,
-                 self.threads, self.layout) != 0:
+        if self._a8_takes(rows):
+            rc = self.a8(gu.data_ptr(), 2, self.codes.data_ptr(), self.scale.data_ptr(), out_MN.data_ptr(), rows,
+                         self.N, self.K, self.bits, self.gs, self.threads, self.desc_ptr)
+        elif fused_bf16 is not None and self.bf16_panel_rows and rows >= self.bf16_panel_rows:
+            rc = fused_bf16(gu.data_ptr(), self.codes.data_ptr(), self.scale.data_ptr(), out_MN.data_ptr(), rows,
+                            self.N, self.K, self.threads, self.layout)
+        else:
             return None
-        return out_MN.reshape(*gu.shape[:-1], self.N)
+        return out_MN.reshape(*gu.shape[:-1], self.N) if rc == 0 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.K
-        a8_rows = (self.bf16_rows - 1 if self.prefill_bf16 else self.A8_MAX_ROWS if self.c_gemm
-                   else self.A8_PREFILL_ROWS)
-        if self.a8 is not None and (rows <= a8_rows or self.a8_panel):
+        if self._a8_takes(rows):
             out_MN = self.forward_a8(x.reshape(-1, self.K).contiguous())
             if self.bias is not None:
                 out_MN += self.bias

@@ -262,13 +262,29 @@ int lmf_quantize_s8(const void *x, int64_t act, int64_t M, int64_t K, int64_t ni
  * chunk's 512 x 2,816 inputs took 0.8 ms to quantize on one thread, every layer's every matmul). */
 typedef struct {
     const int8_t *q; const void *x; int64_t act, K, nibble_order, ab; int8_t *qo; float *s; int32_t *qsum;
+    int *failed;  /* act 2: set where a share's row buffer could not be had */
 } row_job;
 
 static void quantize_rows(const void *arg, int64_t m0, int64_t m1) {
     const row_job *r = (const row_job *)arg;
+    const int64_t K = r->K, A = K / r->ab;
+    if (r->act == 2) {  /* gate_up rows (M, 2 K): silu(gate) * up a row at a time (`lmf_silu_mul_f32`), then as float32 */
+        float *h = (float *)malloc((size_t)K * sizeof(float));
+        if (h == NULL) {
+            __atomic_store_n(r->failed, 1, __ATOMIC_RELAXED);
+            return;
+        }
+        for (int64_t m = m0; m < m1; m++) {
+            const float *g = (const float *)r->x + m * 2 * K;
+            lmf_silu_mul_f32(g, g + K, h, K);
+            lmf_quantize_s8(h, 1, 1, K, r->nibble_order, r->ab, r->qo + m * K, r->s + m * A);
+        }
+        free(h);
+        return;
+    }
     const size_t es = r->act ? 4 : 2;
-    lmf_quantize_s8((const char *)r->x + (size_t)(m0 * r->K) * es, r->act, m1 - m0, r->K, r->nibble_order, r->ab,
-                    r->qo + m0 * r->K, r->s + m0 * (r->K / r->ab));
+    lmf_quantize_s8((const char *)r->x + (size_t)(m0 * K) * es, r->act, m1 - m0, K, r->nibble_order, r->ab,
+                    r->qo + m0 * K, r->s + m0 * A);
 }
 
 static void group_sums(const void *arg, int64_t m0, int64_t m1) {  /* sum(q) of each group of ab (the weight's gs) */
@@ -391,8 +407,9 @@ int lmf_qmm_s8(const int8_t *q, const float *xs, const void *w, const float *ws,
     return 0;
 }
 
-/* Quantize x (act: 0 bf16, 1 f32) and multiply: `lmf_quantize_s8` then `lmf_qmm_s8`, one call (the body
- * first, so that Python binds it once with functools.partial). */
+/* Quantize x (act: 0 bf16, 1 f32; 2: float32 gate_up rows (M, 2 K), each [gate | up], quantized as silu(gate) * up:
+ * SwiGLU's middle in this call, the bits of `lmf_silu_mul_rows_f32` then act 1) and multiply: `lmf_quantize_s8` then
+ * `lmf_qmm_s8`, one call (the body first, so that Python binds it once with functools.partial). */
 int lmf_qmm_a8(int64_t isa, const void *x, int64_t act, const void *w, const float *ws, float *out, int64_t M,
                int64_t N, int64_t K, int64_t bits, int64_t gs, int64_t threads, const lmf_scales *sc) {
     if (K % 32 || M < 1 || gs > K) return -1;
@@ -401,8 +418,11 @@ int lmf_qmm_a8(int64_t isa, const void *x, int64_t act, const void *w, const flo
     int8_t *q = (int8_t *)malloc((size_t)(M * K) + (size_t)(M * (K / ab)) * sizeof(float));
     if (q == NULL) return -1;
     float *xs = (float *)(q + M * K);  /* M * K is a multiple of 32: aligned for float */
-    int rc = lmf_quantize_s8(x, act, 0, K, bits == 4, ab, q, xs);  /* the shape's checks, no rows */
-    if (rc == 0) split_rows(quantize_rows, &(row_job){NULL, x, act, K, bits == 4, ab, q, xs, NULL}, M, 8, threads);
+    int failed = 0;  /* act 2 (gate_up rows, silu(gate) * up): float32 rows of K once the middle is taken */
+    int rc = act < 0 || act > 2 ? -1 : lmf_quantize_s8(x, act == 2 ? 1 : act, 0, K, bits == 4, ab, q, xs);  /* checks */
+    if (rc == 0)
+        split_rows(quantize_rows, &(row_job){NULL, x, act, K, bits == 4, ab, q, xs, NULL, &failed}, M, 8, threads);
+    if (failed) rc = -1;
     if (rc == 0) rc = lmf_qmm_s8(q, xs, w, ws, out, M, N, K, bits, gs, threads, isa, sc);
     free(q);
     return rc;
