@@ -232,6 +232,25 @@ def _compile(cc: str, flags: list[str], c_files: list[Path], out: str) -> subpro
         return subprocess.run([cc, *flags, *objects, "-o", out, "-lm"], capture_output=True, text=True)
 
 
+_P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+# entry points a library may lack (an older revision's build, the A/B scripts): field -> (symbol, argtypes)
+_OPTIONAL = {
+    "qmm_a8": ("lmf_qmm_a8", [_I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P]),
+    "qmm_s8": ("lmf_qmm_s8", [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _P]),
+    "quantize_s8": ("lmf_quantize_s8", [_P, _I64, _I64, _I64, _I64, _I64, _P, _P]),
+    "a8_isa_supported": ("lmf_a8_isa_supported", [_I64]),
+    "a8_panel_rows": ("lmf_a8_panel_rows", [_I64]), "a8_lanes_rows": ("lmf_a8_lanes_rows", [_I64]),
+    "bf16_panel_rows": ("lmf_bf16_panel_rows", [_I64]),
+    "gemm_bf16": ("lmf_gemm_bf16", [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64]),
+    "gemm_bf16_swiglu": ("lmf_gemm_bf16_swiglu", [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64]),
+    "gemm_f32": ("lmf_gemm_f32", [_P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P]),
+    "decode_layer_q": ("lmf_decode_layer_q", [_I64, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _I64, _F, _F]),
+    "prefill": ("lmf_paged_prefill", [_P, _I64, _I64, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F, _P,
+                                      _I64]),
+    "decode_stack_q": ("lmf_decode_stack_q", [_I64, _I64, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _I64, _F, _F]),
+}
+
+
 def _bind(path: Path) -> CpuKernels:
     lib = ctypes.CDLL(str(path))  # CDLL: the GIL is released for the call
     P, I64 = ctypes.c_void_p, ctypes.c_int64
@@ -262,22 +281,7 @@ def _bind(path: Path) -> CpuKernels:
     qmm = lib.lmf_qmm_f32
     # the trailing pointer of the matmuls: zero offsets (N, G) or None (NULL); a library older than them ignores it
     qmm.restype, qmm.argtypes = ctypes.c_int, [P, P, P, P, I64, I64, I64, I64, I64, I64, I64, P]
-    a8 = {"qmm_a8": ("lmf_qmm_a8", [I64, P, I64, P, P, P, I64, I64, I64, I64, I64, I64, P]),
-          "qmm_s8": ("lmf_qmm_s8", [P, P, P, P, P, I64, I64, I64, I64, I64, I64, I64, P]),
-          "quantize_s8": ("lmf_quantize_s8", [P, I64, I64, I64, I64, I64, P, P]),
-          "a8_isa_supported": ("lmf_a8_isa_supported", [I64]),
-          "a8_panel_rows": ("lmf_a8_panel_rows", [I64]), "a8_lanes_rows": ("lmf_a8_lanes_rows", [I64]),
-          "bf16_panel_rows": ("lmf_bf16_panel_rows", [I64]),
-          "gemm_bf16": ("lmf_gemm_bf16", [P, P, P, P, I64, I64, I64, I64, I64]),
-          "gemm_bf16_swiglu": ("lmf_gemm_bf16_swiglu", [P, P, P, P, I64, I64, I64, I64, I64]),
-          "gemm_f32": ("lmf_gemm_f32", [P, P, P, P, I64, I64, I64, I64, I64, I64, P]),
-          "decode_layer_q": ("lmf_decode_layer_q", [I64, P, P, I64, P, P, P, P, I64, P, P, I64, ctypes.c_float,
-                                                    ctypes.c_float]),
-          "prefill": ("lmf_paged_prefill", [P, I64, I64, P, P, I64, P, I64, P, I64, I64, I64, I64, I64,
-                                            ctypes.c_float, P, I64]),
-          "decode_stack_q": ("lmf_decode_stack_q", [I64, I64, P, P, I64, P, P, P, P, I64, P, P, I64, ctypes.c_float,
-                                                    ctypes.c_float])}
-    for field, (name, argtypes) in a8.items():
+    for field, (name, argtypes) in _OPTIONAL.items():
         fn = getattr(lib, name, None)
         if fn is None:  # an older revision's build (the A/B scripts)
             continue
