@@ -152,18 +152,11 @@ __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline))
         /* the next tile's rows, into L2 (into L1 they evicted this tile's: 1.1-1.3x slower, a throwaway
          * variant), a head at a time in the loops below; a partition's last tile prefetches the next partition's
          * first (pf_len: the tokens left in the sequence from t_begin) */
-        const int64_t left = pf_len - t0 - nt, nx_n = left <= 0 ? 0 : left < TILE ? left : TILE;
-        if (nx_n > 0) tile_rows(table, t_begin + t0 + TILE, nx_n, B, K, g0, next);
-#ifndef PFT
-#define PFT 1
-#endif
-        int64_t far[TILE];
-        const int64_t fleft = pf_len - t0 - nt - (PFT - 1) * TILE, pf_n = fleft <= 0 ? 0 : fleft < TILE ? fleft : TILE;
-        if (PFT == 1) memcpy(far, next, sizeof far);
-        else if (pf_n > 0) tile_rows(table, t_begin + t0 + PFT * TILE, pf_n, B, K, g0, far);
+        const int64_t left = pf_len - t0 - nt, pf_n = left <= 0 ? 0 : left < TILE ? left : TILE;
+        if (pf_n > 0) tile_rows(table, t_begin + t0 + TILE, pf_n, B, K, g0, next);
         for (int64_t g = 0; g < g1 - g0; g++) {  /* scores: query heads in pairs where G is even (a K row widened once) */
             for (int64_t i = 0; i < pf_n; i++)  /* the next tile's K rows of this head, a head at a time */
-                for (int64_t b = 0; b < rb; b += 64) _mm_prefetch(k_pool + (far[i] + g) * rb + b, _MM_HINT_T1);
+                for (int64_t b = 0; b < rb; b += 64) _mm_prefetch(k_pool + (next[i] + g) * rb + b, _MM_HINT_T1);
             for (int64_t n = 0; n < G; n += G % 2 ? 1 : 2) {
                 const int64_t st = g * G + n;
                 const float *qn = q + ((g0 + g) * G + n) * H;
@@ -194,7 +187,7 @@ __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline))
         }
         for (int64_t g = 0; g < g1 - g0; g++) {  /* acc = acc * alpha + sum_i p_i * V_i, a V row widened once a pair */
             for (int64_t i = 0; i < pf_n; i++)  /* and its V rows */
-                for (int64_t b = 0; b < rb; b += 64) _mm_prefetch(v_pool + (far[i] + g) * rb + b, _MM_HINT_T1);
+                for (int64_t b = 0; b < rb; b += 64) _mm_prefetch(v_pool + (next[i] + g) * rb + b, _MM_HINT_T1);
             for (int64_t n = 0; n < G; n += G % 2 ? 1 : 2) {
                 const int64_t st = g * G + n;
                 if (G % 2)
