@@ -156,7 +156,7 @@ class FusedMLP(nn.Module):
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         if "gate_up_proj" in self._modules:
             gu = self.gate_up_proj(x_BTD).contiguous()
-            if isinstance(self.down_proj, QmmLinear):  # bf16 weights, many rows: the middle inside the down GEMM
+            if isinstance(self.down_proj, QmmLinear):  # the middle where the down projection prepares its inputs
                 out = self.down_proj.forward_swiglu(gu, getattr(self.lib, "gemm_bf16_swiglu", None))
                 if out is not None:
                     return out

@@ -527,17 +527,17 @@ class QmmLinear(nn.Module):
         panel GEMM's rows by `fused_bf16` (`lmf_gemm_bf16_swiglu`); the bits of the middle, then `forward`. None
         elsewhere (the caller runs the middle, then forward)."""
         rows = gu.numel() // (2 * self.K)
-        if self.bias is not None or gu.dtype != torch.float32 or not gu.is_contiguous():
+        a8 = self._a8_takes(rows)
+        if (self.bias is not None or gu.dtype != torch.float32 or not gu.is_contiguous()
+                or not (a8 or (fused_bf16 is not None and self.bf16_panel_rows and rows >= self.bf16_panel_rows))):
             return None
         out_MN = torch.empty(rows, self.N)
-        if self._a8_takes(rows):
+        if a8:
             rc = self.a8(gu.data_ptr(), 2, self.codes.data_ptr(), self.scale.data_ptr(), out_MN.data_ptr(), rows,
                          self.N, self.K, self.bits, self.gs, self.threads, self.desc_ptr)
-        elif fused_bf16 is not None and self.bf16_panel_rows and rows >= self.bf16_panel_rows:
+        else:
             rc = fused_bf16(gu.data_ptr(), self.codes.data_ptr(), self.scale.data_ptr(), out_MN.data_ptr(), rows,
                             self.N, self.K, self.threads, self.layout)
-        else:
-            return None
         return out_MN.reshape(*gu.shape[:-1], self.N) if rc == 0 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

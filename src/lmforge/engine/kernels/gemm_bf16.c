@@ -89,7 +89,7 @@ typedef struct {
     float *out;
     int64_t M, N, K, threads, *next;
     int64_t br;             /* rows a pass (<= BR), the rows' blocks in xp */
-    int64_t slices, slice;  /* the rows in `slices` runs of `slice` rows (a multiple of br; the last the rest) */
+    int64_t slice;          /* the rows in runs of `slice` rows (a multiple of br; the last the rest) */
     int32_t *scratch;       /* this thread's two panels (NULL: the weight is stored as panels) */
 } bf16_job;
 
@@ -112,7 +112,7 @@ __attribute__((target(TB))) static void bf16_slice(const bf16_job *j, const int3
     for (int64_t r0 = m0; r0 < m1; r0 += br) {
         const int R = m1 - r0 < br ? (int)(m1 - r0) : (int)br;
         const int64_t i = (r0 - m0) / br;
-        const int32_t *pf = next != NULL && i < 2 ? next + (passes > 1 ? i * K2 * BP : 0) : NULL;
+        const int32_t *pf = next != NULL && i < 2 ? next + i * K2 * BP : NULL;  /* pass i: panel i of the next pair */
         const int two = passes == 1;
         const int32_t *xp = j->xp + r0 * K2;
         const float *sc = j->scale + n0;
@@ -149,7 +149,7 @@ static int64_t row_slice(int64_t M, int64_t unit) {
  * a contiguous 7/8 of a share, then single units */
 __attribute__((target(TB))) static void *bf16_range(void *arg) {
     const bf16_job *j = (const bf16_job *)arg;
-    const int64_t K = j->K, N = j->N, S = j->slices, units = (N + 2 * BP - 1) / (2 * BP) * S;
+    const int64_t K = j->K, N = j->N, S = (j->M + j->slice - 1) / j->slice, units = (N + 2 * BP - 1) / (2 * BP) * S;
     int32_t *P0 = j->scratch, *P1 = j->scratch + K / 2 * BP;
     int64_t built = -1, u0, u1;  /* the pair whose panels P0, P1 hold */
     while (take_rows(j->next, 1, units, j->threads, &u0, &u1))
@@ -340,7 +340,7 @@ static int gemm_bf16(const float *x, int64_t swiglu, const uint16_t *w, const fl
     int64_t next = 0;
     bf16_job jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (bf16_job){xp, w, scale, out, M, N, K, threads, &next, br, (M + slice - 1) / slice, slice,
+        jobs[t] = (bf16_job){xp, w, scale, out, M, N, K, threads, &next, br, slice,
                              scratch ? (int32_t *)((char *)scratch + panels * t) : NULL};
     run_jobs(bf16_range, jobs, sizeof jobs[0], threads);
     free(scratch);
