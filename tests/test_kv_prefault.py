@@ -63,3 +63,34 @@ def test_prefault_off_and_its_end_when_the_pool_goes(monkeypatch):
     gc.collect()
     thread.join(timeout=60)
     assert not thread.is_alive()
+
+
+def test_the_thread_never_holds_a_pool_tensor(monkeypatch):
+    """While the thread is inside madvise the engine lets the pool go: its tensors are freed in this thread at
+    once, not later in the prefault thread (freeing a torch tensor lets go of the GIL, and a daemon thread waiting
+    for the GIL at interpreter exit aborts the process: `eval diff` exited with SIGABRT after its results)."""
+    import threading
+    import weakref
+
+    monkeypatch.setenv("LMFORGE_KV_PREFAULT", "1")
+    inside, release = threading.Event(), threading.Event()
+    real = kv_pool._libc_madvise()
+
+    def blocking_madvise(addr: int, length: int, advice: int) -> int:
+        inside.set()
+        release.wait(timeout=60)
+        return real(addr, length, advice)
+
+    monkeypatch.setattr(kv_pool, "_libc_madvise", lambda: blocking_madvise)
+    pool = _pool()
+    thread = pool.prefault
+    assert inside.wait(timeout=60)
+    tensors = [weakref.ref(t) for t in pool.k_pools_PBKH + pool.v_pools_PBKH]
+    del pool
+    gc.collect()
+    try:
+        assert all(r() is None for r in tensors)
+    finally:
+        release.set()
+    thread.join(timeout=60)
+    assert not thread.is_alive()

@@ -29,6 +29,7 @@ import os
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,7 +60,14 @@ PREFAULT_CHUNK = 2 << 20  # bytes a madvise call: a short hold of the address sp
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 
 
-def _prefault(refs: list[weakref.ref]) -> None:
+def _libc_madvise() -> Callable[[int, int, int], int]:
+    """libc's madvise(addr, length, advice) through ctypes (a call releases the GIL)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise
+
+
+def _prefault(bufs: list[tuple[weakref.ref, int, int]], madvise: Callable[[int, int, int], int]) -> None:
     """Fault in the pools' pages ahead of use, on idle CPU only (this thread at SCHED_IDLE), a chunk at a time across
     every layer, lowest blocks first (the block manager's order). `madvise(MADV_POPULATE_WRITE)` maps each page as a
     first write would, and leaves a page already mapped (one a request has written meanwhile) as it is, so it runs
@@ -68,42 +76,52 @@ def _prefault(refs: list[weakref.ref]) -> None:
     server faulted in fresh pages; on a VM whose memory the host backs lazily (this project's, 0.43 GB/s at first
     touch against ~11 afterwards) a 512-token bf16 prefill of the 300M spent ~60 ms of its ~880 there (prefill with
     the cache on read 0.88x off, 2026-12-06). Stops when a pool is freed (the engine closed) or the kernel lacks
-    the call."""
+    the call.
+
+    `bufs`: (weak reference to the numpy buffer under a pool, its address, its bytes). The thread holds a buffer
+    only across its madvise call, and never a torch tensor: where it held the last reference to a pool the engine
+    had let go, freeing a tensor here let go of the GIL (torch frees large storage without it), and a daemon thread
+    that waits for the GIL while the interpreter exits is ended by a forced unwind that C++ turns into
+    `std::terminate` (`eval diff` exited with SIGABRT after writing its results, 1 run in ~30 under load). numpy
+    frees its buffer holding the GIL."""
     with contextlib.suppress(AttributeError, OSError):  # Linux: the calling thread only
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = os.sysconf("SC_PAGE_SIZE")
     off = 0
     while True:
         left = False
-        for ref in refs:
-            pool = ref()
-            if pool is None:
+        for ref, ptr, nbytes in bufs:
+            buf = ref()  # held while madvise runs on its pages
+            if buf is None:
                 return
-            ptr, nbytes = pool.data_ptr(), pool.numel() * pool.element_size()
             if off < nbytes:
                 left = True
                 start = (ptr + off) // page * page
-                if libc.madvise(start, min(PREFAULT_CHUNK, ptr + nbytes - start), _MADV_POPULATE_WRITE) != 0:
+                if madvise(start, min(PREFAULT_CHUNK, ptr + nbytes - start), _MADV_POPULATE_WRITE) != 0:
                     return
-            del pool
+            del buf
         if not left:
             return
         off += PREFAULT_CHUNK
 
 
-def prefault_in_background(pools: list[torch.Tensor]) -> threading.Thread | None:
-    """Start `_prefault` over CPU pools (held weakly: the thread ends when the engine lets them go); None where it
-    does not apply: not Linux, not CPU, `LMFORGE_KV_PREFAULT=0`."""
-    if not sys.platform.startswith("linux") or os.environ.get("LMFORGE_KV_PREFAULT", "1") == "0":
+def prefault_in_background(bufs: list[np.ndarray]) -> threading.Thread | None:
+    """Start `_prefault` over the numpy buffers under CPU pools (`lazy_buffer`; held weakly: the thread ends when
+    the engine lets them go); None where it does not apply: not Linux, no buffers, `LMFORGE_KV_PREFAULT=0`."""
+    if not sys.platform.startswith("linux") or os.environ.get("LMFORGE_KV_PREFAULT", "1") == "0" or not bufs:
         return None
-    refs = [weakref.ref(t) for t in pools if t.device.type == "cpu"]
-    if not refs:
-        return None
-    thread = threading.Thread(target=_prefault, args=(refs,), name="lmforge-kv-prefault", daemon=True)
+    spans = [(weakref.ref(b), b.__array_interface__["data"][0], b.nbytes) for b in bufs]
+    thread = threading.Thread(target=_prefault, args=(spans, _libc_madvise()), name="lmforge-kv-prefault",
+                              daemon=True)
     thread.start()
     return thread
+
+
+def lazy_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:
+    """A zeroed CPU tensor and the numpy buffer it lies in (`lazy_zeros`)."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    return torch.from_numpy(buf).view(dtype).view(shape), buf
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -113,8 +131,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     (`madvise(MADV_HUGEPAGE)` from 4 MB), so the pool faults in 2 MB at a time (`tests/test_hugepages.py`)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    return lazy_buffer(shape, dtype)[0]
 
 
 @dataclass
@@ -141,11 +158,20 @@ class KVPool:
         self.kernels = kernels  # compiled K/V write; None: torch only
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         pool_dtype = torch.int8 if self.int8 else self.store_dtype
-        self.k_pools_PBKH = [lazy_zeros(shape, pool_dtype, device) for _ in range(num_layers)]
-        self.v_pools_PBKH = [lazy_zeros(shape, pool_dtype, device) for _ in range(num_layers)]
+        bufs: list[np.ndarray] = []
+
+        def pool() -> torch.Tensor:
+            if torch.device(device).type != "cpu":
+                return torch.zeros(shape, dtype=pool_dtype, device=device)
+            t, buf = lazy_buffer(shape, pool_dtype)
+            bufs.append(buf)
+            return t
+
+        self.k_pools_PBKH = [pool() for _ in range(num_layers)]
+        self.v_pools_PBKH = [pool() for _ in range(num_layers)]
         self._k_buf_X = self._v_buf_X = torch.empty(0, dtype=dtype, device=device)
-        # pages faulted in ahead of the requests that fill them, on idle CPU (`_prefault`)
-        self.prefault = prefault_in_background(self.k_pools_PBKH + self.v_pools_PBKH)
+        # pages faulted in ahead of the requests that fill them, on idle CPU (`_prefault`); K first, as before
+        self.prefault = prefault_in_background(bufs)
         self.bytes_per_block = block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, self.store_dtype,
                                                                self.int8)
 
