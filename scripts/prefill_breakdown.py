@@ -1,6 +1,7 @@
 """Where a prefill's time goes: one `--length`-token prompt (random ids, one output token) through `LLM.generate` with
-default flags, `--prompts` times, wall time split by wrapping the engine's pieces (the linears' `QmmLinear.forward`,
-paged prefill attention, RMSNorm, RoPE, the K/V writes; "other" is the rest: SwiGLU's middle, the residual adds, the
+default flags, `--prompts` times, wall time split by wrapping the engine's pieces (the linears' `QmmLinear.forward` and
+`forward_swiglu`, the down projection that takes SwiGLU's middle,
+paged prefill attention, RMSNorm, RoPE, the K/V writes; "other" is the rest: the residual adds, the
 embedding, the sampler, the Python between kernels). Means a prompt in ms, and the best prompt's tok/s (issue 44).
 `LMFORGE_*` switches apply as usual, e.g. `LMFORGE_KV_PREFAULT=0` for the K/V writes without the pool's prefault.
 
@@ -34,7 +35,8 @@ def main(model: Annotated[str, typer.Argument(help="HF folder or GGUF file.")], 
     torch.set_num_threads(threads)
     llm = LLM(model)
     spent: collections.Counter = collections.Counter()
-    for cls, name, key in ((linear.QmmLinear, "forward", "linears"), (ck.KernelBackend, "_prefill", "attention"),
+    for cls, name, key in ((linear.QmmLinear, "forward", "linears"), (linear.QmmLinear, "forward_swiglu", "linears"),
+                           (ck.KernelBackend, "_prefill", "attention"),
                            (fused.FusedRMSNorm, "forward", "rmsnorm"), (fused.FusedAttention, "rope", "rope"),
                            (kp.KVPool, "write", "kv writes")):
         timed(cls, name, spent, key)
