@@ -384,6 +384,37 @@ def test_write_kv_f32_bf16_rounds_as_torch():
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rope_and_kv_write_in_place_in_the_qkv_rows(threads):
+    """q and k rotated where they lie in a fused q/k/v output (rows N*H + 2*K*H floats apart) and k/v written
+    into a bf16 pool from there: the bits of the packed-row calls on copies; the rest of the rows untouched."""
+    from lmforge.engine.attention.kv_pool import token_rows
+
+    lib = kernels.load()
+    T, N, K, H, rows = 37, 4, 2, 64, 50
+    qkv = torch.randn(T, (N + 2 * K) * H) * 3
+    q, k, v = (t.view(T, -1, H) for t in qkv.split([N * H, K * H, K * H], dim=-1))
+    assert token_rows(q) and token_rows(k) and not token_rows(torch.randn(T, H, N).transpose(1, 2))
+    emb = torch.cat([torch.arange(T)[:, None].float() * (1.0 / 10000 ** (torch.arange(0, H, 2) / H))] * 2, -1)
+    cos, sin = emb.cos(), emb.sin()
+    want_q, want_k, want_v = (t.contiguous() for t in (q, k, v))  # copies: the views are not dense
+    for t, heads in ((want_q, N), (want_k, K)):
+        lib.rope_f32(t.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, heads, H, threads)
+    for t, heads in ((q, N), (k, K)):
+        assert lib.rope_f32_strided(t.data_ptr(), t.stride(0), cos.data_ptr(), sin.data_ptr(), T, heads, H,
+                                    threads) == 0
+    assert torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(v, want_v)
+    slots = torch.tensor(random.Random(3).sample(range(rows), T), dtype=torch.long)
+    got = [torch.full((rows, K, H), 5.0, dtype=torch.bfloat16) for _ in range(2)]
+    want = [t.clone() for t in got]
+    assert lib.write_kv_f32_bf16_strided(k.data_ptr(), v.data_ptr(), slots.data_ptr(), T, K * H, k.stride(0),
+                                         v.stride(0), got[0].data_ptr(), got[1].data_ptr()) == 0
+    lib.write_kv_f32_bf16(want_k.data_ptr(), want_v.data_ptr(), slots.data_ptr(), T, K * H, want[0].data_ptr(),
+                          want[1].data_ptr())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_int8_equals_torch_quantize(dtype):
     from lmforge.engine.attention import quantize_kv

@@ -28,6 +28,7 @@ from torch import nn
 from lmforge.model.transformer import MLP, Attention, RMSNorm
 from lmforge.quant.linear import QmmLinear, QuantizedLinear
 
+from .attention.kv_pool import token_rows
 from .kernels import MAX_H, CpuKernels
 
 
@@ -122,7 +123,9 @@ class FusedAttention(Attention):
         B, T, _ = x_BTD.shape
         N, K, H = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x_BTD).split([N * H, K * H, K * H], dim=-1)
-        return q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H).contiguous()
+        # views of the projection's rows: RoPE, the K/V write and prefill attention read them where they lie
+        # (`lmf_rope_f32_strided`, `lmf_write_kv_f32_bf16_strided`); a path without that copies them itself
+        return q.view(B, T, N, H), k.view(B, T, K, H), v.view(B, T, K, H)
 
     @classmethod
     def wrap(cls, attn: Attention, lib: CpuKernels) -> FusedAttention:
@@ -132,10 +135,16 @@ class FusedAttention(Attention):
         return fused
 
     def rope(self, q_BTNH, k_BTKH, cos_BTH, sin_BTH) -> tuple[torch.Tensor, torch.Tensor]:
-        q_BTNH, k_BTKH = q_BTNH.contiguous(), k_BTKH.contiguous()  # fresh projections: no copy
         cos_BTH, sin_BTH = cos_BTH.contiguous(), sin_BTH.contiguous()
-        rows = q_BTNH.shape[0] * q_BTNH.shape[1]
-        rope, threads = _kernel(self.lib, "rope", q_BTNH.dtype), torch.get_num_threads()
+        rows, threads = q_BTNH.shape[0] * q_BTNH.shape[1], torch.get_num_threads()
+        strided = self.lib.rope_f32_strided if q_BTNH.dtype == torch.float32 else None
+        if strided is not None and all(t.shape[0] == 1 and token_rows(t[0]) for t in (q_BTNH, k_BTKH)):
+            for t, heads in ((q_BTNH, self.n_heads), (k_BTKH, self.n_kv_heads)):  # in place, in the q/k/v rows
+                strided(t.data_ptr(), t.stride(1), cos_BTH.data_ptr(), sin_BTH.data_ptr(), rows, heads, self.head_dim,
+                        threads)
+            return q_BTNH, k_BTKH
+        q_BTNH, k_BTKH = q_BTNH.contiguous(), k_BTKH.contiguous()  # views of the q/k/v rows: copied here
+        rope = _kernel(self.lib, "rope", q_BTNH.dtype)
         for t, heads in ((q_BTNH, self.n_heads), (k_BTKH, self.n_kv_heads)):  # in place: nothing else holds them
             rope(t.data_ptr(), cos_BTH.data_ptr(), sin_BTH.data_ptr(), rows, heads, self.head_dim, threads)
         return q_BTNH, k_BTKH

@@ -117,6 +117,12 @@ def prefault_in_background(bufs: list[np.ndarray]) -> threading.Thread | None:
     return thread
 
 
+def token_rows(x_THD: torch.Tensor) -> bool:
+    """Whether each token's (heads, dim) lies packed, tokens any number of elements apart: a view of a fused
+    projection's output rows, which the strided kernels read where they lie."""
+    return x_THD.stride(2) == 1 and x_THD.stride(1) == x_THD.shape[2] and x_THD.stride(0) >= x_THD.shape[1] * x_THD.shape[2]
+
+
 def lazy_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:
     """A zeroed CPU tensor and the numpy buffer it lies in (`lazy_zeros`)."""
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
@@ -203,7 +209,13 @@ class KVPool:
         to_bf16 = k_BTKH.dtype == torch.float32 and self.store_dtype == torch.bfloat16
         if self.kernels is not None and (same or to_bf16):
             K, H = k_BTKH.shape[2:]
-            k_TKH, v_TKH = k_BTKH[0].contiguous(), v_BTKH[0].contiguous()
+            k_TKH, v_TKH = k_BTKH[0], v_BTKH[0]
+            strided = self.kernels.write_kv_f32_bf16_strided if to_bf16 else None
+            if strided is not None and token_rows(k_TKH) and token_rows(v_TKH):  # views of the q/k/v output
+                strided(k_TKH.data_ptr(), v_TKH.data_ptr(), slot_mapping_T.data_ptr(), k_TKH.shape[0], K * H,
+                        k_TKH.stride(0), v_TKH.stride(0), k_cache.data_ptr(), v_cache.data_ptr())
+                return
+            k_TKH, v_TKH = k_TKH.contiguous(), v_TKH.contiguous()
             args = (k_TKH.data_ptr(), v_TKH.data_ptr(), slot_mapping_T.data_ptr(), k_TKH.shape[0])
             if same:
                 self.kernels.write_kv_bytes(*args, K * H * k_TKH.element_size(), k_cache.data_ptr(), v_cache.data_ptr())

@@ -115,6 +115,10 @@ class CpuKernels:
     #                                          tables, tables_M, chunks, S, N, K, H, B, scale, out, threads): every
     #                                          prefill chunk of a step, causal, over the pool in place (kv 0 bf16,
     #                                          1 float32, 2 bf16 on the CPU's bf16 dot products where it has them)
+    rope_f32_strided: ctypes._CFuncPtr | None = None  # lmf_rope_f32_strided(x, stride, cos, sin, T, heads, H,
+    #                                                   threads): lmf_rope_f32 on rows `stride` floats apart
+    write_kv_f32_bf16_strided: ctypes._CFuncPtr | None = None  # lmf_write_kv_f32_bf16_strided(k, v, slots, T,
+    #                                                            row_len, k_stride, v_stride, k_pool, v_pool)
     bodies: dict[str, str] = field(default_factory=dict)  # lmf_kernels_chosen: kernel -> the body dispatch.c
     #                                                      chose at load ({} for an older revision's build)
 
@@ -248,6 +252,8 @@ _OPTIONAL = {
     "prefill": ("lmf_paged_prefill", [_P, _I64, _I64, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F, _P,
                                       _I64]),
     "decode_stack_q": ("lmf_decode_stack_q", [_I64, _I64, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _I64, _F, _F]),
+    "rope_f32_strided": ("lmf_rope_f32_strided", [_P, _I64, _P, _P, _I64, _I64, _I64, _I64]),
+    "write_kv_f32_bf16_strided": ("lmf_write_kv_f32_bf16_strided", [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _P]),
 }
 
 

@@ -608,6 +608,8 @@ void lmf_write_kv_bytes(const void *k, const void *v, const int64_t *slots, int6
                         void *k_pool, void *v_pool);
 void lmf_write_kv_f32_bf16(const float *k, const float *v, const int64_t *slots, int64_t T, int64_t row_len,
                            uint16_t *k_pool, uint16_t *v_pool);
+int lmf_write_kv_f32_bf16_strided(const float *k, const float *v, const int64_t *slots, int64_t T, int64_t row_len,
+                                  int64_t k_stride, int64_t v_stride, uint16_t *k_pool, uint16_t *v_pool);
 int lmf_write_kv_int8(const void *k, const void *v, const int64_t *slots, int64_t T, int64_t K, int64_t H,
                       int64_t act, int8_t *k_pool, int8_t *v_pool, uint16_t *k_scales, uint16_t *v_scales);
 /* elementwise.c */
@@ -618,6 +620,8 @@ void lmf_rope_bf16(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_
 void lmf_silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, int64_t n);
 void lmf_rmsnorm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t D, float eps, int64_t threads);
 void lmf_rope_f32(float *x, const float *cos, const float *sin, int64_t T, int64_t heads, int64_t H, int64_t threads);
+int lmf_rope_f32_strided(float *x, int64_t stride, const float *cos, const float *sin, int64_t T, int64_t heads,
+                         int64_t H, int64_t threads);
 void lmf_silu_mul_f32(const float *g, const float *u, float *out, int64_t n);
 void lmf_silu_mul_rows_f32(const float *gu, float *out, int64_t rows, int64_t I, int64_t threads);
 void lmf_silu_mul_rows_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t I, int64_t threads);

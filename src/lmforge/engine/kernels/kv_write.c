@@ -27,9 +27,16 @@ void lmf_write_kv_bytes(const void *k, const void *v, const int64_t *slots, int6
  * activations over a bf16 K/V cache. row_len = K * H. */
 void lmf_write_kv_f32_bf16(const float *k, const float *v, const int64_t *slots, int64_t T, int64_t row_len,
                            uint16_t *k_pool, uint16_t *v_pool) {
+    lmf_write_kv_f32_bf16_strided(k, v, slots, T, row_len, row_len, row_len, k_pool, v_pool);
+}
+
+/* The same from rows k_stride and v_stride floats apart (k and v where they lie in the fused q/k/v projection's
+ * output: no copy of each first). Returns 0. */
+int lmf_write_kv_f32_bf16_strided(const float *k, const float *v, const int64_t *slots, int64_t T, int64_t row_len,
+                                  int64_t k_stride, int64_t v_stride, uint16_t *k_pool, uint16_t *v_pool) {
     for (int64_t t = 0; t < T; t++) {
         uint16_t *kd = k_pool + slots[t] * row_len, *vd = v_pool + slots[t] * row_len;
-        const float *ks = k + t * row_len, *vs = v + t * row_len;
+        const float *ks = k + t * k_stride, *vs = v + t * v_stride;
         for (int64_t i = 0; i < row_len; i++) {
             kd[i] = f32_to_bf16(ks[i]);
             vd[i] = f32_to_bf16(vs[i]);
