@@ -3,10 +3,10 @@
 The C sources sit beside this file, one concern a file behind one header (`common.h`), the way ggml splits
 `ggml-cpu/` (docs/engine.md, "Where the kernels live"):
 
-  * `attention.c` (+ `attention_avx512.c`, `attention_avx2.c`, its SIMD bodies): paged decode attention for
-    every one-token query of a step in one call, reading each sequence's blocks in place (no gather, no
-    padding, no per-sequence Python): `lmf_paged_decode_bf16` on bfloat16, `lmf_paged_decode_any` on float32
-    activations and a float32, bf16 or int8 KV cache (CPUs without native bf16, `kv_cache_dtype=int8`);
+  * `attention.c` (+ `attention_avx512.c`, `attention_avx2.c` and their `attention_f32_tile.h`, its SIMD bodies):
+    paged decode attention for every one-token query of a step in one call, reading each sequence's blocks in place
+    (no gather, no padding, no per-sequence Python): `lmf_paged_decode_bf16` on bfloat16, `lmf_paged_decode_any` on
+    float32 activations and a float32, bf16 or int8 KV cache (CPUs without native bf16, `kv_cache_dtype=int8`);
   * `kv_write.c`: this step's K/V rows into their pool slots (vLLM's `reshape_and_cache`): `lmf_write_kv_*`;
   * `elementwise.c`: a Llama layer's `lmf_rmsnorm_*`, `lmf_rope_*`, `lmf_silu_mul_*` (bf16 and f32), one call
     each instead of 5-14 torch ops (`lmforge.engine.fused` puts them in the model);

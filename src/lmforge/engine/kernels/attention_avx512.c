@@ -112,9 +112,8 @@ LMF_HIDDEN void decode_seq(const uint16_t *q, const uint16_t *k_pool, const uint
 #if defined(LMF_AVX512) && !defined(LMF_ATTN_AVX2)
 /* ---- float32 queries over a float32 or bfloat16 pool (`lmf_paged_decode_any`), 16 lanes ---------------------------
  *
- * attention_avx2.c's `decode_heads_avx2` in 512-bit vectors, the same order of work (tile-outer, head-inner, the
- * next tile prefetched a kv head at a time, query heads in pairs sharing each widened K and V value) with half the
- * instructions: 16 dimensions a vector, scores 8 tokens x 2 heads at a time into one `hsum16`, a tile's softmax in
+ * attention_avx2.c's body in 512-bit vectors (the tile loop and the values shared: attention_f32_tile.h), with half
+ * the instructions: 16 dimensions a vector, scores 8 tokens x 2 heads at a time into one `hsum16`, a tile's softmax in
  * one vector. Its sums run in another order than the AVX2 body's, so its bits are its own (float32 rounding apart).
  * Why: a bf16 checkpoint's decode attention (float32 queries, bf16 K/V) on the AVX2 body was compute-bound, not
  * memory-bound: 16 sequences at 192 tokens, 24 layers, read 22 GB/s from memory and 37 GB/s with every sequence on
@@ -128,7 +127,7 @@ static inline __m512 kv_load16(const char *p, const int bf16) {  /* 16 K/V value
 /* The scaled scores of a tile's nt tokens (kv head g's rows at row[i] + g) for SB query heads (1, or 2 sharing each
  * widened K value: q0 and q0 + H) into p0 (and p1): 16 / SB tokens at a time, 16 FMA chains, one `hsum16` (lane
  * j * SB + u: token j, head u). */
-static inline __attribute__((always_inline)) void scores16(const float *q0, const char *k_pool, const int64_t *row,
+static inline __attribute__((always_inline)) void at_scores(const float *q0, const char *k_pool, const int64_t *row,
                                                            int64_t g, int64_t nt, int64_t H, int64_t rb, float scale,
                                                            float *p0, float *p1, const int SB, const int bf16) {
     const int TB = 16 / SB, es = bf16 ? 2 : 4;
@@ -158,130 +157,32 @@ static inline __attribute__((always_inline)) void scores16(const float *q0, cons
     }
 }
 
-/* acc0 (and acc1) = acc * alpha + sum_i p_i * V_i over a tile's nt tokens for SB query heads sharing each widened
- * V value: 64 floats of each accumulator in registers across the tokens (16 past a multiple of 64). */
-static inline __attribute__((always_inline)) void values16(const char *v_pool, const int64_t *row, int64_t g,
-                                                           int64_t nt, int64_t H, int64_t rb, const float *p0,
-                                                           const float *p1, float alpha0, float alpha1, float *acc0,
-                                                           float *acc1, const int SB, const int bf16) {
-    const int es = bf16 ? 2 : 4;
-    const __m512 al0 = _mm512_set1_ps(alpha0), al1 = _mm512_set1_ps(alpha1);
-    int64_t h = 0;
-    for (; h + 64 <= H; h += 64) {
-        __m512 a[2][4];
-        for (int c = 0; c < 4; c++) {
-            a[0][c] = _mm512_mul_ps(_mm512_load_ps(acc0 + h + 16 * c), al0);
-            if (SB == 2) a[1][c] = _mm512_mul_ps(_mm512_load_ps(acc1 + h + 16 * c), al1);
-        }
-        for (int64_t i = 0; i < nt; i++) {
-            const char *vr = v_pool + (row[i] + g) * rb + h * es;
-            const __m512 w0 = _mm512_set1_ps(p0[i]), w1 = SB == 2 ? _mm512_set1_ps(p1[i]) : w0;
-            for (int c = 0; c < 4; c++) {
-                const __m512 v = kv_load16(vr + 16 * c * es, bf16);
-                a[0][c] = _mm512_fmadd_ps(w0, v, a[0][c]);
-                if (SB == 2) a[1][c] = _mm512_fmadd_ps(w1, v, a[1][c]);
-            }
-        }
-        for (int c = 0; c < 4; c++) {
-            _mm512_store_ps(acc0 + h + 16 * c, a[0][c]);
-            if (SB == 2) _mm512_store_ps(acc1 + h + 16 * c, a[1][c]);
-        }
-    }
-    for (; h < H; h += 16) {
-        __m512 a0 = _mm512_mul_ps(_mm512_load_ps(acc0 + h), al0);
-        __m512 a1 = SB == 2 ? _mm512_mul_ps(_mm512_load_ps(acc1 + h), al1) : a0;
-        for (int64_t i = 0; i < nt; i++) {
-            const __m512 v = kv_load16(v_pool + (row[i] + g) * rb + h * es, bf16);
-            a0 = _mm512_fmadd_ps(_mm512_set1_ps(p0[i]), v, a0);
-            if (SB == 2) a1 = _mm512_fmadd_ps(_mm512_set1_ps(p1[i]), v, a1);
-        }
-        _mm512_store_ps(acc0 + h, a0);
-        if (SB == 2) _mm512_store_ps(acc1 + h, a1);
-    }
+/* One query head's online-softmax step over a tile's nt scores p in one vector (in place: the probabilities,
+ * padding lanes 0). */
+static inline __attribute__((always_inline)) void at_softmax(float *p, int64_t nt, float *mx, float *sum,
+                                                             float *alpha) {
+    const __mmask16 live = (__mmask16)((1u << nt) - 1);
+    const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, p);
+    const float tm = _mm512_reduce_max_ps(s), m = tm > *mx ? tm : *mx;
+    *alpha = expf(*mx - m);  /* 0 on the first tile: exp(-inf) */
+    const __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(m))));
+    _mm512_store_ps(p, e);
+    *sum = *sum * *alpha + _mm512_reduce_add_ps(e);
+    *mx = m;
 }
 
-/* kv heads [g0, g1) of one sequence, tokens [t_begin, t_begin + len) (`decode_heads_fn`, common.h) */
-static inline __attribute__((always_inline)) void decode_heads_avx512(
-        const float *q, const char *k_pool, const char *v_pool, const int32_t *table, int64_t t_begin, int64_t len,
-        int64_t pf_len, int64_t g0, int64_t g1, int64_t G, int64_t K, int64_t H, int64_t B, float scale, float *out,
-        float *part, const int bf16) {
-    float acc[MAX_N * MAX_H] __attribute__((aligned(64)));
-    float p[MAX_N][TILE] __attribute__((aligned(64))), mx[MAX_N], sum[MAX_N], alpha[MAX_N];
-    const int64_t es = bf16 ? 2 : 4, rb = H * es, NS = (g1 - g0) * G;
-    for (int64_t i = 0; i < NS * H; i += 16) _mm512_store_ps(acc + i, _mm512_setzero_ps());
-    for (int64_t s = 0; s < NS; s++) {
-        mx[s] = -INFINITY;
-        sum[s] = 0.0f;
-    }
-    int64_t row[TILE], next[TILE];  /* pool rows of kv head g0 for the tile's tokens; heads g0.. follow */
-    tile_rows(table, t_begin, len < TILE ? len : TILE, B, K, g0, row);
-    for (int64_t t0 = 0; t0 < len; t0 += TILE) {
-        const int64_t nt = len - t0 < TILE ? len - t0 : TILE;
-        /* the next tile's rows into L2, a kv head at a time (as decode_heads_avx2; a partition's last tile
-         * prefetches the next partition's first) */
-        const int64_t left = pf_len - t0 - nt, pf_n = left <= 0 ? 0 : left < TILE ? left : TILE;
-        if (pf_n > 0) tile_rows(table, t_begin + t0 + TILE, pf_n, B, K, g0, next);
-        for (int64_t g = 0; g < g1 - g0; g++) {
-            for (int64_t i = 0; i < pf_n; i++)
-                for (int64_t b = 0; b < rb; b += 64) _mm_prefetch(k_pool + (next[i] + g) * rb + b, _MM_HINT_T1);
-            for (int64_t n = 0; n < G; n += G % 2 ? 1 : 2) {
-                const int64_t st = g * G + n;
-                const float *qn = q + ((g0 + g) * G + n) * H;
-                if (G % 2) scores16(qn, k_pool, row, g, nt, H, rb, scale, p[st], NULL, 1, bf16);
-                else scores16(qn, k_pool, row, g, nt, H, rb, scale, p[st], p[st + 1], 2, bf16);
-            }
-        }
-        const __mmask16 live = (__mmask16)((1u << nt) - 1);
-        for (int64_t st = 0; st < NS; st++) {  /* the tile's online softmax in one vector; padding lanes end as 0 */
-            const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, p[st]);
-            const float tm = _mm512_reduce_max_ps(s), m = tm > mx[st] ? tm : mx[st];
-            alpha[st] = expf(mx[st] - m);  /* 0 on the first tile: exp(-inf) */
-            const __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(m))));
-            _mm512_store_ps(p[st], e);
-            sum[st] = sum[st] * alpha[st] + _mm512_reduce_add_ps(e);
-            mx[st] = m;
-        }
-        for (int64_t g = 0; g < g1 - g0; g++) {
-            for (int64_t i = 0; i < pf_n; i++)
-                for (int64_t b = 0; b < rb; b += 64) _mm_prefetch(v_pool + (next[i] + g) * rb + b, _MM_HINT_T1);
-            for (int64_t n = 0; n < G; n += G % 2 ? 1 : 2) {
-                const int64_t st = g * G + n;
-                if (G % 2)
-                    values16(v_pool, row, g, nt, H, rb, p[st], NULL, alpha[st], 0.0f, acc + st * H, NULL, 1, bf16);
-                else
-                    values16(v_pool, row, g, nt, H, rb, p[st], p[st + 1], alpha[st], alpha[st + 1], acc + st * H,
-                             acc + (st + 1) * H, 2, bf16);
-            }
-        }
-        memcpy(row, next, sizeof row);
-    }
-    if (part != NULL) {  /* a partition of the context: its unnormalized state, merged by `merge_parts` */
-        memcpy(part, acc, (size_t)(NS * H) * sizeof(float));
-        memcpy(part + NS * H, mx, (size_t)NS * sizeof(float));
-        memcpy(part + NS * H + NS, sum, (size_t)NS * sizeof(float));
-        return;
-    }
-    for (int64_t g = 0; g < g1 - g0; g++)
-        for (int64_t n = 0; n < G; n++) {
-            const int64_t st = g * G + n;
-            const __m512 inv = _mm512_set1_ps(1.0f / sum[st]);
-            float *o = out + ((g0 + g) * G + n) * H;
-            for (int64_t h = 0; h < H; h += 16) _mm512_storeu_ps(o + h, _mm512_mul_ps(_mm512_load_ps(acc + st * H + h), inv));
-        }
-}
-
-LMF_HIDDEN void decode_heads_f32_avx512(const float *q, const void *k_pool, const void *v_pool, const int32_t *table,
-                                        int64_t t_begin, int64_t len, int64_t pf_len, int64_t g0, int64_t g1, int64_t G,
-                                        int64_t K, int64_t H, int64_t B, float scale, float *out, float *part) {
-    decode_heads_avx512(q, (const char *)k_pool, (const char *)v_pool, table, t_begin, len, pf_len, g0, g1, G, K, H, B,
-                        scale, out, part, 0);
-}
-
-LMF_HIDDEN void decode_heads_bf16kv_avx512(const float *q, const void *k_pool, const void *v_pool,
-                                           const int32_t *table, int64_t t_begin, int64_t len, int64_t pf_len,
-                                           int64_t g0, int64_t g1, int64_t G, int64_t K, int64_t H, int64_t B,
-                                           float scale, float *out, float *part) {
-    decode_heads_avx512(q, (const char *)k_pool, (const char *)v_pool, table, t_begin, len, pf_len, g0, g1, G, K, H, B,
-                        scale, out, part, 1);
-}
+/* the width-generic rest (attention_f32_tile.h: values, the tile loop, decode_heads_{f32,bf16kv}_avx512), 16 lanes */
+#define AT_W 16
+#define at_vec __m512
+#define AT_TARGET
+#define AT_ZERO() _mm512_setzero_ps()
+#define AT_LOAD(p) _mm512_load_ps(p)
+#define AT_STORE(p, v) _mm512_store_ps(p, v)
+#define AT_STOREU(p, v) _mm512_storeu_ps(p, v)
+#define AT_SET1(x) _mm512_set1_ps(x)
+#define AT_MUL(a, b) _mm512_mul_ps(a, b)
+#define AT_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define AT_KV_LOAD(p, bf16) kv_load16(p, bf16)
+#define AT_NAME(x) x##_avx512
+#include "attention_f32_tile.h"
 #endif
