@@ -3,7 +3,7 @@
 The C sources sit beside this file, one concern a file behind one header (`common.h`), the way ggml splits
 `ggml-cpu/` (docs/engine.md, "Where the kernels live"):
 
-  * `attention.c` (+ `attention_avx512.c`, `attention_avx2.c` and their `attention_f32_tile.h`, its SIMD bodies):
+  * `attention.c` (+ `attention_avx512.c`, `attention_avx2.c` and their `attention_f32_tile.c`, its SIMD bodies):
     paged decode attention for every one-token query of a step in one call, reading each sequence's blocks in place
     (no gather, no padding, no per-sequence Python): `lmf_paged_decode_bf16` on bfloat16, `lmf_paged_decode_any` on
     float32 activations and a float32, bf16 or int8 KV cache (CPUs without native bf16, `kv_cache_dtype=int8`);

@@ -107,6 +107,6 @@ __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline))
 #define AT_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define AT_KV_LOAD(p, bf16) kv_load8(p, bf16)
 #define AT_NAME(x) x##_avx2
-#include "attention_f32_tile.h"
+#include "attention_f32_tile.c"
 
 #endif

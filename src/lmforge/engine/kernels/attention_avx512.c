@@ -112,7 +112,7 @@ LMF_HIDDEN void decode_seq(const uint16_t *q, const uint16_t *k_pool, const uint
 #if defined(LMF_AVX512) && !defined(LMF_ATTN_AVX2)
 /* ---- float32 queries over a float32 or bfloat16 pool (`lmf_paged_decode_any`), 16 lanes ---------------------------
  *
- * attention_avx2.c's body in 512-bit vectors (the tile loop and the values shared: attention_f32_tile.h), with half
+ * attention_avx2.c's body in 512-bit vectors (the tile loop and the values shared: attention_f32_tile.c), with half
  * the instructions: 16 dimensions a vector, scores 8 tokens x 2 heads at a time into one `hsum16`, a tile's softmax in
  * one vector. Its sums run in another order than the AVX2 body's, so its bits are its own (float32 rounding apart).
  * Why: a bf16 checkpoint's decode attention (float32 queries, bf16 K/V) on the AVX2 body was compute-bound, not
@@ -171,7 +171,7 @@ static inline __attribute__((always_inline)) void at_softmax(float *p, int64_t n
     *mx = m;
 }
 
-/* the width-generic rest (attention_f32_tile.h: values, the tile loop, decode_heads_{f32,bf16kv}_avx512), 16 lanes */
+/* the width-generic rest (attention_f32_tile.c: values, the tile loop, decode_heads_{f32,bf16kv}_avx512), 16 lanes */
 #define AT_W 16
 #define at_vec __m512
 #define AT_TARGET
@@ -184,5 +184,5 @@ static inline __attribute__((always_inline)) void at_softmax(float *p, int64_t n
 #define AT_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define AT_KV_LOAD(p, bf16) kv_load16(p, bf16)
 #define AT_NAME(x) x##_avx512
-#include "attention_f32_tile.h"
+#include "attention_f32_tile.c"
 #endif

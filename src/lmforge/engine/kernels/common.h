@@ -7,7 +7,7 @@
  *   attention_avx512.c  its bf16 body (AVX-512, AVX512-BF16 dot products when targeted), its float32-query body's
  *                       512-bit parts
  *   attention_avx2.c    its float32-query body over float32 / bf16 pools (AVX2 + FMA): the 256-bit parts
- *   attention_f32_tile.h  that body's width-generic rest (tile loop, values), included by both files above
+ *   attention_f32_tile.c  that body's width-generic rest (tile loop, values), included by both files above
  *   attention_prefill.c paged prefill attention: every prefill chunk of a step, causal, in place (vector C)
  *   kv_write.c          K/V rows into their pool slots (bf16, any bytes, float32 -> bf16, int8 + scales)
  *   elementwise.c       RMSNorm, RoPE, silu * up, bf16 and float32

@@ -1,6 +1,7 @@
 /* The float32-query decode body of `lmf_paged_decode_any` (attention.c) over a float32 or bfloat16 pool, written
- * once for any vector width: attention_avx2.c includes it for 8 lanes (AVX2 + FMA), attention_avx512.c for 16
- * (AVX-512F). The includer defines, before the #include:
+ * once for any vector width: attention_avx2.c includes this file for 8 lanes (AVX2 + FMA), attention_avx512.c for
+ * 16 (AVX-512F). Compiled on its own (the build compiles every .c, and keys itself by every .c and common.h, the one
+ * header) it is empty: everything below needs the includer's AT_W. The includer defines, before the #include:
  *   AT_W                      lanes a vector (8 or 16); at_vec its type
  *   AT_TARGET                 the functions' target attribute (empty where the whole file is compiled for it)
  *   AT_ZERO() AT_LOAD(p) AT_STORE(p, v) AT_STOREU(p, v) AT_SET1(x) AT_MUL(a, b) AT_FMA(a, b, c) (a * b + c)
@@ -29,6 +30,7 @@
  *     over the tile's tokens, rescaled by the tile's alpha on load (one load and store a tile, not a
  *     store-forwarded read-modify-write a token).
  * `bf16` is a constant in each of the two entry points, so each gets its own body. */
+#ifdef AT_W
 
 /* acc0 (and acc1) = acc * alpha + sum_i p_i * V_i over a tile's nt tokens for SB query heads sharing each widened
  * V value. */
@@ -155,3 +157,4 @@ AT_TARGET LMF_HIDDEN void AT_NAME(decode_heads_bf16kv)(const float *q, const voi
     at_decode_heads(q, (const char *)k_pool, (const char *)v_pool, table, t_begin, len, pf_len, g0, g1, G, K, H, B,
                     scale, out, part, 1);
 }
+#endif
